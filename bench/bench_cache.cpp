@@ -1,0 +1,98 @@
+// Benchmarks of CacheGenKVCache::update_and_fetch, each beside a memcpy of the same bytes measured
+// in the same run (this machine is shared: read the ratios, not the absolute numbers).
+//   ./build/bench/vq_bench --benchmark_filter=Cache
+#include <cstring>
+#include <vector>
+
+#include <benchmark/benchmark.h>
+
+#include "veloxquant/cache/cachegen_cache.hpp"
+#include "veloxquant/synth/synthetic_kv.hpp"
+
+namespace {
+
+constexpr std::int64_t kHeads = 8, kDim = 128;
+
+vq::SyntheticKV synth(std::int64_t tokens, std::uint64_t seed) {
+  vq::SyntheticKVConfig c;
+  c.heads = kHeads;
+  c.head_dim = kDim;
+  c.tokens = tokens;
+  c.seed = seed;
+  c.dtype = vq::DType::F16;
+  return vq::make_synthetic_kv(c);
+}
+
+// memcpy of the K and V bytes of a 4096-token f16 prefill: the bandwidth baseline.
+void BM_Memcpy_Prefill4096(benchmark::State& state) {
+  const std::size_t bytes = 2 * 4096 * kHeads * kDim * 2;
+  std::vector<char> src(bytes, 1), dst(bytes);
+  for (auto _ : state) {
+    std::memcpy(dst.data(), src.data(), bytes);
+    benchmark::DoNotOptimize(dst.data());
+    benchmark::ClobberMemory();
+  }
+  state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations() * bytes));
+}
+BENCHMARK(BM_Memcpy_Prefill4096)->Unit(benchmark::kMillisecond);
+
+// A plain KVCache prefill (append only): what the cache protocol itself costs.
+void BM_PlainCache_Prefill4096(benchmark::State& state) {
+  const auto kv = synth(4096, 1);
+  for (auto _ : state) {
+    vq::KVCache cache;
+    auto out = cache.update_and_fetch(kv.keys, kv.values);
+    benchmark::DoNotOptimize(out.first.row(0, 0, 0));
+  }
+  state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations() * (kv.keys.nbytes() + kv.values.nbytes())));
+}
+BENCHMARK(BM_PlainCache_Prefill4096)->Unit(benchmark::kMillisecond);
+
+// CacheGen prefill of 4096 tokens, arg 0 = per_call, 1 = group_aligned.
+void BM_CacheGen_Prefill4096(benchmark::State& state) {
+  const auto kv = synth(4096, 1);
+  vq::KVCacheConfig cfg;
+  cfg.cachegen_flush = state.range(0) ? vq::FlushMode::GroupAligned : vq::FlushMode::PerCall;
+  for (auto _ : state) {
+    vq::CacheGenKVCache cache(cfg);
+    auto out = cache.update_and_fetch(kv.keys, kv.values);
+    benchmark::DoNotOptimize(out.first.row(0, 0, 0));
+  }
+  state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations() * (kv.keys.nbytes() + kv.values.nbytes())));
+}
+BENCHMARK(BM_CacheGen_Prefill4096)->Arg(0)->Arg(1)->Unit(benchmark::kMillisecond);
+
+// One-token decode steps (group_aligned) at a given context: the cache is prefilled with
+// `context` tokens outside the timing, then each iteration decodes 1024 steps (32 whole groups,
+// one buffer growth at most). Reported per token.
+void BM_CacheGen_Decode(benchmark::State& state) {
+  const std::int64_t context = state.range(0);
+  const std::int64_t steps = 1024;
+  const auto prefill = synth(context, 2);
+  const auto decode = synth(steps, 3);
+  std::vector<vq::Tensor> ks, vs;
+  for (std::int64_t s = 0; s < steps; ++s) {
+    ks.push_back(decode.keys.slice(2, s, s + 1).contiguous(true));
+    vs.push_back(decode.values.slice(2, s, s + 1).contiguous(true));
+  }
+  for (auto _ : state) {
+    state.PauseTiming();
+    vq::CacheGenKVCache cache;
+    cache.update_and_fetch(prefill.keys, prefill.values);
+    state.ResumeTiming();
+    for (std::int64_t s = 0; s < steps; ++s) {
+      auto out = cache.update_and_fetch(ks[static_cast<std::size_t>(s)], vs[static_cast<std::size_t>(s)]);
+      benchmark::DoNotOptimize(out.first.row(0, 0, 0));
+    }
+  }
+  state.counters["us_per_token"] = benchmark::Counter(static_cast<double>(state.iterations() * steps),
+                                                      benchmark::Counter::kIsRate | benchmark::Counter::kInvert);
+  state.counters["us_per_token"] = benchmark::Counter(
+      static_cast<double>(state.iterations() * steps), benchmark::Counter::kIsRate | benchmark::Counter::kInvert,
+      benchmark::Counter::kIs1000);
+}
+BENCHMARK(BM_CacheGen_Decode)->Arg(1024)->Arg(16384)->Unit(benchmark::kMillisecond)->Iterations(3);
+
+}  // namespace
+
+BENCHMARK_MAIN();

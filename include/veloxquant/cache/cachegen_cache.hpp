@@ -1,0 +1,70 @@
+// CacheGenKVCache: a KVCache that group-quantizes what it stores and accounts its bytes the way
+// the CacheGen reference does (entropy of the token-delta code stream), for one layer.
+//
+// Fetch always returns dense K/V in the input dtype: attention never sees packed codes. (The
+// reference deliberately has no `bits` attribute so mlx_lm keeps it on the dense SDPA path; this
+// class likewise exposes its bit width only through config().)
+//
+// Flush modes (KVCacheConfig::cachegen_flush): per_call reproduces the reference exactly;
+// group_aligned (default) quantizes whole groups once they are complete, keeping newer tokens in an
+// exact residual, so one-token decode steps are quantized too and never billed a group of metadata.
+//
+// Counters always describe the cache as it stands: closed groups at their estimated and
+// fixed-width sizes, the residual at 2 bytes per element. trim() rolls them back.
+#pragma once
+#include <cstdint>
+
+#include "veloxquant/cache/config.hpp"
+#include "veloxquant/cache/kv_cache.hpp"
+#include "veloxquant/cache/quantized_stream.hpp"
+
+namespace vq {
+
+// Everything needed to rebuild a CacheGenKVCache exactly (deep copies).
+struct CacheGenState {
+  KVCacheConfig config;
+  std::int64_t offset = 0;
+  Tensor keys, values;  // dense contents [B, H, offset, D], reconstructions plus residual
+  QuantizedStream key_stream, value_stream;
+};
+
+class CacheGenKVCache : public KVCache {
+ public:
+  // Throws InvalidArgument when the config is invalid.
+  explicit CacheGenKVCache(KVCacheConfig config = {});
+
+  // As KVCache::update_and_fetch; additionally throws InvalidArgument on NaN or Inf input (before
+  // changing anything).
+  std::pair<Tensor, Tensor> update_and_fetch(const Tensor& keys, const Tensor& values) override;
+  std::int64_t trim(std::int64_t n) override;
+  // Dense tensors alone cannot rebuild the codes: use full_state()/from_full_state(). Throws.
+  void from_state(const KVState& state) override;
+  std::size_t nbytes() const override;
+  std::string kind() const override { return "CacheGenKVCache"; }
+
+  CacheGenState full_state() const;
+  void from_full_state(const CacheGenState& state);
+
+  const KVCacheConfig& config() const { return config_; }
+
+  std::uint64_t compressed_key_bytes() const;
+  std::uint64_t compressed_value_bytes() const;
+  std::uint64_t fixed_width_key_bytes() const;
+  std::uint64_t fixed_width_value_bytes() const;
+  std::uint64_t fp16_key_bytes() const;
+  std::uint64_t fp16_value_bytes() const;
+  // 1 - compressed_key / fixed_width_key (0 when empty).
+  double entropy_savings() const;
+  // 16 * compressed_key / fp16_key (the configured bits when empty).
+  double assigned_avg_bits() const;
+
+  // The quantized streams, for inspection and for encoders.
+  const QuantizedStream& key_stream() const { return key_stream_; }
+  const QuantizedStream& value_stream() const { return value_stream_; }
+
+ private:
+  KVCacheConfig config_;
+  QuantizedStream key_stream_, value_stream_;
+};
+
+}  // namespace vq

@@ -1,0 +1,63 @@
+// KVCache: the plain cache protocol of mlx_lm, for one attention layer.
+//
+//   auto [k, v] = cache.update_and_fetch(new_keys, new_values);   // [B, H, S, D] in, [B, H, offset, D] out
+//
+// The returned tensors are views of the cache's own buffer (no copy). They stay valid as long as
+// you hold them, but their contents are only guaranteed until the next call that changes the
+// cache (update_and_fetch, trim, from_state), which may write into the same buffer.
+// The buffer grows geometrically, so appending a token costs amortised O(1).
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+
+#include "veloxquant/core/tensor.hpp"
+
+namespace vq {
+
+struct KVState {
+  Tensor keys;    // [B, H, offset, D_k]
+  Tensor values;  // [B, H, offset, D_v]
+};
+
+class KVCache {
+ public:
+  KVCache() = default;
+  virtual ~KVCache() = default;
+  KVCache(const KVCache&) = delete;
+  KVCache& operator=(const KVCache&) = delete;
+
+  // Append S new tokens and return the whole cache up to offset(). keys and values are [B, H, S, D]
+  // with equal B, H, S (D may differ between them) and the same dtype as earlier calls. Throws
+  // InvalidArgument on any mismatch; the cache is then unchanged.
+  virtual std::pair<Tensor, Tensor> update_and_fetch(const Tensor& keys, const Tensor& values);
+
+  std::int64_t offset() const { return offset_; }
+  // Views of the cached keys and values up to offset().
+  virtual KVState state() const;
+  // Replace the contents with a copy of `state` (offset becomes its token count).
+  virtual void from_state(const KVState& state);
+  virtual bool is_trimmable() const { return true; }
+  // Drop the last min(n, offset) tokens; returns how many were dropped. n < 0 is an error.
+  virtual std::int64_t trim(std::int64_t n);
+  // Bytes of memory the cache holds now (allocated buffers, not just the used part).
+  virtual std::size_t nbytes() const;
+  // Class name, as saved with a cache ("KVCache", "CacheGenKVCache").
+  virtual std::string kind() const { return "KVCache"; }
+
+ protected:
+  // Check a new chunk against each other and against what the cache holds; throws InvalidArgument.
+  void check_chunk(const Tensor& keys, const Tensor& values) const;
+  // Append a checked chunk to the buffers (growing them) and advance offset.
+  void append(const Tensor& keys, const Tensor& values);
+  // The buffers: [B, H, capacity, D]; tokens [0, offset) are valid.
+  Tensor keys_buf_;
+  Tensor values_buf_;
+  std::int64_t offset_ = 0;
+
+ private:
+  void reserve(std::int64_t tokens, const Tensor& keys, const Tensor& values);
+};
+
+}  // namespace vq

@@ -1,0 +1,106 @@
+#include "veloxquant/cache/kv_cache.hpp"
+
+#include <algorithm>
+#include <cstring>
+
+#include <fmt/format.h>
+
+#include "veloxquant/core/error.hpp"
+
+namespace vq {
+
+namespace {
+// Capacity is allocated in multiples of this many tokens (as mlx_lm's step of 256).
+constexpr std::int64_t kStep = 256;
+
+void copy_tokens(const Tensor& src, Tensor& dst, std::int64_t dst_start) {
+  const std::size_t row_bytes = static_cast<std::size_t>(src.dim(3)) * dtype_size(src.dtype());
+  for (std::int64_t b = 0; b < src.dim(0); ++b)
+    for (std::int64_t h = 0; h < src.dim(1); ++h) {
+      if (src.strides()[2] == src.dim(3) && dst.strides()[2] == dst.dim(3)) {  // rows adjacent: one copy
+        std::memcpy(dst.row(b, h, dst_start), src.row(b, h, 0), row_bytes * static_cast<std::size_t>(src.dim(2)));
+      } else {
+        for (std::int64_t s = 0; s < src.dim(2); ++s) std::memcpy(dst.row(b, h, dst_start + s), src.row(b, h, s), row_bytes);
+      }
+    }
+}
+}  // namespace
+
+void KVCache::check_chunk(const Tensor& keys, const Tensor& values) const {
+  const auto& k = keys.shape();
+  const auto& v = values.shape();
+  require(k[0] == v[0] && k[1] == v[1] && k[2] == v[2],
+          fmt::format("keys {} and values {} must agree in batch, heads and tokens", shape_string(k), shape_string(v)));
+  require(keys.dtype() == values.dtype(),
+          fmt::format("keys are {} but values are {}", dtype_name(keys.dtype()), dtype_name(values.dtype())));
+  require(k[0] >= 1 && k[1] >= 1 && k[3] >= 1 && v[3] >= 1,
+          fmt::format("keys {} / values {}: batch, heads and head dim must be >= 1", shape_string(k), shape_string(v)));
+  if (offset_ > 0) {
+    const auto& ck = keys_buf_.shape();
+    const auto& cv = values_buf_.shape();
+    require(k[0] == ck[0] && k[1] == ck[1] && k[3] == ck[3] && v[3] == cv[3],
+            fmt::format("new keys {} / values {} do not match the cache's [B={}, H={}, D_k={}, D_v={}]", shape_string(k),
+                        shape_string(v), ck[0], ck[1], ck[3], cv[3]));
+    require(keys.dtype() == keys_buf_.dtype(), fmt::format("new keys are {} but the cache holds {}", dtype_name(keys.dtype()),
+                                                           dtype_name(keys_buf_.dtype())));
+  }
+}
+
+void KVCache::reserve(std::int64_t tokens, const Tensor& keys, const Tensor& values) {
+  const bool same_layout = !keys_buf_.empty() && keys_buf_.dtype() == keys.dtype() && keys_buf_.dim(0) == keys.dim(0) &&
+                           keys_buf_.dim(1) == keys.dim(1) && keys_buf_.dim(3) == keys.dim(3) &&
+                           values_buf_.dim(3) == values.dim(3);
+  if (same_layout && keys_buf_.dim(2) >= tokens) return;
+  std::int64_t cap = same_layout ? std::max(tokens, keys_buf_.dim(2) * 2) : tokens;
+  cap = (cap + kStep - 1) / kStep * kStep;
+  Tensor nk = Tensor::zeros({keys.dim(0), keys.dim(1), cap, keys.dim(3)}, keys.dtype());
+  Tensor nv = Tensor::zeros({values.dim(0), values.dim(1), cap, values.dim(3)}, values.dtype());
+  if (same_layout && offset_ > 0) {
+    copy_tokens(keys_buf_.slice(2, 0, offset_), nk, 0);
+    copy_tokens(values_buf_.slice(2, 0, offset_), nv, 0);
+  }
+  keys_buf_ = std::move(nk);
+  values_buf_ = std::move(nv);
+}
+
+void KVCache::append(const Tensor& keys, const Tensor& values) {
+  if (offset_ == 0) {  // an empty cache adopts the layout of its first chunk
+    keys_buf_ = Tensor();
+    values_buf_ = Tensor();
+  }
+  reserve(offset_ + keys.dim(2), keys, values);
+  copy_tokens(keys, keys_buf_, offset_);
+  copy_tokens(values, values_buf_, offset_);
+  offset_ += keys.dim(2);
+}
+
+std::pair<Tensor, Tensor> KVCache::update_and_fetch(const Tensor& keys, const Tensor& values) {
+  check_chunk(keys, values);
+  append(keys, values);
+  return {keys_buf_.slice(2, 0, offset_), values_buf_.slice(2, 0, offset_)};
+}
+
+KVState KVCache::state() const {
+  if (keys_buf_.empty()) return {};
+  return {keys_buf_.slice(2, 0, offset_), values_buf_.slice(2, 0, offset_)};
+}
+
+void KVCache::from_state(const KVState& state) {
+  offset_ = 0;
+  keys_buf_ = Tensor();
+  values_buf_ = Tensor();
+  if (state.keys.empty() && state.values.empty()) return;
+  check_chunk(state.keys, state.values);
+  append(state.keys, state.values);
+}
+
+std::int64_t KVCache::trim(std::int64_t n) {
+  require(n >= 0, fmt::format("trim: n must be >= 0, got {}", n));
+  n = std::min(n, offset_);
+  offset_ -= n;
+  return n;
+}
+
+std::size_t KVCache::nbytes() const { return keys_buf_.nbytes() + values_buf_.nbytes(); }
+
+}  // namespace vq

@@ -1,0 +1,219 @@
+#include "veloxquant/cache/quantized_stream.hpp"
+
+#include <algorithm>
+
+#include "veloxquant/core/error.hpp"
+#include "veloxquant/entropy/entropy_estimate.hpp"
+#include "veloxquant/quant/group_quant.hpp"
+#include "veloxquant/transform/token_delta.hpp"
+
+namespace vq {
+
+QuantizedStream::QuantizedStream(std::int64_t batch, std::int64_t heads, int dim, int bits, const KVCacheConfig& config)
+    : batch_(batch),
+      heads_(heads),
+      dim_(dim),
+      bits_(bits),
+      group_size_(config.cachegen_group_size),
+      use_delta_(config.cachegen_use_delta),
+      per_channel_(config.cachegen_per_channel),
+      flush_(config.cachegen_flush) {
+  check_quant_params(bits, group_size_);
+  const auto n = static_cast<std::size_t>(batch * heads);
+  codes_.resize(n);
+  scales_.resize(n);
+  mins_.resize(n);
+  if (flush_ == FlushMode::GroupAligned) {
+    const int levels = (1 << bits) - 1;
+    const int lo = use_delta_ ? -levels : 0;
+    hist_ = ChannelHistograms(per_channel_ ? n * static_cast<std::size_t>(dim) : n, lo, levels - lo + 1);
+  }
+}
+
+std::int64_t QuantizedStream::n_groups() const {
+  if (flush_ == FlushMode::GroupAligned) return quantized_ / group_size_;
+  if (segments_.empty()) return 0;
+  const Segment& last = segments_.back();
+  return last.first_group + (last.n_tokens + group_size_ - 1) / group_size_;
+}
+
+std::span<const std::uint8_t> QuantizedStream::codes(std::int64_t slice) const { return codes_.at(static_cast<std::size_t>(slice)); }
+std::span<const float> QuantizedStream::scales(std::int64_t slice) const { return scales_.at(static_cast<std::size_t>(slice)); }
+std::span<const float> QuantizedStream::minima(std::int64_t slice) const { return mins_.at(static_cast<std::size_t>(slice)); }
+
+void QuantizedStream::quantize_rows(Tensor& dense, std::int64_t slice, std::int64_t row0, int n_rows, std::int64_t group_index) {
+  const std::int64_t b = slice / heads_, h = slice % heads_;
+  const auto d = static_cast<std::size_t>(dim_);
+  scratch_in_.resize(static_cast<std::size_t>(n_rows) * d);
+  scratch_out_.resize(scratch_in_.size());
+  for (int r = 0; r < n_rows; ++r) to_f32(dense.row(b, h, row0 + r), dense.dtype(), scratch_in_.data() + r * d, d);
+  auto& codes = codes_[static_cast<std::size_t>(slice)];
+  auto& sc = scales_[static_cast<std::size_t>(slice)];
+  auto& mn = mins_[static_cast<std::size_t>(slice)];
+  codes.resize(static_cast<std::size_t>(row0 + n_rows) * d);
+  sc.resize(static_cast<std::size_t>(group_index + 1) * d);
+  mn.resize(sc.size());
+  std::uint8_t* q = codes.data() + static_cast<std::size_t>(row0) * d;
+  float* s = sc.data() + static_cast<std::size_t>(group_index) * d;
+  float* m = mn.data() + static_cast<std::size_t>(group_index) * d;
+  quantize_group(scratch_in_.data(), n_rows, dim_, bits_, q, s, m);
+  dequant_group(q, n_rows, dim_, s, m, scratch_out_.data());
+  for (int r = 0; r < n_rows; ++r) from_f32(scratch_out_.data() + r * d, dense.row(b, h, row0 + r), dense.dtype(), d);
+}
+
+std::vector<std::int16_t> QuantizedStream::symbols_of(std::int64_t slice, std::int64_t row0, std::int64_t n_rows) const {
+  // Symbols of rows [row0, row0 + n_rows): the token delta within the stream (row 0 of a stream
+  // is kept as is) or the plain codes. In per_call mode each segment is its own stream, so callers
+  // pass a segment's first row as row0 and the delta restarts there.
+  const auto& codes = codes_[static_cast<std::size_t>(slice)];
+  const auto d = static_cast<std::size_t>(dim_);
+  std::span<const std::uint8_t> rows(codes.data() + static_cast<std::size_t>(row0) * d, static_cast<std::size_t>(n_rows) * d);
+  if (use_delta_) return token_delta(rows, static_cast<int>(n_rows), dim_);
+  return {rows.begin(), rows.end()};
+}
+
+void QuantizedStream::account_segment(Segment& seg) const {
+  seg.compressed = 0;
+  seg.fixed = 0;
+  const int ng = static_cast<int>((seg.n_tokens + group_size_ - 1) / group_size_);
+  for (std::int64_t s = 0; s < slices(); ++s) {
+    const auto sym = symbols_of(s, seg.start, seg.n_tokens);
+    seg.compressed += entropy_coded_bytes(sym, static_cast<int>(seg.n_tokens), dim_, bits_, ng, per_channel_);
+    seg.fixed += vq::fixed_width_bytes(seg.n_tokens, dim_, bits_, ng);
+  }
+}
+
+// Delta symbols of rows [row0, row0 + n) of the closed group_aligned stream, per channel.
+// Row r's delta needs row r - 1, which is always present (rows are removed from the end only).
+void QuantizedStream::add_symbols(std::int64_t slice, std::int64_t row0, std::int64_t n) {
+  const auto d = static_cast<std::size_t>(dim_);
+  const auto& codes = codes_[static_cast<std::size_t>(slice)];
+  std::vector<std::int16_t> sym(static_cast<std::size_t>(n) * d);
+  for (std::size_t i = 0; i < sym.size(); ++i) {
+    const std::size_t at = static_cast<std::size_t>(row0) * d + i;
+    const int prev = (use_delta_ && at >= d) ? codes[at - d] : 0;
+    sym[i] = static_cast<std::int16_t>(codes[at] - prev);
+  }
+  if (per_channel_) {
+    for (std::size_t c = 0; c < d; ++c) hist_.add_many(static_cast<std::size_t>(slice) * d + c, sym.data() + c, static_cast<std::size_t>(n), d);
+  } else {
+    hist_.add_many(static_cast<std::size_t>(slice), sym.data(), sym.size(), 1);
+  }
+}
+
+void QuantizedStream::remove_symbols(std::int64_t slice, std::int64_t row0, std::int64_t n) {
+  const auto d = static_cast<std::size_t>(dim_);
+  const auto& codes = codes_[static_cast<std::size_t>(slice)];
+  for (std::size_t i = 0; i < static_cast<std::size_t>(n) * d; ++i) {
+    const std::size_t at = static_cast<std::size_t>(row0) * d + i;
+    const int prev = (use_delta_ && at >= d) ? codes[at - d] : 0;
+    const std::size_t hist = per_channel_ ? static_cast<std::size_t>(slice) * d + i % d : static_cast<std::size_t>(slice);
+    hist_.remove(hist, codes[at] - prev);
+  }
+}
+
+void QuantizedStream::ingest(Tensor& dense, std::int64_t begin, std::int64_t end) {
+  if (flush_ == FlushMode::PerCall) {
+    if (end <= begin) return;  // the reference quantizes nothing for an empty call
+    Segment seg;
+    seg.start = begin;
+    seg.n_tokens = end - begin;
+    seg.first_group = n_groups();
+    const std::int64_t ng = (seg.n_tokens + group_size_ - 1) / group_size_;
+    for (std::int64_t s = 0; s < slices(); ++s)
+      for (std::int64_t g = 0; g < ng; ++g) {
+        const std::int64_t r0 = begin + g * group_size_;
+        quantize_rows(dense, s, r0, static_cast<int>(std::min<std::int64_t>(group_size_, end - r0)), seg.first_group + g);
+      }
+    quantized_ = end;
+    account_segment(seg);
+    seg_compressed_ += seg.compressed;
+    seg_fixed_ += seg.fixed;
+    segments_.push_back(seg);
+    return;
+  }
+  // group_aligned: close every group that is now complete.
+  const std::int64_t closed_before = quantized_;
+  const std::int64_t closable = (end / group_size_) * group_size_;
+  if (closable <= closed_before) return;
+  for (std::int64_t s = 0; s < slices(); ++s) {
+    for (std::int64_t r0 = closed_before; r0 < closable; r0 += group_size_)
+      quantize_rows(dense, s, r0, group_size_, r0 / group_size_);
+    add_symbols(s, closed_before, closable - closed_before);
+  }
+  quantized_ = closable;
+}
+
+void QuantizedStream::trim_to(std::int64_t new_end) {
+  require(new_end >= 0, "trim_to: negative end");
+  const auto d = static_cast<std::size_t>(dim_);
+  if (flush_ == FlushMode::PerCall) {
+    while (!segments_.empty() && segments_.back().start >= new_end) {
+      seg_compressed_ -= segments_.back().compressed;
+      seg_fixed_ -= segments_.back().fixed;
+      segments_.pop_back();
+    }
+    if (!segments_.empty() && segments_.back().start + segments_.back().n_tokens > new_end) {
+      Segment& seg = segments_.back();
+      seg_compressed_ -= seg.compressed;
+      seg_fixed_ -= seg.fixed;
+      seg.n_tokens = new_end - seg.start;
+      for (auto& c : codes_) c.resize(static_cast<std::size_t>(new_end) * d);
+      account_segment(seg);
+      seg_compressed_ += seg.compressed;
+      seg_fixed_ += seg.fixed;
+    }
+    quantized_ = std::min(quantized_, new_end);
+    const std::int64_t ng = n_groups();
+    for (std::int64_t s = 0; s < slices(); ++s) {
+      codes_[static_cast<std::size_t>(s)].resize(static_cast<std::size_t>(quantized_) * d);
+      scales_[static_cast<std::size_t>(s)].resize(static_cast<std::size_t>(ng) * d);
+      mins_[static_cast<std::size_t>(s)].resize(static_cast<std::size_t>(ng) * d);
+    }
+    return;
+  }
+  if (new_end >= quantized_) return;  // only the residual shrinks
+  const std::int64_t keep = (new_end / group_size_) * group_size_;
+  for (std::int64_t s = 0; s < slices(); ++s) {
+    remove_symbols(s, keep, quantized_ - keep);
+    codes_[static_cast<std::size_t>(s)].resize(static_cast<std::size_t>(keep) * d);
+    scales_[static_cast<std::size_t>(s)].resize(static_cast<std::size_t>(keep / group_size_) * d);
+    mins_[static_cast<std::size_t>(s)].resize(static_cast<std::size_t>(keep / group_size_) * d);
+  }
+  quantized_ = keep;
+}
+
+std::uint64_t QuantizedStream::compressed_bytes(std::int64_t offset) const {
+  const std::uint64_t residual = static_cast<std::uint64_t>(offset - quantized_) * static_cast<std::uint64_t>(slices()) *
+                                 static_cast<std::uint64_t>(dim_) * 2;
+  if (flush_ == FlushMode::PerCall) return seg_compressed_ + residual;
+  const std::uint64_t meta = static_cast<std::uint64_t>(n_groups()) * static_cast<std::uint64_t>(dim_) * kGroupMetaBytesPerChannel;
+  std::uint64_t total = 0;
+  const auto d = static_cast<std::size_t>(dim_);
+  for (std::int64_t s = 0; s < slices(); ++s) {
+    double bits = 0.0;
+    if (per_channel_) {
+      for (std::size_t c = 0; c < d; ++c) bits += hist_.capped_bits(static_cast<std::size_t>(s) * d + c, bits_);
+    } else {
+      bits = hist_.capped_bits(static_cast<std::size_t>(s), bits_);
+    }
+    total += code_bits_to_bytes(bits) + meta;
+  }
+  return total + residual;
+}
+
+std::uint64_t QuantizedStream::fixed_width_bytes(std::int64_t offset) const {
+  const std::uint64_t residual = static_cast<std::uint64_t>(offset - quantized_) * static_cast<std::uint64_t>(slices()) *
+                                 static_cast<std::uint64_t>(dim_) * 2;
+  if (flush_ == FlushMode::PerCall) return seg_fixed_ + residual;
+  return static_cast<std::uint64_t>(slices()) * vq::fixed_width_bytes(quantized_, dim_, bits_, n_groups()) + residual;
+}
+
+std::size_t QuantizedStream::memory_bytes() const {
+  std::size_t total = 0;
+  for (std::size_t s = 0; s < codes_.size(); ++s)
+    total += codes_[s].capacity() + (scales_[s].capacity() + mins_[s].capacity()) * sizeof(float);
+  return total;
+}
+
+}  // namespace vq

@@ -1,0 +1,161 @@
+#include "veloxquant/core/tensor.hpp"
+
+#include <cstring>
+
+#include <fmt/format.h>
+
+#include "veloxquant/core/error.hpp"
+
+namespace vq {
+
+std::string shape_string(const Shape4& s) { return fmt::format("[{}, {}, {}, {}]", s[0], s[1], s[2], s[3]); }
+
+namespace {
+Shape4 contiguous_strides(const Shape4& s) { return {s[1] * s[2] * s[3], s[2] * s[3], s[3], 1}; }
+
+void check_shape(const Shape4& shape) {
+  for (auto d : shape) require(d >= 0, "tensor shape " + shape_string(shape) + " has a negative dimension");
+  // Guard the element count against overflow: 2^40 elements is far beyond any KV cache.
+  long double n = 1;
+  for (auto d : shape) n *= static_cast<long double>(d);
+  require(n <= static_cast<long double>(1LL << 40), "tensor shape " + shape_string(shape) + " is too large");
+}
+}  // namespace
+
+Tensor Tensor::zeros(const Shape4& shape, DType dtype) {
+  check_shape(shape);
+  Tensor t;
+  t.shape_ = shape;
+  t.strides_ = contiguous_strides(shape);
+  t.dtype_ = dtype;
+  const std::size_t bytes = std::max<std::size_t>(t.nbytes(), 1);
+  auto* mem = new std::byte[bytes]();
+  t.storage_ = std::shared_ptr<void>(mem, [](void* p) { delete[] static_cast<std::byte*>(p); });
+  t.base_ = mem;
+  return t;
+}
+
+Tensor Tensor::from_f32(const Shape4& shape, std::span<const float> values, DType dtype) {
+  Tensor t = zeros(shape, dtype);
+  require(static_cast<std::int64_t>(values.size()) == t.numel(),
+          fmt::format("from_f32: {} values given for shape {} ({} elements)", values.size(), shape_string(shape), t.numel()));
+  vq::from_f32(values.data(), t.base_, dtype, values.size());
+  return t;
+}
+
+Tensor Tensor::wrap(void* data, const Shape4& shape, DType dtype, std::shared_ptr<void> owner) {
+  check_shape(shape);
+  Tensor t;
+  t.shape_ = shape;
+  t.strides_ = contiguous_strides(shape);
+  t.dtype_ = dtype;
+  t.storage_ = owner ? std::move(owner) : std::shared_ptr<void>(data, [](void*) {});
+  t.base_ = static_cast<std::byte*>(data);
+  return t;
+}
+
+bool Tensor::is_contiguous() const {
+  if (empty()) return true;
+  const Shape4 c = contiguous_strides(shape_);
+  for (int i = 0; i < 4; ++i)
+    if (shape_[i] > 1 && strides_[i] != c[i]) return false;
+  return true;
+}
+
+Tensor Tensor::slice(int axis, std::int64_t start, std::int64_t stop) const {
+  require(axis >= 0 && axis < 4, fmt::format("slice: axis {} out of range [0, 4)", axis));
+  require(0 <= start && start <= stop && stop <= shape_[axis],
+          fmt::format("slice: [{}, {}) out of range for axis {} of shape {}", start, stop, axis, shape_string(shape_)));
+  Tensor t = *this;
+  t.shape_[axis] = stop - start;
+  if (base_) t.base_ = base_ + start * strides_[axis] * static_cast<std::int64_t>(dtype_size(dtype_));
+  return t;
+}
+
+Tensor Tensor::contiguous(bool force) const {
+  if (is_contiguous() && !force) return *this;
+  Tensor t = zeros(shape_, dtype_);
+  const std::size_t row_bytes = static_cast<std::size_t>(shape_[3]) * dtype_size(dtype_);
+  for (std::int64_t b = 0; b < shape_[0]; ++b)
+    for (std::int64_t h = 0; h < shape_[1]; ++h)
+      for (std::int64_t s = 0; s < shape_[2]; ++s) std::memcpy(t.row(b, h, s), row(b, h, s), row_bytes);
+  return t;
+}
+
+Tensor Tensor::to(DType dtype) const {
+  if (dtype == dtype_) return contiguous(true);
+  Tensor t = zeros(shape_, dtype);
+  std::vector<float> buf(static_cast<std::size_t>(shape_[3]));
+  for (std::int64_t b = 0; b < shape_[0]; ++b)
+    for (std::int64_t h = 0; h < shape_[1]; ++h)
+      for (std::int64_t s = 0; s < shape_[2]; ++s) {
+        vq::to_f32(row(b, h, s), dtype_, buf.data(), buf.size());
+        vq::from_f32(buf.data(), t.row(b, h, s), dtype, buf.size());
+      }
+  return t;
+}
+
+std::vector<float> Tensor::to_f32_vector() const {
+  std::vector<float> out(static_cast<std::size_t>(numel()));
+  const std::size_t d = static_cast<std::size_t>(shape_[3]);
+  std::size_t i = 0;
+  for (std::int64_t b = 0; b < shape_[0]; ++b)
+    for (std::int64_t h = 0; h < shape_[1]; ++h)
+      for (std::int64_t s = 0; s < shape_[2]; ++s, i += d) vq::to_f32(row(b, h, s), dtype_, out.data() + i, d);
+  return out;
+}
+
+const std::byte* Tensor::row(std::int64_t b, std::int64_t h, std::int64_t s) const {
+  return base_ + (b * strides_[0] + h * strides_[1] + s * strides_[2]) * static_cast<std::int64_t>(dtype_size(dtype_));
+}
+
+std::byte* Tensor::row(std::int64_t b, std::int64_t h, std::int64_t s) {
+  return base_ + (b * strides_[0] + h * strides_[1] + s * strides_[2]) * static_cast<std::int64_t>(dtype_size(dtype_));
+}
+
+float Tensor::at(std::int64_t b, std::int64_t h, std::int64_t s, std::int64_t d) const {
+  require(b >= 0 && b < shape_[0] && h >= 0 && h < shape_[1] && s >= 0 && s < shape_[2] && d >= 0 && d < shape_[3],
+          fmt::format("at({}, {}, {}, {}) out of range for shape {}", b, h, s, d, shape_string(shape_)));
+  float v;
+  vq::to_f32(row(b, h, s) + d * static_cast<std::int64_t>(dtype_size(dtype_)), dtype_, &v, 1);
+  return v;
+}
+
+void Tensor::set(std::int64_t b, std::int64_t h, std::int64_t s, std::int64_t d, float value) {
+  require(b >= 0 && b < shape_[0] && h >= 0 && h < shape_[1] && s >= 0 && s < shape_[2] && d >= 0 && d < shape_[3],
+          fmt::format("set({}, {}, {}, {}) out of range for shape {}", b, h, s, d, shape_string(shape_)));
+  vq::from_f32(&value, row(b, h, s) + d * static_cast<std::int64_t>(dtype_size(dtype_)), dtype_, 1);
+}
+
+bool Tensor::all_finite() const {
+  // Test the exponent field directly in the stored dtype: no conversion pass needed.
+  const auto n = static_cast<std::size_t>(shape_[3]);
+  std::uint32_t bad = 0;
+  for (std::int64_t b = 0; b < shape_[0]; ++b)
+    for (std::int64_t h = 0; h < shape_[1]; ++h)
+      for (std::int64_t s = 0; s < shape_[2]; ++s) {
+        const std::byte* p = row(b, h, s);
+        if (dtype_ == DType::F32) {
+          const auto* u = reinterpret_cast<const std::uint32_t*>(p);
+          for (std::size_t i = 0; i < n; ++i) bad |= static_cast<std::uint32_t>((u[i] & 0x7f800000u) == 0x7f800000u);
+        } else {
+          const std::uint16_t mask = dtype_ == DType::F16 ? 0x7c00u : 0x7f80u;
+          const auto* u = reinterpret_cast<const std::uint16_t*>(p);
+          for (std::size_t i = 0; i < n; ++i) bad |= static_cast<std::uint32_t>((u[i] & mask) == mask);
+        }
+        if (bad) return false;
+      }
+  return true;
+}
+
+bool Tensor::bit_equal(const Tensor& other) const {
+  if (shape_ != other.shape_ || dtype_ != other.dtype_) return false;
+  const std::size_t row_bytes = static_cast<std::size_t>(shape_[3]) * dtype_size(dtype_);
+  for (std::int64_t b = 0; b < shape_[0]; ++b)
+    for (std::int64_t h = 0; h < shape_[1]; ++h)
+      for (std::int64_t s = 0; s < shape_[2]; ++s)
+        if (std::memcmp(row(b, h, s), other.row(b, h, s), row_bytes) != 0) return false;
+  return true;
+}
+
+}  // namespace vq

@@ -1,0 +1,15 @@
+// Subcommands of the veloxquant CLI. Each add_* registers its options on `app` and returns the
+// function that runs it (returning the process exit code) once parsing succeeded.
+#pragma once
+#include <functional>
+
+#include <CLI/CLI.hpp>
+
+namespace vqcli {
+
+using Runner = std::function<int()>;
+
+Runner add_account(CLI::App& app);
+Runner add_synth(CLI::App& app);
+
+}  // namespace vqcli

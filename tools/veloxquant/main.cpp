@@ -1,0 +1,51 @@
+// veloxquant: compress the key/value cache of LLMs, CacheGen-style. See README.md.
+#include <cstdio>
+#include <exception>
+#include <map>
+#include <string>
+
+#include <CLI/CLI.hpp>
+#include <fmt/core.h>
+
+#include "commands.hpp"
+#include "veloxquant/core/error.hpp"
+
+int main(int argc, char** argv) {
+  CLI::App app{"veloxquant: CacheGen-style KV cache compression for LLM inference", "veloxquant"};
+  app.require_subcommand(1);
+  app.set_version_flag("--version", "veloxquant 0.1.0");
+  std::map<CLI::App*, vqcli::Runner> runners;
+  auto add = [&](const char* name, const char* help, vqcli::Runner (*fn)(CLI::App&)) {
+    CLI::App* sub = app.add_subcommand(name, help);
+    runners[sub] = fn(*sub);
+  };
+  add("account", "feed K/V .npy files through a CacheGenKVCache and print its byte counters", vqcli::add_account);
+  add("synth", "write a synthetic LLM-like K/V pair as .npy files", vqcli::add_synth);
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForAllHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForVersion& e) {
+    return app.exit(e);
+  } catch (const CLI::ParseError& e) {
+    fmt::print(stderr, "veloxquant: error: {} (see veloxquant --help)\n", e.what());
+    return 2;
+  }
+  try {
+    for (auto& [sub, run] : runners)
+      if (sub->parsed()) return run();
+  } catch (const vq::Error& e) {
+    fmt::print(stderr, "veloxquant: error: {}\n", e.what());
+    return 1;
+  } catch (const std::bad_alloc&) {
+    fmt::print(stderr, "veloxquant: error: out of memory\n");
+    return 1;
+  } catch (const std::exception& e) {
+    fmt::print(stderr, "veloxquant: internal error: {}\n", e.what());
+    return 3;
+  }
+  return 0;
+}
