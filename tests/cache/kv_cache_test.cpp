@@ -1,0 +1,91 @@
+#include "veloxquant/cache/kv_cache.hpp"
+
+#include <gtest/gtest.h>
+
+#include "veloxquant/core/error.hpp"
+#include "../support/test_util.hpp"
+
+namespace {
+
+TEST(KVCache, AppendsAndFetchesEverything) {
+  vq::KVCache cache;
+  auto k = vqtest::random_uniform({2, 3, 10, 4}, 1);
+  auto v = vqtest::random_uniform({2, 3, 10, 6}, 2);  // V may have another head dim
+  auto [k1, v1] = cache.update_and_fetch(k.slice(2, 0, 7), v.slice(2, 0, 7));
+  EXPECT_EQ(cache.offset(), 7);
+  EXPECT_TRUE(k1.bit_equal(k.slice(2, 0, 7)));
+  auto [k2, v2] = cache.update_and_fetch(k.slice(2, 7, 10), v.slice(2, 7, 10));
+  EXPECT_EQ(cache.offset(), 10);
+  EXPECT_TRUE(k2.bit_equal(k));
+  EXPECT_TRUE(v2.bit_equal(v));
+  EXPECT_EQ(k2.dtype(), vq::DType::F32);
+}
+
+TEST(KVCache, FetchIsAViewNotACopy) {
+  vq::KVCache cache;
+  auto k = vqtest::random_uniform({1, 2, 3, 4}, 1, vq::DType::F16);
+  auto [a, av] = cache.update_and_fetch(k, k);
+  auto [b, bv] = cache.update_and_fetch(k, k);  // within capacity: the same buffer
+  EXPECT_TRUE(a.shares_storage_with(b));
+  EXPECT_TRUE(cache.state().keys.shares_storage_with(b));
+  EXPECT_EQ(b.dtype(), vq::DType::F16);
+}
+
+TEST(KVCache, GrowsPastCapacityKeepingContents) {
+  vq::KVCache cache;
+  auto k = vqtest::random_walk({1, 2, 1000, 8}, 3);
+  for (std::int64_t s = 0; s < 1000; ++s) cache.update_and_fetch(k.slice(2, s, s + 1), k.slice(2, s, s + 1));
+  EXPECT_TRUE(cache.state().keys.bit_equal(k));
+  EXPECT_GE(cache.nbytes(), 2 * k.nbytes());
+}
+
+TEST(KVCache, MismatchesAreRejectedAndLeaveTheCacheUnchanged) {
+  vq::KVCache cache;
+  auto k = vqtest::random_uniform({1, 2, 3, 4}, 1);
+  cache.update_and_fetch(k, k);
+  EXPECT_THROW(cache.update_and_fetch(k, vqtest::random_uniform({1, 2, 2, 4}, 1)), vq::InvalidArgument);
+  EXPECT_THROW(cache.update_and_fetch(vqtest::random_uniform({1, 3, 3, 4}, 1), vqtest::random_uniform({1, 3, 3, 4}, 1)),
+               vq::InvalidArgument);
+  EXPECT_THROW(cache.update_and_fetch(vqtest::random_uniform({1, 2, 3, 5}, 1), k), vq::InvalidArgument);
+  auto h = vqtest::random_uniform({1, 2, 3, 4}, 1, vq::DType::F16);
+  EXPECT_THROW(cache.update_and_fetch(h, h), vq::InvalidArgument);
+  EXPECT_THROW(cache.update_and_fetch(h, k), vq::InvalidArgument);
+  EXPECT_EQ(cache.offset(), 3);
+  EXPECT_TRUE(cache.state().keys.bit_equal(k));
+}
+
+TEST(KVCache, TrimAndStateRoundTrip) {
+  vq::KVCache cache;
+  auto k = vqtest::random_uniform({1, 2, 9, 4}, 1);
+  auto v = vqtest::random_uniform({1, 2, 9, 4}, 2);
+  cache.update_and_fetch(k, v);
+  EXPECT_TRUE(cache.is_trimmable());
+  EXPECT_EQ(cache.trim(4), 4);
+  EXPECT_EQ(cache.offset(), 5);
+  EXPECT_TRUE(cache.state().values.bit_equal(v.slice(2, 0, 5)));
+  EXPECT_EQ(cache.trim(100), 5);
+  EXPECT_EQ(cache.offset(), 0);
+  EXPECT_THROW(cache.trim(-1), vq::InvalidArgument);
+
+  cache.update_and_fetch(k, v);
+  vq::KVCache copy;
+  copy.from_state(cache.state());
+  EXPECT_EQ(copy.offset(), 9);
+  EXPECT_TRUE(copy.state().keys.bit_equal(k));
+  EXPECT_FALSE(copy.state().keys.shares_storage_with(cache.state().keys));
+  // after trim, new tokens overwrite the dropped ones
+  cache.trim(3);
+  auto [kk, vv] = cache.update_and_fetch(v.slice(2, 0, 1), k.slice(2, 0, 1));
+  EXPECT_EQ(cache.offset(), 7);
+  EXPECT_TRUE(kk.slice(2, 6, 7).bit_equal(v.slice(2, 0, 1)));
+}
+
+TEST(KVCache, EmptyCacheAdoptsANewLayout) {
+  vq::KVCache cache;
+  cache.update_and_fetch(vqtest::random_uniform({1, 2, 3, 4}, 1), vqtest::random_uniform({1, 2, 3, 4}, 1));
+  cache.trim(3);
+  auto [k, v] = cache.update_and_fetch(vqtest::random_uniform({2, 1, 1, 8}, 1), vqtest::random_uniform({2, 1, 1, 8}, 1));
+  EXPECT_EQ(k.shape(), (vq::Shape4{2, 1, 1, 8}));
+}
+
+}  // namespace

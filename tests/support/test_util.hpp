@@ -1,0 +1,52 @@
+// Shared helpers for the GoogleTest suite.
+#pragma once
+#include <cstdint>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "veloxquant/core/tensor.hpp"
+
+namespace vqtest {
+
+// A random-walk tensor (correlated along tokens, as real KV is), deterministic for a seed.
+inline vq::Tensor random_walk(const vq::Shape4& shape, std::uint64_t seed, vq::DType dtype = vq::DType::F32, float step = 0.1f) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> n(0.0f, 1.0f);
+  std::vector<float> v(static_cast<std::size_t>(shape[0] * shape[1] * shape[2] * shape[3]));
+  const auto S = shape[2], D = shape[3];
+  for (std::int64_t bh = 0; bh < shape[0] * shape[1]; ++bh)
+    for (std::int64_t d = 0; d < D; ++d) {
+      float x = n(rng);
+      for (std::int64_t s = 0; s < S; ++s) {
+        x += step * n(rng);
+        v[static_cast<std::size_t>((bh * S + s) * D + d)] = x;
+      }
+    }
+  return vq::Tensor::from_f32(shape, v, dtype);
+}
+
+// I.i.d. uniform values in [-1, 1).
+inline vq::Tensor random_uniform(const vq::Shape4& shape, std::uint64_t seed, vq::DType dtype = vq::DType::F32) {
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  std::vector<float> v(static_cast<std::size_t>(shape[0] * shape[1] * shape[2] * shape[3]));
+  for (auto& x : v) x = u(rng);
+  return vq::Tensor::from_f32(shape, v, dtype);
+}
+
+// Row-major [S, D] floats of slice (b, h) of a tensor.
+inline std::vector<float> slice_f32(const vq::Tensor& t, std::int64_t b, std::int64_t h) {
+  return t.slice(0, b, b + 1).slice(1, h, h + 1).to_f32_vector();
+}
+
+inline std::string temp_dir() {
+  static const std::string dir = [] {
+    char tmpl[] = "/tmp/vq_test_XXXXXX";
+    const char* d = mkdtemp(tmpl);
+    return std::string(d ? d : "/tmp");
+  }();
+  return dir;
+}
+
+}  // namespace vqtest
