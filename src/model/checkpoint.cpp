@@ -1,6 +1,7 @@
 // llama2.c checkpoint loader: see checkpoint.hpp for both layouts, field by field.
 #include "veloxquant/model/checkpoint.hpp"
 
+#include <cerrno>
 #include <cstdint>
 #include <cstring>
 #include <fstream>
@@ -196,7 +197,6 @@ Checkpoint Checkpoint::load(const std::string& path) {
   if (!in) throw IoError(fmt::format("cannot open checkpoint {}: {}", path, std::strerror(errno)));
   const std::streamoff size = in.tellg();
   if (size < 0) throw IoError(fmt::format("cannot read checkpoint {}", path));
-  // A valid file is a few weights more than its header describes; refuse absurd files early.
   std::vector<std::byte> bytes(static_cast<std::size_t>(size));
   in.seekg(0);
   if (size > 0 && !in.read(reinterpret_cast<char*>(bytes.data()), size))

@@ -67,7 +67,7 @@ int run_account(const AccountOptions& o) {
   }
   fmt::print("CacheGenKVCache  {}  K {}  V {}  {}\n", cfg.to_string(), vq::shape_string(k.shape()), vq::shape_string(v.shape()),
              vq::dtype_name(k.dtype()));
-  fmt::print("tokens: {} ({} per call)\n", cache.offset(), o.chunk > 0 ? std::to_string(o.chunk) : std::string("all in one call"));
+  fmt::print("tokens: {} ({})\n", cache.offset(), o.chunk > 0 ? fmt::format("{} per call", o.chunk) : std::string("all in one call"));
   fmt::print("{:<8} {:>16} {:>16} {:>16} {:>10}\n", "", "compressed", "fixed_width", "fp16", "bits/elem");
   auto row = [&](const char* name, std::uint64_t c, std::uint64_t f, std::uint64_t h) {
     fmt::print("{:<8} {:>16} {:>16} {:>16} {:>10.3f}\n", name, c, f, h, h ? 16.0 * static_cast<double>(c) / static_cast<double>(h) : 0.0);

@@ -22,6 +22,16 @@ int main(int argc, char** argv) {
   add("account", "feed K/V .npy files through a CacheGenKVCache and print its byte counters", vqcli::add_account);
   add("synth", "write a synthetic LLM-like K/V pair as .npy files", vqcli::add_synth);
 
+  std::string names;
+  bool known = false;
+  for (const auto* sub : app.get_subcommands({})) {
+    names += (names.empty() ? "" : ", ") + sub->get_name();
+    known = known || (argc > 1 && sub->get_name() == argv[1]);
+  }
+  if (argc > 1 && argv[1][0] != '-' && !known) {
+    fmt::print(stderr, "veloxquant: error: unknown command '{}' (commands: {})\n", argv[1], names);
+    return 2;
+  }
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {

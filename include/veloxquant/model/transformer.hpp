@@ -1,0 +1,54 @@
+// Transformer: the llama2.c forward pass (Llama 2 architecture), driving one KVCache per layer.
+//
+// Per layer: RMSNorm (eps 1e-5) -> q, k, v projections -> RoPE on interleaved pairs (theta 10000;
+// pair i of a head rotates by pos / 10000^(2i/head_size)) applied to q and k BEFORE the cache, so
+// keys are cached post-RoPE -> cache.update_and_fetch(K, V) once per layer for the whole chunk ->
+// causal grouped-query attention over what the cache returned (n_heads / n_kv_heads query heads
+// share a KV head) -> wo -> residual; RMSNorm -> SwiGLU FFN w2(silu(w1 x) * w3 x) -> residual.
+// Final RMSNorm and the classifier give the logits. Arithmetic follows run.c (float32 throughout,
+// same operation order per element), except that dot products sum in 8 interleaved partial sums so
+// the compiler can vectorise them.
+//
+// Attention reads keys and values only from what update_and_fetch returned: a lossy cache changes
+// the logits, which is what the evaluation measures.
+#pragma once
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "veloxquant/cache/builder.hpp"
+#include "veloxquant/cache/kv_cache.hpp"
+#include "veloxquant/model/checkpoint.hpp"
+
+namespace vq {
+
+class Transformer {
+ public:
+  explicit Transformer(Checkpoint checkpoint);
+
+  const ModelConfig& config() const { return ck_.config; }
+  const Checkpoint& checkpoint() const { return ck_; }
+  // One attention layer per model layer, each with head dim head_size.
+  ModelDescription description() const;
+
+  // Run `tokens` at positions pos0 .. pos0 + n - 1, where pos0 = caches[0]->offset() (all caches
+  // must agree), calling caches[l]->update_and_fetch once per layer with [1, n_kv_heads, n,
+  // head_size] float32 K and V. Returns the logits of every position, row-major [n, vocab_size].
+  // Query i of the chunk attends to cache positions 0 .. pos0 + i. Throws InvalidArgument on a bad
+  // token id, a wrong number of caches, disagreeing offsets, pos0 + n > seq_len, or a cache that
+  // returns tensors of the wrong shape.
+  std::vector<float> forward(std::span<const int> tokens, std::vector<std::shared_ptr<KVCache>>& caches);
+
+ private:
+  void ensure_capacity(int n);
+  Checkpoint ck_;
+  std::vector<float> rope_cos_, rope_sin_;  // [seq_len, head_size / 2]
+  int capacity_ = 0;                        // tokens the scratch buffers hold
+  std::vector<float> x_, xb_, q_, k_, v_, att_out_, hb_, hb2_, scores_, kscratch_, vscratch_;
+  std::vector<float> kbuf_, vbuf_;  // K/V in [n_kv_heads, n, head_size] for the caches
+};
+
+// One plain float32 KVCache per layer.
+std::vector<std::shared_ptr<KVCache>> make_fp32_caches(const Transformer& model);
+
+}  // namespace vq
