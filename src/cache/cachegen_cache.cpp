@@ -10,8 +10,8 @@ CacheGenKVCache::CacheGenKVCache(KVCacheConfig config) : config_(config) { confi
 
 std::pair<Tensor, Tensor> CacheGenKVCache::update_and_fetch(const Tensor& keys, const Tensor& values) {
   check_chunk(keys, values);
-  require(keys.all_finite(), "keys contain NaN or Inf, which cannot be quantized");
-  require(values.all_finite(), "values contain NaN or Inf, which cannot be quantized");
+  require(keys.all_quantizable(), "keys contain NaN, Inf or values beyond +-1.7e38, which cannot be quantized");
+  require(values.all_quantizable(), "values contain NaN, Inf or values beyond +-1.7e38, which cannot be quantized");
   const std::int64_t begin = offset_;
   if (begin == 0) {
     const int bits = config_.effective_bits();

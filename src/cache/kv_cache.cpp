@@ -53,8 +53,8 @@ void KVCache::reserve(std::int64_t tokens, const Tensor& keys, const Tensor& val
   if (same_layout && keys_buf_.dim(2) >= tokens) return;
   std::int64_t cap = same_layout ? std::max(tokens, keys_buf_.dim(2) * 2) : tokens;
   cap = (cap + kStep - 1) / kStep * kStep;
-  Tensor nk = Tensor::zeros({keys.dim(0), keys.dim(1), cap, keys.dim(3)}, keys.dtype());
-  Tensor nv = Tensor::zeros({values.dim(0), values.dim(1), cap, values.dim(3)}, values.dtype());
+  Tensor nk = Tensor::uninitialized({keys.dim(0), keys.dim(1), cap, keys.dim(3)}, keys.dtype());
+  Tensor nv = Tensor::uninitialized({values.dim(0), values.dim(1), cap, values.dim(3)}, values.dtype());
   if (same_layout && offset_ > 0) {
     copy_tokens(keys_buf_.slice(2, 0, offset_), nk, 0);
     copy_tokens(values_buf_.slice(2, 0, offset_), nv, 0);

@@ -56,7 +56,7 @@ void QuantizedStream::quantize_rows(Tensor& dense, std::int64_t slice, std::int6
   std::uint8_t* q = codes.data() + static_cast<std::size_t>(row0) * d;
   float* s = sc.data() + static_cast<std::size_t>(group_index) * d;
   float* m = mn.data() + static_cast<std::size_t>(group_index) * d;
-  quantize_group(scratch_in_.data(), n_rows, dim_, bits_, q, s, m);
+  if (!quantize_group(scratch_in_.data(), n_rows, dim_, bits_, q, s, m)) throw InvalidArgument(kRangeOverflow);
   dequant_group(q, n_rows, dim_, s, m, scratch_out_.data());
   for (int r = 0; r < n_rows; ++r) from_f32(scratch_out_.data() + r * d, dense.row(b, h, row0 + r), dense.dtype(), d);
 }
@@ -87,17 +87,33 @@ void QuantizedStream::account_segment(Segment& seg) const {
 // Row r's delta needs row r - 1, which is always present (rows are removed from the end only).
 void QuantizedStream::add_symbols(std::int64_t slice, std::int64_t row0, std::int64_t n) {
   const auto d = static_cast<std::size_t>(dim_);
-  const auto& codes = codes_[static_cast<std::size_t>(slice)];
-  std::vector<std::int16_t> sym(static_cast<std::size_t>(n) * d);
-  for (std::size_t i = 0; i < sym.size(); ++i) {
-    const std::size_t at = static_cast<std::size_t>(row0) * d + i;
-    const int prev = (use_delta_ && at >= d) ? codes[at - d] : 0;
-    sym[i] = static_cast<std::int16_t>(codes[at] - prev);
+  const std::uint8_t* codes = codes_[static_cast<std::size_t>(slice)].data();
+  const bool bulk = per_channel_ ? n > hist_.alphabet_size() : n * dim_ > hist_.alphabet_size();
+  if (!bulk) {  // few symbols (a decode step closing one group at 8 bits): O(1) updates each
+    for (std::size_t i = 0; i < static_cast<std::size_t>(n) * d; ++i) {
+      const std::size_t at = static_cast<std::size_t>(row0) * d + i;
+      const int prev = (use_delta_ && at >= d) ? codes[at - d] : 0;
+      hist_.add(per_channel_ ? static_cast<std::size_t>(slice) * d + i % d : static_cast<std::size_t>(slice), codes[at] - prev);
+    }
+    return;
+  }
+  // Many symbols: count them row by row (contiguous in memory), then recompute each histogram's
+  // S once from its counts.
+  const int lo = hist_.min_symbol(), A = hist_.alphabet_size();
+  std::uint32_t* base = hist_.counts(per_channel_ ? static_cast<std::size_t>(slice) * d : static_cast<std::size_t>(slice));
+  const std::size_t chan_stride = per_channel_ ? static_cast<std::size_t>(A) : 0;
+  for (std::int64_t r = row0; r < row0 + n; ++r) {
+    const std::uint8_t* cur = codes + static_cast<std::size_t>(r) * d;
+    const std::uint8_t* prev = (use_delta_ && r > 0) ? cur - d : nullptr;
+    for (std::size_t c = 0; c < d; ++c) {
+      const int sym = static_cast<int>(cur[c]) - (prev ? static_cast<int>(prev[c]) : 0);
+      ++base[c * chan_stride + static_cast<std::size_t>(sym - lo)];
+    }
   }
   if (per_channel_) {
-    for (std::size_t c = 0; c < d; ++c) hist_.add_many(static_cast<std::size_t>(slice) * d + c, sym.data() + c, static_cast<std::size_t>(n), d);
+    for (std::size_t c = 0; c < d; ++c) hist_.recount(static_cast<std::size_t>(slice) * d + c, static_cast<std::uint64_t>(n));
   } else {
-    hist_.add_many(static_cast<std::size_t>(slice), sym.data(), sym.size(), 1);
+    hist_.recount(static_cast<std::size_t>(slice), static_cast<std::uint64_t>(n) * d);
   }
 }
 

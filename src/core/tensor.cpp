@@ -23,13 +23,19 @@ void check_shape(const Shape4& shape) {
 }  // namespace
 
 Tensor Tensor::zeros(const Shape4& shape, DType dtype) {
+  Tensor t = uninitialized(shape, dtype);
+  std::memset(t.base_, 0, t.nbytes());
+  return t;
+}
+
+Tensor Tensor::uninitialized(const Shape4& shape, DType dtype) {
   check_shape(shape);
   Tensor t;
   t.shape_ = shape;
   t.strides_ = contiguous_strides(shape);
   t.dtype_ = dtype;
   const std::size_t bytes = std::max<std::size_t>(t.nbytes(), 1);
-  auto* mem = new std::byte[bytes]();
+  auto* mem = new std::byte[bytes];
   t.storage_ = std::shared_ptr<void>(mem, [](void* p) { delete[] static_cast<std::byte*>(p); });
   t.base_ = mem;
   return t;
@@ -127,9 +133,12 @@ void Tensor::set(std::int64_t b, std::int64_t h, std::int64_t s, std::int64_t d,
   vq::from_f32(&value, row(b, h, s) + d * static_cast<std::int64_t>(dtype_size(dtype_)), dtype_, 1);
 }
 
-bool Tensor::all_finite() const {
-  // Test the exponent field directly in the stored dtype: no conversion pass needed.
+bool Tensor::all_below_exponent(unsigned e) const {
+  // Test the exponent field directly in the stored dtype: no conversion pass needed. f16's
+  // largest finite value (65504) is far below any f32 limit, so for f16 only Inf/NaN count.
   const auto n = static_cast<std::size_t>(shape_[3]);
+  const std::uint32_t lim32 = e << 23;
+  const std::uint16_t lim16 = dtype_ == DType::F16 ? 0x7c00u : static_cast<std::uint16_t>(e << 7);
   std::uint32_t bad = 0;
   for (std::int64_t b = 0; b < shape_[0]; ++b)
     for (std::int64_t h = 0; h < shape_[1]; ++h)
@@ -137,11 +146,11 @@ bool Tensor::all_finite() const {
         const std::byte* p = row(b, h, s);
         if (dtype_ == DType::F32) {
           const auto* u = reinterpret_cast<const std::uint32_t*>(p);
-          for (std::size_t i = 0; i < n; ++i) bad |= static_cast<std::uint32_t>((u[i] & 0x7f800000u) == 0x7f800000u);
+          for (std::size_t i = 0; i < n; ++i) bad |= static_cast<std::uint32_t>((u[i] & 0x7f800000u) >= lim32);
         } else {
           const std::uint16_t mask = dtype_ == DType::F16 ? 0x7c00u : 0x7f80u;
           const auto* u = reinterpret_cast<const std::uint16_t*>(p);
-          for (std::size_t i = 0; i < n; ++i) bad |= static_cast<std::uint32_t>((u[i] & mask) == mask);
+          for (std::size_t i = 0; i < n; ++i) bad |= static_cast<std::uint32_t>((u[i] & mask) >= lim16);
         }
         if (bad) return false;
       }

@@ -44,11 +44,16 @@ void ChannelHistograms::add_many(std::size_t hist, const std::int16_t* symbols, 
     for (std::size_t i = 0; i < n; ++i) add(hist, symbols[i * stride]);
     return;
   }
-  std::uint32_t* counts = counts_.data() + hist * static_cast<std::size_t>(alphabet_);
-  for (std::size_t i = 0; i < n; ++i) ++counts[symbols[i * stride] - min_symbol_];
-  totals_[hist] += n;
+  std::uint32_t* c = counts(hist);
+  for (std::size_t i = 0; i < n; ++i) ++c[symbols[i * stride] - min_symbol_];
+  recount(hist, n);
+}
+
+void ChannelHistograms::recount(std::size_t hist, std::uint64_t added) {
+  const std::uint32_t* c = counts(hist);
+  totals_[hist] += added;
   double s = 0.0;
-  for (int a = 0; a < alphabet_; ++a) s += xlog2x(counts[a]);
+  for (int a = 0; a < alphabet_; ++a) s += xlog2x(c[a]);
   sum_xlogx_[hist] = s;
 }
 

@@ -241,7 +241,10 @@ TEST(CacheGen, NanInputIsRejectedBeforeAnythingChanges) {
   bad.set(0, 0, 5, 1, std::nanf(""));
   EXPECT_THROW(cache.update_and_fetch(bad, k), vq::InvalidArgument);
   EXPECT_THROW(cache.update_and_fetch(k, bad), vq::InvalidArgument);
+  bad.set(0, 0, 5, 1, 3e38f);  // finite, but max - min would overflow float32
+  EXPECT_THROW(cache.update_and_fetch(bad, k), vq::InvalidArgument);
   EXPECT_EQ(cache.offset(), 40);
+  EXPECT_EQ(cache.key_stream().quantized_tokens(), 32);
 }
 
 TEST(CacheGen, TrimRollsCountersBackHonestly) {

@@ -21,6 +21,7 @@ int main(int argc, char** argv) {
   };
   add("account", "feed K/V .npy files through a CacheGenKVCache and print its byte counters", vqcli::add_account);
   add("synth", "write a synthetic LLM-like K/V pair as .npy files", vqcli::add_synth);
+  add("generate", "generate text with a llama2.c model through a chosen KV cache method", vqcli::add_generate);
 
   std::string names;
   bool known = false;

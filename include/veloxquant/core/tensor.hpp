@@ -26,6 +26,8 @@ class Tensor {
 
   // A new contiguous tensor filled with zeros. Throws InvalidArgument on a negative dimension.
   static Tensor zeros(const Shape4& shape, DType dtype);
+  // A new contiguous tensor whose contents are unspecified (for buffers about to be overwritten).
+  static Tensor uninitialized(const Shape4& shape, DType dtype);
   // A new contiguous tensor holding `values` (row-major) converted to `dtype`.
   static Tensor from_f32(const Shape4& shape, std::span<const float> values, DType dtype = DType::F32);
   // Wrap caller-owned contiguous memory without copying; `owner` keeps it alive (may be null when
@@ -59,12 +61,15 @@ class Tensor {
   void set(std::int64_t b, std::int64_t h, std::int64_t s, std::int64_t d, float value);
 
   // True when no element is NaN or +-Inf.
-  bool all_finite() const;
+  bool all_finite() const { return all_below_exponent(255); }
+  // True when every |element| < 2^127 (so max - min of any two cannot overflow float32).
+  bool all_quantizable() const { return all_below_exponent(254); }
 
   // Bit-exact equality of shape, dtype and every element's bits.
   bool bit_equal(const Tensor& other) const;
 
  private:
+  bool all_below_exponent(unsigned biased_f32_exponent) const;
   std::shared_ptr<void> storage_;
   std::byte* base_ = nullptr;  // element (0,0,0,0) of this view
   Shape4 shape_{0, 0, 0, 0};

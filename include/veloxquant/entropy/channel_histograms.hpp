@@ -20,6 +20,13 @@ class ChannelHistograms {
   // Add n symbols read at symbols[0], symbols[stride], ...; recounts S from the counts when that
   // is cheaper than n incremental updates (n > alphabet size).
   void add_many(std::size_t hist, const std::int16_t* symbols, std::size_t n, std::size_t stride);
+  // Bulk path: bump counts directly through counts(hist) (symbol s at index s - min_symbol()),
+  // then call recount(hist, added) once to add `added` to the total and recompute S. Cheaper than
+  // add() when a histogram receives more symbols than its alphabet size.
+  std::uint32_t* counts(std::size_t hist) { return counts_.data() + hist * static_cast<std::size_t>(alphabet_); }
+  void recount(std::size_t hist, std::uint64_t added);
+  int min_symbol() const { return min_symbol_; }
+  int alphabet_size() const { return alphabet_; }
   // Throws std::logic_error when the symbol is not present (an internal invariant).
   void remove(std::size_t hist, int symbol);
 

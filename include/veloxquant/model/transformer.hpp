@@ -6,8 +6,8 @@
 // causal grouped-query attention over what the cache returned (n_heads / n_kv_heads query heads
 // share a KV head) -> wo -> residual; RMSNorm -> SwiGLU FFN w2(silu(w1 x) * w3 x) -> residual.
 // Final RMSNorm and the classifier give the logits. Arithmetic follows run.c (float32 throughout,
-// same operation order per element), except that dot products sum in 8 interleaved partial sums so
-// the compiler can vectorise them.
+// same operation order per element, including each matmul output's sum in input order), except
+// that attention scores (head_size products) sum in 8 interleaved partial sums.
 //
 // Attention reads keys and values only from what update_and_fetch returned: a lossy cache changes
 // the logits, which is what the evaluation measures.
@@ -42,6 +42,8 @@ class Transformer {
  private:
   void ensure_capacity(int n);
   Checkpoint ck_;
+  // Weights transposed to [in, out] per layer, for vectorised matmuls.
+  std::vector<float> wq_t_, wk_t_, wv_t_, wo_t_, w1_t_, w2_t_, w3_t_, wcls_t_;
   std::vector<float> rope_cos_, rope_sin_;  // [seq_len, head_size / 2]
   int capacity_ = 0;                        // tokens the scratch buffers hold
   std::vector<float> x_, xb_, q_, k_, v_, att_out_, hb_, hb2_, scores_, kscratch_, vscratch_;

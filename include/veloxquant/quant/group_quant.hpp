@@ -43,10 +43,13 @@ void dequant_codes(const GroupQuantized& q, std::span<float> out);
 // ---- kernels on one group (used by the caches, tested through the functions above) ----
 
 // Quantize `n_rows` (1..255) rows of `dim` channels that form one group. Writes n_rows * dim codes,
-// and dim scales and minima. Input must be finite (see all_finite).
-void quantize_group(const float* rows, int n_rows, int dim, int bits, std::uint8_t* codes, float* scale, float* minv);
+// and dim scales and minima. Input must be finite (see all_finite). Returns false (codes
+// unspecified) when some channel's max - min overflows float32; never throws.
+bool quantize_group(const float* rows, int n_rows, int dim, int bits, std::uint8_t* codes, float* scale, float* minv);
 // x_hat for n_rows rows of one group.
 void dequant_group(const std::uint8_t* codes, int n_rows, int dim, const float* scale, const float* minv, float* out);
+// The error message for a false quantize_group.
+extern const char* const kRangeOverflow;
 // True when no element is NaN or +-Inf.
 bool all_finite(const float* x, std::size_t n);
 

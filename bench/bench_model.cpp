@@ -1,0 +1,112 @@
+// Prefill and decode throughput of the llama2.c forward pass on stories260K, per KV cache method.
+//
+//   ./build/bench/vq_bench_model            (models from ../shared/models, or $VELOXQUANT_MODEL_DIR)
+//
+// Prefill: the first 256 tokens of tinystories_val.txt (BOS + text) in one forward call.
+// Decode: BOS, then the same 255 tokens one forward call each (teacher forcing, no sampling), so
+// the average context is ~128 tokens. items_per_second = tokens per second on one core.
+// "memcpy_weights" is a same-process baseline: copying the model's weights once per token.
+#include <benchmark/benchmark.h>
+
+#include <cstring>
+#include <fstream>
+#include <optional>
+#include <sstream>
+#include <string>
+
+#include "veloxquant/model/checkpoint.hpp"
+#include "veloxquant/model/method_spec.hpp"
+#include "veloxquant/model/model_files.hpp"
+#include "veloxquant/model/tokenizer.hpp"
+#include "veloxquant/model/transformer.hpp"
+
+namespace {
+
+constexpr int kTokens = 256;
+
+struct Fixture {
+  std::optional<vq::Transformer> model;
+  std::vector<int> tokens;  // BOS + text, kTokens long
+  std::string error;
+};
+
+std::optional<std::filesystem::path> find(const char* file) {
+  if (auto p = vq::find_model_file(file)) return p;
+  // Also try the source tree's sibling folder, for runs from inside build/.
+  for (const char* dir : {"../../shared/models", "../../../shared/models"}) {
+    const auto p = std::filesystem::path(dir) / file;
+    if (std::filesystem::is_regular_file(p)) return p;
+  }
+  return std::nullopt;
+}
+
+Fixture& fixture() {
+  static Fixture f = [] {
+    Fixture fx;
+    const auto m = find(vq::kDefaultModelFile), t = find(vq::kDefaultTokenizerFile), v = find("tinystories_val.txt");
+    if (!m || !t || !v) {
+      fx.error = "stories260K.bin, tok512.bin or tinystories_val.txt not found: set VELOXQUANT_MODEL_DIR";
+      return fx;
+    }
+    fx.model.emplace(vq::Checkpoint::load(m->string()));
+    const vq::Tokenizer tok = vq::Tokenizer::load(t->string(), fx.model->config().vocab_size);
+    std::ifstream in(*v, std::ios::binary);
+    std::string text(8192, '\0');
+    in.read(text.data(), static_cast<std::streamsize>(text.size()));
+    text.resize(static_cast<std::size_t>(in.gcount()));
+    fx.tokens = tok.encode(text, true, false);
+    fx.tokens.resize(kTokens);
+    return fx;
+  }();
+  return f;
+}
+
+void BM_Prefill(benchmark::State& state, const char* method) {
+  Fixture& f = fixture();
+  if (!f.model) return state.SkipWithError(f.error.c_str());
+  for (auto _ : state) {
+    auto caches = vq::make_caches(method, *f.model);
+    auto logits = f.model->forward(f.tokens, caches);
+    benchmark::DoNotOptimize(logits.data());
+  }
+  state.SetItemsProcessed(state.iterations() * kTokens);
+}
+
+void BM_Decode(benchmark::State& state, const char* method) {
+  Fixture& f = fixture();
+  if (!f.model) return state.SkipWithError(f.error.c_str());
+  for (auto _ : state) {
+    auto caches = vq::make_caches(method, *f.model);
+    for (int i = 0; i < kTokens; ++i) {
+      auto logits = f.model->forward(std::span<const int>(&f.tokens[static_cast<std::size_t>(i)], 1), caches);
+      benchmark::DoNotOptimize(logits.data());
+    }
+  }
+  state.SetItemsProcessed(state.iterations() * kTokens);
+}
+
+void BM_MemcpyWeightsPerToken(benchmark::State& state) {
+  Fixture& f = fixture();
+  if (!f.model) return state.SkipWithError(f.error.c_str());
+  const auto& ck = f.model->checkpoint();
+  std::vector<const std::vector<float>*> ws{&ck.token_embedding, &ck.wq, &ck.wk, &ck.wv, &ck.wo, &ck.w1, &ck.w2, &ck.w3};
+  std::vector<float> dst(1 << 20);
+  for (auto _ : state) {
+    for (int i = 0; i < kTokens; ++i)
+      for (const auto* w : ws) {
+        std::memcpy(dst.data(), w->data(), w->size() * sizeof(float));
+        benchmark::ClobberMemory();
+      }
+  }
+  state.SetItemsProcessed(state.iterations() * kTokens);
+}
+
+}  // namespace
+
+BENCHMARK_CAPTURE(BM_Prefill, fp32, "fp32")->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_Prefill, cachegen4_aligned, "cachegen:bits=4,flush=group_aligned,schedule=off")->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_Decode, fp32, "fp32")->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_Decode, cachegen4_aligned, "cachegen:bits=4,flush=group_aligned,schedule=off")->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_MemcpyWeightsPerToken)->Unit(benchmark::kMillisecond);
+
+BENCHMARK_MAIN();

@@ -1,0 +1,50 @@
+// Method specs: the text that names a KV cache method on the command line and in evaluations.
+//
+//   fp32                     plain KVCache (exact)
+//   fp16                     Fp16KVCache: K/V rounded to float16 (half to even) and back, stored as float32
+//   cachegen[:k=v,...]       CacheGen quantization; keys (defaults in brackets):
+//       bits=1..8 [4]        base bit width
+//       group=N [32]         tokens per quantization group
+//       flush=per_call|group_aligned [group_aligned]
+//       delta=0|1 [1]        entropy of token deltas (1) or raw codes (0)
+//       schedule=on|off [on] on: KVCacheBuilder::for_model (CacheGen's layer-wise bits, base = bits);
+//                            off: every layer a CacheGenKVCache at exactly `bits`
+//
+// Unknown methods, keys or values throw InvalidArgument naming the bad part and the valid choices.
+#pragma once
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "veloxquant/cache/config.hpp"
+#include "veloxquant/cache/kv_cache.hpp"
+
+namespace vq {
+
+class Transformer;
+
+struct MethodSpec {
+  enum class Kind { Fp32, Fp16, CacheGen };
+  Kind kind = Kind::Fp32;
+  KVCacheConfig cachegen;   // used when kind == CacheGen (cachegen_bits = the base bits)
+  bool schedule = true;     // CacheGen: layer-wise schedule via KVCacheBuilder
+
+  // Parse a spec string (see above); throws InvalidArgument.
+  static MethodSpec parse(const std::string& spec);
+  // Canonical text, e.g. "cachegen:bits=4,group=32,flush=group_aligned,delta=1,schedule=on".
+  std::string to_string() const;
+};
+
+// A KVCache that rounds incoming float32 K/V to float16 and back before storing them, so it keeps
+// float32 storage and dtype but holds exactly float16's precision.
+class Fp16KVCache : public KVCache {
+ public:
+  std::pair<Tensor, Tensor> update_and_fetch(const Tensor& keys, const Tensor& values) override;
+  std::string kind() const override { return "Fp16KVCache"; }
+};
+
+// One cache per layer of `model` for `spec`.
+std::vector<std::shared_ptr<KVCache>> make_caches(const MethodSpec& spec, const Transformer& model);
+std::vector<std::shared_ptr<KVCache>> make_caches(const std::string& spec, const Transformer& model);
+
+}  // namespace vq

@@ -1,0 +1,127 @@
+// Method spec parser and the caches it builds.
+#include "veloxquant/model/method_spec.hpp"
+
+#include <charconv>
+
+#include <fmt/core.h>
+
+#include "veloxquant/cache/builder.hpp"
+#include "veloxquant/cache/cachegen_cache.hpp"
+#include "veloxquant/core/dtype.hpp"
+#include "veloxquant/core/error.hpp"
+#include "veloxquant/model/transformer.hpp"
+
+namespace vq {
+
+namespace {
+
+int parse_int(const std::string& key, const std::string& value, const std::string& spec) {
+  int v = 0;
+  const auto* end = value.data() + value.size();
+  auto [p, ec] = std::from_chars(value.data(), end, v);
+  if (ec != std::errc() || p != end || value.empty())
+    throw InvalidArgument(fmt::format("method '{}': {}={} is not an integer", spec, key, value));
+  return v;
+}
+
+bool parse_bool(const std::string& key, const std::string& value, const std::string& spec, const char* t, const char* f) {
+  if (value == t) return true;
+  if (value == f) return false;
+  throw InvalidArgument(fmt::format("method '{}': {}={} is not valid; use {}={} or {}={}", spec, key, value, key, t, key, f));
+}
+
+}  // namespace
+
+MethodSpec MethodSpec::parse(const std::string& spec) {
+  const auto colon = spec.find(':');
+  const std::string name = spec.substr(0, colon);
+  const std::string args = colon == std::string::npos ? std::string() : spec.substr(colon + 1);
+  MethodSpec m;
+  if (name == "fp32" || name == "fp16") {
+    if (colon != std::string::npos)
+      throw InvalidArgument(fmt::format("method '{}': {} takes no options (remove ':{}')", spec, name, args));
+    m.kind = name == "fp32" ? Kind::Fp32 : Kind::Fp16;
+    return m;
+  }
+  if (name != "cachegen")
+    throw InvalidArgument(fmt::format("unknown method '{}': valid methods are fp32, fp16, cachegen[:bits=N,group=G,flush=per_call|"
+                                      "group_aligned,delta=0|1,schedule=on|off]",
+                                      name));
+  m.kind = Kind::CacheGen;
+  std::size_t start = 0;
+  while (colon != std::string::npos && start <= args.size()) {
+    const auto comma = args.find(',', start);
+    const std::string item = args.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
+    start = comma == std::string::npos ? args.size() + 1 : comma + 1;
+    const auto eq = item.find('=');
+    if (eq == std::string::npos)
+      throw InvalidArgument(fmt::format("method '{}': option '{}' needs the form key=value (keys: bits, group, flush, delta, schedule)",
+                                        spec, item));
+    const std::string key = item.substr(0, eq), value = item.substr(eq + 1);
+    if (key == "bits") {
+      m.cachegen.cachegen_bits = parse_int(key, value, spec);
+    } else if (key == "group") {
+      m.cachegen.cachegen_group_size = parse_int(key, value, spec);
+    } else if (key == "flush") {
+      if (value != "per_call" && value != "group_aligned")
+        throw InvalidArgument(fmt::format("method '{}': flush={} is not valid; use flush=per_call or flush=group_aligned", spec, value));
+      m.cachegen.cachegen_flush = flush_mode_from_name(value);
+    } else if (key == "delta") {
+      m.cachegen.cachegen_use_delta = parse_bool(key, value, spec, "1", "0");
+    } else if (key == "schedule") {
+      m.schedule = parse_bool(key, value, spec, "on", "off");
+    } else {
+      throw InvalidArgument(
+          fmt::format("method '{}': unknown key '{}' for cachegen; valid keys are bits, group, flush, delta, schedule", spec, key));
+    }
+  }
+  try {
+    m.cachegen.validate();
+  } catch (const InvalidArgument& e) {
+    throw InvalidArgument(fmt::format("method '{}': {}", spec, e.what()));
+  }
+  return m;
+}
+
+std::string MethodSpec::to_string() const {
+  switch (kind) {
+    case Kind::Fp32: return "fp32";
+    case Kind::Fp16: return "fp16";
+    case Kind::CacheGen: break;
+  }
+  return fmt::format("cachegen:bits={},group={},flush={},delta={},schedule={}", cachegen.cachegen_bits, cachegen.cachegen_group_size,
+                     flush_mode_name(cachegen.cachegen_flush), cachegen.cachegen_use_delta ? 1 : 0, schedule ? "on" : "off");
+}
+
+std::pair<Tensor, Tensor> Fp16KVCache::update_and_fetch(const Tensor& keys, const Tensor& values) {
+  require(keys.dtype() == DType::F32 && values.dtype() == DType::F32,
+          fmt::format("Fp16KVCache takes float32 keys and values, got {} and {}", dtype_name(keys.dtype()), dtype_name(values.dtype())));
+  // f32 -> f16 -> f32 rounds each element to float16 precision (half to even) exactly once.
+  auto round_trip = [](const Tensor& t) { return t.to(DType::F16).to(DType::F32); };
+  return KVCache::update_and_fetch(round_trip(keys), round_trip(values));
+}
+
+std::vector<std::shared_ptr<KVCache>> make_caches(const MethodSpec& spec, const Transformer& model) {
+  const int L = model.config().n_layers;
+  std::vector<std::shared_ptr<KVCache>> caches;
+  switch (spec.kind) {
+    case MethodSpec::Kind::Fp32:
+      return make_fp32_caches(model);
+    case MethodSpec::Kind::Fp16:
+      for (int l = 0; l < L; ++l) caches.push_back(std::make_shared<Fp16KVCache>());
+      return caches;
+    case MethodSpec::Kind::CacheGen:
+      break;
+  }
+  if (spec.schedule) return KVCacheBuilder::for_model(model.description(), spec.cachegen);
+  KVCacheConfig cfg = spec.cachegen;
+  cfg.cachegen_resolved_bits = cfg.cachegen_bits;
+  for (int l = 0; l < L; ++l) caches.push_back(std::make_shared<CacheGenKVCache>(cfg));
+  return caches;
+}
+
+std::vector<std::shared_ptr<KVCache>> make_caches(const std::string& spec, const Transformer& model) {
+  return make_caches(MethodSpec::parse(spec), model);
+}
+
+}  // namespace vq
