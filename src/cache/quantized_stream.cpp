@@ -100,15 +100,16 @@ void QuantizedStream::add_symbols(std::int64_t slice, std::int64_t row0, std::in
   // Many symbols: count them row by row (contiguous in memory), then recompute each histogram's
   // S once from its counts.
   const int lo = hist_.min_symbol(), A = hist_.alphabet_size();
-  std::uint32_t* base = hist_.counts(per_channel_ ? static_cast<std::size_t>(slice) * d : static_cast<std::size_t>(slice));
-  const std::size_t chan_stride = per_channel_ ? static_cast<std::size_t>(A) : 0;
+  std::uint32_t* __restrict base = hist_.counts(per_channel_ ? static_cast<std::size_t>(slice) * d : static_cast<std::size_t>(slice));
+  // index of symbol 0 of channel c's histogram; a symbol s lands at bin0[c] + s
+  std::vector<std::int32_t> bin0(d);
+  for (std::size_t c = 0; c < d; ++c) bin0[c] = static_cast<std::int32_t>(per_channel_ ? c * static_cast<std::size_t>(A) : 0) - lo;
+  std::vector<std::uint8_t> zero_row(d, 0);
   for (std::int64_t r = row0; r < row0 + n; ++r) {
-    const std::uint8_t* cur = codes + static_cast<std::size_t>(r) * d;
-    const std::uint8_t* prev = (use_delta_ && r > 0) ? cur - d : nullptr;
-    for (std::size_t c = 0; c < d; ++c) {
-      const int sym = static_cast<int>(cur[c]) - (prev ? static_cast<int>(prev[c]) : 0);
-      ++base[c * chan_stride + static_cast<std::size_t>(sym - lo)];
-    }
+    const std::uint8_t* __restrict cur = codes + static_cast<std::size_t>(r) * d;
+    const std::uint8_t* __restrict prev = (use_delta_ && r > 0) ? cur - d : zero_row.data();
+    const std::int32_t* __restrict b0 = bin0.data();
+    for (std::size_t c = 0; c < d; ++c) ++base[b0[c] + static_cast<std::int32_t>(cur[c]) - static_cast<std::int32_t>(prev[c])];
   }
   if (per_channel_) {
     for (std::size_t c = 0; c < d; ++c) hist_.recount(static_cast<std::size_t>(slice) * d + c, static_cast<std::uint64_t>(n));
