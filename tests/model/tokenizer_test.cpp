@@ -150,7 +150,7 @@ TEST(Tokenizer, TrickyStringsRoundTrip) {
       "h\xC3\xA9llo w\xC3\xB6rld \xE2\x9C\x93 \xE6\x97\xA5\xE6\x9C\xAC\xE8\xAA\x9E \xF0\x9F\x99\x82",  // héllo wörld ✓ 日本語 🙂
       std::string("\x01\x7F bytes \xFF\xFE and a NUL \0 inside", 29),
       "\x80\x80 lone continuation bytes \xC3",  // invalid UTF-8 survives via byte fallback
-      "\xF0\x9F\x99\x82\xCC\x81 five-byte run",
+      "\xF0\x9F\x99\x82\x82\x82 over-long continuation run",
       "Lily's mom said, \"Don't worry!\"",
   };
   for (const auto& s : cases) {

@@ -1,0 +1,143 @@
+// Forward pass and generation on stories260K: the published greedy sample, chunking invariance,
+// lossy caches, argument errors.
+#include "veloxquant/model/transformer.hpp"
+
+#include <cmath>
+
+#include <gtest/gtest.h>
+
+#include "veloxquant/cache/cachegen_cache.hpp"
+#include "veloxquant/core/error.hpp"
+#include "veloxquant/model/generate.hpp"
+#include "veloxquant/model/method_spec.hpp"
+#include "veloxquant/model/tokenizer.hpp"
+#include "model_support.hpp"
+
+namespace {
+
+struct Model {
+  vq::Transformer transformer{vq::Checkpoint::load(vqtest::model_path())};
+  vq::Tokenizer tokenizer = vq::Tokenizer::load(vqtest::tokenizer_path(), 512);
+};
+
+Model& model() {
+  static Model m;
+  return m;
+}
+
+// BOS + the first tokens of the validation text.
+std::vector<int> validation_tokens(std::size_t n) {
+  const std::string text = vqtest::read_file(vqtest::models_dir() + "/tinystories_val.txt").substr(0, 8 * n + 64);
+  auto ids = model().tokenizer.encode(text, true, false);
+  ids.resize(n);
+  return ids;
+}
+
+// Perplexity of tokens[1..] given tokens, fed in chunks of `chunk` (0 = all at once).
+double perplexity(const std::vector<int>& tokens, std::vector<std::shared_ptr<vq::KVCache>> caches, std::size_t chunk) {
+  auto& t = model().transformer;
+  const std::size_t V = 512;
+  double nll = 0.0;
+  std::size_t count = 0;
+  if (chunk == 0) chunk = tokens.size();
+  for (std::size_t s = 0; s < tokens.size(); s += chunk) {
+    const std::size_t e = std::min(tokens.size(), s + chunk);
+    const auto logits = t.forward(std::span<const int>(tokens.data() + s, e - s), caches);
+    for (std::size_t i = s; i < e && i + 1 < tokens.size(); ++i) {
+      const float* row = logits.data() + (i - s) * V;
+      double mx = row[0];
+      for (std::size_t j = 1; j < V; ++j) mx = std::max(mx, static_cast<double>(row[j]));
+      double z = 0.0;
+      for (std::size_t j = 0; j < V; ++j) z += std::exp(static_cast<double>(row[j]) - mx);
+      nll += std::log(z) + mx - row[static_cast<std::size_t>(tokens[i + 1])];
+      ++count;
+    }
+  }
+  return std::exp(nll / static_cast<double>(count));
+}
+
+TEST(Transformer, DescriptionAndConfig) {
+  const auto& t = model().transformer;
+  EXPECT_EQ(t.config().n_layers, 5);
+  const auto d = t.description();
+  ASSERT_EQ(d.layer_head_dims.size(), 5u);
+  for (const auto& h : d.layer_head_dims) EXPECT_EQ(h, 8);
+  EXPECT_EQ(vq::make_fp32_caches(t).size(), 5u);
+}
+
+// run.c with its default 256 steps (BOS + 255 forwards... i.e. 256 positions) prints exactly the
+// sample in stories260K.md; the text stops mid-story because of the step limit.
+TEST(Transformer, GreedySampleMatchesLlama2c) {
+  const std::string want = vqtest::expected_greedy_sample();
+  ASSERT_GT(want.size(), 500u);
+  ASSERT_EQ(want.substr(0, 53), "Once upon a time, there was a little girl named Lily.");
+  auto caches = vq::make_fp32_caches(model().transformer);
+  vq::GenerateConfig cfg;  // steps 256, temperature 0
+  std::string streamed;
+  const auto r = vq::generate(model().transformer, model().tokenizer, caches, "", cfg, [&](std::string_view p) { streamed += p; });
+  EXPECT_EQ(r.text + "\n", want);
+  EXPECT_EQ(streamed, r.text);
+  EXPECT_EQ(r.tokens.size(), 257u);  // BOS + 256 generated
+  EXPECT_EQ(caches[0]->offset(), 256);
+  // One step fewer drops the last token.
+  auto caches2 = vq::make_fp32_caches(model().transformer);
+  cfg.steps = 255;
+  const auto r2 = vq::generate(model().transformer, model().tokenizer, caches2, "", cfg);
+  EXPECT_EQ(r2.tokens.size(), 256u);
+  EXPECT_NE(r2.text + "\n", want);
+  EXPECT_EQ(r.text.substr(0, r2.text.size()), r2.text);
+}
+
+TEST(Transformer, PromptIsPrefilledAndPrinted) {
+  auto caches = vq::make_fp32_caches(model().transformer);
+  vq::GenerateConfig cfg;
+  cfg.steps = 40;
+  const auto r = vq::generate(model().transformer, model().tokenizer, caches, "Once upon a time, there was a little girl", cfg);
+  EXPECT_EQ(r.text.rfind("Once upon a time, there was a little girl named Lily.", 0), 0u) << r.text;
+  EXPECT_EQ(static_cast<int>(r.tokens.size()), 41);
+}
+
+TEST(Transformer, ChunkingDoesNotChangePerplexity) {
+  const auto toks = validation_tokens(256);
+  const double one = perplexity(toks, vq::make_fp32_caches(model().transformer), 0);
+  const double seven = perplexity(toks, vq::make_fp32_caches(model().transformer), 7);
+  const double single = perplexity(toks, vq::make_fp32_caches(model().transformer), 1);
+  EXPECT_NEAR(seven / one, 1.0, 1e-4);
+  EXPECT_NEAR(single / one, 1.0, 1e-4);
+  // The model card's validation loss is 1.2968 (perplexity ~3.66) over full 512-token windows.
+  EXPECT_GT(one, 2.0);
+  EXPECT_LT(one, 6.0);
+}
+
+TEST(Transformer, LossyCachesCostPerplexity) {
+  const auto toks = validation_tokens(256);
+  auto& t = model().transformer;
+  const double fp32 = perplexity(toks, vq::make_fp32_caches(t), 0);
+  const double fp16 = perplexity(toks, vq::make_caches("fp16", t), 0);
+  EXPECT_NEAR(fp16 / fp32, 1.0, 2e-3);
+  for (const char* spec : {"cachegen:bits=2,schedule=off", "cachegen:bits=2,flush=per_call,schedule=off", "cachegen:bits=4"}) {
+    SCOPED_TRACE(spec);
+    auto caches = vq::make_caches(spec, t);
+    ASSERT_NE(dynamic_cast<vq::CacheGenKVCache*>(caches[0].get()), nullptr);
+    const double q = perplexity(toks, caches, 16);
+    EXPECT_TRUE(std::isfinite(q));
+    EXPECT_GE(q, fp32 * (1.0 - 1e-3));
+  }
+}
+
+TEST(Transformer, ForwardArgumentErrors) {
+  auto& t = model().transformer;
+  auto caches = vq::make_fp32_caches(t);
+  const std::vector<int> bad{1, 512};
+  EXPECT_THROW(t.forward(bad, caches), vq::InvalidArgument);
+  EXPECT_EQ(caches[0]->offset(), 0);
+  std::vector<std::shared_ptr<vq::KVCache>> four(caches.begin(), caches.begin() + 4);
+  EXPECT_THROW(t.forward(std::vector<int>{1}, four), vq::InvalidArgument);
+  const std::vector<int> too_long(513, 5);
+  EXPECT_THROW(t.forward(too_long, caches), vq::InvalidArgument);
+  caches[2]->update_and_fetch(vq::Tensor::zeros({1, 4, 1, 8}, vq::DType::F32), vq::Tensor::zeros({1, 4, 1, 8}, vq::DType::F32));
+  EXPECT_THROW(t.forward(std::vector<int>{1}, caches), vq::InvalidArgument);  // offsets disagree
+  EXPECT_TRUE(t.forward(std::vector<int>{}, four = vq::make_fp32_caches(t)).empty());
+}
+
+}  // namespace
