@@ -27,22 +27,23 @@ void copy_tokens(const Tensor& src, Tensor& dst, std::int64_t dst_start) {
 }  // namespace
 
 void KVCache::check_chunk(const Tensor& keys, const Tensor& values) const {
+  // Called on every decode step: messages are formatted only on failure.
   const auto& k = keys.shape();
   const auto& v = values.shape();
-  require(k[0] == v[0] && k[1] == v[1] && k[2] == v[2],
-          fmt::format("keys {} and values {} must agree in batch, heads and tokens", shape_string(k), shape_string(v)));
-  require(keys.dtype() == values.dtype(),
-          fmt::format("keys are {} but values are {}", dtype_name(keys.dtype()), dtype_name(values.dtype())));
-  require(k[0] >= 1 && k[1] >= 1 && k[3] >= 1 && v[3] >= 1,
-          fmt::format("keys {} / values {}: batch, heads and head dim must be >= 1", shape_string(k), shape_string(v)));
+  if (k[0] != v[0] || k[1] != v[1] || k[2] != v[2])
+    throw InvalidArgument(fmt::format("keys {} and values {} must agree in batch, heads and tokens", shape_string(k), shape_string(v)));
+  if (keys.dtype() != values.dtype())
+    throw InvalidArgument(fmt::format("keys are {} but values are {}", dtype_name(keys.dtype()), dtype_name(values.dtype())));
+  if (k[0] < 1 || k[1] < 1 || k[3] < 1 || v[3] < 1)
+    throw InvalidArgument(fmt::format("keys {} / values {}: batch, heads and head dim must be >= 1", shape_string(k), shape_string(v)));
   if (offset_ > 0) {
     const auto& ck = keys_buf_.shape();
     const auto& cv = values_buf_.shape();
-    require(k[0] == ck[0] && k[1] == ck[1] && k[3] == ck[3] && v[3] == cv[3],
-            fmt::format("new keys {} / values {} do not match the cache's [B={}, H={}, D_k={}, D_v={}]", shape_string(k),
-                        shape_string(v), ck[0], ck[1], ck[3], cv[3]));
-    require(keys.dtype() == keys_buf_.dtype(), fmt::format("new keys are {} but the cache holds {}", dtype_name(keys.dtype()),
-                                                           dtype_name(keys_buf_.dtype())));
+    if (k[0] != ck[0] || k[1] != ck[1] || k[3] != ck[3] || v[3] != cv[3])
+      throw InvalidArgument(fmt::format("new keys {} / values {} do not match the cache's [B={}, H={}, D_k={}, D_v={}]",
+                                        shape_string(k), shape_string(v), ck[0], ck[1], ck[3], cv[3]));
+    if (keys.dtype() != keys_buf_.dtype())
+      throw InvalidArgument(fmt::format("new keys are {} but the cache holds {}", dtype_name(keys.dtype()), dtype_name(keys_buf_.dtype())));
   }
 }
 

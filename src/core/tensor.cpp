@@ -69,9 +69,10 @@ bool Tensor::is_contiguous() const {
 }
 
 Tensor Tensor::slice(int axis, std::int64_t start, std::int64_t stop) const {
-  require(axis >= 0 && axis < 4, fmt::format("slice: axis {} out of range [0, 4)", axis));
-  require(0 <= start && start <= stop && stop <= shape_[axis],
-          fmt::format("slice: [{}, {}) out of range for axis {} of shape {}", start, stop, axis, shape_string(shape_)));
+  // Hot path (every fetch): format the message only on failure.
+  if (axis < 0 || axis >= 4) throw InvalidArgument(fmt::format("slice: axis {} out of range [0, 4)", axis));
+  if (start < 0 || start > stop || stop > shape_[axis])
+    throw InvalidArgument(fmt::format("slice: [{}, {}) out of range for axis {} of shape {}", start, stop, axis, shape_string(shape_)));
   Tensor t = *this;
   t.shape_[axis] = stop - start;
   if (base_) t.base_ = base_ + start * strides_[axis] * static_cast<std::int64_t>(dtype_size(dtype_));

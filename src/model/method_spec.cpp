@@ -101,23 +101,24 @@ std::pair<Tensor, Tensor> Fp16KVCache::update_and_fetch(const Tensor& keys, cons
   return KVCache::update_and_fetch(round_trip(keys), round_trip(values));
 }
 
-std::vector<std::shared_ptr<KVCache>> make_caches(const MethodSpec& spec, const Transformer& model) {
-  const int L = model.config().n_layers;
-  std::vector<std::shared_ptr<KVCache>> caches;
-  switch (spec.kind) {
-    case MethodSpec::Kind::Fp32:
-      return make_fp32_caches(model);
-    case MethodSpec::Kind::Fp16:
-      for (int l = 0; l < L; ++l) caches.push_back(std::make_shared<Fp16KVCache>());
-      return caches;
-    case MethodSpec::Kind::CacheGen:
-      break;
-  }
-  if (spec.schedule) return KVCacheBuilder::for_model(model.description(), spec.cachegen);
+std::vector<std::shared_ptr<KVCache>> make_caches(const MethodSpec& spec, const ModelDescription& model) {
+  if (spec.kind == MethodSpec::Kind::CacheGen && spec.schedule) return KVCacheBuilder::for_model(model, spec.cachegen);
   KVCacheConfig cfg = spec.cachegen;
   cfg.cachegen_resolved_bits = cfg.cachegen_bits;
-  for (int l = 0; l < L; ++l) caches.push_back(std::make_shared<CacheGenKVCache>(cfg));
+  std::vector<std::shared_ptr<KVCache>> caches;
+  for (const auto& head_dim : model.layer_head_dims) {
+    if (!head_dim || spec.kind == MethodSpec::Kind::Fp32)
+      caches.push_back(std::make_shared<KVCache>());
+    else if (spec.kind == MethodSpec::Kind::Fp16)
+      caches.push_back(std::make_shared<Fp16KVCache>());
+    else
+      caches.push_back(std::make_shared<CacheGenKVCache>(cfg));
+  }
   return caches;
+}
+
+std::vector<std::shared_ptr<KVCache>> make_caches(const MethodSpec& spec, const Transformer& model) {
+  return make_caches(spec, model.description());
 }
 
 std::vector<std::shared_ptr<KVCache>> make_caches(const std::string& spec, const Transformer& model) {

@@ -2,7 +2,9 @@
 #include "veloxquant/model/transformer.hpp"
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
+#include <cstdint>
 
 #include <fmt/core.h>
 
@@ -16,22 +18,17 @@ namespace {
 constexpr float kRmsEps = 1e-5f;
 constexpr float kRopeTheta = 10000.0f;
 
-// Dot product in 8 interleaved partial sums: a plain running sum is a loop-carried dependency the
-// compiler may not reorder (no -ffast-math), this form vectorises as is.
-inline float dot(const float* __restrict a, const float* __restrict b, int n) {
-  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  int i = 0;
-  for (; i + 8 <= n; i += 8)
-    for (int j = 0; j < 8; ++j) acc[j] += a[i + j] * b[i + j];
-  float s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
-  for (; i < n; ++i) s += a[i] * b[i];
-  return s;
-}
-
 // out[t, o] = sum_i in[t, i] * wt[i, o] for t < n, with wt the TRANSPOSED nn.Linear weight
 // [in_dim, out_dim]. The inner loop is an axpy over contiguous outputs, which vectorises without
 // reassociating anything: each output sums its products in order i = 0, 1, ..., exactly as run.c's
 // matmul does.
+// out[t, o] = sum_i in[t, i] * wt[i, o] for t < n, with wt the TRANSPOSED nn.Linear weight
+// [in_dim, out_dim]. The inner loop is an axpy over contiguous outputs, which vectorises without
+// reassociating anything: each output sums its products in order i = 0, 1, ..., exactly as run.c's
+// matmul does. Compiled for AVX2 and baseline x86-64, chosen at load time.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+__attribute__((target_clones("avx2", "default")))
+#endif
 void matmul_t(float* __restrict out, const float* __restrict in, const float* __restrict wt, int n, int in_dim, int out_dim) {
   const std::size_t O = static_cast<std::size_t>(out_dim);
   for (int t = 0; t < n; ++t) {
@@ -66,15 +63,65 @@ void rmsnorm(float* o, const float* x, const float* w, int size) {
   for (int j = 0; j < size; ++j) o[j] = w[j] * (ss * x[j]);
 }
 
+// exp(x) for x <= 0 (softmax inputs after subtracting the max), written so the compiler vectorises
+// a loop over it: Cody-Waite range reduction x = n ln2 + r and Cephes' degree-6 expf polynomial,
+// within 2 ulp of std::exp on [-87, 0]; below -87 it returns 2^-126-ish instead of a denormal,
+// which is invisible next to the softmax maximum's exp(0) = 1.
+inline float exp_nonpositive(float x) {
+  // Clamp at -87 on the bits: for x <= 0 a larger magnitude has larger unsigned bits. (A float
+  // compare would keep the loop scalar: GCC will not if-convert it under -ftrapping-math.)
+  const std::uint32_t lim = std::bit_cast<std::uint32_t>(-87.0f);
+  const std::uint32_t b = std::bit_cast<std::uint32_t>(x);
+  x = std::bit_cast<float>(b > lim ? lim : b);
+  const float rounder = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer, half to even
+  const float n = (x * 1.44269504088896341f + rounder) - rounder;
+  float r = x - n * 0.693359375f;  // ln2 split in a part exact in float and the rest
+  r = r - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * (r * r) + r + 1.0f;
+  // 2^n from the rounder trick's bits: n + 127 is in [0, 127] here, so it fits the exponent field.
+  const std::int32_t e = (static_cast<std::int32_t>(n) + 127) << 23;
+  return p * std::bit_cast<float>(e);
+}
+
+// x[i] = exp(x[i] - m). Kept out of line so the compiler does not fuse it with the (sequential,
+// unvectorisable) sum that follows, which would block vectorising the exps.
+__attribute__((noinline)) void exp_shifted(float* __restrict x, int size, float m) {
+  for (int i = 0; i < size; ++i) x[i] = exp_nonpositive(x[i] - m);
+}
+
 void softmax(float* x, int size) {
   float max_val = x[0];
   for (int i = 1; i < size; ++i) max_val = std::max(max_val, x[i]);
+  exp_shifted(x, size, max_val);
   float sum = 0.0f;
-  for (int i = 0; i < size; ++i) {
-    x[i] = std::exp(x[i] - max_val);
-    sum += x[i];
-  }
+  for (int i = 0; i < size; ++i) sum += x[i];
   for (int i = 0; i < size; ++i) x[i] /= sum;
+}
+
+// Attention scores q . k_t / sqrt(head_size) for t < len, keys contiguous [len, HS]; the sum runs in order
+// d = 0..HS-1 as run.c's, and the loop over t vectorises for a compile-time head size.
+template <int HS>
+void scores_fixed(const float* __restrict q, const float* __restrict k, int len, float sqrt_hs, float* __restrict out) {
+  for (int t = 0; t < len; ++t) {
+    float s = 0.0f;
+    for (int d = 0; d < HS; ++d) s += q[d] * k[t * HS + d];
+    out[t] = s / sqrt_hs;
+  }
+}
+
+void scores_any(const float* q, const float* k, std::int64_t stride, int hs, int len, float sqrt_hs, float* out) {
+  for (int t = 0; t < len; ++t) {
+    const float* kt = k + static_cast<std::size_t>(t) * static_cast<std::size_t>(stride);
+    float s = 0.0f;
+    for (int d = 0; d < hs; ++d) s += q[d] * kt[d];
+    out[t] = s / sqrt_hs;
+  }
 }
 
 std::size_t sz(long long v) { return static_cast<std::size_t>(v); }
@@ -150,7 +197,7 @@ std::vector<float> Transformer::forward(std::span<const int> tokens, std::vector
   const int dim = c.dim, kv_dim = c.kv_dim(), hs = c.head_size(), hidden = c.hidden_dim, half = hs / 2;
   const int n_kv = c.n_kv_heads, group = c.n_heads / c.n_kv_heads;
   const std::size_t D = sz(dim), KV = sz(kv_dim), H = sz(hidden);
-  const float inv_sqrt_hs = 1.0f / std::sqrt(static_cast<float>(hs));
+  const float sqrt_hs = std::sqrt(static_cast<float>(hs));
 
   for (int i = 0; i < n; ++i)
     std::copy_n(ck_.token_embedding.data() + sz(tokens[sz(i)]) * D, D, x_.data() + sz(i) * D);
@@ -211,7 +258,12 @@ std::vector<float> Transformer::forward(std::span<const int> tokens, std::vector
         for (int h = kh * group; h < (kh + 1) * group; ++h) {
           const float* q = q_.data() + sz(i) * D + sz(h * hs);
           float* att = scores_.data();
-          for (int t = 0; t < len; ++t) att[t] = dot(q, kp + sz(t) * sz(ks), hs) * inv_sqrt_hs;
+          if (hs == 8 && ks == 8)
+            scores_fixed<8>(q, kp, len, sqrt_hs, att);
+          else if (hs == 16 && ks == 16)
+            scores_fixed<16>(q, kp, len, sqrt_hs, att);
+          else
+            scores_any(q, kp, ks, hs, len, sqrt_hs, att);
           softmax(att, len);
           float* out = att_out_.data() + sz(i) * D + sz(h * hs);
           std::fill_n(out, hs, 0.0f);

@@ -1,7 +1,9 @@
 // Tokenizer: tok512.bin, run.c-exact encoding (against a naive O(n^2) reference), round trips.
 #include "veloxquant/model/tokenizer.hpp"
 
+#include <algorithm>
 #include <chrono>
+#include <cstring>
 
 #include <gtest/gtest.h>
 
@@ -67,8 +69,8 @@ TEST(Tokenizer, LoadsTok512) {
   const Tokenizer& t = tok();
   EXPECT_EQ(t.vocab_size(), 512);
   EXPECT_EQ(t.piece(0), "<unk>");
-  EXPECT_EQ(t.piece(1), "<s>");
-  EXPECT_EQ(t.piece(2), "</s>");
+  EXPECT_EQ(t.piece(1), "\n<s>\n");  // llama2.c's tokenizer.py exports BOS/EOS wrapped in newlines
+  EXPECT_EQ(t.piece(2), "\n</s>\n");
   EXPECT_EQ(t.piece(3), "<0x00>");
   EXPECT_EQ(t.piece(3 + 0x0A), "<0x0A>");
   EXPECT_EQ(t.piece(258), "<0xFF>");
@@ -137,7 +139,7 @@ TEST(Tokenizer, DecodeRules) {
   EXPECT_EQ(tok().decode(5, space), " ");
   EXPECT_EQ(tok().decode(5, 3 + 0x0A), "\n");
   EXPECT_EQ(tok().decode(5, 3 + 0xFF), std::string(1, '\xFF'));
-  EXPECT_EQ(tok().decode(5, 1), "<s>");
+  EXPECT_EQ(tok().decode(5, 1), "\n<s>\n");
   EXPECT_EQ(tok().decode(std::vector<int>{1, space, 2}), "");
 }
 

@@ -12,5 +12,6 @@ using Runner = std::function<int()>;
 Runner add_account(CLI::App& app);
 Runner add_synth(CLI::App& app);
 Runner add_generate(CLI::App& app);
+Runner add_eval(CLI::App& app);
 
 }  // namespace vqcli

@@ -22,6 +22,7 @@ int main(int argc, char** argv) {
   add("account", "feed K/V .npy files through a CacheGenKVCache and print its byte counters", vqcli::add_account);
   add("synth", "write a synthetic LLM-like K/V pair as .npy files", vqcli::add_synth);
   add("generate", "generate text with a llama2.c model through a chosen KV cache method", vqcli::add_generate);
+  add("eval", "score KV cache methods against the exact fp32 cache on a real model (perplexity, KL, top-1, bits)", vqcli::add_eval);
 
   std::string names;
   bool known = false;

@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "veloxquant/cache/builder.hpp"
 #include "veloxquant/cache/config.hpp"
 #include "veloxquant/cache/kv_cache.hpp"
 
@@ -43,7 +44,8 @@ class Fp16KVCache : public KVCache {
   std::string kind() const override { return "Fp16KVCache"; }
 };
 
-// One cache per layer of `model` for `spec`.
+// One cache per layer of `model` for `spec` (layers without attention get a plain KVCache).
+std::vector<std::shared_ptr<KVCache>> make_caches(const MethodSpec& spec, const ModelDescription& model);
 std::vector<std::shared_ptr<KVCache>> make_caches(const MethodSpec& spec, const Transformer& model);
 std::vector<std::shared_ptr<KVCache>> make_caches(const std::string& spec, const Transformer& model);
 

@@ -7,7 +7,7 @@
 // share a KV head) -> wo -> residual; RMSNorm -> SwiGLU FFN w2(silu(w1 x) * w3 x) -> residual.
 // Final RMSNorm and the classifier give the logits. Arithmetic follows run.c (float32 throughout,
 // same operation order per element, including each matmul output's sum in input order), except
-// that attention scores (head_size products) sum in 8 interleaved partial sums.
+// that the attention softmax uses a vectorisable exp within 2 ulp of expf.
 //
 // Attention reads keys and values only from what update_and_fetch returned: a lossy cache changes
 // the logits, which is what the evaluation measures.

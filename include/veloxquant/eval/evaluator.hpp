@@ -1,0 +1,77 @@
+// The quality harness: score KV cache methods against the exact float32 cache on the same tokens.
+//
+// Protocols (see docs/quality.md):
+//   stream: the text is cut into windows of `window` tokens, each starting with BOS. The first
+//           `ctx` tokens of a window are prefilled in chunks of `chunk`, the rest is decoded one
+//           token per call, all through the method's cache. Every next-token prediction of the
+//           window is scored (window - 1 per window).
+//   reuse:  CacheGen's setting. A context of `ctx` tokens (BOS first) is prefilled through the
+//           method's cache in chunks of `chunk`, "compressed"; its dense contents are then handed
+//           to exact caches, and the following `window - ctx` tokens are scored with that context
+//           (predictions from position ctx - 1 on). Bits describe the compressed context.
+// Per method: perplexity, its change vs fp32 in %, mean KL(fp32 || method) of the next-token
+// distribution, top-1 agreement with fp32, and the cache's bits per element (fixed-width and
+// entropy-estimated; every byte of metadata counted).
+#pragma once
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "veloxquant/cache/kv_cache.hpp"
+
+namespace vq {
+
+class Transformer;
+
+enum class EvalProtocol { Stream, Reuse };
+EvalProtocol eval_protocol_from_name(const std::string& name);  // "stream" | "reuse"; throws InvalidArgument
+const char* eval_protocol_name(EvalProtocol p);
+
+struct EvalOptions {
+  EvalProtocol protocol = EvalProtocol::Stream;
+  int window = 256;
+  int ctx = 128;
+  int chunk = 64;
+  std::int64_t max_tokens = 4096;  // scored tokens per method (0 = the whole text)
+  // Called after each window with the fraction done (for progress display).
+  std::function<void(double)> progress;
+  void validate(int seq_len) const;  // throws InvalidArgument
+};
+
+struct MethodResult {
+  std::string method;
+  std::int64_t tokens = 0;
+  double ppl = 0, delta_ppl_pct = 0, kl = 0, top1 = 0;
+  double bits_per_element_fixed = 0, bits_per_element_estimated = 0;
+};
+
+// Bits per element a set of per-layer caches costs now: fixed-width and entropy-estimated.
+struct CacheBits {
+  double fixed_bytes = 0, estimated_bytes = 0, elements = 0;
+  void add(const CacheBits& o);
+  double fixed_bits() const { return elements > 0 ? 8.0 * fixed_bytes / elements : 0.0; }
+  double estimated_bits() const { return elements > 0 ? 8.0 * estimated_bytes / elements : 0.0; }
+};
+CacheBits cache_bits(const std::vector<std::shared_ptr<KVCache>>& caches);
+
+// Split a --methods list. Specs contain commas themselves ("cachegen:bits=4,group=32"), so an item
+// holding '=' but no ':' continues the previous spec; ';' always separates.
+std::vector<std::string> split_method_list(const std::string& list);
+
+// Score `methods` on `tokens` (the encoded text, without BOS). fp32 is always computed as the
+// reference; a method list may name it too (its row then shows ΔPPL 0, KL 0, top-1 1).
+std::vector<MethodResult> evaluate(Transformer& model, const std::vector<int>& tokens,
+                                   const std::vector<std::string>& methods, const EvalOptions& options);
+
+// Without a model: each method's cache on synthetic LLM-like K/V (see synth/), reporting bits per
+// element; ppl, kl and top1 are not defined there and left at 0 with tokens = 0.
+struct SyntheticResult {
+  std::string method;
+  double bits_per_element_fixed = 0, bits_per_element_estimated = 0;
+  double relative_mse = 0;  // ||x_hat - x||^2 / ||x||^2 over K and V
+};
+std::vector<SyntheticResult> evaluate_synthetic(const std::vector<std::string>& methods, std::int64_t tokens);
+
+}  // namespace vq

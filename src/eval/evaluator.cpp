@@ -1,0 +1,244 @@
+#include "veloxquant/eval/evaluator.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <span>
+
+#include <fmt/format.h>
+
+#include "veloxquant/cache/cachegen_cache.hpp"
+#include "veloxquant/core/error.hpp"
+#include "veloxquant/model/method_spec.hpp"
+#include "veloxquant/model/transformer.hpp"
+#include "veloxquant/synth/synthetic_kv.hpp"
+
+namespace vq {
+
+EvalProtocol eval_protocol_from_name(const std::string& name) {
+  if (name == "stream") return EvalProtocol::Stream;
+  if (name == "reuse") return EvalProtocol::Reuse;
+  throw InvalidArgument("unknown protocol '" + name + "' (expected stream or reuse)");
+}
+
+const char* eval_protocol_name(EvalProtocol p) { return p == EvalProtocol::Stream ? "stream" : "reuse"; }
+
+void EvalOptions::validate(int seq_len) const {
+  require(window >= 2 && window <= seq_len, fmt::format("--window must be in 2..{} (the model's seq_len), got {}", seq_len, window));
+  require(chunk >= 1, fmt::format("--chunk must be >= 1, got {}", chunk));
+  require(max_tokens >= 0, fmt::format("--max-tokens must be >= 0, got {}", max_tokens));
+  if (protocol == EvalProtocol::Reuse)
+    require(ctx >= 1 && ctx < window, fmt::format("reuse needs 1 <= --ctx < --window, got ctx {} and window {}", ctx, window));
+  else
+    require(ctx >= 0, fmt::format("--ctx must be >= 0, got {}", ctx));
+}
+
+void CacheBits::add(const CacheBits& o) {
+  fixed_bytes += o.fixed_bytes;
+  estimated_bytes += o.estimated_bytes;
+  elements += o.elements;
+}
+
+CacheBits cache_bits(const std::vector<std::shared_ptr<KVCache>>& caches) {
+  CacheBits out;
+  for (const auto& c : caches) {
+    const KVState s = c->state();
+    const double elements = static_cast<double>(s.keys.numel() + s.values.numel());
+    out.elements += elements;
+    if (const auto* cg = dynamic_cast<const CacheGenKVCache*>(c.get())) {
+      out.fixed_bytes += static_cast<double>(cg->fixed_width_key_bytes() + cg->fixed_width_value_bytes());
+      out.estimated_bytes += static_cast<double>(cg->compressed_key_bytes() + cg->compressed_value_bytes());
+    } else {
+      // Plain caches store their dtype; Fp16KVCache holds float16 precision in float32 storage
+      // and is billed as the float16 it represents.
+      const double bytes_per = c->kind() == "Fp16KVCache" ? 2.0 : static_cast<double>(dtype_size(s.keys.dtype()));
+      out.fixed_bytes += elements * bytes_per;
+      out.estimated_bytes += elements * bytes_per;
+    }
+  }
+  return out;
+}
+
+std::vector<std::string> split_method_list(const std::string& list) {
+  std::vector<std::string> out;
+  std::string item;
+  auto flush = [&](bool separator_semicolon) {
+    const auto b = item.find_first_not_of(" \t"), e = item.find_last_not_of(" \t");
+    const std::string t = b == std::string::npos ? "" : item.substr(b, e - b + 1);
+    item.clear();
+    if (t.empty()) return;
+    if (!separator_semicolon && !out.empty() && t.find('=') != std::string::npos && t.find(':') == std::string::npos &&
+        out.back().find(':') != std::string::npos) {
+      out.back() += "," + t;
+      return;
+    }
+    out.push_back(t);
+  };
+  bool last_sep_semicolon = true;
+  for (char ch : list) {
+    if (ch == ',' || ch == ';') {
+      flush(last_sep_semicolon);
+      last_sep_semicolon = ch == ';';
+    } else {
+      item += ch;
+    }
+  }
+  flush(last_sep_semicolon);
+  require(!out.empty(), "the method list is empty");
+  return out;
+}
+
+namespace {
+
+// log-softmax of one row of logits, in double.
+void log_softmax(std::span<const float> logits, std::vector<double>& out) {
+  out.resize(logits.size());
+  double mx = -INFINITY;
+  for (float x : logits) mx = std::max(mx, static_cast<double>(x));
+  double sum = 0;
+  for (float x : logits) sum += std::exp(static_cast<double>(x) - mx);
+  const double lse = mx + std::log(sum);
+  for (std::size_t i = 0; i < logits.size(); ++i) out[i] = static_cast<double>(logits[i]) - lse;
+}
+
+struct Accum {
+  double nll = 0, kl = 0;
+  std::int64_t agree = 0, tokens = 0;
+  CacheBits bits;
+};
+
+// Logits of the scored positions of one window, [n_scored, vocab], and the caches' bits.
+struct WindowRun {
+  std::vector<float> logits;
+  CacheBits bits;
+};
+
+WindowRun run_window(Transformer& model, const std::string& method, std::span<const int> seq, const EvalOptions& o) {
+  const int vocab = model.config().vocab_size;
+  const int n = static_cast<int>(seq.size());
+  auto caches = make_caches(method, model);
+  WindowRun out;
+  auto prefill = [&](int begin, int end, std::vector<float>* keep_from, int keep_pos) {
+    for (int s = begin; s < end; s += o.chunk) {
+      const int e = std::min(end, s + o.chunk);
+      auto logits = model.forward(seq.subspan(static_cast<std::size_t>(s), static_cast<std::size_t>(e - s)), caches);
+      if (keep_from)
+        for (int p = std::max(s, keep_pos); p < e; ++p)
+          keep_from->insert(keep_from->end(), logits.begin() + static_cast<std::ptrdiff_t>(p - s) * vocab,
+                            logits.begin() + static_cast<std::ptrdiff_t>(p - s + 1) * vocab);
+    }
+  };
+  if (o.protocol == EvalProtocol::Stream) {
+    const int pre = std::min(o.ctx, n - 1);
+    prefill(0, pre, &out.logits, 0);
+    for (int p = pre; p < n - 1; ++p) {
+      auto logits = model.forward(seq.subspan(static_cast<std::size_t>(p), 1), caches);
+      out.logits.insert(out.logits.end(), logits.begin(), logits.end());
+    }
+    out.bits = cache_bits(caches);
+    return out;
+  }
+  // reuse: compress the context, hand its dense contents to exact caches, score the rest.
+  prefill(0, o.ctx, &out.logits, o.ctx - 1);
+  out.bits = cache_bits(caches);
+  auto exact = make_caches("fp32", model);
+  for (std::size_t l = 0; l < caches.size(); ++l) exact[l]->from_state(caches[l]->state());
+  auto logits = model.forward(seq.subspan(static_cast<std::size_t>(o.ctx), static_cast<std::size_t>(n - 1 - o.ctx)), exact);
+  out.logits.insert(out.logits.end(), logits.begin(), logits.end());
+  return out;
+}
+
+}  // namespace
+
+std::vector<MethodResult> evaluate(Transformer& model, const std::vector<int>& tokens, const std::vector<std::string>& methods,
+                                   const EvalOptions& o) {
+  o.validate(model.config().seq_len);
+  require(!methods.empty(), "no methods to evaluate");
+  for (const auto& m : methods) (void)MethodSpec::parse(m);  // fail early on a bad spec
+  const int vocab = model.config().vocab_size;
+  const int text_per_window = o.window - 1;  // window = BOS + text tokens
+  require(static_cast<std::int64_t>(tokens.size()) >= text_per_window,
+          fmt::format("the text holds {} tokens, fewer than one window of {}", tokens.size(), o.window));
+  const std::int64_t scored_per_window = o.protocol == EvalProtocol::Stream ? o.window - 1 : o.window - o.ctx;
+  std::int64_t n_windows = static_cast<std::int64_t>(tokens.size()) / text_per_window;
+  if (o.max_tokens > 0) n_windows = std::min<std::int64_t>(n_windows, (o.max_tokens + scored_per_window - 1) / scored_per_window);
+
+  std::vector<Accum> acc(methods.size());
+  Accum ref;
+  std::vector<double> lp_ref, lp;
+  std::vector<int> seq(static_cast<std::size_t>(o.window));
+  for (std::int64_t w = 0; w < n_windows; ++w) {
+    seq[0] = 1;  // BOS
+    std::copy_n(tokens.begin() + static_cast<std::ptrdiff_t>(w * text_per_window), text_per_window, seq.begin() + 1);
+    const int first_target = o.protocol == EvalProtocol::Stream ? 1 : o.ctx;  // seq index of the first scored token
+    const WindowRun base = run_window(model, "fp32", seq, o);
+    std::vector<WindowRun> runs;
+    for (const auto& m : methods) runs.push_back(run_window(model, m, seq, o));
+    for (std::int64_t i = 0; i < scored_per_window; ++i) {
+      const int target = seq[static_cast<std::size_t>(first_target + i)];
+      std::span<const float> rl(base.logits.data() + i * vocab, static_cast<std::size_t>(vocab));
+      log_softmax(rl, lp_ref);
+      const auto ref_top = std::max_element(rl.begin(), rl.end()) - rl.begin();
+      ref.nll -= lp_ref[static_cast<std::size_t>(target)];
+      ++ref.tokens;
+      for (std::size_t m = 0; m < methods.size(); ++m) {
+        std::span<const float> ml(runs[m].logits.data() + i * vocab, static_cast<std::size_t>(vocab));
+        log_softmax(ml, lp);
+        double kl = 0;
+        for (int v = 0; v < vocab; ++v) kl += std::exp(lp_ref[static_cast<std::size_t>(v)]) * (lp_ref[static_cast<std::size_t>(v)] - lp[static_cast<std::size_t>(v)]);
+        acc[m].kl += std::max(0.0, kl);
+        acc[m].nll -= lp[static_cast<std::size_t>(target)];
+        acc[m].agree += (std::max_element(ml.begin(), ml.end()) - ml.begin()) == ref_top;
+        ++acc[m].tokens;
+      }
+    }
+    for (std::size_t m = 0; m < methods.size(); ++m) acc[m].bits.add(runs[m].bits);
+    if (o.progress) o.progress(static_cast<double>(w + 1) / static_cast<double>(n_windows));
+  }
+  const double ppl_ref = std::exp(ref.nll / static_cast<double>(ref.tokens));
+  std::vector<MethodResult> out;
+  for (std::size_t m = 0; m < methods.size(); ++m) {
+    MethodResult r;
+    r.method = methods[m];
+    r.tokens = acc[m].tokens;
+    r.ppl = std::exp(acc[m].nll / static_cast<double>(acc[m].tokens));
+    r.delta_ppl_pct = 100.0 * (r.ppl / ppl_ref - 1.0);
+    r.kl = acc[m].kl / static_cast<double>(acc[m].tokens);
+    r.top1 = static_cast<double>(acc[m].agree) / static_cast<double>(acc[m].tokens);
+    r.bits_per_element_fixed = acc[m].bits.fixed_bits();
+    r.bits_per_element_estimated = acc[m].bits.estimated_bits();
+    out.push_back(r);
+  }
+  return out;
+}
+
+std::vector<SyntheticResult> evaluate_synthetic(const std::vector<std::string>& methods, std::int64_t tokens) {
+  constexpr int kLayers = 4;
+  std::vector<SyntheticKV> layers;
+  for (int l = 0; l < kLayers; ++l) {
+    SyntheticKVConfig c;
+    c.tokens = tokens;
+    c.seed = static_cast<std::uint64_t>(l);
+    c.dtype = DType::F32;
+    layers.push_back(make_synthetic_kv(c));
+  }
+  std::vector<SyntheticResult> out;
+  for (const auto& m : methods) {
+    auto caches = make_caches(MethodSpec::parse(m), ModelDescription::uniform(kLayers, static_cast<int>(layers[0].keys.dim(3))));
+    double err = 0, norm = 0;
+    for (int l = 0; l < kLayers; ++l) {
+      auto [k, v] = caches[static_cast<std::size_t>(l)]->update_and_fetch(layers[static_cast<std::size_t>(l)].keys, layers[static_cast<std::size_t>(l)].values);
+      for (const auto& [a, b] : {std::pair{&layers[static_cast<std::size_t>(l)].keys, &k}, std::pair{&layers[static_cast<std::size_t>(l)].values, &v}}) {
+        const auto x = a->to_f32_vector(), y = b->to_f32_vector();
+        for (std::size_t i = 0; i < x.size(); ++i) {
+          err += (static_cast<double>(y[i]) - x[i]) * (static_cast<double>(y[i]) - x[i]);
+          norm += static_cast<double>(x[i]) * x[i];
+        }
+      }
+    }
+    const CacheBits bits = cache_bits(caches);
+    out.push_back({m, bits.fixed_bits(), bits.estimated_bits(), norm > 0 ? err / norm : 0.0});
+  }
+  return out;
+}
+
+}  // namespace vq

@@ -1,0 +1,154 @@
+// veloxquant eval: score KV cache methods against the exact fp32 cache on a real model.
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <optional>
+#include <sstream>
+
+#include <unistd.h>
+
+#include <fmt/core.h>
+#include <nlohmann/json.hpp>
+
+#include "commands.hpp"
+#include "veloxquant/core/error.hpp"
+#include "veloxquant/eval/evaluator.hpp"
+#include "veloxquant/model/checkpoint.hpp"
+#include "veloxquant/model/model_files.hpp"
+#include "veloxquant/model/tokenizer.hpp"
+#include "veloxquant/model/transformer.hpp"
+
+namespace vqcli {
+
+namespace {
+
+constexpr const char* kDefaultMethods =
+    "fp32;fp16;cachegen:bits=4;cachegen:bits=3;cachegen:bits=2;cachegen:bits=4,schedule=off;cachegen:bits=4,flush=per_call";
+
+struct EvalCliOptions {
+  std::string model, tokenizer, text, methods = kDefaultMethods, protocol = "stream";
+  vq::EvalOptions eval;
+  bool json = false;
+};
+
+// Progress on stderr once a run has taken more than a second; one line, rewritten in place.
+class Progress {
+ public:
+  void operator()(double frac) {
+    const double t = std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+    if (t < 1.0 || (frac < 1.0 && t - last_ < 0.25)) return;
+    last_ = t;
+    const double eta = frac > 0 ? t / frac - t : 0;
+    fmt::print(stderr, "\reval: {:5.1f}%  {:.1f}s elapsed, ~{:.0f}s left   ", 100.0 * frac, t, eta);
+    shown_ = true;
+  }
+  ~Progress() {
+    if (shown_) fmt::print(stderr, "\n");
+  }
+
+ private:
+  std::chrono::steady_clock::time_point start_ = std::chrono::steady_clock::now();
+  double last_ = -1;
+  bool shown_ = false;
+};
+
+std::optional<std::filesystem::path> opt(const std::string& s) {
+  if (s.empty()) return std::nullopt;
+  return std::filesystem::path(s);
+}
+
+int run_synthetic(const EvalCliOptions& o, const std::string& why) {
+  fmt::print(stderr, "veloxquant: no model: {}\n", why);
+  fmt::print(stderr, "veloxquant: running the caches on synthetic LLM-like K/V instead (no quality numbers without a model)\n");
+  const auto results = vq::evaluate_synthetic(vq::split_method_list(o.methods), 1024);
+  if (o.json) {
+    nlohmann::json j{{"model", "synthetic"}, {"protocol", "synthetic"}, {"results", nlohmann::json::array()}};
+    for (const auto& r : results)
+      j["results"].push_back({{"method", r.method}, {"tokens", 0}, {"ppl", nullptr}, {"delta_ppl_pct", nullptr}, {"kl", nullptr},
+                              {"top1", nullptr}, {"bits_per_element_fixed", r.bits_per_element_fixed},
+                              {"bits_per_element_estimated", r.bits_per_element_estimated}, {"relative_mse", r.relative_mse}});
+    fmt::print("{}\n", j.dump(2));
+    return 0;
+  }
+  fmt::print("SYNTHETIC K/V (4 layers x 8 heads x 1024 tokens x D=128), not a model\n");
+  fmt::print("{:<44} {:>10} {:>10} {:>12}\n", "method", "bits fixed", "bits est.", "rel. MSE");
+  for (const auto& r : results)
+    fmt::print("{:<44} {:>10.3f} {:>10.3f} {:>12.3e}\n", r.method, r.bits_per_element_fixed, r.bits_per_element_estimated, r.relative_mse);
+  return 0;
+}
+
+int run_eval(EvalCliOptions o) {
+  o.eval.protocol = vq::eval_protocol_from_name(o.protocol);
+  const auto methods = vq::split_method_list(o.methods);
+  vq::ModelFiles files;
+  try {
+    files = vq::resolve_model_files(opt(o.model), opt(o.tokenizer));
+  } catch (const vq::IoError& e) {
+    if (!o.model.empty() || !o.tokenizer.empty()) throw;  // an explicit path that is wrong is an error
+    return run_synthetic(o, e.what());
+  }
+  vq::Transformer model(vq::Checkpoint::load(files.model.string()));
+  const vq::Tokenizer tok = vq::Tokenizer::load(files.tokenizer.string(), model.config().vocab_size);
+  o.eval.validate(model.config().seq_len);
+
+  std::string text_path = o.text;
+  if (text_path.empty()) {
+    const auto found = vq::find_model_file("tinystories_val.txt");
+    vq::require(found.has_value(), "--text is required (no tinystories_val.txt beside the model files)");
+    text_path = found->string();
+  }
+  std::ifstream in(text_path, std::ios::binary);
+  if (!in) throw vq::IoError(fmt::format("{}: cannot open", text_path));
+  std::stringstream buf;
+  buf << in.rdbuf();
+  std::string text = buf.str();
+  // Tokenize only as much text as the run can score (2x margin), so a short run stays short.
+  if (o.eval.max_tokens > 0) {
+    const std::size_t want = static_cast<std::size_t>(o.eval.max_tokens) * 16 + static_cast<std::size_t>(o.eval.window) * 64;
+    if (text.size() > want) text.resize(text.rfind("\n\n", want) == std::string::npos ? want : text.rfind("\n\n", want));
+  }
+  const std::vector<int> tokens = tok.encode(text, /*bos=*/false);
+
+  Progress progress;
+  o.eval.progress = [&](double f) { progress(f); };
+  const auto results = vq::evaluate(model, tokens, methods, o.eval);
+
+  if (o.json) {
+    nlohmann::json j{{"model", files.model.filename().string()}, {"protocol", o.protocol}, {"results", nlohmann::json::array()}};
+    for (const auto& r : results)
+      j["results"].push_back({{"method", r.method}, {"tokens", r.tokens}, {"ppl", r.ppl}, {"delta_ppl_pct", r.delta_ppl_pct},
+                              {"kl", r.kl}, {"top1", r.top1}, {"bits_per_element_fixed", r.bits_per_element_fixed},
+                              {"bits_per_element_estimated", r.bits_per_element_estimated}});
+    fmt::print("{}\n", j.dump(2));
+    return 0;
+  }
+  fmt::print("model {}  protocol {}  window {}  ctx {}  chunk {}  text {}\n", files.model.filename().string(), o.protocol,
+             o.eval.window, o.eval.ctx, o.eval.chunk, text_path);
+  fmt::print("{:<44} {:>7} {:>9} {:>8} {:>10} {:>7} {:>10} {:>10}\n", "method", "tokens", "ppl", "dPPL %", "KL", "top-1",
+             "bits fixed", "bits est.");
+  for (const auto& r : results)
+    fmt::print("{:<44} {:>7} {:>9.4f} {:>8.3f} {:>10.3e} {:>7.4f} {:>10.3f} {:>10.3f}\n", r.method, r.tokens, r.ppl, r.delta_ppl_pct,
+               r.kl, r.top1, r.bits_per_element_fixed, r.bits_per_element_estimated);
+  fmt::print("(dPPL, KL and top-1 against the exact fp32 cache on the same tokens; bits per element of K and V, metadata included)\n");
+  return 0;
+}
+
+}  // namespace
+
+Runner add_eval(CLI::App& app) {
+  auto o = std::make_shared<EvalCliOptions>();
+  app.add_option("--model", o->model, "llama2.c checkpoint (default: stories260K.bin in $VELOXQUANT_MODEL_DIR, ./models, ../shared/models)");
+  app.add_option("--tokenizer", o->tokenizer, "llama2.c tokenizer (default: tok512.bin, looked up like --model)");
+  app.add_option("--text", o->text, "text to score (default: tinystories_val.txt beside the model)");
+  app.add_option("--methods", o->methods, "methods to score, e.g. 'fp16,cachegen:bits=4,group=32;cachegen:flush=per_call'")
+      ->capture_default_str();
+  app.add_option("--protocol", o->protocol, "stream or reuse")->capture_default_str();
+  app.add_option("--ctx", o->eval.ctx, "stream: tokens prefilled per window; reuse: context tokens")->capture_default_str();
+  app.add_option("--window", o->eval.window, "tokens per window, BOS included")->capture_default_str();
+  app.add_option("--chunk", o->eval.chunk, "prefill chunk size")->capture_default_str();
+  app.add_option("--max-tokens", o->eval.max_tokens, "tokens scored per method (0: the whole text)")->capture_default_str();
+  app.add_flag("--json", o->json, "print JSON");
+  return [o] { return run_eval(*o); };
+}
+
+}  // namespace vqcli
