@@ -36,11 +36,12 @@ class Progress {
  public:
   void operator()(double frac) {
     const double t = std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
-    if (t < 1.0 || (frac < 1.0 && t - last_ < 0.25)) return;
+    // On a terminal one line is rewritten in place; in a log, a line every 5 seconds.
+    if (t < 1.0 || (frac < 1.0 && t - last_ < (tty_ ? 0.25 : 5.0))) return;
     last_ = t;
     const double eta = frac > 0 ? t / frac - t : 0;
-    fmt::print(stderr, "\reval: {:5.1f}%  {:.1f}s elapsed, ~{:.0f}s left   ", 100.0 * frac, t, eta);
-    shown_ = true;
+    fmt::print(stderr, "{}eval: {:5.1f}%  {:.1f}s elapsed, ~{:.0f}s left{}", tty_ ? "\r" : "", 100.0 * frac, t, eta, tty_ ? "   " : "\n");
+    shown_ = tty_;
   }
   ~Progress() {
     if (shown_) fmt::print(stderr, "\n");
@@ -49,6 +50,7 @@ class Progress {
  private:
   std::chrono::steady_clock::time_point start_ = std::chrono::steady_clock::now();
   double last_ = -1;
+  bool tty_ = isatty(fileno(stderr)) != 0;
   bool shown_ = false;
 };
 

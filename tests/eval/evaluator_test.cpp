@@ -1,0 +1,150 @@
+#include "veloxquant/eval/evaluator.hpp"
+
+#include <array>
+#include <cstdio>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "veloxquant/core/error.hpp"
+#include "veloxquant/model/checkpoint.hpp"
+#include "veloxquant/model/tokenizer.hpp"
+#include "veloxquant/model/transformer.hpp"
+#include "../model/model_support.hpp"
+
+namespace {
+
+using namespace vqtest;
+
+std::vector<int> validation_tokens(std::size_t bytes) {
+  const auto tok = vq::Tokenizer::load(tokenizer_path(), 512);
+  std::string text = read_file(models_dir() + "/tinystories_val.txt");
+  text.resize(bytes);
+  return tok.encode(text, false);
+}
+
+TEST(Evaluator, SplitsMethodLists) {
+  EXPECT_EQ(vq::split_method_list("fp32,cachegen:bits=4,group=16,fp16"),
+            (std::vector<std::string>{"fp32", "cachegen:bits=4,group=16", "fp16"}));
+  EXPECT_EQ(vq::split_method_list("cachegen:bits=2;cachegen:flush=per_call"),
+            (std::vector<std::string>{"cachegen:bits=2", "cachegen:flush=per_call"}));
+  EXPECT_EQ(vq::split_method_list(" fp16 "), (std::vector<std::string>{"fp16"}));
+  EXPECT_THROW(vq::split_method_list(" , ;"), vq::InvalidArgument);
+}
+
+TEST(Evaluator, ScoresMethodsAgainstFp32) {
+  vq::Transformer model(vq::Checkpoint::load(model_path()));
+  const auto tokens = validation_tokens(20000);
+  for (auto protocol : {vq::EvalProtocol::Stream, vq::EvalProtocol::Reuse}) {
+    vq::EvalOptions o;
+    o.protocol = protocol;
+    o.window = 128;
+    o.ctx = 64;
+    o.chunk = 16;
+    o.max_tokens = 500;
+    double progress = 0;
+    o.progress = [&](double f) { progress = f; };
+    const auto r = vq::evaluate(model, tokens, {"fp32", "fp16", "cachegen:bits=4,schedule=off", "cachegen:bits=2,schedule=off"}, o);
+    ASSERT_EQ(r.size(), 4u);
+    EXPECT_EQ(progress, 1.0);
+    const std::int64_t per_window = protocol == vq::EvalProtocol::Stream ? 127 : 64;
+    EXPECT_EQ(r[0].tokens % per_window, 0);
+    EXPECT_GE(r[0].tokens, 500);
+    // fp32 against itself: identical
+    EXPECT_EQ(r[0].delta_ppl_pct, 0.0);
+    EXPECT_EQ(r[0].kl, 0.0);
+    EXPECT_EQ(r[0].top1, 1.0);
+    EXPECT_EQ(r[0].bits_per_element_fixed, 32.0);
+    EXPECT_EQ(r[1].bits_per_element_fixed, 16.0);
+    // perplexities are finite and sane (the model scores ~3.7-4.5 on this text)
+    for (const auto& m : r) {
+      EXPECT_TRUE(std::isfinite(m.ppl));
+      EXPECT_GT(m.ppl, 1.0);
+      EXPECT_LT(m.ppl, 20.0);
+    }
+    // fp16 is nearly lossless; fewer bits cost more KL and agree less often
+    EXPECT_LT(r[1].kl, 1e-4);
+    EXPECT_LT(r[1].kl, r[2].kl);
+    EXPECT_LT(r[2].kl, r[3].kl);
+    EXPECT_GT(r[2].top1, r[3].top1);
+    EXPECT_GT(r[3].delta_ppl_pct, 0.0);
+    EXPECT_LT(r[3].bits_per_element_fixed, r[2].bits_per_element_fixed);
+    EXPECT_LE(r[2].bits_per_element_estimated, r[2].bits_per_element_fixed);
+  }
+}
+
+TEST(Evaluator, RejectsBadOptions) {
+  vq::Transformer model(vq::Checkpoint::load(model_path()));
+  const auto tokens = validation_tokens(4000);
+  vq::EvalOptions o;
+  o.window = 1000;  // beyond seq_len 512
+  EXPECT_THROW(vq::evaluate(model, tokens, {"fp16"}, o), vq::InvalidArgument);
+  o = {};
+  o.protocol = vq::EvalProtocol::Reuse;
+  o.ctx = 256;
+  o.window = 256;
+  EXPECT_THROW(vq::evaluate(model, tokens, {"fp16"}, o), vq::InvalidArgument);
+  o = {};
+  EXPECT_THROW(vq::evaluate(model, tokens, {"cachegen:colour=red"}, o), vq::InvalidArgument);
+  EXPECT_THROW(vq::evaluate(model, std::vector<int>(10, 5), {"fp16"}, o), vq::InvalidArgument);
+  EXPECT_THROW(vq::eval_protocol_from_name("batch"), vq::InvalidArgument);
+}
+
+TEST(Evaluator, SyntheticFallbackReportsBits) {
+  const auto r = vq::evaluate_synthetic({"fp16", "cachegen:bits=4,schedule=off", "cachegen:bits=2,schedule=off"}, 256);
+  ASSERT_EQ(r.size(), 3u);
+  EXPECT_EQ(r[0].bits_per_element_fixed, 16.0);
+  EXPECT_LT(r[0].relative_mse, 1e-6);
+  EXPECT_LT(r[1].relative_mse, r[2].relative_mse);
+  EXPECT_LT(r[2].bits_per_element_fixed, r[1].bits_per_element_fixed);
+}
+
+std::pair<int, std::string> run_cli(const std::string& args) {
+  std::string out;
+  FILE* p = popen((std::string(VQ_CLI_PATH) + " " + args + " 2>&1").c_str(), "r");
+  std::array<char, 4096> buf{};
+  std::size_t n;
+  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) out.append(buf.data(), n);
+  const int st = pclose(p);
+  return {WIFEXITED(st) ? WEXITSTATUS(st) : -1, out};
+}
+
+TEST(EvalCli, JsonHasTheDocumentedKeys) {
+  auto [code, out] = run_cli("eval --model " + model_path() + " --tokenizer " + tokenizer_path() + " --text " + models_dir() +
+                             "/tinystories_val.txt --methods fp16,cachegen:bits=3,group=16 --max-tokens 200 --window 64 --ctx 16 --json");
+  ASSERT_EQ(code, 0) << out;
+  auto j = nlohmann::json::parse(out);
+  EXPECT_EQ(j.at("protocol"), "stream");
+  EXPECT_EQ(j.at("model"), "stories260K.bin");
+  ASSERT_EQ(j.at("results").size(), 2u);
+  EXPECT_EQ(j["results"][1].at("method"), "cachegen:bits=3,group=16");
+  for (const char* k : {"tokens", "ppl", "delta_ppl_pct", "kl", "top1", "bits_per_element_fixed", "bits_per_element_estimated"})
+    EXPECT_TRUE(j["results"][0].contains(k)) << k;
+}
+
+TEST(EvalCli, ClearErrorsAndSyntheticFallback) {
+  const std::string m = " --model " + model_path() + " --tokenizer " + tokenizer_path();
+  for (const auto& [args, needle] : std::vector<std::pair<std::string, std::string>>{
+           {"eval" + m + " --methods cachegen:bogus=1", "bogus"},
+           {"eval" + m + " --protocol sideways", "protocol"},
+           {"eval" + m + " --window 9999", "window"},
+           {"eval" + m + " --text /nonexistent.txt", "cannot open"},
+           {"eval --model /nonexistent.bin", "nonexistent"}}) {
+    auto [code, out] = run_cli(args);
+    EXPECT_NE(code, 0) << args;
+    EXPECT_NE(out.find(needle), std::string::npos) << args << " -> " << out;
+  }
+  // No model anywhere: says where to get it, and runs on synthetic K/V, labelled as such.
+  const std::string cmd = "cd /tmp && env -u VELOXQUANT_MODEL_DIR " + std::string(VQ_CLI_PATH) + " eval --methods fp16,cachegen:bits=4 2>&1";
+  std::string synth;
+  FILE* p = popen(cmd.c_str(), "r");
+  std::array<char, 4096> buf{};
+  std::size_t n;
+  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) synth.append(buf.data(), n);
+  const int st = pclose(p);
+  EXPECT_EQ(WEXITSTATUS(st), 0) << synth;
+  EXPECT_NE(synth.find("karpathy/tinyllamas"), std::string::npos) << synth;
+  EXPECT_NE(synth.find("SYNTHETIC"), std::string::npos) << synth;
+}
+
+}  // namespace
