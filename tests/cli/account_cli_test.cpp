@@ -13,25 +13,7 @@
 
 namespace {
 
-struct Run {
-  int code;
-  std::string out, err;
-};
-
-Run run(const std::string& args) {
-  const std::string err_path = vqtest::temp_dir() + "/stderr.txt";
-  const std::string cmd = std::string(VQ_CLI_PATH) + " " + args + " 2>" + err_path;
-  Run r{};
-  FILE* p = popen(cmd.c_str(), "r");
-  std::array<char, 4096> buf{};
-  std::size_t n;
-  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) r.out.append(buf.data(), n);
-  const int status = pclose(p);
-  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  std::ifstream e(err_path);
-  r.err.assign(std::istreambuf_iterator<char>(e), {});
-  return r;
-}
+vqtest::CliRun run(const std::string& args) { return vqtest::run_cli(args); }
 
 std::string p(const std::string& name) { return vqtest::temp_dir() + "/" + name; }
 

@@ -60,7 +60,9 @@ TEST(DType, F16RoundingMatchesNearestEven) {
     const float up = vq::f16_to_f32(static_cast<std::uint16_t>(h + 1));
     const float dn = vq::f16_to_f32(static_cast<std::uint16_t>(h - 1));
     ASSERT_LE(std::fabs(back - f), std::fabs(up - f)) << f;
-    if ((h & 0x7fff) != 0) ASSERT_LE(std::fabs(back - f), std::fabs(dn - f)) << f;
+    if ((h & 0x7fff) != 0) {
+      ASSERT_LE(std::fabs(back - f), std::fabs(dn - f)) << f;
+    }
   }
 }
 

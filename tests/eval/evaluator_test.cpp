@@ -11,6 +11,7 @@
 #include "veloxquant/model/tokenizer.hpp"
 #include "veloxquant/model/transformer.hpp"
 #include "../model/model_support.hpp"
+#include "../support/test_util.hpp"
 
 namespace {
 
@@ -100,13 +101,8 @@ TEST(Evaluator, SyntheticFallbackReportsBits) {
 }
 
 std::pair<int, std::string> run_cli(const std::string& args) {
-  std::string out;
-  FILE* p = popen((std::string(VQ_CLI_PATH) + " " + args + " 2>&1").c_str(), "r");
-  std::array<char, 4096> buf{};
-  std::size_t n;
-  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) out.append(buf.data(), n);
-  const int st = pclose(p);
-  return {WIFEXITED(st) ? WEXITSTATUS(st) : -1, out};
+  const auto r = vqtest::run_cli(args);
+  return {r.code, r.out + r.err};
 }
 
 TEST(EvalCli, JsonHasTheDocumentedKeys) {
@@ -135,14 +131,9 @@ TEST(EvalCli, ClearErrorsAndSyntheticFallback) {
     EXPECT_NE(out.find(needle), std::string::npos) << args << " -> " << out;
   }
   // No model anywhere: says where to get it, and runs on synthetic K/V, labelled as such.
-  const std::string cmd = "cd /tmp && env -u VELOXQUANT_MODEL_DIR " + std::string(VQ_CLI_PATH) + " eval --methods fp16,cachegen:bits=4 2>&1";
-  std::string synth;
-  FILE* p = popen(cmd.c_str(), "r");
-  std::array<char, 4096> buf{};
-  std::size_t n;
-  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) synth.append(buf.data(), n);
-  const int st = pclose(p);
-  EXPECT_EQ(WEXITSTATUS(st), 0) << synth;
+  const auto r = vqtest::run_shell("cd /tmp && env -u VELOXQUANT_MODEL_DIR " + std::string(VQ_CLI_PATH) + " eval --methods fp16,cachegen:bits=4");
+  const std::string synth = r.out + r.err;
+  EXPECT_EQ(r.code, 0) << synth;
   EXPECT_NE(synth.find("karpathy/tinyllamas"), std::string::npos) << synth;
   EXPECT_NE(synth.find("SYNTHETIC"), std::string::npos) << synth;
 }

@@ -11,24 +11,9 @@
 
 namespace {
 
-struct CliRun {
-  int code;
-  std::string out, err;
-};
+using vqtest::CliRun;
 
-CliRun run_generate(const std::string& args) {
-  const std::string err_path = vqtest::temp_dir() + "/generate_stderr.txt";
-  const std::string cmd = std::string(VQ_CLI_PATH) + " generate " + args + " 2>" + err_path;
-  CliRun r{};
-  FILE* p = popen(cmd.c_str(), "r");
-  std::array<char, 4096> buf{};
-  std::size_t n;
-  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) r.out.append(buf.data(), n);
-  const int status = pclose(p);
-  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  r.err = vqtest::read_file(err_path);
-  return r;
-}
+CliRun run_generate(const std::string& args) { return vqtest::run_cli("generate " + args); }
 
 std::string model_args() { return "--model '" + vqtest::model_path() + "' --tokenizer '" + vqtest::tokenizer_path() + "'"; }
 

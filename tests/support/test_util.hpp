@@ -1,6 +1,10 @@
 // Shared helpers for the GoogleTest suite.
 #pragma once
+#include <array>
 #include <cstdint>
+#include <cstdio>
+#include <fstream>
+#include <iterator>
 #include <random>
 #include <string>
 #include <vector>
@@ -48,5 +52,29 @@ inline std::string temp_dir() {
   }();
   return dir;
 }
+
+struct CliRun {
+  int code = -1;
+  std::string out, err;
+};
+
+// Run a shell command line; stdout is captured, stderr goes through a file of this process's own.
+inline CliRun run_shell(const std::string& command) {
+  const std::string err_path = temp_dir() + "/cli_stderr.txt";
+  CliRun r;
+  FILE* p = popen((command + " 2>" + err_path).c_str(), "r");
+  if (!p) return r;
+  std::array<char, 4096> buf{};
+  std::size_t n;
+  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) r.out.append(buf.data(), n);
+  const int status = pclose(p);
+  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  std::ifstream e(err_path);
+  r.err.assign(std::istreambuf_iterator<char>(e), {});
+  return r;
+}
+
+// Run the built veloxquant binary with `args`.
+inline CliRun run_cli(const std::string& args) { return run_shell(std::string(VQ_CLI_PATH) + " " + args); }
 
 }  // namespace vqtest

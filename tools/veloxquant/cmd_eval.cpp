@@ -1,5 +1,6 @@
 // veloxquant eval: score KV cache methods against the exact fp32 cache on a real model.
 #include <chrono>
+#include <filesystem>
 #include <cstdio>
 #include <fstream>
 #include <optional>
@@ -14,6 +15,7 @@
 #include "veloxquant/core/error.hpp"
 #include "veloxquant/eval/evaluator.hpp"
 #include "veloxquant/model/checkpoint.hpp"
+#include "veloxquant/model/method_spec.hpp"
 #include "veloxquant/model/model_files.hpp"
 #include "veloxquant/model/tokenizer.hpp"
 #include "veloxquant/model/transformer.hpp"
@@ -82,6 +84,17 @@ int run_synthetic(const EvalCliOptions& o, const std::string& why) {
 int run_eval(EvalCliOptions o) {
   o.eval.protocol = vq::eval_protocol_from_name(o.protocol);
   const auto methods = vq::split_method_list(o.methods);
+  for (const auto& m : methods) (void)vq::MethodSpec::parse(m);  // a bad spec fails before any loading
+  if (!o.model.empty() && !std::filesystem::is_regular_file(o.model))
+    throw vq::IoError(fmt::format("{}: cannot open model (no such file)", o.model));
+  // A tokenizer or text not given explicitly is looked for beside an explicit model first.
+  const auto beside_model = [&](const char* name) -> std::string {
+    if (o.model.empty()) return {};
+    const auto p = std::filesystem::path(o.model).parent_path() / name;
+    return std::filesystem::is_regular_file(p) ? p.string() : std::string();
+  };
+  if (o.tokenizer.empty()) o.tokenizer = beside_model("tok512.bin");
+  if (o.text.empty()) o.text = beside_model("tinystories_val.txt");
   vq::ModelFiles files;
   try {
     files = vq::resolve_model_files(opt(o.model), opt(o.tokenizer));
