@@ -262,7 +262,9 @@ TEST(CacheGen, TrimRollsCountersBackHonestly) {
     EXPECT_EQ(cache.fixed_width_value_bytes(), fresh.fixed_width_value_bytes()) << keep;
     EXPECT_EQ(cache.fp16_key_bytes(), fresh.fp16_key_bytes());
     EXPECT_EQ(cache.key_stream().quantized_tokens(), keep / 32 * 32);
-    if (keep > 0) EXPECT_TRUE(cache.state().keys.bit_equal(before));  // what was fetched stays
+    if (keep > 0) {
+      EXPECT_TRUE(cache.state().keys.bit_equal(before));  // what was fetched stays
+    }
     // and the cache keeps working: re-adding the trimmed tokens closes groups again
     cache.update_and_fetch(k.slice(2, keep, 130), v.slice(2, keep, 130));
     EXPECT_EQ(cache.key_stream().quantized_tokens(), 128);

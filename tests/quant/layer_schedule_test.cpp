@@ -53,7 +53,9 @@ TEST(LayerSchedule, NonIncreasingFromBaseDownAndFloorOfTwo) {
         ASSERT_EQ(bits.front(), base);
         ASSERT_TRUE(std::is_sorted(bits.rbegin(), bits.rend()));
         ASSERT_GE(*std::min_element(bits.begin(), bits.end()), std::min(2, base));
-        if (groups > 1 && n >= 3 && base > 2) ASSERT_LT(bits.back(), base);
+        if (groups > 1 && n >= 3 && base > 2) {
+          ASSERT_LT(bits.back(), base);
+        }
       }
   EXPECT_EQ(vq::layer_group_bits(2, 4, 3), (std::vector<int>{4, 3}));  // groups clamp to layers
 }
