@@ -18,9 +18,10 @@ std::pair<Tensor, Tensor> CacheGenKVCache::update_and_fetch(const Tensor& keys, 
     key_stream_ = QuantizedStream(keys.dim(0), keys.dim(1), static_cast<int>(keys.dim(3)), bits, config_);
     value_stream_ = QuantizedStream(values.dim(0), values.dim(1), static_cast<int>(values.dim(3)), bits, config_);
   }
-  append(keys, values);
-  key_stream_.ingest(keys_buf_, begin, offset_);
-  value_stream_.ingest(values_buf_, begin, offset_);
+  make_room(keys, values);
+  key_stream_.ingest(keys_buf_, keys, begin);
+  value_stream_.ingest(values_buf_, values, begin);
+  offset_ += keys.dim(2);
   return {keys_buf_.slice(2, 0, offset_), values_buf_.slice(2, 0, offset_)};
 }
 

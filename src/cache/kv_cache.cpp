@@ -64,12 +64,16 @@ void KVCache::reserve(std::int64_t tokens, const Tensor& keys, const Tensor& val
   values_buf_ = std::move(nv);
 }
 
-void KVCache::append(const Tensor& keys, const Tensor& values) {
+void KVCache::make_room(const Tensor& keys, const Tensor& values) {
   if (offset_ == 0) {  // an empty cache adopts the layout of its first chunk
     keys_buf_ = Tensor();
     values_buf_ = Tensor();
   }
   reserve(offset_ + keys.dim(2), keys, values);
+}
+
+void KVCache::append(const Tensor& keys, const Tensor& values) {
+  make_room(keys, values);
   copy_tokens(keys, keys_buf_, offset_);
   copy_tokens(values, values_buf_, offset_);
   offset_ += keys.dim(2);

@@ -1,9 +1,11 @@
 #include "veloxquant/cache/quantized_stream.hpp"
 
 #include <algorithm>
+#include <cstring>
 
 #include "veloxquant/core/error.hpp"
 #include "veloxquant/entropy/entropy_estimate.hpp"
+#include "veloxquant/quant/fused_group_quant.hpp"
 #include "veloxquant/quant/group_quant.hpp"
 #include "veloxquant/transform/token_delta.hpp"
 
@@ -41,24 +43,27 @@ std::span<const std::uint8_t> QuantizedStream::codes(std::int64_t slice) const {
 std::span<const float> QuantizedStream::scales(std::int64_t slice) const { return scales_.at(static_cast<std::size_t>(slice)); }
 std::span<const float> QuantizedStream::minima(std::int64_t slice) const { return mins_.at(static_cast<std::size_t>(slice)); }
 
-void QuantizedStream::quantize_rows(Tensor& dense, std::int64_t slice, std::int64_t row0, int n_rows, std::int64_t group_index) {
+void QuantizedStream::quantize_rows(Tensor& dense, const Tensor& input, std::int64_t begin, std::int64_t slice, std::int64_t row0,
+                                    int n_rows, std::int64_t group_index) {
   const std::int64_t b = slice / heads_, h = slice % heads_;
   const auto d = static_cast<std::size_t>(dim_);
-  scratch_in_.resize(static_cast<std::size_t>(n_rows) * d);
-  scratch_out_.resize(scratch_in_.size());
-  for (int r = 0; r < n_rows; ++r) to_f32(dense.row(b, h, row0 + r), dense.dtype(), scratch_in_.data() + r * d, d);
+  src_rows_.resize(static_cast<std::size_t>(n_rows));
+  dst_rows_.resize(static_cast<std::size_t>(n_rows));
+  for (int r = 0; r < n_rows; ++r) {
+    const std::int64_t t = row0 + r;
+    src_rows_[static_cast<std::size_t>(r)] = t >= begin ? input.row(b, h, t - begin) : dense.row(b, h, t);
+    dst_rows_[static_cast<std::size_t>(r)] = dense.row(b, h, t);
+  }
   auto& codes = codes_[static_cast<std::size_t>(slice)];
   auto& sc = scales_[static_cast<std::size_t>(slice)];
   auto& mn = mins_[static_cast<std::size_t>(slice)];
   codes.resize(static_cast<std::size_t>(row0 + n_rows) * d);
   sc.resize(static_cast<std::size_t>(group_index + 1) * d);
   mn.resize(sc.size());
-  std::uint8_t* q = codes.data() + static_cast<std::size_t>(row0) * d;
-  float* s = sc.data() + static_cast<std::size_t>(group_index) * d;
-  float* m = mn.data() + static_cast<std::size_t>(group_index) * d;
-  if (!quantize_group(scratch_in_.data(), n_rows, dim_, bits_, q, s, m)) throw InvalidArgument(kRangeOverflow);
-  dequant_group(q, n_rows, dim_, s, m, scratch_out_.data());
-  for (int r = 0; r < n_rows; ++r) from_f32(scratch_out_.data() + r * d, dense.row(b, h, row0 + r), dense.dtype(), d);
+  if (!quantize_group_rows(src_rows_.data(), dst_rows_.data(), n_rows, dim_, bits_, dense.dtype(),
+                           codes.data() + static_cast<std::size_t>(row0) * d, sc.data() + static_cast<std::size_t>(group_index) * d,
+                           mn.data() + static_cast<std::size_t>(group_index) * d, scratch_))
+    throw InvalidArgument(kRangeOverflow);
 }
 
 std::vector<std::int16_t> QuantizedStream::symbols_of(std::int64_t slice, std::int64_t row0, std::int64_t n_rows) const {
@@ -85,7 +90,7 @@ void QuantizedStream::account_segment(Segment& seg) const {
 
 // Delta symbols of rows [row0, row0 + n) of the closed group_aligned stream, per channel.
 // Row r's delta needs row r - 1, which is always present (rows are removed from the end only).
-void QuantizedStream::add_symbols(std::int64_t slice, std::int64_t row0, std::int64_t n) {
+void QuantizedStream::add_symbols(std::int64_t slice, std::int64_t row0, std::int64_t n) const {
   const auto d = static_cast<std::size_t>(dim_);
   const std::uint8_t* codes = codes_[static_cast<std::size_t>(slice)].data();
   const bool bulk = per_channel_ ? n > hist_.alphabet_size() : n * dim_ > hist_.alphabet_size();
@@ -118,7 +123,7 @@ void QuantizedStream::add_symbols(std::int64_t slice, std::int64_t row0, std::in
   }
 }
 
-void QuantizedStream::remove_symbols(std::int64_t slice, std::int64_t row0, std::int64_t n) {
+void QuantizedStream::remove_symbols(std::int64_t slice, std::int64_t row0, std::int64_t n) const {
   const auto d = static_cast<std::size_t>(dim_);
   const auto& codes = codes_[static_cast<std::size_t>(slice)];
   for (std::size_t i = 0; i < static_cast<std::size_t>(n) * d; ++i) {
@@ -129,7 +134,8 @@ void QuantizedStream::remove_symbols(std::int64_t slice, std::int64_t row0, std:
   }
 }
 
-void QuantizedStream::ingest(Tensor& dense, std::int64_t begin, std::int64_t end) {
+void QuantizedStream::ingest(Tensor& dense, const Tensor& input, std::int64_t begin) {
+  const std::int64_t end = begin + input.dim(2);
   if (flush_ == FlushMode::PerCall) {
     if (end <= begin) return;  // the reference quantizes nothing for an empty call
     Segment seg;
@@ -140,7 +146,7 @@ void QuantizedStream::ingest(Tensor& dense, std::int64_t begin, std::int64_t end
     for (std::int64_t s = 0; s < slices(); ++s)
       for (std::int64_t g = 0; g < ng; ++g) {
         const std::int64_t r0 = begin + g * group_size_;
-        quantize_rows(dense, s, r0, static_cast<int>(std::min<std::int64_t>(group_size_, end - r0)), seg.first_group + g);
+        quantize_rows(dense, input, begin, s, r0, static_cast<int>(std::min<std::int64_t>(group_size_, end - r0)), seg.first_group + g);
       }
     quantized_ = end;
     account_segment(seg);
@@ -149,14 +155,19 @@ void QuantizedStream::ingest(Tensor& dense, std::int64_t begin, std::int64_t end
     segments_.push_back(seg);
     return;
   }
-  // group_aligned: close every group that is now complete.
+  // group_aligned: close every group that is now complete, then copy the new residual rows.
   const std::int64_t closed_before = quantized_;
-  const std::int64_t closable = (end / group_size_) * group_size_;
-  if (closable <= closed_before) return;
+  const std::int64_t closable = std::max(closed_before, (end / group_size_) * group_size_);
+  const auto d = static_cast<std::size_t>(dim_);
+  const std::size_t row_bytes = d * dtype_size(dense.dtype());
   for (std::int64_t s = 0; s < slices(); ++s) {
+    auto& codes = codes_[static_cast<std::size_t>(s)];
+    if (codes.capacity() < static_cast<std::size_t>(closable) * d)
+      codes.reserve(std::max(static_cast<std::size_t>(closable) * d, codes.capacity() * 2));
     for (std::int64_t r0 = closed_before; r0 < closable; r0 += group_size_)
-      quantize_rows(dense, s, r0, group_size_, r0 / group_size_);
-    add_symbols(s, closed_before, closable - closed_before);
+      quantize_rows(dense, input, begin, s, r0, group_size_, r0 / group_size_);
+    const std::int64_t b = s / heads_, h = s % heads_;
+    for (std::int64_t t = std::max(closable, begin); t < end; ++t) std::memcpy(dense.row(b, h, t), input.row(b, h, t - begin), row_bytes);
   }
   quantized_ = closable;
 }
@@ -192,18 +203,26 @@ void QuantizedStream::trim_to(std::int64_t new_end) {
   if (new_end >= quantized_) return;  // only the residual shrinks
   const std::int64_t keep = (new_end / group_size_) * group_size_;
   for (std::int64_t s = 0; s < slices(); ++s) {
-    remove_symbols(s, keep, quantized_ - keep);
+    if (accounted_ > keep) remove_symbols(s, keep, accounted_ - keep);
     codes_[static_cast<std::size_t>(s)].resize(static_cast<std::size_t>(keep) * d);
     scales_[static_cast<std::size_t>(s)].resize(static_cast<std::size_t>(keep / group_size_) * d);
     mins_[static_cast<std::size_t>(s)].resize(static_cast<std::size_t>(keep / group_size_) * d);
   }
   quantized_ = keep;
+  accounted_ = std::min(accounted_, keep);
+}
+
+void QuantizedStream::sync_histograms() const {
+  if (flush_ != FlushMode::GroupAligned || accounted_ == quantized_) return;
+  for (std::int64_t s = 0; s < slices(); ++s) add_symbols(s, accounted_, quantized_ - accounted_);
+  accounted_ = quantized_;
 }
 
 std::uint64_t QuantizedStream::compressed_bytes(std::int64_t offset) const {
   const std::uint64_t residual = static_cast<std::uint64_t>(offset - quantized_) * static_cast<std::uint64_t>(slices()) *
                                  static_cast<std::uint64_t>(dim_) * 2;
   if (flush_ == FlushMode::PerCall) return seg_compressed_ + residual;
+  sync_histograms();
   const std::uint64_t meta = static_cast<std::uint64_t>(n_groups()) * static_cast<std::uint64_t>(dim_) * kGroupMetaBytesPerChannel;
   std::uint64_t total = 0;
   const auto d = static_cast<std::size_t>(dim_);

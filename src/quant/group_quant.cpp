@@ -8,16 +8,10 @@
 #include <fmt/format.h>
 
 #include "veloxquant/core/error.hpp"
+#include "veloxquant/core/kernel_clones.hpp"
 
 namespace vq {
 
-// The kernels are compiled twice (AVX2 and baseline) and the loader picks one at run time; the
-// arithmetic is the same IEEE float32 in both (no FMA: -ffp-contract=off), so results are identical.
-#if defined(__x86_64__) && !defined(__SANITIZE_ADDRESS__)
-#define VQ_KERNEL __attribute__((target_clones("avx2", "default")))
-#else
-#define VQ_KERNEL
-#endif
 
 const char* const kRangeOverflow = "cannot quantize: a group's range overflows float32 (|values| too large)";
 

@@ -51,6 +51,9 @@ class KVCache {
   void check_chunk(const Tensor& keys, const Tensor& values) const;
   // Append a checked chunk to the buffers (growing them) and advance offset.
   void append(const Tensor& keys, const Tensor& values);
+  // Make room for a checked chunk after offset (an empty cache adopts the chunk's layout);
+  // the caller writes the rows and advances offset_.
+  void make_room(const Tensor& keys, const Tensor& values);
   // The buffers: [B, H, capacity, D]; tokens [0, offset) are valid.
   Tensor keys_buf_;
   Tensor values_buf_;

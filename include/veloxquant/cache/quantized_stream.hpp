@@ -8,7 +8,10 @@
 //                reference). Bytes are computed per segment from the reference formulas.
 // group_aligned: tokens are quantized one whole group at a time once group_size of them are
 //                present; tokens past the last closed group stay exact (the residual). The
-//                entropy of the closed stream is kept incrementally per (slice, channel).
+//                entropy of the closed stream is kept incrementally per (slice, channel), and
+//                lazily: symbols of newly closed groups enter the histograms when a byte counter
+//                is next read, so update_and_fetch never pays for an estimate nobody reads, and
+//                a read after a decode step costs O(new tokens). Not thread-safe (as the cache).
 #pragma once
 #include <cstdint>
 #include <span>
@@ -16,7 +19,9 @@
 
 #include "veloxquant/cache/config.hpp"
 #include "veloxquant/core/tensor.hpp"
+#include "veloxquant/core/uninit_vector.hpp"
 #include "veloxquant/entropy/channel_histograms.hpp"
+#include "veloxquant/quant/fused_group_quant.hpp"
 
 namespace vq {
 
@@ -25,9 +30,11 @@ class QuantizedStream {
   QuantizedStream() = default;
   QuantizedStream(std::int64_t batch, std::int64_t heads, int dim, int bits, const KVCacheConfig& config);
 
-  // Tokens [begin, end) of `dense` ([B, H, capacity, D]) were just appended. Quantize what the
-  // flush mode makes ready and overwrite those rows of `dense` with their reconstruction.
-  void ingest(Tensor& dense, std::int64_t begin, std::int64_t end);
+  // Take the S tokens of `input` ([B, H, S, D]) as tokens [begin, begin + S) of the stream:
+  // quantize what the flush mode makes ready and write every new row of `dense`
+  // ([B, H, capacity >= begin + S, D], same dtype) once, as its reconstruction or (residual) as
+  // is. Reading the input directly saves a copy-then-rewrite pass over the dense buffer.
+  void ingest(Tensor& dense, const Tensor& input, std::int64_t begin);
   // The cache now holds tokens [0, new_end) only (new_end <= tokens seen). Rolls the codes and the
   // byte counts back; in group_aligned mode a group cut by new_end is reopened (its kept rows,
   // already holding their reconstruction in `dense`, rejoin the residual).
@@ -58,25 +65,34 @@ class QuantizedStream {
     std::uint64_t compressed = 0;  // summed over slices
     std::uint64_t fixed = 0;
   };
-  void quantize_rows(Tensor& dense, std::int64_t slice, std::int64_t row0, int n_rows, std::int64_t group_index);
+  // Quantize rows [row0, row0 + n_rows) of one slice as group `group_index`; row r is read from
+  // input row r - begin when r >= begin, else from dense; the reconstruction goes to dense.
+  void quantize_rows(Tensor& dense, const Tensor& input, std::int64_t begin, std::int64_t slice, std::int64_t row0, int n_rows,
+                     std::int64_t group_index);
   void account_segment(Segment& seg) const;
   std::vector<std::int16_t> symbols_of(std::int64_t slice, std::int64_t row0, std::int64_t n_rows) const;
-  void add_symbols(std::int64_t slice, std::int64_t row0, std::int64_t n_rows);
-  void remove_symbols(std::int64_t slice, std::int64_t row0, std::int64_t n_rows);
+  void add_symbols(std::int64_t slice, std::int64_t row0, std::int64_t n_rows) const;
+  void remove_symbols(std::int64_t slice, std::int64_t row0, std::int64_t n_rows) const;
+  // Bring the histograms up to quantized_ (group_aligned).
+  void sync_histograms() const;
 
   std::int64_t batch_ = 0, heads_ = 0;
   int dim_ = 0, bits_ = 4, group_size_ = 32;
   bool use_delta_ = true, per_channel_ = true;
   FlushMode flush_ = FlushMode::GroupAligned;
   std::int64_t quantized_ = 0;                    // tokens with codes
-  std::vector<std::vector<std::uint8_t>> codes_;  // [slice][token * D + c]
-  std::vector<std::vector<float>> scales_, mins_; // [slice][group * D + c]
+  std::vector<UninitVector<std::uint8_t>> codes_;  // [slice][token * D + c]
+  std::vector<UninitVector<float>> scales_, mins_; // [slice][group * D + c]
   // per_call
   std::vector<Segment> segments_;
   std::uint64_t seg_compressed_ = 0, seg_fixed_ = 0;
   // group_aligned: one histogram per (slice, channel), or per slice when pooled
-  ChannelHistograms hist_;
-  std::vector<float> scratch_in_, scratch_out_;
+  // Derived state, updated lazily by the const counters (see above).
+  mutable ChannelHistograms hist_;
+  mutable std::int64_t accounted_ = 0;  // closed tokens whose symbols are in hist_
+  FusedGroupScratch scratch_;
+  std::vector<const std::byte*> src_rows_;
+  std::vector<std::byte*> dst_rows_;
 };
 
 }  // namespace vq

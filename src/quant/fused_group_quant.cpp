@@ -1,0 +1,133 @@
+#include "veloxquant/quant/fused_group_quant.hpp"
+
+#include <cstring>
+
+#include "veloxquant/quant/group_quant.hpp"
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#define VQ_HAVE_AVX2_KERNEL 1
+#endif
+
+namespace vq {
+
+bool quantize_group_rows_portable(const std::byte* const* rows, std::byte* const* out_rows, int n_rows, int dim, int bits,
+                                  DType dtype, std::uint8_t* codes, float* scale, float* minv, FusedGroupScratch& scratch) {
+  const auto d = static_cast<std::size_t>(dim);
+  scratch.in.resize(static_cast<std::size_t>(n_rows) * d);
+  scratch.out.resize(scratch.in.size());
+  for (int r = 0; r < n_rows; ++r) to_f32(rows[r], dtype, scratch.in.data() + static_cast<std::size_t>(r) * d, d);
+  if (!quantize_group(scratch.in.data(), n_rows, dim, bits, codes, scale, minv)) return false;
+  dequant_group(codes, n_rows, dim, scale, minv, scratch.out.data());
+  for (int r = 0; r < n_rows; ++r) from_f32(scratch.out.data() + static_cast<std::size_t>(r) * d, out_rows[r], dtype, d);
+  return true;
+}
+
+#ifdef VQ_HAVE_AVX2_KERNEL
+namespace {
+
+template <DType DT>
+__attribute__((target("avx2,f16c"))) inline __m256 load8(const std::byte* p) {
+  if constexpr (DT == DType::F16) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  } else {
+    return _mm256_loadu_ps(reinterpret_cast<const float*>(p));
+  }
+}
+
+template <DType DT>
+__attribute__((target("avx2,f16c"))) inline void store8(std::byte* p, __m256 v) {
+  if constexpr (DT == DType::F16) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  } else {
+    _mm256_storeu_ps(reinterpret_cast<float*>(p), v);
+  }
+}
+
+// Channels [0, dim8) in vectors of 8; the tail (dim % 8) goes through the portable formulas.
+template <DType DT>
+__attribute__((target("avx2,f16c"))) bool kernel(const std::byte* const* rows, std::byte* const* out_rows, int n_rows, int dim,
+                                                 int bits, std::uint8_t* codes, float* scale, float* minv) {
+  constexpr std::size_t esz = DT == DType::F16 ? 2 : 4;
+  const int dim8 = dim & ~7;
+  const float levels_f = static_cast<float>((1 << bits) - 1);
+  const __m256 levels = _mm256_set1_ps(levels_f);
+  const __m256 min_scale = _mm256_set1_ps(kMinScale);
+  const __m256 shift = _mm256_set1_ps(8388608.0f);  // 2^23: rint half-to-even for 0 <= v < 2^23
+  const __m256 zero = _mm256_setzero_ps();
+  const __m256 fmax = _mm256_set1_ps(3.4028234e38f);
+  int overflow = 0;
+  for (int c = 0; c < dim8; c += 8) {
+    __m256 mn = load8<DT>(rows[0] + static_cast<std::size_t>(c) * esz), mx = mn;
+    for (int r = 1; r < n_rows; ++r) {
+      const __m256 x = load8<DT>(rows[r] + static_cast<std::size_t>(c) * esz);
+      mn = _mm256_min_ps(x, mn);  // same operand order as the portable x < mn ? x : mn
+      mx = _mm256_max_ps(x, mx);
+    }
+    __m256 s = _mm256_div_ps(_mm256_sub_ps(mx, mn), levels);
+    s = _mm256_max_ps(s, min_scale);  // scale > 1e-8 ? scale : 1e-8 (scale is never NaN here)
+    overflow |= _mm256_movemask_ps(_mm256_cmp_ps(s, fmax, _CMP_GT_OQ));
+    _mm256_storeu_ps(scale + c, s);
+    _mm256_storeu_ps(minv + c, mn);
+    for (int r = 0; r < n_rows; ++r) {
+      const __m256 x = load8<DT>(rows[r] + static_cast<std::size_t>(c) * esz);
+      __m256 v = _mm256_div_ps(_mm256_sub_ps(x, mn), s);
+      v = _mm256_sub_ps(_mm256_add_ps(v, shift), shift);
+      v = _mm256_min_ps(_mm256_max_ps(v, zero), levels);
+      const __m256i q32 = _mm256_cvttps_epi32(v);
+      const __m128i q16 = _mm_packs_epi32(_mm256_castsi256_si128(q32), _mm256_extracti128_si256(q32, 1));
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(codes + static_cast<std::size_t>(r) * dim + c), _mm_packus_epi16(q16, q16));
+      const __m256 rec = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(q32), s), mn);
+      store8<DT>(out_rows[r] + static_cast<std::size_t>(c) * esz, rec);
+    }
+  }
+  if (overflow) return false;
+  if (dim8 < dim) {  // tail channels: portable arithmetic, one channel at a time
+    const int tail = dim - dim8;
+    float s[8], m[8];
+    std::vector<float> col(static_cast<std::size_t>(n_rows) * tail), out(col.size());
+    std::vector<std::uint8_t> qc(col.size());
+    for (int r = 0; r < n_rows; ++r) to_f32(rows[r] + static_cast<std::size_t>(dim8) * esz, DT, col.data() + r * tail, static_cast<std::size_t>(tail));
+    if (!quantize_group(col.data(), n_rows, tail, bits, qc.data(), s, m)) return false;
+    dequant_group(qc.data(), n_rows, tail, s, m, out.data());
+    for (int k = 0; k < tail; ++k) {
+      scale[dim8 + k] = s[k];
+      minv[dim8 + k] = m[k];
+    }
+    for (int r = 0; r < n_rows; ++r) {
+      std::memcpy(codes + static_cast<std::size_t>(r) * dim + dim8, qc.data() + r * tail, static_cast<std::size_t>(tail));
+      from_f32(out.data() + r * tail, out_rows[r] + static_cast<std::size_t>(dim8) * esz, DT, static_cast<std::size_t>(tail));
+    }
+  }
+  return true;
+}
+
+bool cpu_ok() {
+  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+  return ok;
+}
+
+}  // namespace
+#endif
+
+bool fused_quant_has_fast_path(DType dtype) {
+#ifdef VQ_HAVE_AVX2_KERNEL
+  return cpu_ok() && (dtype == DType::F16 || dtype == DType::F32);
+#else
+  (void)dtype;
+  return false;
+#endif
+}
+
+bool quantize_group_rows(const std::byte* const* rows, std::byte* const* out_rows, int n_rows, int dim, int bits, DType dtype,
+                         std::uint8_t* codes, float* scale, float* minv, FusedGroupScratch& scratch) {
+#ifdef VQ_HAVE_AVX2_KERNEL
+  if (cpu_ok() && n_rows >= 1) {
+    if (dtype == DType::F16) return kernel<DType::F16>(rows, out_rows, n_rows, dim, bits, codes, scale, minv);
+    if (dtype == DType::F32) return kernel<DType::F32>(rows, out_rows, n_rows, dim, bits, codes, scale, minv);
+  }
+#endif
+  return quantize_group_rows_portable(rows, out_rows, n_rows, dim, bits, dtype, codes, scale, minv, scratch);
+}
+
+}  // namespace vq

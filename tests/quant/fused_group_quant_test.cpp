@@ -1,0 +1,65 @@
+#include "veloxquant/quant/fused_group_quant.hpp"
+
+#include <cstring>
+#include <random>
+
+#include <gtest/gtest.h>
+
+#include "veloxquant/quant/group_quant.hpp"
+
+namespace {
+
+// The dispatched kernel (AVX2+F16C where available) must equal the portable path bit for bit.
+TEST(FusedGroupQuant, FastPathEqualsPortableBitForBit) {
+  std::mt19937 rng(21);
+  std::normal_distribution<float> nd(0.0f, 2.0f);
+  for (auto dt : {vq::DType::F32, vq::DType::F16, vq::DType::BF16})
+    for (int dim : {1, 7, 8, 13, 128})
+      for (int rows : {1, 2, 31, 32})
+        for (int bits : {1, 2, 4, 8}) {
+          const std::size_t esz = vq::dtype_size(dt), n = static_cast<std::size_t>(rows * dim);
+          std::vector<float> f(n);
+          for (std::size_t i = 0; i < n; ++i) f[i] = (i % 11 == 0) ? 0.5f * static_cast<float>(i % 7) : nd(rng);  // some exact ties
+          std::vector<std::byte> src(n * esz), out_a(n * esz, std::byte{0x5a}), out_b(n * esz, std::byte{0xa5});
+          vq::from_f32(f.data(), src.data(), dt, n);
+          std::vector<const std::byte*> in(static_cast<std::size_t>(rows));
+          std::vector<std::byte*> oa(in.size()), ob(in.size());
+          for (int r = 0; r < rows; ++r) {
+            in[static_cast<std::size_t>(r)] = src.data() + static_cast<std::size_t>(r * dim) * esz;
+            oa[static_cast<std::size_t>(r)] = out_a.data() + static_cast<std::size_t>(r * dim) * esz;
+            ob[static_cast<std::size_t>(r)] = out_b.data() + static_cast<std::size_t>(r * dim) * esz;
+          }
+          std::vector<std::uint8_t> qa(n, 99), qb(n, 77);
+          std::vector<float> sa(static_cast<std::size_t>(dim)), sb(sa.size()), ma(sa.size()), mb(sa.size());
+          vq::FusedGroupScratch scratch;
+          ASSERT_TRUE(vq::quantize_group_rows(in.data(), oa.data(), rows, dim, bits, dt, qa.data(), sa.data(), ma.data(), scratch));
+          ASSERT_TRUE(vq::quantize_group_rows_portable(in.data(), ob.data(), rows, dim, bits, dt, qb.data(), sb.data(), mb.data(), scratch));
+          ASSERT_EQ(qa, qb) << "dtype " << static_cast<int>(dt) << " dim " << dim << " rows " << rows << " bits " << bits;
+          ASSERT_EQ(0, std::memcmp(sa.data(), sb.data(), sa.size() * 4));
+          ASSERT_EQ(0, std::memcmp(ma.data(), mb.data(), ma.size() * 4));
+          ASSERT_EQ(out_a, out_b);
+        }
+}
+
+TEST(FusedGroupQuant, InPlaceAndOverflow) {
+  std::vector<float> x{1.0f, -3e38f, 2.0f, 3e38f};  // channel 1 overflows
+  const std::byte* in[2] = {reinterpret_cast<const std::byte*>(x.data()), reinterpret_cast<const std::byte*>(x.data() + 2)};
+  std::byte* out[2] = {reinterpret_cast<std::byte*>(x.data()), reinterpret_cast<std::byte*>(x.data() + 2)};
+  std::uint8_t q[4];
+  float s[2], m[2];
+  vq::FusedGroupScratch scratch;
+  EXPECT_FALSE(vq::quantize_group_rows(in, out, 2, 2, 4, vq::DType::F32, q, s, m, scratch));
+  std::vector<float> y(16);
+  for (std::size_t i = 0; i < y.size(); ++i) y[i] = static_cast<float>(i);
+  const std::byte* yi[2] = {reinterpret_cast<const std::byte*>(y.data()), reinterpret_cast<const std::byte*>(y.data() + 8)};
+  std::byte* yo[2] = {reinterpret_cast<std::byte*>(y.data()), reinterpret_cast<std::byte*>(y.data() + 8)};
+  std::uint8_t qy[16];
+  float sy[8], my[8];
+  ASSERT_TRUE(vq::quantize_group_rows(yi, yo, 2, 8, 1, vq::DType::F32, qy, sy, my, scratch));
+  for (std::size_t i = 0; i < 8; ++i) {  // 1 bit: min and max of each channel are exact
+    EXPECT_EQ(y[i], static_cast<float>(i));
+    EXPECT_EQ(y[i + 8], static_cast<float>(i + 8));
+  }
+}
+
+}  // namespace
