@@ -1,0 +1,154 @@
+"""The module's API surface: config, plain cache, builder, schedule, errors."""
+import numpy as np
+import pytest
+import veloxquant as vq
+
+
+def test_config_defaults_and_attributes():
+    c = vq.KVCacheConfig()
+    assert (c.cachegen_bits, c.cachegen_group_size, c.cachegen_use_delta, c.cachegen_per_channel) == (4, 32, True, True)
+    assert c.cachegen_layer_groups == 3 and c.cachegen_resolved_bits is None and c.cachegen_flush == "group_aligned"
+    c = vq.KVCacheConfig(cachegen_bits=3, cachegen_group_size=16, cachegen_use_delta=False, cachegen_per_channel=False,
+                         cachegen_layer_groups=2, cachegen_resolved_bits=2, cachegen_flush="per_call")
+    assert (c.cachegen_bits, c.cachegen_group_size, c.cachegen_use_delta, c.cachegen_per_channel) == (3, 16, False, False)
+    assert (c.cachegen_layer_groups, c.cachegen_resolved_bits, c.cachegen_flush) == (2, 2, "per_call")
+    assert c.effective_bits() == 2
+    c.cachegen_resolved_bits = None
+    c.cachegen_flush = "group_aligned"
+    c.cachegen_bits = 5
+    assert c.effective_bits() == 5 and c.cachegen_flush == "group_aligned"
+    assert c == vq.KVCacheConfig(cachegen_bits=5, cachegen_group_size=16, cachegen_use_delta=False,
+                                 cachegen_per_channel=False, cachegen_layer_groups=2)
+    assert "cachegen_bits=5" in repr(c)
+
+
+@pytest.mark.parametrize("kw", [{"cachegen_bits": 0}, {"cachegen_bits": 9}, {"cachegen_group_size": 0},
+                                {"cachegen_layer_groups": 0}, {"cachegen_resolved_bits": 9},
+                                {"cachegen_flush": "sometimes"}])
+def test_config_refuses_bad_values_with_value_error(kw):
+    with pytest.raises(ValueError):
+        vq.KVCacheConfig(**kw)
+
+
+def test_invalid_config_set_later_refused_by_cache():
+    c = vq.KVCacheConfig()
+    c.cachegen_bits = 12
+    with pytest.raises(ValueError, match="cachegen_bits"):
+        vq.CacheGenKVCache(c)
+    with pytest.raises(ValueError):
+        c.cachegen_flush = "never"
+
+
+def test_cache_config_and_no_bits_attribute():
+    cache = vq.CacheGenKVCache(vq.KVCacheConfig(cachegen_bits=3))
+    assert not hasattr(cache, "bits")
+    assert cache.config.cachegen_bits == 3
+    assert isinstance(cache, vq.KVCache)
+    assert vq.CacheGenKVCache().config == vq.KVCacheConfig()
+
+
+def test_plain_kv_cache_is_exact():
+    rng = np.random.default_rng(0)
+    cache = vq.KVCache()
+    k = rng.normal(size=(1, 2, 10, 8)).astype(np.float16)
+    v = rng.normal(size=(1, 2, 10, 4)).astype(np.float16)
+    ko, vo = cache.update_and_fetch(k[:, :, :6], v[:, :, :6])
+    ko, vo = cache.update_and_fetch(k[:, :, 6:], v[:, :, 6:])
+    np.testing.assert_array_equal(ko, k)
+    np.testing.assert_array_equal(vo, v)
+    assert cache.offset == 10 and cache.is_trimmable() and cache.nbytes > 0
+    assert cache.trim(3) == 3 and cache.offset == 7
+    sk, sv = cache.state
+    np.testing.assert_array_equal(sk, k[:, :, :7])
+    other = vq.KVCache()
+    other.state = (sk, sv)
+    assert other.offset == 7
+    np.testing.assert_array_equal(other.state[1], v[:, :, :7])
+    assert not hasattr(cache, "compressed_key_bytes")
+
+
+def test_cachegen_state_assignment_refused():
+    cache = vq.CacheGenKVCache()
+    k = np.zeros((1, 1, 4, 8), np.float32)
+    with pytest.raises(ValueError):
+        cache.state = (k, k)
+
+
+@pytest.mark.parametrize("bad,match", [
+    (np.zeros((1, 1, 4, 8), np.float64), "float16 or float32"),
+    (np.zeros((1, 1, 4, 8), np.int32), "float16 or float32"),
+    (np.zeros((1, 1, 4, 8), ">f4"), "native byte order"),
+    (np.zeros((1, 4, 8), np.float32), "4-D"),
+    (np.zeros((1, 1, 1, 4, 8), np.float32), "4-D"),
+    ("keys", "4-D"),
+])
+def test_bad_inputs_raise_value_error(bad, match):
+    cache = vq.CacheGenKVCache()
+    good = np.zeros((1, 1, 4, 8), np.float32)
+    with pytest.raises(ValueError, match=match):
+        cache.update_and_fetch(bad, good)
+    with pytest.raises(ValueError, match=match):
+        vq.KVCache().update_and_fetch(good, bad)
+    assert cache.offset == 0
+
+
+def test_nested_lists_refused_as_float64():
+    # A nested list becomes float64 in numpy: refused rather than silently narrowed.
+    with pytest.raises(ValueError, match="float64"):
+        vq.KVCache().update_and_fetch([[[[1.0]]]], [[[[1.0]]]])
+
+
+def test_layer_group_bits():
+    assert vq.layer_group_bits(28, 4) == [4] * 9 + [3] * 10 + [2] * 9
+    assert vq.layer_group_bits(24, 4) == [4] * 8 + [3] * 8 + [2] * 8
+    assert vq.layer_group_bits(0, 4) == []
+    assert vq.layer_group_bits(2, 4) == [4, 3]
+    assert vq.layer_group_bits(5, 4, n_groups=2) == [4, 4, 3, 3, 3]  # round(2.5) = 2
+    with pytest.raises(ValueError):
+        vq.layer_group_bits(8, 4, n_groups=0)
+
+
+@pytest.mark.parametrize("n_layers", [8, 9, 12])
+def test_builder_schedule_non_increasing(n_layers):
+    cfg = vq.KVCacheConfig(cachegen_bits=4)
+    caches = vq.KVCacheBuilder.for_model([64] * n_layers, cfg)
+    assert len(caches) == n_layers
+    assert all(type(c) is vq.CacheGenKVCache for c in caches)
+    bits = [c.config.cachegen_resolved_bits for c in caches]
+    assert bits == vq.layer_group_bits(n_layers, 4)
+    assert bits[0] == 4 and bits[-1] < 4
+    assert all(a >= b for a, b in zip(bits, bits[1:]))
+    assert cfg.cachegen_resolved_bits is None  # the caller's config is not modified
+
+
+def test_builder_layers_without_attention_and_model_objects():
+    class Model:
+        layer_head_dims = [64, None, 64, np.int64(64), None]
+
+    caches = vq.KVCacheBuilder.for_model(Model(), vq.KVCacheConfig(cachegen_bits=3))
+    kinds = [type(c).__name__ for c in caches]
+    assert kinds == ["CacheGenKVCache", "KVCache", "CacheGenKVCache", "CacheGenKVCache", "KVCache"]
+    assert [c.config.cachegen_resolved_bits for c in caches if isinstance(c, vq.CacheGenKVCache)] == [3, 2, 2]
+    assert len(vq.KVCacheBuilder.for_model([64, 64])) == 2  # default config
+    # The caches work.
+    k = np.zeros((1, 1, 3, 64), np.float16)
+    assert caches[0].update_and_fetch(k, k)[0].shape == (1, 1, 3, 64)
+
+
+def test_builder_refuses_resolved_bits_preset_and_bad_models():
+    with pytest.raises(ValueError, match="resolved_bits"):
+        vq.KVCacheBuilder.for_model([64] * 4, vq.KVCacheConfig(cachegen_resolved_bits=3))
+    with pytest.raises(ValueError, match="head dim"):
+        vq.KVCacheBuilder.for_model([64, 0])
+    with pytest.raises(ValueError, match="layer_head_dims"):
+        vq.KVCacheBuilder.for_model(["64"])
+    with pytest.raises(ValueError, match="layer_head_dims"):
+        vq.KVCacheBuilder.for_model(object())
+
+
+def test_error_classes():
+    # InvalidArgument -> ValueError (a subclass of neither RuntimeError nor the reverse).
+    with pytest.raises(ValueError) as e:
+        vq.CacheGenKVCache().trim(-2)
+    assert not isinstance(e.value, RuntimeError)
+    assert "must be >= 0" in str(e.value)

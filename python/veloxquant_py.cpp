@@ -1,0 +1,322 @@
+// The `veloxquant` Python module: the reference's Python API (VeloxQuant-MLX's
+// veloxquant_mlx.cache) over the C++ caches, with numpy arrays in place of mlx arrays.
+//
+// Contracts a reader must know first:
+// - Inputs: numpy arrays [B, H, S, D] of float16 or float32 in native byte order. Anything that is
+//   not C-contiguous and aligned (a transposed view, a slice with steps, a broadcast) is copied once
+//   before the cache sees it, so it is never misread. Other dtypes (float64, ints, bfloat16) and other
+//   ranks raise ValueError: the reference takes f16/f32, and a silent float64 -> float32 cast would
+//   hide a caller's mistake.
+// - Outputs: update_and_fetch returns fresh C-contiguous copies by default (copy=True), like the
+//   immutable mlx arrays the reference returns. copy=False returns read-only views of the cache's own
+//   buffer (no copy, O(1)); they keep the buffer alive, but their contents are only guaranteed until
+//   the next update_and_fetch/trim/state assignment on that cache (group_aligned rewrites residual
+//   rows with their reconstruction when a group closes). `state` always copies.
+// - Errors: vq::InvalidArgument -> ValueError, any other vq::Error -> RuntimeError, with the C++
+//   message.
+// - The GIL is held during calls: a cache is not thread-safe, and a decode step is microseconds.
+#include <bit>
+#include <chrono>
+#include <cstring>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "veloxquant/cache/builder.hpp"
+#include "veloxquant/cache/cachegen_cache.hpp"
+#include "veloxquant/cache/config.hpp"
+#include "veloxquant/cache/kv_cache.hpp"
+#include "veloxquant/core/error.hpp"
+#include "veloxquant/core/tensor.hpp"
+#include "veloxquant/quant/layer_schedule.hpp"
+
+namespace py = pybind11;
+using namespace pybind11::literals;
+
+namespace {
+
+constexpr bool kLittleEndianHost = (std::endian::native == std::endian::little);
+
+std::string shape_of(const py::array& a) {
+  std::string s = "(";
+  for (py::ssize_t i = 0; i < a.ndim(); ++i) s += (i ? ", " : "") + std::to_string(a.shape(i));
+  return s + (a.ndim() == 1 ? ",)" : ")");
+}
+
+// The numpy array `obj` as a vq::Tensor viewing its memory (copied first when not C-contiguous and
+// aligned). `keep` holds the array the tensor points into; it must outlive the tensor's use.
+vq::Tensor to_tensor(const py::handle obj, const char* what, py::array& keep) {
+  py::array a = py::array::ensure(obj);  // an ndarray as is, or an array-like converted
+  if (!a) throw vq::InvalidArgument(std::string(what) + " must be a numpy array [B, H, S, D] of float16 or float32");
+  if (a.ndim() != 4)
+    throw vq::InvalidArgument(std::string(what) + " must be a 4-D array [B, H, S, D], got shape " + shape_of(a));
+  const py::dtype dt = a.dtype();
+  const char bo = dt.byteorder();
+  const bool native = bo == '=' || bo == '|' || (bo == '<') == kLittleEndianHost;
+  vq::DType dtype;
+  if (dt.kind() == 'f' && dt.itemsize() == 4 && native) {
+    dtype = vq::DType::F32;
+  } else if (dt.kind() == 'f' && dt.itemsize() == 2 && native) {
+    dtype = vq::DType::F16;
+  } else {
+    throw vq::InvalidArgument(std::string(what) + " must be a float16 or float32 array (native byte order), got " +
+                              py::str(static_cast<py::object>(dt)).cast<std::string>() +
+                              "; convert it with .astype(np.float32) or .astype(np.float16)");
+  }
+  constexpr int kNeed = py::detail::npy_api::NPY_ARRAY_C_CONTIGUOUS_ | py::detail::npy_api::NPY_ARRAY_ALIGNED_;
+  if ((a.flags() & kNeed) != kNeed) {
+    a = py::array::ensure(a, kNeed);  // a C-contiguous aligned copy
+    if (!a) throw py::error_already_set();
+  }
+  const vq::Shape4 shape{a.shape(0), a.shape(1), a.shape(2), a.shape(3)};
+  keep = a;
+  // The caches only read their input during the call (they copy what they keep), so no owner.
+  return vq::Tensor::wrap(const_cast<void*>(a.data()), shape, dtype);
+}
+
+// numpy's type numbers (NPY_FLOAT, NPY_HALF), part of its stable C API.
+constexpr int kNpyFloat = 11;
+constexpr int kNpyHalf = 23;
+
+py::dtype np_dtype(vq::DType dtype) {
+  switch (dtype) {
+    case vq::DType::F32: return py::dtype(kNpyFloat);
+    case vq::DType::F16: return py::dtype(kNpyHalf);
+    case vq::DType::BF16: break;
+  }
+  throw vq::Error("bfloat16 tensors have no numpy dtype");
+}
+
+// A numpy array of `t`: with copy, a new C-contiguous array (one memcpy per (b, h) block: rows of
+// a slice are adjacent in the cache's buffer); without, a read-only view over `t`'s memory that
+// keeps its storage alive.
+py::array to_numpy(const vq::Tensor& t, bool copy) {
+  const py::dtype dt = np_dtype(t.dtype());
+  const auto& sh = t.shape();
+  std::vector<py::ssize_t> shape(sh.begin(), sh.end());
+  const auto itemsize = static_cast<std::size_t>(vq::dtype_size(t.dtype()));
+  if (copy || t.empty()) {
+    py::array out(dt, shape);
+    if (t.empty()) return out;
+    auto* dst = static_cast<std::byte*>(out.mutable_data());
+    const std::size_t row_bytes = static_cast<std::size_t>(sh[3]) * itemsize;
+    const bool rows_adjacent = t.strides()[2] == sh[3];
+    for (std::int64_t b = 0; b < sh[0]; ++b)
+      for (std::int64_t h = 0; h < sh[1]; ++h) {
+        if (rows_adjacent) {
+          std::memcpy(dst, t.row(b, h, 0), row_bytes * static_cast<std::size_t>(sh[2]));
+          dst += row_bytes * static_cast<std::size_t>(sh[2]);
+        } else {
+          for (std::int64_t s = 0; s < sh[2]; ++s, dst += row_bytes) std::memcpy(dst, t.row(b, h, s), row_bytes);
+        }
+      }
+    return out;
+  }
+  auto* held = new vq::Tensor(t);
+  py::capsule owner(held, [](void* p) { delete static_cast<vq::Tensor*>(p); });
+  std::vector<py::ssize_t> strides;
+  for (auto st : held->strides()) strides.push_back(static_cast<py::ssize_t>(st * static_cast<std::int64_t>(itemsize)));
+  py::array out(dt, shape, strides, held->row(0, 0, 0), owner);
+  py::detail::array_proxy(out.ptr())->flags &= ~py::detail::npy_api::NPY_ARRAY_WRITEABLE_;
+  return out;
+}
+
+py::tuple update_and_fetch(vq::KVCache& cache, const py::handle keys, const py::handle values, bool copy) {
+  py::array keep_k, keep_v;
+  const vq::Tensor k = to_tensor(keys, "keys", keep_k);
+  const vq::Tensor v = to_tensor(values, "values", keep_v);
+  auto [ok, ov] = cache.update_and_fetch(k, v);
+  return py::make_tuple(to_numpy(ok, copy), to_numpy(ov, copy));
+}
+
+py::tuple get_state(const vq::KVCache& cache) {
+  const vq::KVState s = cache.state();
+  return py::make_tuple(to_numpy(s.keys, true), to_numpy(s.values, true));
+}
+
+void set_state(vq::KVCache& cache, const py::object& state) {
+  if (!py::isinstance<py::sequence>(state) || py::len(state) != 2)
+    throw vq::InvalidArgument("state must be a (keys, values) pair of arrays");
+  const auto seq = state.cast<py::sequence>();
+  py::array keep_k, keep_v;
+  vq::KVState s{to_tensor(seq[0], "state keys", keep_k), to_tensor(seq[1], "state values", keep_v)};
+  cache.from_state(s);  // copies
+}
+
+vq::KVCacheConfig make_config(int bits, int group_size, bool use_delta, bool per_channel, int layer_groups,
+                              std::optional<int> resolved_bits, const std::string& flush) {
+  vq::KVCacheConfig c;
+  c.cachegen_bits = bits;
+  c.cachegen_group_size = group_size;
+  c.cachegen_use_delta = use_delta;
+  c.cachegen_per_channel = per_channel;
+  c.cachegen_layer_groups = layer_groups;
+  c.cachegen_resolved_bits = resolved_bits;
+  c.cachegen_flush = vq::flush_mode_from_name(flush);
+  c.validate();
+  return c;
+}
+
+std::string config_repr(const vq::KVCacheConfig& c) {
+  auto b = [](bool x) { return x ? "True" : "False"; };
+  return "KVCacheConfig(cachegen_bits=" + std::to_string(c.cachegen_bits) +
+         ", cachegen_group_size=" + std::to_string(c.cachegen_group_size) + ", cachegen_use_delta=" + b(c.cachegen_use_delta) +
+         ", cachegen_per_channel=" + b(c.cachegen_per_channel) + ", cachegen_layer_groups=" + std::to_string(c.cachegen_layer_groups) +
+         ", cachegen_resolved_bits=" + (c.cachegen_resolved_bits ? std::to_string(*c.cachegen_resolved_bits) : std::string("None")) +
+         ", cachegen_flush='" + std::string(vq::flush_mode_name(c.cachegen_flush)) + "')";
+}
+
+// A model for the builder: a sequence of per-layer head dims (int, or None for a layer without
+// attention), or an object whose `layer_head_dims` attribute is one.
+vq::ModelDescription to_model(const py::object& model) {
+  py::object dims = py::hasattr(model, "layer_head_dims") ? model.attr("layer_head_dims") : model;
+  const char* what =
+      "KVCacheBuilder.for_model: model must be a list of per-layer head dims (int, or None for a layer without attention) "
+      "or an object with attribute layer_head_dims";
+  if (!py::isinstance<py::iterable>(dims) || py::isinstance<py::str>(dims)) throw vq::InvalidArgument(what);
+  vq::ModelDescription m;
+  for (const py::handle d : dims) {
+    if (d.is_none()) {
+      m.layer_head_dims.emplace_back(std::nullopt);
+    } else if (py::isinstance<py::int_>(d) && !py::isinstance<py::bool_>(d)) {
+      m.layer_head_dims.emplace_back(d.cast<int>());
+    } else if (py::hasattr(d, "__index__") && !py::isinstance<py::bool_>(d)) {  // numpy integers
+      m.layer_head_dims.emplace_back(py::int_(py::reinterpret_borrow<py::object>(d)).cast<int>());
+    } else {
+      throw vq::InvalidArgument(std::string(what) + "; got an element " + py::repr(d).cast<std::string>());
+    }
+  }
+  return m;
+}
+
+struct KVCacheBuilderTag {};
+
+// Seconds per call of n C++ update_and_fetch calls on `cache` with the same chunk, as the binding's
+// baseline (bench_binding.py). The chunk is converted once, outside the timed loop.
+double bench_cpp_update(vq::KVCache& cache, const py::handle keys, const py::handle values, int n) {
+  if (n < 1) throw vq::InvalidArgument("n must be >= 1");
+  py::array keep_k, keep_v;
+  const vq::Tensor k = to_tensor(keys, "keys", keep_k);
+  const vq::Tensor v = to_tensor(values, "values", keep_v);
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < n; ++i) {
+    auto kv = cache.update_and_fetch(k, v);
+    asm volatile("" : : "r"(&kv) : "memory");  // keep the call and its result
+  }
+  const auto t1 = std::chrono::steady_clock::now();
+  return std::chrono::duration<double>(t1 - t0).count() / n;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(veloxquant, m) {
+  m.doc() =
+      "veloxquant: CacheGen-style KV cache compression (the C++ library), with the API of VeloxQuant-MLX's "
+      "veloxquant_mlx.cache over numpy arrays [B, H, S, D] of float16 or float32.";
+
+  // Most derived first: pybind11 tries translators in reverse order of registration.
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const vq::InvalidArgument& e) {
+      PyErr_SetString(PyExc_ValueError, e.what());
+    } catch (const vq::Error& e) {
+      PyErr_SetString(PyExc_RuntimeError, e.what());
+    }
+  });
+
+  py::class_<vq::KVCacheConfig>(m, "KVCacheConfig",
+                                "The cachegen_* fields of the reference's KVCacheConfig, with its defaults, plus cachegen_flush "
+                                "('group_aligned', the default, or 'per_call', the reference exactly). Validated on construction "
+                                "and when a cache is built.")
+      .def(py::init(&make_config), py::kw_only(), "cachegen_bits"_a = 4, "cachegen_group_size"_a = 32, "cachegen_use_delta"_a = true,
+           "cachegen_per_channel"_a = true, "cachegen_layer_groups"_a = 3, "cachegen_resolved_bits"_a = py::none(),
+           "cachegen_flush"_a = "group_aligned")
+      .def_readwrite("cachegen_bits", &vq::KVCacheConfig::cachegen_bits)
+      .def_readwrite("cachegen_group_size", &vq::KVCacheConfig::cachegen_group_size)
+      .def_readwrite("cachegen_use_delta", &vq::KVCacheConfig::cachegen_use_delta)
+      .def_readwrite("cachegen_per_channel", &vq::KVCacheConfig::cachegen_per_channel)
+      .def_readwrite("cachegen_layer_groups", &vq::KVCacheConfig::cachegen_layer_groups)
+      .def_readwrite("cachegen_resolved_bits", &vq::KVCacheConfig::cachegen_resolved_bits)
+      .def_property(
+          "cachegen_flush", [](const vq::KVCacheConfig& c) { return std::string(vq::flush_mode_name(c.cachegen_flush)); },
+          [](vq::KVCacheConfig& c, const std::string& name) { c.cachegen_flush = vq::flush_mode_from_name(name); })
+      .def("validate", &vq::KVCacheConfig::validate, "Raise ValueError naming the first bad field.")
+      .def("effective_bits", &vq::KVCacheConfig::effective_bits, "cachegen_resolved_bits if set, else cachegen_bits.")
+      .def("__eq__", [](const vq::KVCacheConfig& a, const vq::KVCacheConfig& b) { return a == b; }, py::is_operator())
+      .def("__repr__", &config_repr);
+
+  py::class_<vq::KVCache, std::shared_ptr<vq::KVCache>>(m, "KVCache", "The plain cache protocol of mlx_lm, for one attention layer.")
+      .def(py::init<>())
+      .def("update_and_fetch", &update_and_fetch, "keys"_a, "values"_a, py::kw_only(), "copy"_a = true,
+           "Append keys/values [B, H, S, D] (float16 or float32) and return the whole cache (keys, values), "
+           "[B, H, offset, D], in the input dtype. copy=True (default): fresh arrays. copy=False: read-only views of the "
+           "cache's buffer, valid until the next update_and_fetch/trim/state assignment on this cache.")
+      .def_property_readonly("offset", &vq::KVCache::offset, "Tokens held.")
+      .def_property("state", &get_state, &set_state, "(keys, values) up to offset, as copies. Assigning replaces the contents.")
+      .def("is_trimmable", &vq::KVCache::is_trimmable)
+      .def("trim", &vq::KVCache::trim, "n"_a, "Drop the last min(n, offset) tokens; returns how many were dropped.")
+      .def_property_readonly("nbytes", &vq::KVCache::nbytes, "Bytes of memory the cache holds (allocated buffers).")
+      .def("__repr__", [](const vq::KVCache& c) { return "<" + c.kind() + " offset=" + std::to_string(c.offset()) + ">"; });
+
+  py::class_<vq::CacheGenKVCache, vq::KVCache, std::shared_ptr<vq::CacheGenKVCache>>(
+      m, "CacheGenKVCache",
+      "A KVCache that group-quantizes what it stores and accounts its bytes as CacheGen does (entropy of the token-delta "
+      "code stream). Fetch returns dense arrays; like the reference, it has no `bits` attribute.")
+      .def(py::init<vq::KVCacheConfig>(), "config"_a = vq::KVCacheConfig{})
+      .def_property_readonly("config", &vq::CacheGenKVCache::config, "A copy of the cache's configuration.")
+      .def_property_readonly("compressed_key_bytes", &vq::CacheGenKVCache::compressed_key_bytes)
+      .def_property_readonly("compressed_value_bytes", &vq::CacheGenKVCache::compressed_value_bytes)
+      .def_property_readonly("fixed_width_key_bytes", &vq::CacheGenKVCache::fixed_width_key_bytes)
+      .def_property_readonly("fixed_width_value_bytes", &vq::CacheGenKVCache::fixed_width_value_bytes)
+      .def_property_readonly("fp16_key_bytes", &vq::CacheGenKVCache::fp16_key_bytes)
+      .def_property_readonly("fp16_value_bytes", &vq::CacheGenKVCache::fp16_value_bytes)
+      .def_property_readonly("entropy_savings", &vq::CacheGenKVCache::entropy_savings,
+                             "1 - compressed_key_bytes / fixed_width_key_bytes (0 when empty).")
+      .def_property_readonly("assigned_avg_bits", &vq::CacheGenKVCache::assigned_avg_bits,
+                             "16 * compressed_key_bytes / fp16_key_bytes (the configured bits when empty).")
+      .def(
+          "key_codes",
+          [](const vq::CacheGenKVCache& c, std::int64_t slice) {
+            const auto& s = c.key_stream();
+            if (slice < 0 || slice >= s.slices()) throw vq::InvalidArgument("slice must be in [0, B*H)");
+            py::array_t<std::uint8_t> out({static_cast<py::ssize_t>(s.quantized_tokens()), static_cast<py::ssize_t>(s.dim())});
+            const auto codes = s.codes(slice);
+            if (!codes.empty()) std::memcpy(out.mutable_data(), codes.data(), codes.size());
+            return out;
+          },
+          "slice"_a, "A copy of the codes of key slice b*H + h: uint8 [quantized tokens, D].")
+      .def(
+          "value_codes",
+          [](const vq::CacheGenKVCache& c, std::int64_t slice) {
+            const auto& s = c.value_stream();
+            if (slice < 0 || slice >= s.slices()) throw vq::InvalidArgument("slice must be in [0, B*H)");
+            py::array_t<std::uint8_t> out({static_cast<py::ssize_t>(s.quantized_tokens()), static_cast<py::ssize_t>(s.dim())});
+            const auto codes = s.codes(slice);
+            if (!codes.empty()) std::memcpy(out.mutable_data(), codes.data(), codes.size());
+            return out;
+          },
+          "slice"_a, "A copy of the codes of value slice b*H + h: uint8 [quantized tokens, D].");
+
+  py::class_<KVCacheBuilderTag>(m, "KVCacheBuilder")
+      .def_static(
+          "for_model",
+          [](const py::object& model, std::optional<vq::KVCacheConfig> config) {
+            return vq::KVCacheBuilder::for_model(to_model(model), config.value_or(vq::KVCacheConfig{}));
+          },
+          "model"_a, "config"_a = py::none(),
+          "One cache per layer: a CacheGenKVCache with the layer schedule's bits for each attention layer, a KVCache for "
+          "layers without attention (None). model: list of head dims, or an object with layer_head_dims.");
+
+  m.def("layer_group_bits", &vq::layer_group_bits, "n_layers"_a, "base_bits"_a, "n_groups"_a = 3,
+        "CacheGen's layer-wise bit schedule: deeper layers get fewer bits (never below 2).");
+
+  m.def("_bench_cpp_update", &bench_cpp_update, "cache"_a, "keys"_a, "values"_a, "n"_a,
+        "Seconds per call of n C++ update_and_fetch calls with one chunk (the binding benchmark's baseline).");
+}
