@@ -10,8 +10,6 @@ CacheGenKVCache::CacheGenKVCache(KVCacheConfig config) : config_(config) { confi
 
 std::pair<Tensor, Tensor> CacheGenKVCache::update_and_fetch(const Tensor& keys, const Tensor& values) {
   check_chunk(keys, values);
-  require(keys.all_quantizable(), "keys contain NaN, Inf or values beyond +-1.7e38, which cannot be quantized");
-  require(values.all_quantizable(), "values contain NaN, Inf or values beyond +-1.7e38, which cannot be quantized");
   const std::int64_t begin = offset_;
   if (begin == 0) {
     const int bits = config_.effective_bits();
@@ -19,8 +17,17 @@ std::pair<Tensor, Tensor> CacheGenKVCache::update_and_fetch(const Tensor& keys, 
     value_stream_ = QuantizedStream(values.dim(0), values.dim(1), static_cast<int>(values.dim(3)), bits, config_);
   }
   make_room(keys, values);
-  key_stream_.ingest(keys_buf_, keys, begin);
-  value_stream_.ingest(values_buf_, values, begin);
+  // Both sides are checked while they are quantized; a failure undoes the call entirely.
+  auto fail = [](const char* side, QuantStatus st) {
+    throw InvalidArgument(st == QuantStatus::NonFinite
+                              ? fmt::format("{} contain NaN or Inf, which cannot be quantized", side)
+                              : fmt::format("{} span a range that overflows float32 (|values| near 3.4e38)", side));
+  };
+  if (const QuantStatus st = key_stream_.ingest(keys_buf_, keys, begin); st != QuantStatus::Ok) fail("keys", st);
+  if (const QuantStatus st = value_stream_.ingest(values_buf_, values, begin); st != QuantStatus::Ok) {
+    key_stream_.undo_last_ingest(keys_buf_);
+    fail("values", st);
+  }
   offset_ += keys.dim(2);
   return {keys_buf_.slice(2, 0, offset_), values_buf_.slice(2, 0, offset_)};
 }

@@ -43,8 +43,8 @@ std::span<const std::uint8_t> QuantizedStream::codes(std::int64_t slice) const {
 std::span<const float> QuantizedStream::scales(std::int64_t slice) const { return scales_.at(static_cast<std::size_t>(slice)); }
 std::span<const float> QuantizedStream::minima(std::int64_t slice) const { return mins_.at(static_cast<std::size_t>(slice)); }
 
-void QuantizedStream::quantize_rows(Tensor& dense, const Tensor& input, std::int64_t begin, std::int64_t slice, std::int64_t row0,
-                                    int n_rows, std::int64_t group_index) {
+QuantStatus QuantizedStream::quantize_rows(Tensor& dense, const Tensor& input, std::int64_t begin, std::int64_t slice,
+                                           std::int64_t row0, int n_rows, std::int64_t group_index) {
   const std::int64_t b = slice / heads_, h = slice % heads_;
   const auto d = static_cast<std::size_t>(dim_);
   src_rows_.resize(static_cast<std::size_t>(n_rows));
@@ -60,10 +60,9 @@ void QuantizedStream::quantize_rows(Tensor& dense, const Tensor& input, std::int
   codes.resize(static_cast<std::size_t>(row0 + n_rows) * d);
   sc.resize(static_cast<std::size_t>(group_index + 1) * d);
   mn.resize(sc.size());
-  if (!quantize_group_rows(src_rows_.data(), dst_rows_.data(), n_rows, dim_, bits_, dense.dtype(),
-                           codes.data() + static_cast<std::size_t>(row0) * d, sc.data() + static_cast<std::size_t>(group_index) * d,
-                           mn.data() + static_cast<std::size_t>(group_index) * d, scratch_))
-    throw InvalidArgument(kRangeOverflow);
+  return quantize_group_rows(src_rows_.data(), dst_rows_.data(), n_rows, dim_, bits_, dense.dtype(),
+                             codes.data() + static_cast<std::size_t>(row0) * d, sc.data() + static_cast<std::size_t>(group_index) * d,
+                             mn.data() + static_cast<std::size_t>(group_index) * d, scratch_);
 }
 
 std::vector<std::int16_t> QuantizedStream::symbols_of(std::int64_t slice, std::int64_t row0, std::int64_t n_rows) const {
@@ -134,10 +133,47 @@ void QuantizedStream::remove_symbols(std::int64_t slice, std::int64_t row0, std:
   }
 }
 
-void QuantizedStream::ingest(Tensor& dense, const Tensor& input, std::int64_t begin) {
+void QuantizedStream::save_undo(const Tensor& dense, std::int64_t rows_begin, std::int64_t rows_end) {
+  undo_.quantized = quantized_;
+  undo_.groups = n_groups();
+  undo_.rows_begin = rows_begin;
+  undo_.rows_end = rows_end;
+  undo_.pushed_segment = false;
+  const std::size_t row_bytes = static_cast<std::size_t>(dim_) * dtype_size(dense.dtype());
+  undo_.rows.resize(static_cast<std::size_t>(std::max<std::int64_t>(0, rows_end - rows_begin) * slices()) * row_bytes);
+  std::byte* out = undo_.rows.data();
+  for (std::int64_t s = 0; s < slices(); ++s)
+    for (std::int64_t t = rows_begin; t < rows_end; ++t, out += row_bytes) std::memcpy(out, dense.row(s / heads_, s % heads_, t), row_bytes);
+}
+
+void QuantizedStream::undo_last_ingest(Tensor& dense) {
+  const std::size_t row_bytes = static_cast<std::size_t>(dim_) * dtype_size(dense.dtype());
+  const std::byte* in = undo_.rows.data();
+  for (std::int64_t s = 0; s < slices(); ++s)
+    for (std::int64_t t = undo_.rows_begin; t < undo_.rows_end; ++t, in += row_bytes)
+      std::memcpy(dense.row(s / heads_, s % heads_, t), in, row_bytes);
+  if (undo_.pushed_segment) {
+    seg_compressed_ -= segments_.back().compressed;
+    seg_fixed_ -= segments_.back().fixed;
+    segments_.pop_back();
+  }
+  const auto d = static_cast<std::size_t>(dim_);
+  for (std::int64_t s = 0; s < slices(); ++s) {
+    codes_[static_cast<std::size_t>(s)].resize(static_cast<std::size_t>(undo_.quantized) * d);
+    scales_[static_cast<std::size_t>(s)].resize(static_cast<std::size_t>(undo_.groups) * d);
+    mins_[static_cast<std::size_t>(s)].resize(static_cast<std::size_t>(undo_.groups) * d);
+  }
+  quantized_ = undo_.quantized;
+  accounted_ = std::min(accounted_, quantized_);
+  undo_.rows_begin = undo_.rows_end = 0;
+  undo_.pushed_segment = false;
+}
+
+QuantStatus QuantizedStream::ingest(Tensor& dense, const Tensor& input, std::int64_t begin) {
   const std::int64_t end = begin + input.dim(2);
   if (flush_ == FlushMode::PerCall) {
-    if (end <= begin) return;  // the reference quantizes nothing for an empty call
+    save_undo(dense, begin, begin);  // a segment only writes rows at or after begin
+    if (end <= begin) return QuantStatus::Ok;  // the reference quantizes nothing for an empty call
     Segment seg;
     seg.start = begin;
     seg.n_tokens = end - begin;
@@ -146,30 +182,52 @@ void QuantizedStream::ingest(Tensor& dense, const Tensor& input, std::int64_t be
     for (std::int64_t s = 0; s < slices(); ++s)
       for (std::int64_t g = 0; g < ng; ++g) {
         const std::int64_t r0 = begin + g * group_size_;
-        quantize_rows(dense, input, begin, s, r0, static_cast<int>(std::min<std::int64_t>(group_size_, end - r0)), seg.first_group + g);
+        const QuantStatus st =
+            quantize_rows(dense, input, begin, s, r0, static_cast<int>(std::min<std::int64_t>(group_size_, end - r0)), seg.first_group + g);
+        if (st != QuantStatus::Ok) {
+          undo_last_ingest(dense);
+          return st;
+        }
       }
     quantized_ = end;
     account_segment(seg);
     seg_compressed_ += seg.compressed;
     seg_fixed_ += seg.fixed;
     segments_.push_back(seg);
-    return;
+    undo_.pushed_segment = true;
+    return QuantStatus::Ok;
   }
   // group_aligned: close every group that is now complete, then copy the new residual rows.
   const std::int64_t closed_before = quantized_;
   const std::int64_t closable = std::max(closed_before, (end / group_size_) * group_size_);
+  save_undo(dense, closed_before, std::min(begin, closable));  // older residual rows about to be rewritten
   const auto d = static_cast<std::size_t>(dim_);
   const std::size_t row_bytes = d * dtype_size(dense.dtype());
   for (std::int64_t s = 0; s < slices(); ++s) {
     auto& codes = codes_[static_cast<std::size_t>(s)];
     if (codes.capacity() < static_cast<std::size_t>(closable) * d)
       codes.reserve(std::max(static_cast<std::size_t>(closable) * d, codes.capacity() * 2));
-    for (std::int64_t r0 = closed_before; r0 < closable; r0 += group_size_)
-      quantize_rows(dense, input, begin, s, r0, group_size_, r0 / group_size_);
+    for (std::int64_t r0 = closed_before; r0 < closable; r0 += group_size_) {
+      const QuantStatus st = quantize_rows(dense, input, begin, s, r0, group_size_, r0 / group_size_);
+      if (st != QuantStatus::Ok) {
+        undo_last_ingest(dense);
+        return st;
+      }
+    }
+  }
+  // The new residual rows are checked too: a NaN must not wait in the residual to fail later.
+  for (std::int64_t s = 0; s < slices(); ++s) {
     const std::int64_t b = s / heads_, h = s % heads_;
-    for (std::int64_t t = std::max(closable, begin); t < end; ++t) std::memcpy(dense.row(b, h, t), input.row(b, h, t - begin), row_bytes);
+    for (std::int64_t t = std::max(closable, begin); t < end; ++t) {
+      if (!input.slice(0, b, b + 1).slice(1, h, h + 1).slice(2, t - begin, t - begin + 1).all_finite()) {
+        undo_last_ingest(dense);
+        return QuantStatus::NonFinite;
+      }
+      std::memcpy(dense.row(b, h, t), input.row(b, h, t - begin), row_bytes);
+    }
   }
   quantized_ = closable;
+  return QuantStatus::Ok;
 }
 
 void QuantizedStream::trim_to(std::int64_t new_end) {

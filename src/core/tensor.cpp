@@ -15,11 +15,13 @@ namespace {
 Shape4 contiguous_strides(const Shape4& s) { return {s[1] * s[2] * s[3], s[2] * s[3], s[3], 1}; }
 
 void check_shape(const Shape4& shape) {
-  for (auto d : shape) require(d >= 0, "tensor shape " + shape_string(shape) + " has a negative dimension");
+  // Called for every new tensor (every decode step): messages are formatted only on failure.
+  for (auto d : shape)
+    if (d < 0) throw InvalidArgument("tensor shape " + shape_string(shape) + " has a negative dimension");
   // Guard the element count against overflow: 2^40 elements is far beyond any KV cache.
   long double n = 1;
   for (auto d : shape) n *= static_cast<long double>(d);
-  require(n <= static_cast<long double>(1LL << 40), "tensor shape " + shape_string(shape) + " is too large");
+  if (n > static_cast<long double>(1LL << 40)) throw InvalidArgument("tensor shape " + shape_string(shape) + " is too large");
 }
 }  // namespace
 

@@ -11,16 +11,17 @@
 
 namespace vq {
 
-bool quantize_group_rows_portable(const std::byte* const* rows, std::byte* const* out_rows, int n_rows, int dim, int bits,
-                                  DType dtype, std::uint8_t* codes, float* scale, float* minv, FusedGroupScratch& scratch) {
+QuantStatus quantize_group_rows_portable(const std::byte* const* rows, std::byte* const* out_rows, int n_rows, int dim, int bits,
+                                         DType dtype, std::uint8_t* codes, float* scale, float* minv, FusedGroupScratch& scratch) {
   const auto d = static_cast<std::size_t>(dim);
   scratch.in.resize(static_cast<std::size_t>(n_rows) * d);
   scratch.out.resize(scratch.in.size());
   for (int r = 0; r < n_rows; ++r) to_f32(rows[r], dtype, scratch.in.data() + static_cast<std::size_t>(r) * d, d);
-  if (!quantize_group(scratch.in.data(), n_rows, dim, bits, codes, scale, minv)) return false;
+  if (!all_finite(scratch.in.data(), scratch.in.size())) return QuantStatus::NonFinite;
+  if (!quantize_group(scratch.in.data(), n_rows, dim, bits, codes, scale, minv)) return QuantStatus::RangeOverflow;
   dequant_group(codes, n_rows, dim, scale, minv, scratch.out.data());
   for (int r = 0; r < n_rows; ++r) from_f32(scratch.out.data() + static_cast<std::size_t>(r) * d, out_rows[r], dtype, d);
-  return true;
+  return QuantStatus::Ok;
 }
 
 #ifdef VQ_HAVE_AVX2_KERNEL
@@ -46,7 +47,7 @@ __attribute__((target("avx2,f16c"))) inline void store8(std::byte* p, __m256 v) 
 
 // Channels [0, dim8) in vectors of 8; the tail (dim % 8) goes through the portable formulas.
 template <DType DT>
-__attribute__((target("avx2,f16c"))) bool kernel(const std::byte* const* rows, std::byte* const* out_rows, int n_rows, int dim,
+__attribute__((target("avx2,f16c"))) QuantStatus kernel(const std::byte* const* rows, std::byte* const* out_rows, int n_rows, int dim,
                                                  int bits, std::uint8_t* codes, float* scale, float* minv) {
   constexpr std::size_t esz = DT == DType::F16 ? 2 : 4;
   const int dim8 = dim & ~7;
@@ -59,11 +60,14 @@ __attribute__((target("avx2,f16c"))) bool kernel(const std::byte* const* rows, s
   int overflow = 0;
   for (int c = 0; c < dim8; c += 8) {
     __m256 mn = load8<DT>(rows[0] + static_cast<std::size_t>(c) * esz), mx = mn;
+    __m256 nonfinite = _mm256_sub_ps(mn, mn);  // x - x is +0 for finite x, NaN for NaN and Inf
     for (int r = 1; r < n_rows; ++r) {
       const __m256 x = load8<DT>(rows[r] + static_cast<std::size_t>(c) * esz);
       mn = _mm256_min_ps(x, mn);  // same operand order as the portable x < mn ? x : mn
       mx = _mm256_max_ps(x, mx);
+      nonfinite = _mm256_or_ps(nonfinite, _mm256_sub_ps(x, x));
     }
+    if (!_mm256_testz_si256(_mm256_castps_si256(nonfinite), _mm256_castps_si256(nonfinite))) return QuantStatus::NonFinite;
     __m256 s = _mm256_div_ps(_mm256_sub_ps(mx, mn), levels);
     s = _mm256_max_ps(s, min_scale);  // scale > 1e-8 ? scale : 1e-8 (scale is never NaN here)
     overflow |= _mm256_movemask_ps(_mm256_cmp_ps(s, fmax, _CMP_GT_OQ));
@@ -81,14 +85,15 @@ __attribute__((target("avx2,f16c"))) bool kernel(const std::byte* const* rows, s
       store8<DT>(out_rows[r] + static_cast<std::size_t>(c) * esz, rec);
     }
   }
-  if (overflow) return false;
+  if (overflow) return QuantStatus::RangeOverflow;
   if (dim8 < dim) {  // tail channels: portable arithmetic, one channel at a time
     const int tail = dim - dim8;
     float s[8], m[8];
     std::vector<float> col(static_cast<std::size_t>(n_rows) * tail), out(col.size());
     std::vector<std::uint8_t> qc(col.size());
     for (int r = 0; r < n_rows; ++r) to_f32(rows[r] + static_cast<std::size_t>(dim8) * esz, DT, col.data() + r * tail, static_cast<std::size_t>(tail));
-    if (!quantize_group(col.data(), n_rows, tail, bits, qc.data(), s, m)) return false;
+    if (!all_finite(col.data(), col.size())) return QuantStatus::NonFinite;
+    if (!quantize_group(col.data(), n_rows, tail, bits, qc.data(), s, m)) return QuantStatus::RangeOverflow;
     dequant_group(qc.data(), n_rows, tail, s, m, out.data());
     for (int k = 0; k < tail; ++k) {
       scale[dim8 + k] = s[k];
@@ -99,7 +104,7 @@ __attribute__((target("avx2,f16c"))) bool kernel(const std::byte* const* rows, s
       from_f32(out.data() + r * tail, out_rows[r] + static_cast<std::size_t>(dim8) * esz, DT, static_cast<std::size_t>(tail));
     }
   }
-  return true;
+  return QuantStatus::Ok;
 }
 
 bool cpu_ok() {
@@ -119,7 +124,7 @@ bool fused_quant_has_fast_path(DType dtype) {
 #endif
 }
 
-bool quantize_group_rows(const std::byte* const* rows, std::byte* const* out_rows, int n_rows, int dim, int bits, DType dtype,
+QuantStatus quantize_group_rows(const std::byte* const* rows, std::byte* const* out_rows, int n_rows, int dim, int bits, DType dtype,
                          std::uint8_t* codes, float* scale, float* minv, FusedGroupScratch& scratch) {
 #ifdef VQ_HAVE_AVX2_KERNEL
   if (cpu_ok() && n_rows >= 1) {

@@ -241,10 +241,35 @@ TEST(CacheGen, NanInputIsRejectedBeforeAnythingChanges) {
   bad.set(0, 0, 5, 1, std::nanf(""));
   EXPECT_THROW(cache.update_and_fetch(bad, k), vq::InvalidArgument);
   EXPECT_THROW(cache.update_and_fetch(k, bad), vq::InvalidArgument);
-  bad.set(0, 0, 5, 1, 3e38f);  // finite, but max - min would overflow float32
+  bad.set(0, 0, 5, 1, 3e38f);  // finite, but max - min overflows float32
+  bad.set(0, 0, 6, 1, -3e38f);
   EXPECT_THROW(cache.update_and_fetch(bad, k), vq::InvalidArgument);
   EXPECT_EQ(cache.offset(), 40);
   EXPECT_EQ(cache.key_stream().quantized_tokens(), 32);
+  // A failing call that would have closed a group over older residual rows (32..39) restores
+  // them exactly, for either side failing, in both flush modes.
+  for (auto cfg : {aligned(), per_call()}) {
+    vq::CacheGenKVCache c(cfg);
+    c.update_and_fetch(k, k);
+    const auto before_k = c.state().keys.contiguous(true), before_v = c.state().values.contiguous(true);
+    const auto counters = c.compressed_key_bytes() + c.compressed_value_bytes() + c.fixed_width_value_bytes();
+    auto more = vqtest::random_walk({1, 1, 30, 4}, 19);
+    auto more_bad = more.contiguous(true);
+    more_bad.set(0, 0, 29, 3, std::nanf(""));
+    EXPECT_THROW(c.update_and_fetch(more, more_bad), vq::InvalidArgument);
+    EXPECT_THROW(c.update_and_fetch(more_bad, more), vq::InvalidArgument);
+    EXPECT_EQ(c.offset(), 40);
+    EXPECT_TRUE(c.state().keys.bit_equal(before_k));
+    EXPECT_TRUE(c.state().values.bit_equal(before_v));
+    EXPECT_EQ(c.compressed_key_bytes() + c.compressed_value_bytes() + c.fixed_width_value_bytes(), counters);
+    // and the cache goes on as if the failed calls never happened
+    vq::CacheGenKVCache fresh(cfg);
+    fresh.update_and_fetch(k, k);
+    auto [a, av] = c.update_and_fetch(more, more);
+    auto [b, bv] = fresh.update_and_fetch(more, more);
+    EXPECT_TRUE(a.bit_equal(b));
+    EXPECT_TRUE(av.bit_equal(bv));
+  }
 }
 
 TEST(CacheGen, TrimRollsCountersBackHonestly) {

@@ -1,6 +1,7 @@
 #include "veloxquant/quant/fused_group_quant.hpp"
 
 #include <cstring>
+#include <limits>
 #include <random>
 
 #include <gtest/gtest.h>
@@ -32,8 +33,8 @@ TEST(FusedGroupQuant, FastPathEqualsPortableBitForBit) {
           std::vector<std::uint8_t> qa(n, 99), qb(n, 77);
           std::vector<float> sa(static_cast<std::size_t>(dim)), sb(sa.size()), ma(sa.size()), mb(sa.size());
           vq::FusedGroupScratch scratch;
-          ASSERT_TRUE(vq::quantize_group_rows(in.data(), oa.data(), rows, dim, bits, dt, qa.data(), sa.data(), ma.data(), scratch));
-          ASSERT_TRUE(vq::quantize_group_rows_portable(in.data(), ob.data(), rows, dim, bits, dt, qb.data(), sb.data(), mb.data(), scratch));
+          ASSERT_EQ(vq::quantize_group_rows(in.data(), oa.data(), rows, dim, bits, dt, qa.data(), sa.data(), ma.data(), scratch), vq::QuantStatus::Ok);
+          ASSERT_EQ(vq::quantize_group_rows_portable(in.data(), ob.data(), rows, dim, bits, dt, qb.data(), sb.data(), mb.data(), scratch), vq::QuantStatus::Ok);
           ASSERT_EQ(qa, qb) << "dtype " << static_cast<int>(dt) << " dim " << dim << " rows " << rows << " bits " << bits;
           ASSERT_EQ(0, std::memcmp(sa.data(), sb.data(), sa.size() * 4));
           ASSERT_EQ(0, std::memcmp(ma.data(), mb.data(), ma.size() * 4));
@@ -48,17 +49,39 @@ TEST(FusedGroupQuant, InPlaceAndOverflow) {
   std::uint8_t q[4];
   float s[2], m[2];
   vq::FusedGroupScratch scratch;
-  EXPECT_FALSE(vq::quantize_group_rows(in, out, 2, 2, 4, vq::DType::F32, q, s, m, scratch));
+  EXPECT_EQ(vq::quantize_group_rows(in, out, 2, 2, 4, vq::DType::F32, q, s, m, scratch), vq::QuantStatus::RangeOverflow);
   std::vector<float> y(16);
   for (std::size_t i = 0; i < y.size(); ++i) y[i] = static_cast<float>(i);
   const std::byte* yi[2] = {reinterpret_cast<const std::byte*>(y.data()), reinterpret_cast<const std::byte*>(y.data() + 8)};
   std::byte* yo[2] = {reinterpret_cast<std::byte*>(y.data()), reinterpret_cast<std::byte*>(y.data() + 8)};
   std::uint8_t qy[16];
   float sy[8], my[8];
-  ASSERT_TRUE(vq::quantize_group_rows(yi, yo, 2, 8, 1, vq::DType::F32, qy, sy, my, scratch));
+  ASSERT_EQ(vq::quantize_group_rows(yi, yo, 2, 8, 1, vq::DType::F32, qy, sy, my, scratch), vq::QuantStatus::Ok);
   for (std::size_t i = 0; i < 8; ++i) {  // 1 bit: min and max of each channel are exact
     EXPECT_EQ(y[i], static_cast<float>(i));
     EXPECT_EQ(y[i + 8], static_cast<float>(i + 8));
+  }
+}
+
+TEST(FusedGroupQuant, NonFiniteIsReportedByBothPaths) {
+  for (int dim : {8, 13}) {
+    for (float bad : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity()}) {
+      std::vector<float> x(static_cast<std::size_t>(3 * dim), 1.0f);
+      x[static_cast<std::size_t>(2 * dim + dim - 1)] = bad;  // last channel of the last row (the tail for dim 13)
+      std::vector<const std::byte*> in;
+      std::vector<std::byte*> out;
+      for (int r = 0; r < 3; ++r) {
+        in.push_back(reinterpret_cast<const std::byte*>(x.data() + r * dim));
+        out.push_back(reinterpret_cast<std::byte*>(x.data() + r * dim));
+      }
+      std::vector<std::uint8_t> q(x.size());
+      std::vector<float> s(static_cast<std::size_t>(dim)), m(s.size());
+      vq::FusedGroupScratch scratch;
+      EXPECT_EQ(vq::quantize_group_rows(in.data(), out.data(), 3, dim, 4, vq::DType::F32, q.data(), s.data(), m.data(), scratch),
+                vq::QuantStatus::NonFinite);
+      EXPECT_EQ(vq::quantize_group_rows_portable(in.data(), out.data(), 3, dim, 4, vq::DType::F32, q.data(), s.data(), m.data(), scratch),
+                vq::QuantStatus::NonFinite);
+    }
   }
 }
 

@@ -34,7 +34,12 @@ class QuantizedStream {
   // quantize what the flush mode makes ready and write every new row of `dense`
   // ([B, H, capacity >= begin + S, D], same dtype) once, as its reconstruction or (residual) as
   // is. Reading the input directly saves a copy-then-rewrite pass over the dense buffer.
-  void ingest(Tensor& dense, const Tensor& input, std::int64_t begin);
+  // Transactional: when the input holds NaN or Inf, or a range that overflows float32, nothing
+  // changes (rows of `dense` below `begin` that were overwritten are restored) and the status
+  // says why. The input is never scanned separately: the quantizer checks what it reads.
+  QuantStatus ingest(Tensor& dense, const Tensor& input, std::int64_t begin);
+  // Undo the last successful ingest (when the other side of the same call failed).
+  void undo_last_ingest(Tensor& dense);
   // The cache now holds tokens [0, new_end) only (new_end <= tokens seen). Rolls the codes and the
   // byte counts back; in group_aligned mode a group cut by new_end is reopened (its kept rows,
   // already holding their reconstruction in `dense`, rejoin the residual).
@@ -67,8 +72,8 @@ class QuantizedStream {
   };
   // Quantize rows [row0, row0 + n_rows) of one slice as group `group_index`; row r is read from
   // input row r - begin when r >= begin, else from dense; the reconstruction goes to dense.
-  void quantize_rows(Tensor& dense, const Tensor& input, std::int64_t begin, std::int64_t slice, std::int64_t row0, int n_rows,
-                     std::int64_t group_index);
+  QuantStatus quantize_rows(Tensor& dense, const Tensor& input, std::int64_t begin, std::int64_t slice, std::int64_t row0, int n_rows,
+                            std::int64_t group_index);
   void account_segment(Segment& seg) const;
   std::vector<std::int16_t> symbols_of(std::int64_t slice, std::int64_t row0, std::int64_t n_rows) const;
   void add_symbols(std::int64_t slice, std::int64_t row0, std::int64_t n_rows) const;
@@ -92,6 +97,14 @@ class QuantizedStream {
   mutable std::int64_t accounted_ = 0;  // closed tokens whose symbols are in hist_
   FusedGroupScratch scratch_;
   std::vector<const std::byte*> src_rows_;
+  // What undo_last_ingest restores: sizes before the ingest, and the residual rows (older than
+  // the call) that it overwrote with their reconstruction, per slice.
+  struct Undo {
+    std::int64_t quantized = 0, groups = 0, rows_begin = 0, rows_end = 0;
+    bool pushed_segment = false;
+    std::vector<std::byte> rows;
+  } undo_;
+  void save_undo(const Tensor& dense, std::int64_t rows_begin, std::int64_t rows_end);
   std::vector<std::byte*> dst_rows_;
 };
 

@@ -15,13 +15,16 @@ struct FusedGroupScratch {
   std::vector<float> in, out;
 };
 
+enum class QuantStatus { Ok = 0, NonFinite, RangeOverflow };
+
 // rows[r] / out_rows[r] point at `dim` elements of `dtype` (r < n_rows); out_rows may equal rows.
-// Returns false (outputs unspecified) when some channel's range overflows float32. Never throws.
-bool quantize_group_rows(const std::byte* const* rows, std::byte* const* out_rows, int n_rows, int dim, int bits, DType dtype,
+// Returns NonFinite when a value is NaN or Inf and RangeOverflow when some channel's max - min
+// overflows float32; outputs are then unspecified (possibly partly written). Never throws.
+QuantStatus quantize_group_rows(const std::byte* const* rows, std::byte* const* out_rows, int n_rows, int dim, int bits, DType dtype,
                          std::uint8_t* codes, float* scale, float* minv, FusedGroupScratch& scratch);
 
 // The portable implementation (exposed for the equality test).
-bool quantize_group_rows_portable(const std::byte* const* rows, std::byte* const* out_rows, int n_rows, int dim, int bits,
+QuantStatus quantize_group_rows_portable(const std::byte* const* rows, std::byte* const* out_rows, int n_rows, int dim, int bits,
                                   DType dtype, std::uint8_t* codes, float* scale, float* minv, FusedGroupScratch& scratch);
 // Whether quantize_group_rows uses the AVX2+F16C kernel for `dtype` on this CPU.
 bool fused_quant_has_fast_path(DType dtype);
