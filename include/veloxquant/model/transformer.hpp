@@ -12,6 +12,7 @@
 // Attention reads keys and values only from what update_and_fetch returned: a lossy cache changes
 // the logits, which is what the evaluation measures.
 #pragma once
+#include <cstdint>
 #include <memory>
 #include <span>
 #include <vector>
@@ -42,12 +43,23 @@ class Transformer {
  private:
   void ensure_capacity(int n);
   Checkpoint ck_;
-  // Weights transposed to [in, out] per layer, for vectorised matmuls.
-  std::vector<float> wq_t_, wk_t_, wv_t_, wo_t_, w1_t_, w2_t_, w3_t_, wcls_t_;
+  // Weights transposed to [in, out_pad] per layer (out_pad: out rounded up to a multiple of 8,
+  // zero-filled), for matmuls vectorised over outputs. wqkv_t_ holds wq, wk, wv side by side
+  // ([dim, dim_pad + 2 kv_pad]), w13_t_ w1 and w3 ([dim, 2 hidden_pad]): one matmul each.
+  std::vector<float> wqkv_t_, wo_t_, w13_t_, w2_t_, wcls_t_;
+  int dim_pad_ = 0, kv_pad_ = 0, hidden_pad_ = 0, vocab_pad_ = 0;
   std::vector<float> rope_cos_, rope_sin_;  // [seq_len, head_size / 2]
   int capacity_ = 0;                        // tokens the scratch buffers hold
-  std::vector<float> x_, xb_, q_, k_, v_, att_out_, hb_, hb2_, scores_, kscratch_, vscratch_;
+  std::vector<float> x_, xb_, att_out_, kscratch_, vscratch_;
+  std::vector<float> qkv_;  // [n, dim_pad + 2 kv_pad]: q, k, v of each token
+  std::vector<float> hb_;   // [n, 2 hidden_pad]: w1 x (then the SwiGLU product), w3 x
+  std::vector<float> scores_;       // [n_heads, scores_ld_]
+  std::size_t scores_ld_ = 0;
   std::vector<float> kbuf_, vbuf_;  // K/V in [n_kv_heads, n, head_size] for the caches
+  Tensor kin_, vin_;                // kbuf_/vbuf_ wrapped for a chunk of wrapped_n_ tokens
+  int wrapped_n_ = 0;
+  std::vector<const float*> kp_, vp_;  // per KV head: row 0 of the fetched K / V, as float32
+  std::vector<std::int64_t> ks_, vs_;  // per KV head: their row strides in floats
 };
 
 // One plain float32 KVCache per layer.
