@@ -1,0 +1,211 @@
+// rANS codec throughput beside memcpy and zstd -1 in the same run, plus the table-precision and
+// size measurements behind kDefaultScaleBits (docs/benchmarks.md, "rANS codec (issue 4)").
+//   ./build/bench/vq_bench_rans
+// Msym/s = items_per_second / 1e6. Sizes are reported as counters (bytes, ratio to the bound).
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include <benchmark/benchmark.h>
+
+#ifdef VQ_HAVE_ZSTD
+#include <zstd.h>
+#endif
+
+#include "veloxquant/entropy/rans.hpp"
+
+namespace {
+
+constexpr std::size_t kN = 1 << 20;      // one long stream: 1 Mi symbols
+constexpr std::size_t kChannel = 4096;   // tokens per channel in a cache
+constexpr std::size_t kChannels = 64;    // channels coded as segments of one stream
+
+// Codes of `bits` bits: a discretised Laplacian around mid-range (what quantised KV deltas look
+// like), scale chosen so 4-bit codes carry about 3.2 bits and 8-bit codes about 6.6 bits.
+std::vector<std::uint16_t> make_codes(int bits, std::size_t n, std::uint64_t seed, double spread = 1.0) {
+  std::mt19937_64 rng(seed);
+  const int levels = 1 << bits;
+  std::exponential_distribution<double> e(1.0 / (spread * levels / 12.0));
+  std::vector<std::uint16_t> s(n);
+  for (auto& v : s) {
+    const double d = (rng() & 1 ? 1 : -1) * e(rng);
+    v = static_cast<std::uint16_t>(std::clamp(static_cast<int>(std::lround(levels / 2 + d)), 0, levels - 1));
+  }
+  return s;
+}
+
+double shannon_bits(const std::vector<std::uint16_t>& s, int alphabet) {
+  std::vector<double> h(static_cast<std::size_t>(alphabet));
+  for (auto v : s) ++h[v];
+  double bits = 0;
+  for (double c : h)
+    if (c) bits -= c * std::log2(c / static_cast<double>(s.size()));
+  return bits;
+}
+
+vq::RansKernel kernel_of(std::int64_t k) { return k ? vq::RansKernel::Avx2 : vq::RansKernel::Scalar; }
+const char* kernel_name(std::int64_t k) { return k ? "avx2" : "scalar"; }
+
+// Bit-packed codes (what zstd is fed, and the fixed-width size).
+std::vector<std::uint8_t> pack(const std::vector<std::uint16_t>& s, int bits) {
+  std::vector<std::uint8_t> out((s.size() * static_cast<std::size_t>(bits) + 7) / 8, 0);
+  std::size_t bit = 0;
+  for (auto v : s)
+    for (int b = 0; b < bits; ++b, ++bit)
+      if (v >> b & 1) out[bit / 8] |= static_cast<std::uint8_t>(1u << (bit % 8));
+  return out;
+}
+
+void BM_Memcpy(benchmark::State& state) {
+  const auto s = make_codes(static_cast<int>(state.range(0)), kN, 1);
+  std::vector<std::uint16_t> d(s.size());
+  for (auto _ : state) {
+    std::memcpy(d.data(), s.data(), s.size() * 2);
+    benchmark::DoNotOptimize(d.data());
+    benchmark::ClobberMemory();
+  }
+  state.SetItemsProcessed(static_cast<std::int64_t>(state.iterations() * s.size()));
+  state.SetLabel("uint16 symbols");
+}
+BENCHMARK(BM_Memcpy)->Arg(4)->Arg(8)->Unit(benchmark::kMicrosecond);
+
+void BM_RansEncode(benchmark::State& state) {
+  const int bits = static_cast<int>(state.range(0));
+  const auto s = make_codes(bits, kN, 1);
+  const auto t = vq::FrequencyTable::from_symbols(s, 1 << bits);
+  std::vector<std::uint8_t> out;
+  for (auto _ : state) {
+    out = vq::rans_encode(s, t, kernel_of(state.range(1)));
+    benchmark::DoNotOptimize(out.data());
+  }
+  state.SetItemsProcessed(static_cast<std::int64_t>(state.iterations() * s.size()));
+  state.counters["bits_per_sym"] = 8.0 * static_cast<double>(out.size()) / static_cast<double>(s.size());
+  state.counters["shannon_bits"] = shannon_bits(s, 1 << bits) / static_cast<double>(s.size());
+  state.SetLabel(kernel_name(state.range(1)));
+}
+BENCHMARK(BM_RansEncode)->ArgsProduct({{4, 8}, {0, 1}})->Unit(benchmark::kMicrosecond);
+
+void BM_RansDecode(benchmark::State& state) {
+  const int bits = static_cast<int>(state.range(0));
+  const auto s = make_codes(bits, kN, 1);
+  const auto t = vq::FrequencyTable::from_symbols(s, 1 << bits);
+  const auto enc = vq::rans_encode(s, t);
+  std::vector<std::uint16_t> out(s.size());
+  for (auto _ : state) {
+    vq::rans_decode(enc, t, out, kernel_of(state.range(1)));
+    benchmark::DoNotOptimize(out.data());
+  }
+  if (out != s) state.SkipWithError("round trip failed");
+  state.SetItemsProcessed(static_cast<std::int64_t>(state.iterations() * s.size()));
+  state.SetLabel(kernel_name(state.range(1)));
+}
+BENCHMARK(BM_RansDecode)->ArgsProduct({{4, 8}, {0, 1}})->Unit(benchmark::kMicrosecond);
+
+#ifdef VQ_HAVE_ZSTD
+void BM_Zstd1Compress(benchmark::State& state) {
+  const int bits = static_cast<int>(state.range(0));
+  const auto packed = pack(make_codes(bits, kN, 1), bits);
+  std::vector<std::uint8_t> out(ZSTD_compressBound(packed.size()));
+  std::size_t n = 0;
+  ZSTD_CCtx* cctx = ZSTD_createCCtx();
+  for (auto _ : state) {
+    n = ZSTD_compressCCtx(cctx, out.data(), out.size(), packed.data(), packed.size(), 1);
+    benchmark::DoNotOptimize(out.data());
+  }
+  ZSTD_freeCCtx(cctx);
+  state.SetItemsProcessed(static_cast<std::int64_t>(state.iterations() * kN));
+  state.counters["bits_per_sym"] = 8.0 * static_cast<double>(n) / kN;
+  state.SetLabel("bit-packed codes");
+}
+BENCHMARK(BM_Zstd1Compress)->Arg(4)->Arg(8)->Unit(benchmark::kMicrosecond);
+
+void BM_Zstd1Decompress(benchmark::State& state) {
+  const int bits = static_cast<int>(state.range(0));
+  const auto packed = pack(make_codes(bits, kN, 1), bits);
+  std::vector<std::uint8_t> comp(ZSTD_compressBound(packed.size())), out(packed.size());
+  comp.resize(ZSTD_compress(comp.data(), comp.size(), packed.data(), packed.size(), 1));
+  ZSTD_DCtx* dctx = ZSTD_createDCtx();
+  for (auto _ : state) {
+    benchmark::DoNotOptimize(ZSTD_decompressDCtx(dctx, out.data(), out.size(), comp.data(), comp.size()));
+    benchmark::ClobberMemory();
+  }
+  ZSTD_freeDCtx(dctx);
+  if (out != packed) state.SkipWithError("zstd round trip failed");
+  state.SetItemsProcessed(static_cast<std::int64_t>(state.iterations() * kN));
+  state.SetLabel("bit-packed codes");
+}
+BENCHMARK(BM_Zstd1Decompress)->Arg(4)->Arg(8)->Unit(benchmark::kMicrosecond);
+#endif
+
+// The cache's case: kChannels channels of kChannel tokens, one table per channel (serialised and
+// counted), all channels as segments of one stream. Args: bits, scale_bits. Decode time includes
+// building each channel's slot table; sizes are compared with sum(Shannon) + table bytes.
+struct Channels {
+  std::vector<std::vector<std::uint16_t>> syms;
+  std::vector<vq::FrequencyTable> tables;
+  double shannon_bytes = 0;
+  std::size_t table_bytes = 0;
+  Channels(int bits, int scale) {
+    for (std::size_t c = 0; c < kChannels; ++c) {
+      syms.push_back(make_codes(bits, kChannel, 100 + c, 0.6 + 0.02 * static_cast<double>(c)));
+      tables.push_back(vq::FrequencyTable::from_symbols(syms.back(), 1 << bits, scale));
+      shannon_bytes += shannon_bits(syms.back(), 1 << bits) / 8;
+      table_bytes += tables.back().serialized_size();
+    }
+  }
+};
+
+void BM_ChannelsDecode(benchmark::State& state) {
+  const int bits = static_cast<int>(state.range(0)), scale = static_cast<int>(state.range(1));
+  const Channels ch(bits, scale);
+  std::vector<vq::RansEncodeSegment> enc;
+  for (std::size_t c = 0; c < kChannels; ++c) enc.push_back({ch.syms[c], &ch.tables[c]});
+  const auto bytes = vq::rans_encode(enc);
+  std::vector<std::vector<std::uint16_t>> out(kChannels, std::vector<std::uint16_t>(kChannel));
+  std::vector<vq::RansDecodeSegment> dec;
+  for (std::size_t c = 0; c < kChannels; ++c) dec.push_back({out[c], &ch.tables[c]});
+  for (auto _ : state) {
+    vq::rans_decode(bytes, dec);
+    benchmark::DoNotOptimize(out[0].data());
+  }
+  if (out != ch.syms) state.SkipWithError("round trip failed");
+  state.SetItemsProcessed(static_cast<std::int64_t>(state.iterations() * kChannels * kChannel));
+  const double coded = static_cast<double>(bytes.size() + ch.table_bytes);
+  state.counters["coded_vs_shannon_plus_table"] = coded / (ch.shannon_bytes + static_cast<double>(ch.table_bytes));
+  state.counters["payload_vs_shannon"] = static_cast<double>(bytes.size()) / ch.shannon_bytes;
+  state.counters["table_share"] = static_cast<double>(ch.table_bytes) / coded;
+}
+BENCHMARK(BM_ChannelsDecode)
+    ->ArgsProduct({{4, 8}, {10, 11, 12, 13, 14, 15}})
+    ->Unit(benchmark::kMicrosecond);
+
+void BM_ChannelsEncode(benchmark::State& state) {
+  const int bits = static_cast<int>(state.range(0));
+  const Channels ch(bits, vq::kDefaultScaleBits);
+  std::vector<vq::RansEncodeSegment> enc;
+  for (std::size_t c = 0; c < kChannels; ++c) enc.push_back({ch.syms[c], &ch.tables[c]});
+  for (auto _ : state) benchmark::DoNotOptimize(vq::rans_encode(enc).data());
+  state.SetItemsProcessed(static_cast<std::int64_t>(state.iterations() * kChannels * kChannel));
+}
+BENCHMARK(BM_ChannelsEncode)->Arg(4)->Arg(8)->Unit(benchmark::kMicrosecond);
+
+// One channel alone, as a self-describing block (table + 32 states + payload).
+void BM_SingleChannelBlock(benchmark::State& state) {
+  const int bits = static_cast<int>(state.range(0));
+  const auto s = make_codes(bits, kChannel, 7);
+  std::vector<std::uint8_t> b;
+  for (auto _ : state) {
+    b = vq::encode_block(s, 1 << bits);
+    benchmark::DoNotOptimize(b.data());
+  }
+  const auto t = vq::FrequencyTable::from_symbols(s, 1 << bits);
+  state.counters["coded_vs_shannon_plus_table"] =
+      static_cast<double>(b.size()) / (shannon_bits(s, 1 << bits) / 8 + static_cast<double>(t.serialized_size()));
+  state.SetItemsProcessed(static_cast<std::int64_t>(state.iterations() * s.size()));
+}
+BENCHMARK(BM_SingleChannelBlock)->Arg(4)->Arg(8)->Unit(benchmark::kMicrosecond);
+
+}  // namespace
+
+BENCHMARK_MAIN();

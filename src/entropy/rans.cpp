@@ -1,0 +1,319 @@
+// rANS framing, the scalar reference kernels and kernel dispatch. See rans.hpp for the format.
+#include "veloxquant/entropy/rans.hpp"
+
+#include <algorithm>
+#include <bit>
+#include <cstring>
+#include <memory>
+#include <string>
+
+#include "byte_io.hpp"
+#include "rans_kernels.hpp"
+#include "veloxquant/core/error.hpp"
+
+static_assert(sizeof(vq::rans_detail::EncSym) == 16, "the AVX2 encoder gathers EncSym fields at a 16-byte stride");
+static_assert(std::endian::native == std::endian::little, "the rANS word buffer is copied as little-endian");
+
+namespace vq {
+namespace rans_detail {
+
+void throw_truncated() { throw FormatError("rANS stream: payload truncated (ran out of renormalisation words)"); }
+
+std::vector<EncSym> make_enc_syms(const FrequencyTable& t) {
+  const int s = t.scale_bits();
+  const std::uint32_t M = t.total();
+  std::vector<EncSym> es(static_cast<std::size_t>(t.alphabet_size()));
+  for (int i = 0; i < t.alphabet_size(); ++i) {
+    const std::uint32_t f = t.freq(i), c = t.cum(i);
+    EncSym& e = es[static_cast<std::size_t>(i)];
+    if (f == 0) {
+      e = EncSym{};
+      continue;
+    }
+    e.x_max = f << (31 - s);  // <= 2^31: fits
+    e.cmpl_freq = static_cast<std::uint16_t>(M - f);
+    if (f == 1) {
+      // q = x * (2^32 - 1) >> 32 = x - 1 for 1 <= x < 2^32; x + (c + M - 1) + (x - 1)(M - 1) = x*M + c.
+      e.rcp_freq = ~0u;
+      e.rcp_shift = 0;
+      e.bias = c + M - 1;
+    } else {
+      std::uint32_t shift = 0;
+      while (f > (1u << shift)) ++shift;
+      e.rcp_freq = static_cast<std::uint32_t>(((1ull << (shift + 31)) + f - 1) / f);
+      e.rcp_shift = static_cast<std::uint16_t>(shift - 1);
+      e.bias = c;
+    }
+  }
+  return es;
+}
+
+void DecTables::build(const FrequencyTable& t) {
+  const std::uint32_t M = t.total();
+  const int sb = t.scale_bits();
+  const bool pack = 2 * sb + std::bit_width(static_cast<unsigned>(t.alphabet_size() - 1)) <= 32;
+  // Building costs 2^scale_bits writes per table, as much as decoding a few thousand symbols:
+  // fill only what the kernels read (sym always; packed, or else entry, for AVX2).
+  entry.resize(pack ? 0 : M);
+  packed.resize(pack ? M : 0);
+  sym.resize(M + 2);
+  sym[M] = sym[M + 1] = 0;
+  for (int s = 0; s < t.alphabet_size(); ++s) {
+    const std::uint32_t f = t.freq(s), c = t.cum(s);
+    for (std::uint32_t k = 0; k < f; ++k) {
+      sym[c + k] = static_cast<std::uint16_t>(s);
+      if (pack)
+        packed[c + k] = (f - 1) | k << sb | static_cast<std::uint32_t>(s) << (2 * sb);
+      else
+        entry[c + k] = f << 16 | k;
+    }
+  }
+}
+
+// Reference encoder: the textbook step x' = (x / f) * M + x % f + cum, with a real division.
+std::uint16_t* encode_scalar(std::uint32_t* x, const std::uint16_t* sym, std::size_t n, std::size_t base,
+                             const FrequencyTable& t, std::uint16_t* ptr) {
+  const int s = t.scale_bits();
+  std::size_t lane = (base + n - 1) & kLaneMask;
+  for (std::size_t i = n; i-- > 0;) {
+    const std::uint32_t f = t.freq(sym[i]), c = t.cum(sym[i]);
+    std::uint32_t xi = x[lane];
+    if (xi >= (f << (31 - s))) {
+      *--ptr = static_cast<std::uint16_t>(xi);
+      xi >>= 16;
+    }
+    x[lane] = ((xi / f) << s) + xi % f + c;
+    lane = (lane - 1) & kLaneMask;
+  }
+  return ptr;
+}
+
+// Fast encoder: reciprocal multiply instead of division, branch-free renormalisation (the word is
+// always stored at ptr[-1]; the pointer only moves when it was needed, so a stray store lands
+// below the data and is overwritten later or falls into the slack).
+std::uint16_t* encode_fast(std::uint32_t* x, const std::uint16_t* sym, std::size_t n, std::size_t base,
+                           const EncSym* es, std::uint16_t* ptr) {
+  std::size_t lane = (base + n - 1) & kLaneMask;
+  for (std::size_t i = n; i-- > 0;) {
+    const EncSym& e = es[sym[i]];
+    std::uint32_t xi = x[lane];
+    const std::uint32_t c = xi >= e.x_max;
+    ptr[-1] = static_cast<std::uint16_t>(xi);
+    ptr -= c;
+    xi >>= c << 4;
+    const std::uint32_t q =
+        static_cast<std::uint32_t>((static_cast<std::uint64_t>(xi) * e.rcp_freq) >> 32) >> e.rcp_shift;
+    x[lane] = xi + e.bias + q * e.cmpl_freq;
+    lane = (lane - 1) & kLaneMask;
+  }
+  return ptr;
+}
+
+const std::uint8_t* decode_scalar(std::uint32_t* x, std::uint16_t* out, std::size_t n, std::size_t base,
+                                  const FrequencyTable& t, const std::uint16_t* slot_sym, const std::uint8_t* p,
+                                  const std::uint8_t* end) {
+  const int s = t.scale_bits();
+  const std::uint32_t mask = t.total() - 1;
+  std::size_t lane = base & kLaneMask;
+  for (std::size_t i = 0; i < n; ++i) {
+    std::uint32_t xi = x[lane];
+    const std::uint32_t slot = xi & mask;
+    const std::uint16_t sy = slot_sym[slot];
+    xi = t.freq(sy) * (xi >> s) + slot - t.cum(sy);
+    if (xi < kL) {
+      if (end - p < 2) throw_truncated();
+      xi = xi << 16 | static_cast<std::uint32_t>(p[0]) | static_cast<std::uint32_t>(p[1]) << 8;
+      p += 2;
+    }
+    x[lane] = xi;
+    out[i] = sy;
+    lane = (lane + 1) & kLaneMask;
+  }
+  return p;
+}
+
+}  // namespace rans_detail
+
+using namespace rans_detail;
+
+namespace {
+
+bool use_avx2(RansKernel k) {
+  switch (k) {
+    case RansKernel::Scalar:
+      return false;
+    case RansKernel::Avx2:
+      require(rans_avx2_available(), "rANS: the AVX2 kernel was requested but this CPU has no AVX2");
+      return true;
+    case RansKernel::Auto:
+    default:
+      return rans_avx2_available();
+  }
+}
+
+void validate_segment(const RansEncodeSegment& seg) {
+  require(seg.table != nullptr, "rANS encode: a segment has no frequency table");
+  const FrequencyTable& t = *seg.table;
+  const auto a = static_cast<std::uint32_t>(t.alphabet_size());
+  // bad[v] for v < 512 (>= kMaxAlphabet + 1): branch-free check, one byte lookup per symbol.
+  std::uint8_t bad_of[512];
+  for (std::uint32_t v = 0; v < 512; ++v) bad_of[v] = v >= a || t.freq(static_cast<int>(v)) == 0;
+  std::uint32_t bad = 0;
+  for (auto s : seg.symbols) bad |= static_cast<std::uint32_t>(s >> 9) | bad_of[s & 511];
+  if (bad) {
+    for (auto s : seg.symbols)
+      require(s < a && t.freq(s) != 0, "rANS encode: symbol " + std::to_string(s) +
+                                           (s < a ? " has frequency 0 in its table" : " is outside the table's alphabet"));
+  }
+}
+
+struct Header {
+  std::uint64_t n = 0;
+  std::uint32_t x[kRansLanes];
+  std::span<const std::uint8_t> words;
+};
+
+Header read_header(std::span<const std::uint8_t> bytes) {
+  entropy_detail::ByteReader r(bytes, "rANS stream");
+  Header h;
+  h.n = r.varint(~0ull, "symbol count");
+  const std::size_t k = static_cast<std::size_t>(std::min<std::uint64_t>(h.n, kRansLanes));
+  for (std::size_t j = 0; j < kRansLanes; ++j) h.x[j] = kL;
+  for (std::size_t j = 0; j < k; ++j) {
+    h.x[j] = r.u32le();
+    if (h.x[j] < kL || h.x[j] >= (kL << 16))
+      r.fail("state of lane " + std::to_string(j) + " = " + std::to_string(h.x[j]) + " is outside [2^15, 2^31)");
+  }
+  h.words = r.rest();
+  if (h.words.size() % 2) r.fail("payload has an odd number of bytes");
+  return h;
+}
+
+}  // namespace
+
+std::size_t rans_encode_bound(std::size_t n) {
+  return entropy_detail::varint_size(n) + 4 * std::min<std::size_t>(n, kRansLanes) + 2 * n;
+}
+
+void rans_encode_append(std::vector<std::uint8_t>& out, std::span<const RansEncodeSegment> segments, RansKernel kernel) {
+  const bool fast = use_avx2(kernel);
+  std::size_t n = 0;
+  for (const auto& seg : segments) {
+    validate_segment(seg);
+    n += seg.symbols.size();
+  }
+  std::unique_ptr<std::uint16_t[]> buf(new std::uint16_t[n + kEncodeSlackWords]);
+  std::uint16_t* const end = buf.get() + n + kEncodeSlackWords;
+  std::uint16_t* ptr = end;
+  std::uint32_t x[kRansLanes];
+  for (auto& v : x) v = kL;
+  std::size_t base = n;
+  for (std::size_t k = segments.size(); k-- > 0;) {
+    const auto& seg = segments[k];
+    base -= seg.symbols.size();
+    if (seg.symbols.empty()) continue;
+    if (fast) {
+      const auto es = make_enc_syms(*seg.table);
+      ptr = encode_avx2(x, seg.symbols.data(), seg.symbols.size(), base, es.data(), ptr);
+    } else {
+      ptr = encode_scalar(x, seg.symbols.data(), seg.symbols.size(), base, *seg.table, ptr);
+    }
+  }
+  const std::size_t words = static_cast<std::size_t>(end - ptr);
+  const std::size_t k = std::min<std::size_t>(n, kRansLanes);
+  entropy_detail::put_varint(out, n);
+  out.resize(out.size() + 4 * k + 2 * words);
+  std::uint8_t* o = out.data() + out.size() - 4 * k - 2 * words;
+  for (std::size_t j = 0; j < k; ++j, o += 4) {
+    o[0] = static_cast<std::uint8_t>(x[j]);
+    o[1] = static_cast<std::uint8_t>(x[j] >> 8);
+    o[2] = static_cast<std::uint8_t>(x[j] >> 16);
+    o[3] = static_cast<std::uint8_t>(x[j] >> 24);
+  }
+  if (words) std::memcpy(o, ptr, 2 * words);
+}
+
+std::vector<std::uint8_t> rans_encode(std::span<const RansEncodeSegment> segments, RansKernel kernel) {
+  std::vector<std::uint8_t> out;
+  rans_encode_append(out, segments, kernel);
+  return out;
+}
+
+std::vector<std::uint8_t> rans_encode(std::span<const std::uint16_t> symbols, const FrequencyTable& table,
+                                      RansKernel kernel) {
+  const RansEncodeSegment seg{symbols, &table};
+  return rans_encode(std::span<const RansEncodeSegment>(&seg, 1), kernel);
+}
+
+std::uint64_t rans_stream_symbols(std::span<const std::uint8_t> bytes) {
+  entropy_detail::ByteReader r(bytes, "rANS stream");
+  return r.varint(~0ull, "symbol count");
+}
+
+void rans_decode(std::span<const std::uint8_t> bytes, std::span<const RansDecodeSegment> segments, RansKernel kernel) {
+  const bool fast = use_avx2(kernel);
+  std::uint64_t expected = 0;
+  for (const auto& seg : segments) {
+    require(seg.table != nullptr, "rANS decode: a segment has no frequency table");
+    expected += seg.out.size();
+  }
+  Header h = read_header(bytes);
+  if (h.n != expected)
+    throw FormatError("rANS stream: holds " + std::to_string(h.n) + " symbols, the caller expects " +
+                      std::to_string(expected));
+  const std::uint8_t* p = h.words.data();
+  const std::uint8_t* const end = p + h.words.size();
+  DecTables d;
+  const FrequencyTable* built = nullptr;
+  std::size_t base = 0;
+  for (const auto& seg : segments) {
+    if (seg.out.empty()) continue;
+    if (built == nullptr || !(*built == *seg.table)) {
+      d.build(*seg.table);
+      built = seg.table;
+    }
+    if (fast)
+      p = decode_avx2(h.x, seg.out.data(), seg.out.size(), base, *seg.table, d, p, end);
+    else
+      p = decode_scalar(h.x, seg.out.data(), seg.out.size(), base, *seg.table, d.sym.data(), p, end);
+    base += seg.out.size();
+  }
+  if (p != end)
+    throw FormatError("rANS stream: " + std::to_string((end - p) / 2) + " renormalisation words left over (corrupt)");
+  for (int j = 0; j < kRansLanes; ++j)
+    if (h.x[j] != kL)
+      throw FormatError("rANS stream: lane " + std::to_string(j) +
+                        " did not return to its initial state (corrupt stream or wrong table)");
+}
+
+void rans_decode(std::span<const std::uint8_t> bytes, const FrequencyTable& table, std::span<std::uint16_t> out,
+                 RansKernel kernel) {
+  const RansDecodeSegment seg{out, &table};
+  rans_decode(bytes, std::span<const RansDecodeSegment>(&seg, 1), kernel);
+}
+
+std::vector<std::uint8_t> encode_block(std::span<const std::uint16_t> symbols, int alphabet_size,
+                                       const RansBlockOptions& options) {
+  const auto table = FrequencyTable::from_symbols(symbols, alphabet_size, options.scale_bits);
+  std::vector<std::uint8_t> out;
+  out.reserve(table.serialized_size() + rans_encode_bound(symbols.size()));
+  table.serialize_to(out);
+  const RansEncodeSegment seg{symbols, &table};
+  rans_encode_append(out, std::span<const RansEncodeSegment>(&seg, 1), options.kernel);
+  return out;
+}
+
+std::vector<std::uint16_t> decode_block(std::span<const std::uint8_t> bytes, std::size_t max_symbols, RansKernel kernel) {
+  std::size_t used = 0;
+  const auto table = FrequencyTable::deserialize(bytes, &used);
+  const auto stream = bytes.subspan(used);
+  const auto n = rans_stream_symbols(stream);
+  if (n > max_symbols)
+    throw FormatError("rANS block: holds " + std::to_string(n) + " symbols, more than the limit " +
+                      std::to_string(max_symbols));
+  std::vector<std::uint16_t> out(static_cast<std::size_t>(n));
+  rans_decode(stream, table, out, kernel);
+  return out;
+}
+
+}  // namespace vq
