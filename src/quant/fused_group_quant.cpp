@@ -45,46 +45,66 @@ __attribute__((target("avx2,f16c"))) inline void store8(std::byte* p, __m256 v) 
   }
 }
 
-// Channels [0, dim8) in vectors of 8; the tail (dim % 8) goes through the portable formulas.
+// One block of W vectors (8 * W channels starting at c): each row's block is read as W adjacent
+// vectors (a whole cache line for W = 4 and f16), so both passes stream through the rows.
+template <DType DT, int W>
+__attribute__((target("avx2,f16c"), always_inline)) inline bool block(const std::byte* const* rows, std::byte* const* out_rows,
+                                                                      int n_rows, int dim, int c, __m256 levels, std::uint8_t* codes,
+                                                                      float* scale, float* minv, int& overflow) {
+  constexpr std::size_t esz = DT == DType::F16 ? 2 : 4;
+  const std::size_t off = static_cast<std::size_t>(c) * esz;
+  const __m256 min_scale = _mm256_set1_ps(kMinScale);
+  const __m256 shift = _mm256_set1_ps(8388608.0f);  // 2^23: rint half-to-even for 0 <= v < 2^23
+  const __m256 zero = _mm256_setzero_ps();
+  const __m256 fmax = _mm256_set1_ps(3.4028234e38f);
+  __m256 mn[W], mx[W], s[W];
+  __m256 nonfinite = _mm256_setzero_ps();  // OR of x - x: +0 for finite x, NaN for NaN and Inf
+  for (int w = 0; w < W; ++w) {
+    mn[w] = mx[w] = load8<DT>(rows[0] + off + static_cast<std::size_t>(w) * 8 * esz);
+    nonfinite = _mm256_or_ps(nonfinite, _mm256_sub_ps(mn[w], mn[w]));
+  }
+  for (int r = 1; r < n_rows; ++r)
+    for (int w = 0; w < W; ++w) {
+      const __m256 x = load8<DT>(rows[r] + off + static_cast<std::size_t>(w) * 8 * esz);
+      mn[w] = _mm256_min_ps(x, mn[w]);  // same operand order as the portable x < mn ? x : mn
+      mx[w] = _mm256_max_ps(x, mx[w]);
+      nonfinite = _mm256_or_ps(nonfinite, _mm256_sub_ps(x, x));
+    }
+  if (!_mm256_testz_si256(_mm256_castps_si256(nonfinite), _mm256_castps_si256(nonfinite))) return false;
+  for (int w = 0; w < W; ++w) {
+    s[w] = _mm256_max_ps(_mm256_div_ps(_mm256_sub_ps(mx[w], mn[w]), levels), min_scale);  // s > 1e-8 ? s : 1e-8
+    overflow |= _mm256_movemask_ps(_mm256_cmp_ps(s[w], fmax, _CMP_GT_OQ));
+    _mm256_storeu_ps(scale + c + 8 * w, s[w]);
+    _mm256_storeu_ps(minv + c + 8 * w, mn[w]);
+  }
+  for (int r = 0; r < n_rows; ++r)
+    for (int w = 0; w < W; ++w) {
+      const std::size_t o = off + static_cast<std::size_t>(w) * 8 * esz;
+      const __m256 x = load8<DT>(rows[r] + o);
+      __m256 v = _mm256_div_ps(_mm256_sub_ps(x, mn[w]), s[w]);
+      v = _mm256_sub_ps(_mm256_add_ps(v, shift), shift);
+      v = _mm256_min_ps(_mm256_max_ps(v, zero), levels);
+      const __m256i q32 = _mm256_cvttps_epi32(v);
+      const __m128i q16 = _mm_packs_epi32(_mm256_castsi256_si128(q32), _mm256_extracti128_si256(q32, 1));
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(codes + static_cast<std::size_t>(r) * dim + c + 8 * w), _mm_packus_epi16(q16, q16));
+      store8<DT>(out_rows[r] + o, _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(q32), s[w]), mn[w]));
+    }
+  return true;
+}
+
+// Channels [0, dim8) in blocks of 32 then 8; the tail (dim % 8) goes through the portable formulas.
 template <DType DT>
 __attribute__((target("avx2,f16c"))) QuantStatus kernel(const std::byte* const* rows, std::byte* const* out_rows, int n_rows, int dim,
                                                  int bits, std::uint8_t* codes, float* scale, float* minv) {
   constexpr std::size_t esz = DT == DType::F16 ? 2 : 4;
   const int dim8 = dim & ~7;
-  const float levels_f = static_cast<float>((1 << bits) - 1);
-  const __m256 levels = _mm256_set1_ps(levels_f);
-  const __m256 min_scale = _mm256_set1_ps(kMinScale);
-  const __m256 shift = _mm256_set1_ps(8388608.0f);  // 2^23: rint half-to-even for 0 <= v < 2^23
-  const __m256 zero = _mm256_setzero_ps();
-  const __m256 fmax = _mm256_set1_ps(3.4028234e38f);
+  const __m256 levels = _mm256_set1_ps(static_cast<float>((1 << bits) - 1));
   int overflow = 0;
-  for (int c = 0; c < dim8; c += 8) {
-    __m256 mn = load8<DT>(rows[0] + static_cast<std::size_t>(c) * esz), mx = mn;
-    __m256 nonfinite = _mm256_sub_ps(mn, mn);  // x - x is +0 for finite x, NaN for NaN and Inf
-    for (int r = 1; r < n_rows; ++r) {
-      const __m256 x = load8<DT>(rows[r] + static_cast<std::size_t>(c) * esz);
-      mn = _mm256_min_ps(x, mn);  // same operand order as the portable x < mn ? x : mn
-      mx = _mm256_max_ps(x, mx);
-      nonfinite = _mm256_or_ps(nonfinite, _mm256_sub_ps(x, x));
-    }
-    if (!_mm256_testz_si256(_mm256_castps_si256(nonfinite), _mm256_castps_si256(nonfinite))) return QuantStatus::NonFinite;
-    __m256 s = _mm256_div_ps(_mm256_sub_ps(mx, mn), levels);
-    s = _mm256_max_ps(s, min_scale);  // scale > 1e-8 ? scale : 1e-8 (scale is never NaN here)
-    overflow |= _mm256_movemask_ps(_mm256_cmp_ps(s, fmax, _CMP_GT_OQ));
-    _mm256_storeu_ps(scale + c, s);
-    _mm256_storeu_ps(minv + c, mn);
-    for (int r = 0; r < n_rows; ++r) {
-      const __m256 x = load8<DT>(rows[r] + static_cast<std::size_t>(c) * esz);
-      __m256 v = _mm256_div_ps(_mm256_sub_ps(x, mn), s);
-      v = _mm256_sub_ps(_mm256_add_ps(v, shift), shift);
-      v = _mm256_min_ps(_mm256_max_ps(v, zero), levels);
-      const __m256i q32 = _mm256_cvttps_epi32(v);
-      const __m128i q16 = _mm_packs_epi32(_mm256_castsi256_si128(q32), _mm256_extracti128_si256(q32, 1));
-      _mm_storel_epi64(reinterpret_cast<__m128i*>(codes + static_cast<std::size_t>(r) * dim + c), _mm_packus_epi16(q16, q16));
-      const __m256 rec = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(q32), s), mn);
-      store8<DT>(out_rows[r] + static_cast<std::size_t>(c) * esz, rec);
-    }
-  }
+  int c = 0;
+  for (; c + 32 <= dim8; c += 32)
+    if (!block<DT, 4>(rows, out_rows, n_rows, dim, c, levels, codes, scale, minv, overflow)) return QuantStatus::NonFinite;
+  for (; c < dim8; c += 8)
+    if (!block<DT, 1>(rows, out_rows, n_rows, dim, c, levels, codes, scale, minv, overflow)) return QuantStatus::NonFinite;
   if (overflow) return QuantStatus::RangeOverflow;
   if (dim8 < dim) {  // tail channels: portable arithmetic, one channel at a time
     const int tail = dim - dim8;
