@@ -277,11 +277,13 @@ TEST(CacheGen, TrimRollsCountersBackHonestly) {
   auto v = vqtest::random_walk({1, 2, 130, 8}, 13);
   // Histograms are brought up to date lazily, when a counter is read: trim both before and after
   // a read.
-  for (bool read_first : {false, true})
+  for (bool read_first : {false, true}) {
   for (std::int64_t keep : {128, 100, 64, 40, 5, 0}) {
     vq::CacheGenKVCache cache(aligned()), fresh(aligned());
     auto [kf, vf] = cache.update_and_fetch(k, v);
-    if (read_first) EXPECT_GT(cache.compressed_key_bytes() + cache.compressed_value_bytes(), 0u);
+    if (read_first) {
+      EXPECT_GT(cache.compressed_key_bytes() + cache.compressed_value_bytes(), 0u);
+    }
     const auto before = kf.slice(2, 0, keep).contiguous(true);
     EXPECT_EQ(cache.trim(130 - keep), 130 - keep);
     EXPECT_EQ(cache.offset(), keep);
@@ -298,6 +300,7 @@ TEST(CacheGen, TrimRollsCountersBackHonestly) {
     cache.update_and_fetch(k.slice(2, keep, 130), v.slice(2, keep, 130));
     EXPECT_EQ(cache.key_stream().quantized_tokens(), 128);
     EXPECT_EQ(cache.offset(), 130);
+  }
   }
 }
 
