@@ -12,6 +12,7 @@
 #include <nlohmann/json.hpp>
 
 #include "commands.hpp"
+#include "model_options.hpp"
 #include "veloxquant/core/error.hpp"
 #include "veloxquant/eval/evaluator.hpp"
 #include "veloxquant/model/checkpoint.hpp"
@@ -152,8 +153,7 @@ int run_eval(EvalCliOptions o) {
 
 Runner add_eval(CLI::App& app) {
   auto o = std::make_shared<EvalCliOptions>();
-  app.add_option("--model", o->model, "llama2.c checkpoint (default: stories260K.bin in $VELOXQUANT_MODEL_DIR, ./models, ../shared/models)");
-  app.add_option("--tokenizer", o->tokenizer, "llama2.c tokenizer (default: tok512.bin, looked up like --model)");
+  add_model_options(app, o->model, o->tokenizer);
   app.add_option("--text", o->text, "text to score (default: tinystories_val.txt beside the model)");
   app.add_option("--methods", o->methods, "methods to score, e.g. 'fp16,cachegen:bits=4,group=32;cachegen:flush=per_call'")
       ->capture_default_str();

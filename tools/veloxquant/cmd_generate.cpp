@@ -8,6 +8,7 @@
 #include <fmt/core.h>
 
 #include "commands.hpp"
+#include "model_options.hpp"
 #include "veloxquant/core/error.hpp"
 #include "veloxquant/model/checkpoint.hpp"
 #include "veloxquant/model/generate.hpp"
@@ -58,8 +59,7 @@ int run_generate(const GenerateOptions& o) {
 
 Runner add_generate(CLI::App& app) {
   auto o = std::make_shared<GenerateOptions>();
-  app.add_option("--model", o->model, "llama2.c checkpoint (default: stories260K.bin in $VELOXQUANT_MODEL_DIR, ./models, ../shared/models)");
-  app.add_option("--tokenizer", o->tokenizer, "llama2.c tokenizer (default: tok512.bin, looked up like --model)");
+  add_model_options(app, o->model, o->tokenizer);
   app.add_option("--prompt", o->prompt, "text to start from (after BOS)");
   app.add_option("--steps", o->steps, "positions to run including BOS, as run.c (clamped to seq_len)")->capture_default_str();
   app.add_option("--temperature", o->temperature, "0 = greedy argmax")->capture_default_str();
