@@ -277,6 +277,11 @@ PYBIND11_MODULE(veloxquant, m) {
       .def_property_readonly("fixed_width_value_bytes", &vq::CacheGenKVCache::fixed_width_value_bytes)
       .def_property_readonly("fp16_key_bytes", &vq::CacheGenKVCache::fp16_key_bytes)
       .def_property_readonly("fp16_value_bytes", &vq::CacheGenKVCache::fp16_value_bytes)
+      .def_property_readonly("encoded_key_bytes", &vq::CacheGenKVCache::encoded_key_bytes,
+                             "Measured size of the rANS encoding of the closed key codes (header, tables, float32 scales "
+                             "and minima, payload) plus the residual at fp16.")
+      .def_property_readonly("encoded_value_bytes", &vq::CacheGenKVCache::encoded_value_bytes,
+                             "As encoded_key_bytes, for the values.")
       .def_property_readonly("entropy_savings", &vq::CacheGenKVCache::entropy_savings,
                              "1 - compressed_key_bytes / fixed_width_key_bytes (0 when empty).")
       .def_property_readonly("assigned_avg_bits", &vq::CacheGenKVCache::assigned_avg_bits,

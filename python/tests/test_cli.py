@@ -9,7 +9,8 @@ import veloxquant as vq
 from vq_reference import random_walk
 
 KEYS = ["compressed_key_bytes", "compressed_value_bytes", "fixed_width_key_bytes", "fixed_width_value_bytes",
-        "fp16_key_bytes", "fp16_value_bytes", "entropy_savings", "assigned_avg_bits", "offset"]
+        "fp16_key_bytes", "fp16_value_bytes", "entropy_savings", "assigned_avg_bits", "offset",
+        "encoded_key_bytes", "encoded_value_bytes"]
 
 CASES = [
     # (cli flags, config kwargs, chunk, dtype)

@@ -10,6 +10,8 @@ CacheGenKVCache::CacheGenKVCache(KVCacheConfig config) : config_(config) { confi
 
 std::pair<Tensor, Tensor> CacheGenKVCache::update_and_fetch(const Tensor& keys, const Tensor& values) {
   check_chunk(keys, values);
+  encoded_keys_.reset();
+  encoded_values_.reset();
   const std::int64_t begin = offset_;
   if (begin == 0) {
     const int bits = config_.effective_bits();
@@ -35,6 +37,8 @@ std::pair<Tensor, Tensor> CacheGenKVCache::update_and_fetch(const Tensor& keys, 
 std::int64_t CacheGenKVCache::trim(std::int64_t n) {
   const std::int64_t dropped = KVCache::trim(n);
   if (dropped > 0) {
+    encoded_keys_.reset();
+    encoded_values_.reset();
     key_stream_.trim_to(offset_);
     value_stream_.trim_to(offset_);
   }
@@ -49,6 +53,11 @@ void CacheGenKVCache::from_state(const KVState&) {
 
 std::size_t CacheGenKVCache::nbytes() const {
   return KVCache::nbytes() + key_stream_.memory_bytes() + value_stream_.memory_bytes();
+}
+
+CacheBytes CacheGenKVCache::stored_bytes() const {
+  return {static_cast<double>(fixed_width_key_bytes() + fixed_width_value_bytes()),
+          static_cast<double>(compressed_key_bytes() + compressed_value_bytes())};
 }
 
 CacheGenState CacheGenKVCache::full_state() const {
@@ -77,6 +86,8 @@ void CacheGenKVCache::from_full_state(const CacheGenState& s) {
             "CacheGen state is inconsistent: more quantized tokens than the offset");
   }
   config_ = s.config;
+  encoded_keys_.reset();
+  encoded_values_.reset();
   offset_ = 0;
   keys_buf_ = Tensor();
   values_buf_ = Tensor();
@@ -95,6 +106,27 @@ std::uint64_t CacheGenKVCache::fp16_key_bytes() const {
 std::uint64_t CacheGenKVCache::fp16_value_bytes() const {
   return offset_ ? static_cast<std::uint64_t>(value_stream_.slices() * offset_ * value_stream_.dim()) * 2 : 0;
 }
+
+std::vector<std::uint8_t> CacheGenKVCache::encode_keys(const StreamCodecOptions& options) const {
+  return encode_stream(key_stream_, options);
+}
+std::vector<std::uint8_t> CacheGenKVCache::encode_values(const StreamCodecOptions& options) const {
+  return encode_stream(value_stream_, options);
+}
+DecodedStream CacheGenKVCache::decode(std::span<const std::uint8_t> bytes, std::uint64_t max_codes) {
+  return decode_stream(bytes, max_codes);
+}
+
+std::uint64_t CacheGenKVCache::encoded_bytes(const QuantizedStream& stream, std::optional<std::uint64_t>& memo) const {
+  if (offset_ == 0) return 0;
+  if (!memo) {
+    const auto residual = static_cast<std::uint64_t>(stream.slices() * (offset_ - stream.quantized_tokens()) * stream.dim()) * 2;
+    memo = encode_stream(stream).size() + residual;
+  }
+  return *memo;
+}
+std::uint64_t CacheGenKVCache::encoded_key_bytes() const { return encoded_bytes(key_stream_, encoded_keys_); }
+std::uint64_t CacheGenKVCache::encoded_value_bytes() const { return encoded_bytes(value_stream_, encoded_values_); }
 
 double CacheGenKVCache::entropy_savings() const {
   const auto fixed = fixed_width_key_bytes();

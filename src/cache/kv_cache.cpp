@@ -108,4 +108,10 @@ std::int64_t KVCache::trim(std::int64_t n) {
 
 std::size_t KVCache::nbytes() const { return keys_buf_.nbytes() + values_buf_.nbytes(); }
 
+CacheBytes KVCache::stored_bytes() const {
+  const KVState s = state();
+  const double bytes = static_cast<double>(s.keys.nbytes() + s.values.nbytes());
+  return {bytes, bytes};
+}
+
 }  // namespace vq

@@ -39,6 +39,17 @@ std::int64_t QuantizedStream::n_groups() const {
   return last.first_group + (last.n_tokens + group_size_ - 1) / group_size_;
 }
 
+std::vector<std::int64_t> QuantizedStream::segment_tokens() const {
+  std::vector<std::int64_t> out;
+  if (flush_ == FlushMode::GroupAligned) {
+    if (quantized_ > 0) out.push_back(quantized_);
+    return out;
+  }
+  out.reserve(segments_.size());
+  for (const Segment& seg : segments_) out.push_back(seg.n_tokens);
+  return out;
+}
+
 std::span<const std::uint8_t> QuantizedStream::codes(std::int64_t slice) const { return codes_.at(static_cast<std::size_t>(slice)); }
 std::span<const float> QuantizedStream::scales(std::int64_t slice) const { return scales_.at(static_cast<std::size_t>(slice)); }
 std::span<const float> QuantizedStream::minima(std::int64_t slice) const { return mins_.at(static_cast<std::size_t>(slice)); }

@@ -44,16 +44,11 @@ CacheBits cache_bits(const std::vector<std::shared_ptr<KVCache>>& caches) {
     const KVState s = c->state();
     const double elements = static_cast<double>(s.keys.numel() + s.values.numel());
     out.elements += elements;
-    if (const auto* cg = dynamic_cast<const CacheGenKVCache*>(c.get())) {
-      out.fixed_bytes += static_cast<double>(cg->fixed_width_key_bytes() + cg->fixed_width_value_bytes());
-      out.estimated_bytes += static_cast<double>(cg->compressed_key_bytes() + cg->compressed_value_bytes());
-    } else {
-      // Plain caches store their dtype; Fp16KVCache holds float16 precision in float32 storage
-      // and is billed as the float16 it represents.
-      const double bytes_per = c->kind() == "Fp16KVCache" ? 2.0 : static_cast<double>(dtype_size(s.keys.dtype()));
-      out.fixed_bytes += elements * bytes_per;
-      out.estimated_bytes += elements * bytes_per;
-    }
+    // Every cache bills itself (KVCache::stored_bytes): plain caches their dtype, Fp16KVCache the
+    // float16 it represents, CacheGen its estimate, the peers their packed codes and metadata.
+    const CacheBytes b = c->stored_bytes();
+    out.fixed_bytes += b.fixed_bytes;
+    out.estimated_bytes += b.estimated_bytes;
   }
   return out;
 }

@@ -10,6 +10,9 @@
 #include "veloxquant/core/dtype.hpp"
 #include "veloxquant/core/error.hpp"
 #include "veloxquant/model/transformer.hpp"
+#include "veloxquant/peers/fp8_cache.hpp"
+#include "veloxquant/peers/ggml_block_cache.hpp"
+#include "veloxquant/peers/kivi_cache.hpp"
 
 namespace vq {
 
@@ -32,32 +35,66 @@ bool parse_bool(const std::string& key, const std::string& value, const std::str
 
 }  // namespace
 
-MethodSpec MethodSpec::parse(const std::string& spec) {
-  const auto colon = spec.find(':');
-  const std::string name = spec.substr(0, colon);
-  const std::string args = colon == std::string::npos ? std::string() : spec.substr(colon + 1);
-  MethodSpec m;
-  if (name == "fp32" || name == "fp16") {
-    if (colon != std::string::npos)
-      throw InvalidArgument(fmt::format("method '{}': {} takes no options (remove ':{}')", spec, name, args));
-    m.kind = name == "fp32" ? Kind::Fp32 : Kind::Fp16;
-    return m;
-  }
-  if (name != "cachegen")
-    throw InvalidArgument(fmt::format("unknown method '{}': valid methods are fp32, fp16, cachegen[:bits=N,group=G,flush=per_call|"
-                                      "group_aligned,delta=0|1,schedule=on|off]",
-                                      name));
-  m.kind = Kind::CacheGen;
+namespace {
+
+// The key=value items of `args` (empty when the spec had no ':'), each passed to `set(key, value)`.
+template <class Set>
+void for_each_option(const std::string& spec, const std::string& args, bool has_colon, const char* keys, Set set) {
   std::size_t start = 0;
-  while (colon != std::string::npos && start <= args.size()) {
+  while (has_colon && start <= args.size()) {
     const auto comma = args.find(',', start);
     const std::string item = args.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
     start = comma == std::string::npos ? args.size() + 1 : comma + 1;
     const auto eq = item.find('=');
     if (eq == std::string::npos)
-      throw InvalidArgument(fmt::format("method '{}': option '{}' needs the form key=value (keys: bits, group, flush, delta, schedule)",
-                                        spec, item));
-    const std::string key = item.substr(0, eq), value = item.substr(eq + 1);
+      throw InvalidArgument(fmt::format("method '{}': option '{}' needs the form key=value (keys: {})", spec, item, keys));
+    set(item.substr(0, eq), item.substr(eq + 1));
+  }
+}
+
+constexpr const char* kValidMethods =
+    "fp32, fp16, cachegen[:bits=N,group=G,flush=per_call|group_aligned,delta=0|1,schedule=on|off], "
+    "kivi[:bits=2|4,group=G,residual=R], q8_0, q4_0, q4_1, fp8";
+
+}  // namespace
+
+MethodSpec MethodSpec::parse(const std::string& spec) {
+  const auto colon = spec.find(':');
+  const bool has_colon = colon != std::string::npos;
+  const std::string name = spec.substr(0, colon);
+  const std::string args = has_colon ? spec.substr(colon + 1) : std::string();
+  MethodSpec m;
+  static const std::pair<const char*, Kind> kPlain[] = {{"fp32", Kind::Fp32}, {"fp16", Kind::Fp16}, {"q8_0", Kind::Q8_0},
+                                                        {"q4_0", Kind::Q4_0}, {"q4_1", Kind::Q4_1}, {"fp8", Kind::Fp8}};
+  for (const auto& [n, k] : kPlain) {
+    if (name != n) continue;
+    if (has_colon) throw InvalidArgument(fmt::format("method '{}': {} takes no options (remove ':{}')", spec, name, args));
+    m.kind = k;
+    return m;
+  }
+  if (name == "kivi") {
+    m.kind = Kind::Kivi;
+    constexpr const char* keys = "bits, group, residual";
+    for_each_option(spec, args, has_colon, keys, [&](const std::string& key, const std::string& value) {
+      if (key == "bits")
+        m.kivi.bits = parse_int(key, value, spec);
+      else if (key == "group")
+        m.kivi.group = parse_int(key, value, spec);
+      else if (key == "residual")
+        m.kivi.residual = parse_int(key, value, spec);
+      else
+        throw InvalidArgument(fmt::format("method '{}': unknown key '{}' for kivi; valid keys are {}", spec, key, keys));
+    });
+    try {
+      m.kivi.validate();
+    } catch (const InvalidArgument& e) {
+      throw InvalidArgument(fmt::format("method '{}': {}", spec, e.what()));
+    }
+    return m;
+  }
+  if (name != "cachegen") throw InvalidArgument(fmt::format("unknown method '{}': valid methods are {}", name, kValidMethods));
+  m.kind = Kind::CacheGen;
+  for_each_option(spec, args, has_colon, "bits, group, flush, delta, schedule", [&](const std::string& key, const std::string& value) {
     if (key == "bits") {
       m.cachegen.cachegen_bits = parse_int(key, value, spec);
     } else if (key == "group") {
@@ -74,7 +111,7 @@ MethodSpec MethodSpec::parse(const std::string& spec) {
       throw InvalidArgument(
           fmt::format("method '{}': unknown key '{}' for cachegen; valid keys are bits, group, flush, delta, schedule", spec, key));
     }
-  }
+  });
   try {
     m.cachegen.validate();
   } catch (const InvalidArgument& e) {
@@ -87,6 +124,11 @@ std::string MethodSpec::to_string() const {
   switch (kind) {
     case Kind::Fp32: return "fp32";
     case Kind::Fp16: return "fp16";
+    case Kind::Q8_0: return "q8_0";
+    case Kind::Q4_0: return "q4_0";
+    case Kind::Q4_1: return "q4_1";
+    case Kind::Fp8: return "fp8";
+    case Kind::Kivi: return fmt::format("kivi:bits={},group={},residual={}", kivi.bits, kivi.group, kivi.residual);
     case Kind::CacheGen: break;
   }
   return fmt::format("cachegen:bits={},group={},flush={},delta={},schedule={}", cachegen.cachegen_bits, cachegen.cachegen_group_size,
@@ -101,6 +143,12 @@ std::pair<Tensor, Tensor> Fp16KVCache::update_and_fetch(const Tensor& keys, cons
   return KVCache::update_and_fetch(round_trip(keys), round_trip(values));
 }
 
+CacheBytes Fp16KVCache::stored_bytes() const {
+  const KVState s = state();
+  const double bytes = 2.0 * static_cast<double>(s.keys.numel() + s.values.numel());
+  return {bytes, bytes};
+}
+
 std::vector<std::shared_ptr<KVCache>> make_caches(const MethodSpec& spec, const ModelDescription& model) {
   if (spec.kind == MethodSpec::Kind::CacheGen && spec.schedule) return KVCacheBuilder::for_model(model, spec.cachegen);
   KVCacheConfig cfg = spec.cachegen;
@@ -111,6 +159,16 @@ std::vector<std::shared_ptr<KVCache>> make_caches(const MethodSpec& spec, const 
       caches.push_back(std::make_shared<KVCache>());
     else if (spec.kind == MethodSpec::Kind::Fp16)
       caches.push_back(std::make_shared<Fp16KVCache>());
+    else if (spec.kind == MethodSpec::Kind::Kivi)
+      caches.push_back(std::make_shared<KiviKVCache>(spec.kivi));
+    else if (spec.kind == MethodSpec::Kind::Q8_0)
+      caches.push_back(std::make_shared<Q8_0KVCache>());
+    else if (spec.kind == MethodSpec::Kind::Q4_0)
+      caches.push_back(std::make_shared<Q4_0KVCache>());
+    else if (spec.kind == MethodSpec::Kind::Q4_1)
+      caches.push_back(std::make_shared<Q4_1KVCache>());
+    else if (spec.kind == MethodSpec::Kind::Fp8)
+      caches.push_back(std::make_shared<Fp8KVCache>());
     else
       caches.push_back(std::make_shared<CacheGenKVCache>(cfg));
   }

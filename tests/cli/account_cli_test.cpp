@@ -54,6 +54,8 @@ TEST_F(AccountCli, JsonEqualsTheLibrary) {
     EXPECT_DOUBLE_EQ(j.at("entropy_savings").get<double>(), cache.entropy_savings());
     EXPECT_DOUBLE_EQ(j.at("assigned_avg_bits").get<double>(), cache.assigned_avg_bits());
     EXPECT_EQ(j.at("offset").get<std::int64_t>(), 200);
+    EXPECT_EQ(j.at("encoded_key_bytes").get<std::uint64_t>(), cache.encoded_key_bytes());
+    EXPECT_EQ(j.at("encoded_value_bytes").get<std::uint64_t>(), cache.encoded_value_bytes());
   }
 }
 

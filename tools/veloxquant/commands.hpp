@@ -13,5 +13,6 @@ Runner add_account(CLI::App& app);
 Runner add_synth(CLI::App& app);
 Runner add_generate(CLI::App& app);
 Runner add_eval(CLI::App& app);
+Runner add_bench(CLI::App& app);
 
 }  // namespace vqcli

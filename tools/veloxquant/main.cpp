@@ -23,6 +23,7 @@ int main(int argc, char** argv) {
   add("synth", "write a synthetic LLM-like K/V pair as .npy files", vqcli::add_synth);
   add("generate", "generate text with a llama2.c model through a chosen KV cache method", vqcli::add_generate);
   add("eval", "score KV cache methods against the exact fp32 cache on a real model (perplexity, KL, top-1, bits)", vqcli::add_eval);
+  add("bench", "benchmarks: 'bench codec' compares veloxquant's rANS with htscodecs, zstd and lz4 on KV codes", vqcli::add_bench);
 
   std::string names;
   bool known = false;

@@ -13,10 +13,14 @@
 // fixed-width sizes, the residual at 2 bytes per element. trim() rolls them back.
 #pragma once
 #include <cstdint>
+#include <optional>
+#include <span>
+#include <vector>
 
 #include "veloxquant/cache/config.hpp"
 #include "veloxquant/cache/kv_cache.hpp"
 #include "veloxquant/cache/quantized_stream.hpp"
+#include "veloxquant/cache/stream_codec.hpp"
 
 namespace vq {
 
@@ -40,6 +44,8 @@ class CacheGenKVCache : public KVCache {
   // Dense tensors alone cannot rebuild the codes: use full_state()/from_full_state(). Throws.
   void from_state(const KVState& state) override;
   std::size_t nbytes() const override;
+  // The estimate (fixed-width and entropy-estimated bytes of both sides, residual at fp16).
+  CacheBytes stored_bytes() const override;
   std::string kind() const override { return "CacheGenKVCache"; }
 
   CacheGenState full_state() const;
@@ -58,6 +64,21 @@ class CacheGenKVCache : public KVCache {
   // 16 * compressed_key / fp16_key (the configured bits when empty).
   double assigned_avg_bits() const;
 
+  // The real coder (cache/stream_codec.hpp): the closed codes of one side, their per-(slice,
+  // channel) tables, float32 scales and minima, and a header, as one buffer. The residual (tokens
+  // not yet in a closed group) is not in it: a holder stores those as fp16.
+  std::vector<std::uint8_t> encode_keys(const StreamCodecOptions& options = {}) const;
+  std::vector<std::uint8_t> encode_values(const StreamCodecOptions& options = {}) const;
+  // Decode a buffer from encode_keys/encode_values (codes, scales, minima, for verification).
+  // max_codes bounds what it may allocate (B * H * tokens * D of the side); FormatError on any
+  // corrupt, truncated or oversized input.
+  static DecodedStream decode(std::span<const std::uint8_t> bytes, std::uint64_t max_codes);
+  // Measured: the size of encode_keys() / encode_values() with the default options, plus the
+  // residual at 2 bytes per element (fp16); 0 when empty. Computed on first read after a change
+  // and kept until the next update_and_fetch, trim or from_full_state.
+  std::uint64_t encoded_key_bytes() const;
+  std::uint64_t encoded_value_bytes() const;
+
   // The quantized streams, for inspection and for encoders.
   const QuantizedStream& key_stream() const { return key_stream_; }
   const QuantizedStream& value_stream() const { return value_stream_; }
@@ -65,6 +86,8 @@ class CacheGenKVCache : public KVCache {
  private:
   KVCacheConfig config_;
   QuantizedStream key_stream_, value_stream_;
+  mutable std::optional<std::uint64_t> encoded_keys_, encoded_values_;  // derived, see encoded_*_bytes
+  std::uint64_t encoded_bytes(const QuantizedStream& stream, std::optional<std::uint64_t>& memo) const;
 };
 
 }  // namespace vq

@@ -16,6 +16,12 @@
 
 namespace vq {
 
+// What a cache as it stands costs to store: fixed-width bytes, and bytes after entropy coding (or
+// its estimate); both equal for methods that do not entropy-code. Every byte of metadata counted.
+struct CacheBytes {
+  double fixed_bytes = 0, estimated_bytes = 0;
+};
+
 struct KVState {
   Tensor keys;    // [B, H, offset, D_k]
   Tensor values;  // [B, H, offset, D_v]
@@ -43,6 +49,9 @@ class KVCache {
   virtual std::int64_t trim(std::int64_t n);
   // Bytes of memory the cache holds now (allocated buffers, not just the used part).
   virtual std::size_t nbytes() const;
+  // Bytes the stored contents cost (not the memory held; see nbytes). A plain KVCache: offset()
+  // tokens of K and V at their dtype's size. Methods that quantize override it.
+  virtual CacheBytes stored_bytes() const;
   // Class name, as saved with a cache ("KVCache", "CacheGenKVCache").
   virtual std::string kind() const { return "KVCache"; }
 

@@ -55,6 +55,12 @@ class QuantizedStream {
   int dim() const { return dim_; }
   int bits() const { return bits_; }
   std::int64_t n_groups() const;
+  int group_size() const { return group_size_; }
+  FlushMode flush() const { return flush_; }
+  // Token counts of the stream's independently quantized pieces, in order (they sum to
+  // quantized_tokens()): per_call, one per update_and_fetch call that quantized tokens;
+  // group_aligned, the whole closed stream as one piece (none when it is empty).
+  std::vector<std::int64_t> segment_tokens() const;
   // Codes of slice s, row-major [quantized_tokens(), D]; scales and minima [n_groups(), D].
   std::span<const std::uint8_t> codes(std::int64_t slice) const;
   std::span<const float> scales(std::int64_t slice) const;

@@ -9,6 +9,12 @@
 //       delta=0|1 [1]        entropy of token deltas (1) or raw codes (0)
 //       schedule=on|off [on] on: KVCacheBuilder::for_model (CacheGen's layer-wise bits, base = bits);
 //                            off: every layer a CacheGenKVCache at exactly `bits`
+//   kivi[:k=v,...]           KiviKVCache (peers/kivi_cache.hpp); keys [defaults]:
+//       bits=2|4 [2]         code width of keys and values
+//       group=N [32]         tokens per key group, channels per value group
+//       residual=N [128]     full-precision window, a multiple of group
+//   q8_0, q4_0, q4_1         llama.cpp's KV cache block formats (peers/ggml_block_cache.hpp)
+//   fp8                      e4m3 with a per-head scale per call (peers/fp8_cache.hpp)
 //
 // Unknown methods, keys or values throw InvalidArgument naming the bad part and the valid choices.
 #pragma once
@@ -19,16 +25,18 @@
 #include "veloxquant/cache/builder.hpp"
 #include "veloxquant/cache/config.hpp"
 #include "veloxquant/cache/kv_cache.hpp"
+#include "veloxquant/peers/kivi_cache.hpp"
 
 namespace vq {
 
 class Transformer;
 
 struct MethodSpec {
-  enum class Kind { Fp32, Fp16, CacheGen };
+  enum class Kind { Fp32, Fp16, CacheGen, Kivi, Q8_0, Q4_0, Q4_1, Fp8 };
   Kind kind = Kind::Fp32;
   KVCacheConfig cachegen;   // used when kind == CacheGen (cachegen_bits = the base bits)
   bool schedule = true;     // CacheGen: layer-wise schedule via KVCacheBuilder
+  KiviConfig kivi;          // used when kind == Kivi
 
   // Parse a spec string (see above); throws InvalidArgument.
   static MethodSpec parse(const std::string& spec);
@@ -42,6 +50,8 @@ class Fp16KVCache : public KVCache {
  public:
   std::pair<Tensor, Tensor> update_and_fetch(const Tensor& keys, const Tensor& values) override;
   std::string kind() const override { return "Fp16KVCache"; }
+  // Billed as the float16 it represents: 2 bytes per element.
+  CacheBytes stored_bytes() const override;
 };
 
 // One cache per layer of `model` for `spec` (layers without attention get a plain KVCache).

@@ -1,0 +1,123 @@
+#include "veloxquant/peers/fp8_cache.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include <fmt/format.h>
+
+#include "veloxquant/core/error.hpp"
+
+namespace vq {
+
+namespace fp8 {
+
+std::uint8_t e4m3_from_f32(float x) {
+  if (std::isnan(x)) return 0x7F;
+  const std::uint8_t sign = std::signbit(x) ? 0x80 : 0x00;
+  const float a = std::fabs(x);
+  if (a >= kE4M3Max) return sign | 0x7E;  // saturate (RNE would round (448, 464] to 448 anyway)
+  if (a < 0x1p-6f) {
+    // Subnormal range: steps of 2^-9; q = 8 is exactly the smallest normal, whose code is 0x08.
+    return sign | static_cast<std::uint8_t>(std::nearbyint(a * 512.0f));
+  }
+  int e = 0;
+  (void)std::frexp(a, &e);                        // a = f * 2^e, f in [0.5, 1): exponent E = e - 1
+  const float m = std::ldexp(a, 1 - e);           // [1, 2), exact
+  const int mm = static_cast<int>(std::nearbyint((m - 1.0f) * 8.0f));  // 0..8, ties to even; 8 carries
+  const int code = ((e - 1 + 7) << 3) + mm;       // codes are monotonic in the value, so a carry is +1
+  return sign | static_cast<std::uint8_t>(std::min(code, 0x7E));
+}
+
+float e4m3_to_f32(std::uint8_t code) {
+  const int e = (code >> 3) & 0x0F, m = code & 0x07;
+  if (e == 15 && m == 7) return std::numeric_limits<float>::quiet_NaN();
+  const float v = e == 0 ? std::ldexp(static_cast<float>(m), -9) : std::ldexp(static_cast<float>(8 + m), e - 10);
+  return (code & 0x80) ? -v : v;
+}
+
+}  // namespace fp8
+
+namespace {
+
+// Encode one call's tensor: per (b, h) scale over its tokens; codes appended token-major, scales
+// appended [b][h]; recon gets the decoded values in t's dtype.
+void encode_chunk(const Tensor& t, std::vector<std::uint8_t>& codes, std::vector<float>& scales, Tensor& recon) {
+  const std::int64_t B = t.dim(0), H = t.dim(1), S = t.dim(2), D = t.dim(3);
+  std::vector<float> x(static_cast<std::size_t>(S * D)), y(static_cast<std::size_t>(D));
+  std::vector<float> sc(static_cast<std::size_t>(B * H));
+  const std::size_t base = codes.size();
+  codes.resize(base + static_cast<std::size_t>(B * H * S * D));
+  for (std::int64_t b = 0; b < B; ++b)
+    for (std::int64_t h = 0; h < H; ++h) {
+      for (std::int64_t s = 0; s < S; ++s) to_f32(t.row(b, h, s), t.dtype(), x.data() + s * D, static_cast<std::size_t>(D));
+      float amax = 0.0f;
+      for (float v : x) amax = std::max(amax, std::fabs(v));
+      float scale = amax / fp8::kE4M3Max;
+      if (!(scale > 0.0f)) scale = 1.0f;
+      sc[static_cast<std::size_t>(b * H + h)] = scale;
+      for (std::int64_t s = 0; s < S; ++s) {
+        std::uint8_t* out = codes.data() + base + static_cast<std::size_t>(((s * B + b) * H + h) * D);
+        for (std::int64_t d = 0; d < D; ++d) {
+          out[d] = fp8::e4m3_from_f32(x[static_cast<std::size_t>(s * D + d)] / scale);
+          y[static_cast<std::size_t>(d)] = fp8::e4m3_to_f32(out[d]) * scale;
+        }
+        from_f32(y.data(), recon.row(b, h, s), recon.dtype(), static_cast<std::size_t>(D));
+      }
+    }
+  scales.insert(scales.end(), sc.begin(), sc.end());
+}
+
+}  // namespace
+
+std::pair<Tensor, Tensor> Fp8KVCache::update_and_fetch(const Tensor& keys, const Tensor& values) {
+  check_chunk(keys, values);
+  require(keys.all_finite() && values.all_finite(), "fp8: keys and values must be finite (no NaN or Inf)");
+  if (offset_ == 0) {
+    key_codes_.clear(), value_codes_.clear(), key_scales_.clear(), value_scales_.clear(), call_starts_.clear();
+  }
+  Tensor rk = Tensor::uninitialized(keys.shape(), keys.dtype()), rv = Tensor::uninitialized(values.shape(), values.dtype());
+  encode_chunk(keys, key_codes_, key_scales_, rk);  // checks are done: nothing below throws
+  encode_chunk(values, value_codes_, value_scales_, rv);
+  call_starts_.push_back(offset_);
+  append(rk, rv);
+  return {keys_buf_.slice(2, 0, offset_), values_buf_.slice(2, 0, offset_)};
+}
+
+std::int64_t Fp8KVCache::trim(std::int64_t n) {
+  const std::int64_t dropped = KVCache::trim(n);
+  if (offset_ == 0) {
+    key_codes_.clear(), value_codes_.clear(), key_scales_.clear(), value_scales_.clear(), call_starts_.clear();
+    return dropped;
+  }
+  const std::int64_t BH = keys_buf_.dim(0) * keys_buf_.dim(1);
+  while (!call_starts_.empty() && call_starts_.back() >= offset_) call_starts_.pop_back();  // a call cut in two keeps its scale
+  key_scales_.resize(call_starts_.size() * static_cast<std::size_t>(BH));
+  value_scales_.resize(call_starts_.size() * static_cast<std::size_t>(BH));
+  key_codes_.resize(static_cast<std::size_t>(offset_ * BH * keys_buf_.dim(3)));
+  value_codes_.resize(static_cast<std::size_t>(offset_ * BH * values_buf_.dim(3)));
+  return dropped;
+}
+
+void Fp8KVCache::from_state(const KVState& state) {
+  const KVState copy{state.keys.contiguous(true), state.values.contiguous(true)};  // `state` may view our own buffer
+  offset_ = 0;
+  keys_buf_ = Tensor();
+  values_buf_ = Tensor();
+  key_codes_.clear(), value_codes_.clear(), key_scales_.clear(), value_scales_.clear(), call_starts_.clear();
+  if (copy.keys.empty() && copy.values.empty()) return;
+  update_and_fetch(copy.keys, copy.values);
+}
+
+std::size_t Fp8KVCache::nbytes() const {
+  return KVCache::nbytes() + key_codes_.capacity() + value_codes_.capacity() +
+         (key_scales_.capacity() + value_scales_.capacity()) * sizeof(float) + call_starts_.capacity() * sizeof(std::int64_t);
+}
+
+CacheBytes Fp8KVCache::stored_bytes() const {
+  const double bytes = static_cast<double>(key_codes_.size() + value_codes_.size()) +
+                       4.0 * static_cast<double>(key_scales_.size() + value_scales_.size());
+  return {bytes, bytes};
+}
+
+}  // namespace vq

@@ -1,0 +1,495 @@
+// veloxquant bench codec: veloxquant's rANS against general-purpose coders on the same code streams.
+//
+// A "stream" is one side (K or V) of one CacheGenKVCache (group_aligned, no layer schedule, at
+// --bits): every coder compresses each stream separately (one call per stream) and the bytes are
+// summed, so every coder pays its per-call overhead (tables, frame headers, lane states) the same
+// number of times. The peers get the codes channel-major (each channel's tokens contiguous), so
+// their context models see the correlation along tokens that the per-channel models see.
+// veloxquant-rans bytes are the stream codec's buffer (cache/stream_codec.hpp) minus its float32
+// scales and minima, which the peers do not code either: header + tables + payload.
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <fmt/core.h>
+#include <nlohmann/json.hpp>
+
+#include "commands.hpp"
+#include "veloxquant/cache/cachegen_cache.hpp"
+#include "veloxquant/cache/stream_codec.hpp"
+#include "veloxquant/core/error.hpp"
+#include "veloxquant/core/npy.hpp"
+#include "veloxquant/entropy/channel_histograms.hpp"
+#include "veloxquant/entropy/frequency_table.hpp"
+#include "veloxquant/entropy/rans.hpp"
+#include "veloxquant/model/checkpoint.hpp"
+#include "veloxquant/model/method_spec.hpp"
+#include "veloxquant/model/model_files.hpp"
+#include "veloxquant/model/tokenizer.hpp"
+#include "veloxquant/model/transformer.hpp"
+#include "veloxquant/peers/peer_coders.hpp"
+#include "veloxquant/synth/synthetic_kv.hpp"
+#include "veloxquant/transform/bit_pack.hpp"
+
+namespace vqcli {
+
+namespace {
+
+struct BenchOptions {
+  std::string keys, values, model, tokenizer, text;
+  bool synthetic = false, json = false;
+  int bits = 4, windows = 8;
+};
+
+struct Source {
+  std::string name;
+  std::vector<vq::QuantizedStream> streams;
+  std::int64_t tokens_per_channel = 0;  // per stream
+};
+
+void add_cache_streams(Source& src, const vq::CacheGenKVCache& cache) {
+  for (const auto* s : {&cache.key_stream(), &cache.value_stream()})
+    if (s->quantized_tokens() > 0 && s->slices() > 0) src.streams.push_back(*s);
+}
+
+vq::KVCacheConfig bench_config(int bits) {
+  vq::KVCacheConfig cfg;
+  cfg.cachegen_bits = bits;
+  cfg.cachegen_flush = vq::FlushMode::GroupAligned;
+  cfg.validate();
+  return cfg;
+}
+
+Source from_tensors(const vq::Tensor& k, const vq::Tensor& v, int bits, std::string name) {
+  vq::require(k.dim(0) == v.dim(0) && k.dim(1) == v.dim(1) && k.dim(2) == v.dim(2) && k.dtype() == v.dtype(),
+              fmt::format("keys {} and values {} must agree in B, H, S and dtype", vq::shape_string(k.shape()), vq::shape_string(v.shape())));
+  vq::CacheGenKVCache cache(bench_config(bits));
+  cache.update_and_fetch(k, v);
+  Source src{std::move(name), {}, cache.key_stream().quantized_tokens()};
+  add_cache_streams(src, cache);
+  return src;
+}
+
+Source from_model(const BenchOptions& o) {
+  auto opt = [](const std::string& s) -> std::optional<std::filesystem::path> {
+    if (s.empty()) return std::nullopt;
+    return std::filesystem::path(s);
+  };
+  if (!std::filesystem::is_regular_file(o.model)) throw vq::IoError(fmt::format("{}: cannot open model (no such file)", o.model));
+  std::string tok_path = o.tokenizer, text_path = o.text;
+  const auto beside = [&](const char* name) {
+    const auto p = std::filesystem::path(o.model).parent_path() / name;
+    return std::filesystem::is_regular_file(p) ? p.string() : std::string();
+  };
+  if (tok_path.empty()) tok_path = beside("tok512.bin");
+  if (text_path.empty()) text_path = beside("tinystories_val.txt");
+  vq::require(!text_path.empty(), "--text is required (no tinystories_val.txt beside the model)");
+  const vq::ModelFiles files = vq::resolve_model_files(opt(o.model), opt(tok_path));
+  vq::Transformer model(vq::Checkpoint::load(files.model.string()));
+  const vq::Tokenizer tok = vq::Tokenizer::load(files.tokenizer.string(), model.config().vocab_size);
+  std::ifstream in(text_path, std::ios::binary);
+  if (!in) throw vq::IoError(fmt::format("{}: cannot open", text_path));
+  std::stringstream buf;
+  buf << in.rdbuf();
+  std::string text = buf.str();
+  const int window = model.config().seq_len;
+  const std::size_t want = static_cast<std::size_t>(o.windows) * static_cast<std::size_t>(window) * 16;
+  if (text.size() > want) text.resize(want);
+  const std::vector<int> tokens = tok.encode(text, /*bos=*/false);
+  const int per_window = window - 1;  // BOS + per_window text tokens fill the model's context
+  const int n_windows = std::min<int>(o.windows, static_cast<int>(tokens.size() / static_cast<std::size_t>(per_window)));
+  vq::require(n_windows >= 1, fmt::format("{}: too little text for one {}-token window", text_path, window));
+  vq::MethodSpec spec;
+  spec.kind = vq::MethodSpec::Kind::CacheGen;
+  spec.cachegen = bench_config(o.bits);
+  spec.schedule = false;
+  Source src{fmt::format("model {} ({} windows x {} tokens, {} layers, K and V)", files.model.filename().string(), n_windows, window,
+                         model.config().n_layers),
+             {},
+             0};
+  for (int w = 0; w < n_windows; ++w) {
+    std::vector<int> win{1};  // BOS
+    win.insert(win.end(), tokens.begin() + static_cast<std::ptrdiff_t>(w) * per_window,
+               tokens.begin() + static_cast<std::ptrdiff_t>(w + 1) * per_window);
+    auto caches = vq::make_caches(spec, model);
+    model.forward(win, caches);
+    for (const auto& c : caches)
+      if (const auto* cg = dynamic_cast<const vq::CacheGenKVCache*>(c.get())) {
+        add_cache_streams(src, *cg);
+        src.tokens_per_channel = cg->key_stream().quantized_tokens();
+      }
+  }
+  return src;
+}
+
+// Codes of a stream, channel-major: [slice][channel][token].
+std::vector<std::uint8_t> channel_major(const vq::QuantizedStream& s) {
+  const auto n = static_cast<std::size_t>(s.quantized_tokens()), d = static_cast<std::size_t>(s.dim());
+  std::vector<std::uint8_t> out;
+  out.reserve(n * d * static_cast<std::size_t>(s.slices()));
+  for (std::int64_t sl = 0; sl < s.slices(); ++sl) {
+    const auto codes = s.codes(sl);
+    for (std::size_t c = 0; c < d; ++c)
+      for (std::size_t t = 0; t < n; ++t) out.push_back(codes[t * d + c]);
+  }
+  return out;
+}
+
+// ---- Order-1 context model (measurement): context = the previous code of the same channel (0 before
+// the first token). Each (slice, channel, context) with symbols is one segment of one rANS stream per
+// QuantizedStream, symbols grouped by context. Instead of tables, the per-context HISTOGRAMS travel
+// (the decoder rebuilds each table with FrequencyTable::from_histogram, deterministic, and the
+// histogram's total is the segment's length, which the grouped layout needs). It round-trips.
+// pooled: one histogram per context for the whole stream (all slices and channels), instead of one
+// per (slice, channel, context): far fewer table bytes, at the price of channels sharing a model.
+void put_varint(std::vector<std::uint8_t>& out, std::uint64_t v) {
+  while (v >= 0x80) {
+    out.push_back(static_cast<std::uint8_t>(v | 0x80));
+    v >>= 7;
+  }
+  out.push_back(static_cast<std::uint8_t>(v));
+}
+std::uint64_t get_varint(std::span<const std::uint8_t> b, std::size_t& pos) {
+  std::uint64_t v = 0;
+  for (int shift = 0; shift < 64; shift += 7) {
+    if (pos >= b.size()) throw vq::FormatError("order-1: truncated");
+    const std::uint8_t byte = b[pos++];
+    v |= static_cast<std::uint64_t>(byte & 0x7f) << shift;
+    if (!(byte & 0x80)) return v;
+  }
+  throw vq::FormatError("order-1: bad varint");
+}
+// Histogram: entries as in FrequencyTable's format (count > 0, or 0 then run - 1 of zeros).
+void put_hist(std::vector<std::uint8_t>& out, std::span<const std::uint32_t> h) {
+  for (std::size_t i = 0; i < h.size();) {
+    if (h[i]) {
+      put_varint(out, h[i++]);
+      continue;
+    }
+    std::size_t run = 0;
+    while (i < h.size() && !h[i]) ++i, ++run;
+    put_varint(out, 0);
+    put_varint(out, run - 1);
+  }
+}
+void get_hist(std::span<const std::uint8_t> b, std::size_t& pos, std::span<std::uint32_t> h) {
+  for (std::size_t i = 0; i < h.size();) {
+    const std::uint64_t f = get_varint(b, pos);
+    if (f) {
+      h[i++] = static_cast<std::uint32_t>(f);
+      continue;
+    }
+    const std::uint64_t run = get_varint(b, pos) + 1;
+    if (run > h.size() - i) throw vq::FormatError("order-1: bad histogram");
+    for (std::uint64_t k = 0; k < run; ++k) h[i++] = 0;
+  }
+}
+
+std::vector<std::uint8_t> order1_encode(const vq::QuantizedStream& s, bool pooled) {
+  const int A = 1 << s.bits();
+  const auto n = static_cast<std::size_t>(s.quantized_tokens()), d = static_cast<std::size_t>(s.dim());
+  const std::size_t chans = d * static_cast<std::size_t>(s.slices());
+  const std::size_t models = pooled ? 1 : chans;  // pooled: one set of context tables for the whole stream
+  std::vector<std::uint32_t> hist(models * static_cast<std::size_t>(A) * static_cast<std::size_t>(A), 0);  // [model][ctx][sym]
+  std::vector<std::uint8_t> out;
+  for (std::int64_t sl = 0; sl < s.slices(); ++sl) {
+    const auto codes = s.codes(sl);
+    for (std::size_t c = 0; c < d; ++c) {
+      std::uint32_t* h = hist.data() + (pooled ? 0 : (static_cast<std::size_t>(sl) * d + c)) * static_cast<std::size_t>(A * A);
+      int prev = 0;
+      for (std::size_t t = 0; t < n; ++t) {
+        ++h[prev * A + codes[t * d + c]];
+        prev = codes[t * d + c];
+      }
+    }
+  }
+  for (std::size_t k = 0; k < models * static_cast<std::size_t>(A); ++k)
+    put_hist(out, std::span<const std::uint32_t>(hist).subspan(k * static_cast<std::size_t>(A), static_cast<std::size_t>(A)));
+  // Symbols grouped by (channel, context), each group in token order.
+  std::vector<vq::FrequencyTable> tables;
+  std::vector<std::size_t> seg_start;
+  std::vector<std::size_t> offset(models * static_cast<std::size_t>(A));
+  std::size_t total = 0;
+  for (std::size_t k = 0; k < models * static_cast<std::size_t>(A); ++k) {
+    offset[k] = total;
+    for (int sym = 0; sym < A; ++sym) total += hist[k * static_cast<std::size_t>(A) + static_cast<std::size_t>(sym)];
+  }
+  std::vector<std::uint16_t> symbols(total);
+  std::vector<std::size_t> fill = offset;
+  for (std::int64_t sl = 0; sl < s.slices(); ++sl) {
+    const auto codes = s.codes(sl);
+    for (std::size_t c = 0; c < d; ++c) {
+      const std::size_t base = (pooled ? 0 : (static_cast<std::size_t>(sl) * d + c)) * static_cast<std::size_t>(A);
+      int prev = 0;
+      for (std::size_t t = 0; t < n; ++t) {
+        symbols[fill[base + static_cast<std::size_t>(prev)]++] = codes[t * d + c];
+        prev = codes[t * d + c];
+      }
+    }
+  }
+  std::vector<vq::RansEncodeSegment> segs;
+  tables.reserve(models * static_cast<std::size_t>(A));
+  for (std::size_t k = 0; k < models * static_cast<std::size_t>(A); ++k) {
+    const std::size_t len = (k + 1 < offset.size() ? offset[k + 1] : total) - offset[k];
+    if (!len) continue;
+    tables.push_back(vq::FrequencyTable::from_histogram(std::span<const std::uint32_t>(hist).subspan(k * static_cast<std::size_t>(A), static_cast<std::size_t>(A))));
+  }
+  std::size_t ti = 0;
+  for (std::size_t k = 0; k < models * static_cast<std::size_t>(A); ++k) {
+    const std::size_t len = (k + 1 < offset.size() ? offset[k + 1] : total) - offset[k];
+    if (!len) continue;
+    segs.push_back({std::span<const std::uint16_t>(symbols).subspan(offset[k], len), &tables[ti++]});
+  }
+  vq::rans_encode_append(out, segs);
+  return out;
+}
+
+std::vector<std::uint8_t> order1_decode(std::span<const std::uint8_t> bytes, const vq::QuantizedStream& shape, bool pooled) {
+  const int A = 1 << shape.bits();
+  const auto n = static_cast<std::size_t>(shape.quantized_tokens()), d = static_cast<std::size_t>(shape.dim());
+  const std::size_t chans = d * static_cast<std::size_t>(shape.slices()), K = (pooled ? 1 : chans) * static_cast<std::size_t>(A);
+  std::vector<std::uint32_t> hist(K * static_cast<std::size_t>(A));
+  std::size_t pos = 0;
+  for (std::size_t k = 0; k < K; ++k) get_hist(bytes, pos, std::span<std::uint32_t>(hist).subspan(k * static_cast<std::size_t>(A), static_cast<std::size_t>(A)));
+  std::vector<std::size_t> offset(K + 1, 0);
+  for (std::size_t k = 0; k < K; ++k) {
+    std::size_t len = 0;
+    for (int sym = 0; sym < A; ++sym) len += hist[k * static_cast<std::size_t>(A) + static_cast<std::size_t>(sym)];
+    offset[k + 1] = offset[k] + len;
+  }
+  if (offset[K] != n * chans) throw vq::FormatError("order-1: histograms disagree with the shape");
+  std::vector<std::uint16_t> symbols(offset[K]);
+  std::vector<vq::FrequencyTable> tables;
+  tables.reserve(K);
+  std::vector<vq::RansDecodeSegment> segs;
+  for (std::size_t k = 0; k < K; ++k) {
+    if (offset[k + 1] == offset[k]) continue;
+    tables.push_back(vq::FrequencyTable::from_histogram(std::span<const std::uint32_t>(hist).subspan(k * static_cast<std::size_t>(A), static_cast<std::size_t>(A))));
+    segs.push_back({std::span<std::uint16_t>(symbols).subspan(offset[k], offset[k + 1] - offset[k]), &tables.back()});
+  }
+  vq::rans_decode(bytes.subspan(pos), segs);
+  // Rebuild channel-major codes by following the contexts.
+  std::vector<std::uint8_t> out(n * chans);
+  std::vector<std::size_t> next(offset.begin(), offset.end() - 1);
+  for (std::size_t ch = 0; ch < chans; ++ch) {
+    int prev = 0;
+    for (std::size_t t = 0; t < n; ++t) {
+      const std::size_t k = (pooled ? 0 : ch) * static_cast<std::size_t>(A) + static_cast<std::size_t>(prev);
+      if (next[k] >= offset[k + 1]) throw vq::FormatError("order-1: context overrun");
+      prev = symbols[next[k]++];
+      out[ch * n + t] = static_cast<std::uint8_t>(prev);
+    }
+  }
+  return out;
+}
+
+struct CoderResult {
+  std::string name;
+  std::uint64_t bytes = 0;
+  double encode_s = 0, decode_s = 0;
+  bool roundtrip_ok = true;
+};
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// Runs encode over every stream (then decode and compare), repeating while a pass took < 0.2 s
+// in total (at most 5 passes), and keeps each side's fastest pass.
+CoderResult measure(const std::string& name, std::size_t n_streams,
+                    const std::function<std::vector<std::uint8_t>(std::size_t)>& enc,
+                    const std::function<std::uint64_t(const std::vector<std::uint8_t>&)>& counted,
+                    const std::function<bool(std::size_t, const std::vector<std::uint8_t>&)>& dec_ok) {
+  CoderResult r;
+  r.name = name;
+  r.encode_s = r.decode_s = 1e300;
+  std::vector<std::vector<std::uint8_t>> bufs(n_streams);
+  double spent = 0;
+  for (int pass = 0; pass < 5 && (pass == 0 || spent < 0.2); ++pass) {
+    auto t0 = std::chrono::steady_clock::now();
+    for (std::size_t i = 0; i < n_streams; ++i) bufs[i] = enc(i);
+    const double te = seconds_since(t0);
+    t0 = std::chrono::steady_clock::now();
+    bool ok = true;
+    for (std::size_t i = 0; i < n_streams; ++i) ok = dec_ok(i, bufs[i]) && ok;
+    const double td = seconds_since(t0);
+    r.encode_s = std::min(r.encode_s, te);
+    r.decode_s = std::min(r.decode_s, td);
+    r.roundtrip_ok = r.roundtrip_ok && ok;
+    spent += te + td;
+  }
+  for (const auto& b : bufs) r.bytes += counted(b);
+  return r;
+}
+
+int run_bench_codec(const BenchOptions& o) {
+  vq::require(o.bits >= 1 && o.bits <= 8, fmt::format("--bits must be 1..8, got {}", o.bits));
+  vq::require(o.windows >= 1, fmt::format("--windows must be >= 1, got {}", o.windows));
+  const int n_sources = (!o.keys.empty() || !o.values.empty()) + !o.model.empty() + o.synthetic;
+  vq::require(n_sources == 1, "give exactly one source: --keys K.npy --values V.npy, --model M, or --synthetic");
+  Source src;
+  if (o.synthetic) {
+    vq::SyntheticKVConfig sc;
+    sc.tokens = 4096;
+    const auto kv = vq::make_synthetic_kv(sc);
+    src = from_tensors(kv.keys, kv.values, o.bits, "synthetic (make_synthetic_kv: 1 x 8 heads x 4096 tokens x D=128, K and V)");
+  } else if (!o.model.empty()) {
+    src = from_model(o);
+  } else {
+    vq::require(!o.keys.empty() && !o.values.empty(), "--keys and --values go together");
+    src = from_tensors(vq::read_npy(o.keys), vq::read_npy(o.values), o.bits, fmt::format("{} / {}", o.keys, o.values));
+  }
+  vq::require(!src.streams.empty(), "no closed quantization group in the input (fewer tokens than the group size?)");
+
+  const auto& streams = src.streams;
+  const std::size_t ns = streams.size();
+  std::vector<std::vector<std::uint8_t>> cm(ns);
+  std::uint64_t symbols = 0, fixed = 0;
+  for (std::size_t i = 0; i < ns; ++i) {
+    cm[i] = channel_major(streams[i]);
+    symbols += cm[i].size();
+    fixed += vq::packed_size(cm[i].size(), o.bits);
+  }
+
+  // Shannon bounds: sum over (stream, slice, channel) of N * H, for codes, deltas and order-1.
+  double h_codes = 0, h_delta = 0, h_o1 = 0;
+  {
+    const int A = 1 << o.bits;
+    for (std::size_t i = 0; i < ns; ++i) {
+      const auto& s = streams[i];
+      const auto n = static_cast<std::size_t>(s.quantized_tokens());
+      const std::size_t chans = static_cast<std::size_t>(s.slices() * s.dim());
+      vq::ChannelHistograms hc(chans, 0, A), hd(chans, -(A - 1), 2 * A - 1), h1(chans * static_cast<std::size_t>(A), 0, A);
+      for (std::size_t ch = 0; ch < chans; ++ch) {
+        const std::uint8_t* x = cm[i].data() + ch * n;
+        int prev = 0;
+        for (std::size_t t = 0; t < n; ++t) {
+          hc.add(ch, x[t]);
+          hd.add(ch, x[t] - prev);
+          h1.add(ch * static_cast<std::size_t>(A) + static_cast<std::size_t>(prev), x[t]);
+          prev = x[t];
+        }
+      }
+      for (std::size_t k = 0; k < hc.count(); ++k) h_codes += hc.total_bits(k), h_delta += hd.total_bits(k);
+      for (std::size_t k = 0; k < h1.count(); ++k) h_o1 += h1.total_bits(k);
+    }
+  }
+  const auto to_bytes = [](double b) { return static_cast<std::uint64_t>(std::ceil(b / 8.0)); };
+  const std::uint64_t shannon_codes = to_bytes(h_codes), shannon_delta = to_bytes(h_delta), shannon_o1 = to_bytes(h_o1);
+
+  std::vector<CoderResult> results;
+  const auto vq_rans = [&](const std::string& name, vq::SymbolTransform tr) {
+    vq::StreamCodecOptions opt;
+    opt.transform = tr;
+    return measure(
+        name, ns, [&](std::size_t i) { return vq::encode_stream(streams[i], opt); },
+        [](const std::vector<std::uint8_t>& b) { return static_cast<std::uint64_t>(b.size()); },
+        [&](std::size_t i, const std::vector<std::uint8_t>& b) {
+          const auto ds = vq::decode_stream(b, cm[i].size());
+          for (std::int64_t sl = 0; sl < streams[i].slices(); ++sl) {
+            const auto a = streams[i].codes(sl), c = ds.slice_codes(sl);
+            if (!std::equal(a.begin(), a.end(), c.begin(), c.end())) return false;
+          }
+          return true;
+        });
+  };
+  const vq::StreamCodecOptions defaults;
+  results.push_back(vq_rans("veloxquant-rans", defaults.transform));
+  results.push_back(vq_rans("veloxquant-rans-codes", vq::SymbolTransform::Codes));
+  results.push_back(vq_rans("veloxquant-rans-delta", vq::SymbolTransform::TokenDelta));
+  // Subtract the float32 metadata, the same for every transform: 8 bytes per (group, channel, slice).
+  std::uint64_t meta_bytes = 0;
+  for (const auto& s : streams) meta_bytes += static_cast<std::uint64_t>(s.n_groups() * s.dim() * s.slices()) * 8;
+  for (auto& r : results) r.bytes -= meta_bytes;
+  for (const bool pooled : {false, true})
+    results.push_back(measure(
+        pooled ? "veloxquant-rans-order1-pooled" : "veloxquant-rans-order1", ns,
+        [&](std::size_t i) { return order1_encode(streams[i], pooled); },
+        [](const std::vector<std::uint8_t>& b) { return static_cast<std::uint64_t>(b.size()); },
+        [&](std::size_t i, const std::vector<std::uint8_t>& b) { return order1_decode(b, streams[i], pooled) == cm[i]; }));
+  for (const auto& peer : vq::peer_coders(o.bits))
+    results.push_back(measure(
+        peer.name, ns, [&](std::size_t i) { return peer.encode(cm[i]); },
+        [](const std::vector<std::uint8_t>& b) { return static_cast<std::uint64_t>(b.size()); },
+        [&](std::size_t i, const std::vector<std::uint8_t>& b) { return peer.decode(b, cm[i].size()) == cm[i]; }));
+
+  const double fp16_mb = static_cast<double>(symbols) * 2.0 / 1e6;
+  const double msym = static_cast<double>(symbols) / 1e6;
+  if (o.json) {
+    nlohmann::json j;
+    j["source"] = src.name;
+    j["bits"] = o.bits;
+    j["streams"] = ns;
+    j["symbols"] = symbols;
+    j["tokens_per_channel"] = src.tokens_per_channel;
+    j["shannon_bytes"] = std::min(shannon_codes, shannon_delta);
+    j["shannon_codes_bytes"] = shannon_codes;
+    j["shannon_delta_bytes"] = shannon_delta;
+    j["shannon_order1_bytes"] = shannon_o1;
+    j["fixed_width_bytes"] = fixed;
+    j["coders"] = nlohmann::json::array();
+    for (const auto& r : results)
+      j["coders"].push_back({{"name", r.name},
+                             {"bytes", r.bytes},
+                             {"ratio_to_fixed_width", static_cast<double>(r.bytes) / static_cast<double>(fixed)},
+                             {"bits_per_symbol", 8.0 * static_cast<double>(r.bytes) / static_cast<double>(symbols)},
+                             {"encode_msym_s", msym / r.encode_s},
+                             {"decode_msym_s", msym / r.decode_s},
+                             {"encode_mb_s", fp16_mb / r.encode_s},
+                             {"decode_mb_s", fp16_mb / r.decode_s},
+                             {"roundtrip_ok", r.roundtrip_ok}});
+    fmt::print("{}\n", j.dump(2));
+  } else {
+    fmt::print("source: {}\n", src.name);
+    fmt::print("{} streams, {} symbols ({} tokens per channel), {}-bit codes\n", ns, symbols, src.tokens_per_channel, o.bits);
+    fmt::print("Shannon bound (sum over channels of N*H): codes {} B ({:.4f} bits/sym), token delta {} B ({:.4f}), order-1 {} B ({:.4f})\n",
+               shannon_codes, 8.0 * static_cast<double>(shannon_codes) / static_cast<double>(symbols), shannon_delta,
+               8.0 * static_cast<double>(shannon_delta) / static_cast<double>(symbols), shannon_o1,
+               8.0 * static_cast<double>(shannon_o1) / static_cast<double>(symbols));
+    fmt::print("fixed width (bit-packed): {} B\n", fixed);
+    fmt::print("{:<24} {:>10} {:>7} {:>9} {:>10} {:>10} {:>10} {:>10} {:>6}\n", "coder", "bytes", "ratio", "bits/sym", "enc Msym/s",
+               "dec Msym/s", "enc MB/s", "dec MB/s", "ok");
+    for (const auto& r : results)
+      fmt::print("{:<24} {:>10} {:>7.4f} {:>9.4f} {:>10.1f} {:>10.1f} {:>10.1f} {:>10.1f} {:>6}\n", r.name, r.bytes,
+                 static_cast<double>(r.bytes) / static_cast<double>(fixed), 8.0 * static_cast<double>(r.bytes) / static_cast<double>(symbols),
+                 msym / r.encode_s, msym / r.decode_s, fp16_mb / r.encode_s, fp16_mb / r.decode_s, r.roundtrip_ok ? "yes" : "NO");
+    fmt::print("(one call per stream = cache side; peers get codes channel-major; veloxquant-rans bytes exclude the float32 scales and\n"
+               " minima; MB/s = MB of fp16 K/V represented; order1: per-(channel, context) histograms + grouped rANS segments; order1-pooled: one set of context\n"
+               " histograms per stream, shared by its channels)\n");
+  }
+  for (const auto& r : results)
+    if (!r.roundtrip_ok) {
+      fmt::print(stderr, "veloxquant: error: {} did not round-trip\n", r.name);
+      return 1;
+    }
+  return 0;
+}
+
+}  // namespace
+
+Runner add_bench(CLI::App& app) {
+  app.require_subcommand(1);
+  auto o = std::make_shared<BenchOptions>();
+  CLI::App* codec = app.add_subcommand("codec", "veloxquant's rANS against htscodecs, zstd and lz4 on the same KV code streams");
+  codec->add_option("--keys", o->keys, "keys .npy [B, H, S, D]");
+  codec->add_option("--values", o->values, "values .npy [B, H, S, D]");
+  codec->add_option("--model", o->model, "llama2.c checkpoint: codes of every layer's K and V over --windows context-length windows");
+  codec->add_option("--tokenizer", o->tokenizer, "llama2.c tokenizer (default: tok512.bin beside the model)");
+  codec->add_option("--text", o->text, "text to run (default: tinystories_val.txt beside the model)");
+  codec->add_option("--windows", o->windows, "model: windows of seq_len tokens, each a fresh set of caches")->capture_default_str();
+  codec->add_flag("--synthetic", o->synthetic, "synthetic LLM-like K/V (8 heads x 4096 tokens x D=128)");
+  codec->add_option("--bits", o->bits, "bits per code, 1..8")->capture_default_str();
+  codec->add_flag("--json", o->json, "print one JSON object");
+  return [o] { return run_bench_codec(*o); };
+}
+
+}  // namespace vqcli
