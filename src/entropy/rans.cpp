@@ -48,24 +48,34 @@ std::vector<EncSym> make_enc_syms(const FrequencyTable& t) {
   return es;
 }
 
-void DecTables::build(const FrequencyTable& t) {
+void DecTables::build(const FrequencyTable& t, bool need_sym) {
   const std::uint32_t M = t.total();
   const int sb = t.scale_bits();
   const bool pack = 2 * sb + std::bit_width(static_cast<unsigned>(t.alphabet_size() - 1)) <= 32;
   // Building costs 2^scale_bits writes per table, as much as decoding a few thousand symbols:
-  // fill only what the kernels read (sym always; packed, or else entry, for AVX2).
-  entry.resize(pack ? 0 : M);
-  packed.resize(pack ? M : 0);
-  sym.resize(M + 2);
-  sym[M] = sym[M + 1] = 0;
+  // fill only what the kernels read (sym for the scalar kernel or without packed; packed, or else
+  // entry, for AVX2).
+  const bool with_sym = need_sym || !pack;
+  entry.resize(pack || need_sym ? 0 : M);
+  packed.resize(pack && !need_sym ? M + 4 : 0);  // +4: the fill below writes in blocks of 4
+  sym.resize(with_sym ? M + 2 : 0);
+  if (with_sym) sym[M] = sym[M + 1] = 0;
   for (int s = 0; s < t.alphabet_size(); ++s) {
     const std::uint32_t f = t.freq(s), c = t.cum(s);
-    for (std::uint32_t k = 0; k < f; ++k) {
-      sym[c + k] = static_cast<std::uint16_t>(s);
-      if (pack)
-        packed[c + k] = (f - 1) | k << sb | static_cast<std::uint32_t>(s) << (2 * sb);
-      else
-        entry[c + k] = f << 16 | k;
+    if (with_sym) std::fill_n(sym.data() + c, f, static_cast<std::uint16_t>(s));
+    if (!packed.empty()) {
+      const std::uint32_t e0 = (f - 1) | static_cast<std::uint32_t>(s) << (2 * sb);
+      // Blocks of 4 (one SSE store): the overrun lands on the next symbols' entries, written after.
+      std::uint32_t* e = packed.data() + c;
+      for (std::uint32_t k = 0; k < f; k += 4) {
+        e[k] = e0 | k << sb;
+        e[k + 1] = e0 | (k + 1) << sb;
+        e[k + 2] = e0 | (k + 2) << sb;
+        e[k + 3] = e0 | (k + 3) << sb;
+      }
+    } else if (!entry.empty()) {
+      std::uint32_t* e = entry.data() + c;
+      for (std::uint32_t k = 0; k < f; ++k) e[k] = f << 16 | k;
     }
   }
 }
@@ -132,6 +142,51 @@ const std::uint8_t* decode_scalar(std::uint32_t* x, std::uint16_t* out, std::siz
   return p;
 }
 
+const std::uint8_t* decode_scalar_packed(std::uint32_t* x, std::uint16_t* out, std::size_t n, std::size_t base,
+                                         const FrequencyTable& t, const std::uint32_t* packed, const std::uint8_t* p,
+                                         const std::uint8_t* end) {
+  const int s = t.scale_bits();
+  const std::uint32_t mask = t.total() - 1;
+  std::size_t lane = base & kLaneMask;
+  for (std::size_t i = 0; i < n; ++i) {
+    std::uint32_t xi = x[lane];
+    const std::uint32_t e = packed[xi & mask];
+    xi = ((e & mask) + 1) * (xi >> s) + ((e >> s) & mask);
+    if (xi < kL) {
+      if (end - p < 2) throw_truncated();
+      xi = xi << 16 | static_cast<std::uint32_t>(p[0]) | static_cast<std::uint32_t>(p[1]) << 8;
+      p += 2;
+    }
+    x[lane] = xi;
+    out[i] = static_cast<std::uint16_t>(e >> (2 * s));
+    lane = (lane + 1) & kLaneMask;
+  }
+  return p;
+}
+
+const std::uint8_t* decode_scalar_search(std::uint32_t* x, std::uint16_t* out, std::size_t n, std::size_t base,
+                                         const FrequencyTable& t, const std::uint8_t* p, const std::uint8_t* end) {
+  const int s = t.scale_bits(), a = t.alphabet_size();
+  const std::uint32_t mask = t.total() - 1;
+  std::size_t lane = base & kLaneMask;
+  for (std::size_t i = 0; i < n; ++i) {
+    std::uint32_t xi = x[lane];
+    const std::uint32_t slot = xi & mask;
+    int sy = 0;
+    while (sy + 1 < a && t.cum(sy + 1) <= slot) ++sy;  // the last symbol whose range starts at or below slot
+    xi = t.freq(sy) * (xi >> s) + slot - t.cum(sy);
+    if (xi < kL) {
+      if (end - p < 2) throw_truncated();
+      xi = xi << 16 | static_cast<std::uint32_t>(p[0]) | static_cast<std::uint32_t>(p[1]) << 8;
+      p += 2;
+    }
+    x[lane] = xi;
+    out[i] = static_cast<std::uint16_t>(sy);
+    lane = (lane + 1) & kLaneMask;
+  }
+  return p;
+}
+
 }  // namespace rans_detail
 
 using namespace rans_detail;
@@ -155,11 +210,18 @@ void validate_segment(const RansEncodeSegment& seg) {
   require(seg.table != nullptr, "rANS encode: a segment has no frequency table");
   const FrequencyTable& t = *seg.table;
   const auto a = static_cast<std::uint32_t>(t.alphabet_size());
-  // bad[v] for v < 512 (>= kMaxAlphabet + 1): branch-free check, one byte lookup per symbol.
-  std::uint8_t bad_of[512];
-  for (std::uint32_t v = 0; v < 512; ++v) bad_of[v] = v >= a || t.freq(static_cast<int>(v)) == 0;
   std::uint32_t bad = 0;
-  for (auto s : seg.symbols) bad |= static_cast<std::uint32_t>(s >> 9) | bad_of[s & 511];
+  if (t.present_symbols() == t.alphabet_size()) {
+    // Every symbol of the alphabet is codable: the largest symbol decides (a vectorised max).
+    std::uint16_t mx = 0;
+    for (auto s : seg.symbols) mx = std::max(mx, s);
+    bad = !seg.symbols.empty() && mx >= a;
+  } else {
+    // bad[v] for v < 512 (>= kMaxAlphabet + 1): branch-free check, one byte lookup per symbol.
+    std::uint8_t bad_of[512];
+    for (std::uint32_t v = 0; v < 512; ++v) bad_of[v] = v >= a || t.freq(static_cast<int>(v)) == 0;
+    for (auto s : seg.symbols) bad |= static_cast<std::uint32_t>(s >> 9) | bad_of[s & 511];
+  }
   if (bad) {
     for (auto s : seg.symbols)
       require(s < a && t.freq(s) != 0, "rANS encode: symbol " + std::to_string(s) +
@@ -195,6 +257,17 @@ std::size_t rans_encode_bound(std::size_t n) {
   return entropy_detail::varint_size(n) + 4 * std::min<std::size_t>(n, kRansLanes) + 2 * n;
 }
 
+namespace {
+// The encoder writes its words backwards into a scratch buffer, then copies them after the header.
+// The scratch is kept per thread between calls (no allocation, no page faults in steady state) up
+// to kKeepScratchWords; larger streams get a temporary buffer.
+constexpr std::size_t kKeepScratchWords = std::size_t{1} << 23;  // 16 MiB
+struct Scratch {
+  std::unique_ptr<std::uint16_t[]> buf;
+  std::size_t size = 0;
+};
+}  // namespace
+
 void rans_encode_append(std::vector<std::uint8_t>& out, std::span<const RansEncodeSegment> segments, RansKernel kernel) {
   const bool fast = use_avx2(kernel);
   std::size_t n = 0;
@@ -202,19 +275,37 @@ void rans_encode_append(std::vector<std::uint8_t>& out, std::span<const RansEnco
     validate_segment(seg);
     n += seg.symbols.size();
   }
-  std::unique_ptr<std::uint16_t[]> buf(new std::uint16_t[n + kEncodeSlackWords]);
-  std::uint16_t* const end = buf.get() + n + kEncodeSlackWords;
+  thread_local Scratch scratch;
+  std::unique_ptr<std::uint16_t[]> temp;
+  const std::size_t need = n + kEncodeSlackWords;
+  std::uint16_t* buf;
+  if (need <= scratch.size) {
+    buf = scratch.buf.get();
+  } else if (need <= kKeepScratchWords) {
+    scratch.buf.reset(new std::uint16_t[need]);
+    scratch.size = need;
+    buf = scratch.buf.get();
+  } else {
+    temp.reset(new std::uint16_t[need]);
+    buf = temp.get();
+  }
+  std::uint16_t* const end = buf + need;
   std::uint16_t* ptr = end;
   std::uint32_t x[kRansLanes];
   for (auto& v : x) v = kL;
   std::size_t base = n;
+  std::vector<EncSym> es;
+  const FrequencyTable* built = nullptr;
   for (std::size_t k = segments.size(); k-- > 0;) {
     const auto& seg = segments[k];
     base -= seg.symbols.size();
     if (seg.symbols.empty()) continue;
     if (fast) {
-      const auto es = make_enc_syms(*seg.table);
-      ptr = encode_avx2(x, seg.symbols.data(), seg.symbols.size(), base, es.data(), ptr);
+      if (built == nullptr || !(*built == *seg.table)) {
+        es = make_enc_syms(*seg.table);
+        built = seg.table;
+      }
+      ptr = encode_avx2(x, seg.symbols.data(), seg.symbols.size(), base, *seg.table, es.data(), ptr);
     } else {
       ptr = encode_scalar(x, seg.symbols.data(), seg.symbols.size(), base, *seg.table, ptr);
     }
@@ -268,8 +359,14 @@ void rans_decode(std::span<const std::uint8_t> bytes, std::span<const RansDecode
   std::size_t base = 0;
   for (const auto& seg : segments) {
     if (seg.out.empty()) continue;
+    if (fast && seg.table->alphabet_size() <= kRansSmallAlphabet) {
+      // No slot table to build: the symbol is found by comparing against cum in registers.
+      p = decode_small_avx2(h.x, seg.out.data(), seg.out.size(), base, *seg.table, p, end);
+      base += seg.out.size();
+      continue;
+    }
     if (built == nullptr || !(*built == *seg.table)) {
-      d.build(*seg.table);
+      d.build(*seg.table, !fast);
       built = seg.table;
     }
     if (fast)

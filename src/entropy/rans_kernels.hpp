@@ -30,11 +30,13 @@ std::vector<EncSym> make_enc_syms(const FrequencyTable& t);
 // When 2 * scale_bits + bit_width(alphabet - 1) <= 32 (e.g. scale 11 for any alphabet, scale 12
 // for up to 256 symbols), `packed` holds everything in one word so the AVX2 decoder needs one
 // gather per 8 symbols instead of two: packed[slot] = (freq - 1) | (slot - cum) << s | sym << 2s.
+// need_sym (the scalar kernel): build sym only. Otherwise (AVX2): packed where it fits, else
+// entry and sym.
 struct DecTables {
   std::vector<std::uint32_t> entry;   // filled only when packed does not fit
   std::vector<std::uint16_t> sym;
   std::vector<std::uint32_t> packed;  // empty when it does not fit
-  void build(const FrequencyTable& t);
+  void build(const FrequencyTable& t, bool need_sym);
 };
 
 // x: the 32 lane states. Symbols sym[0..n) have stream indices base..base+n.
@@ -43,15 +45,30 @@ std::uint16_t* encode_scalar(std::uint32_t* x, const std::uint16_t* sym, std::si
                              const FrequencyTable& t, std::uint16_t* ptr);
 std::uint16_t* encode_fast(std::uint32_t* x, const std::uint16_t* sym, std::size_t n, std::size_t base,
                            const EncSym* es, std::uint16_t* ptr);
+// es has t.alphabet_size() entries; alphabets <= kRansSmallAlphabet look them up from registers
+// (vpermd) instead of gathering.
 std::uint16_t* encode_avx2(std::uint32_t* x, const std::uint16_t* sym, std::size_t n, std::size_t base,
-                           const EncSym* es, std::uint16_t* ptr);
+                           const FrequencyTable& t, const EncSym* es, std::uint16_t* ptr);
 // Decoders read words from [p, end) and return the new p; FormatError when words run out.
+const std::uint8_t* decode_scalar_packed(std::uint32_t* x, std::uint16_t* out, std::size_t n, std::size_t base,
+                                         const FrequencyTable& t, const std::uint32_t* packed, const std::uint8_t* p,
+                                         const std::uint8_t* end);
 const std::uint8_t* decode_scalar(std::uint32_t* x, std::uint16_t* out, std::size_t n, std::size_t base,
                                   const FrequencyTable& t, const std::uint16_t* slot_sym, const std::uint8_t* p,
                                   const std::uint8_t* end);
 const std::uint8_t* decode_avx2(std::uint32_t* x, std::uint16_t* out, std::size_t n, std::size_t base,
                                 const FrequencyTable& t, const DecTables& d, const std::uint8_t* p,
                                 const std::uint8_t* end);
+
+// Alphabets up to 16 (raw 4-bit codes) decode without a slot table: the symbol is the number of
+// cumulative frequencies cum(1..15) <= slot (16-bit compares, 16 lanes at once), freq and cum come
+// from 16-byte pshufb tables. Same symbols and words as the reference.
+inline constexpr int kRansSmallAlphabet = 16;
+// Scalar decoder for those alphabets without a slot table (heads and tails of segments).
+const std::uint8_t* decode_scalar_search(std::uint32_t* x, std::uint16_t* out, std::size_t n, std::size_t base,
+                                         const FrequencyTable& t, const std::uint8_t* p, const std::uint8_t* end);
+const std::uint8_t* decode_small_avx2(std::uint32_t* x, std::uint16_t* out, std::size_t n, std::size_t base,
+                                      const FrequencyTable& t, const std::uint8_t* p, const std::uint8_t* end);
 
 [[noreturn]] void throw_truncated();
 

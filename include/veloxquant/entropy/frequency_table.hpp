@@ -31,9 +31,11 @@ inline constexpr int kMaxAlphabet = 511;
 inline constexpr int kMaxScaleBits = 15;
 // Default precision, chosen by measurement (docs/benchmarks.md, "rANS codec (issue 4)"): on 64
 // channels x 4096 tokens, 11 bits codes within 0.11% of Shannon + table for 4- and 8-bit codes
-// (12 bits: 0.04-0.10%), yet decodes about 1.5x faster than 12 bits, because each channel's slot
-// table (2^scale_bits entries) is built per stream, and because at 11 bits one 32-bit slot entry
-// holds freq, bias and symbol for any alphabet up to 511 (2 x 11 + 9 bits), one gather per 8 lanes.
+// (12 bits: 0.04-0.10%). For alphabets above 16 it decodes faster than 12 bits because each
+// channel's slot table (2^scale_bits entries) is built per stream, and at 11 bits one 32-bit slot
+// entry holds freq, bias and symbol for any alphabet up to 511 (2 x 11 + 9 bits): one gather per 8
+// lanes. Alphabets <= 16 (raw 4-bit codes) use no slot table, so their speed is the same at any
+// precision.
 inline constexpr int kDefaultScaleBits = 11;
 
 class FrequencyTable {

@@ -21,8 +21,10 @@
 //                                      (lanes >= n never code a symbol and are not stored)
 //     u16     word[...]                renormalisation words, in decoder read order, to the end
 // - Two kernels produce identical bytes and symbols: Scalar (the reference: plain division in the
-//   encoder, cum/freq lookups in the decoder) and Avx2 (reciprocal multiply in the encoder, 8-lane
-//   AVX2 gathers in the decoder), chosen at run time by Auto when the CPU has AVX2.
+//   encoder, cum/freq lookups in the decoder) and Avx2 (reciprocal multiply in the encoder; in the
+//   decoder, for alphabets <= 16 a comparison of the slot against cumulative frequencies held in
+//   registers, above that 8-lane gathers from a per-segment slot table), chosen at run time by
+//   Auto when the CPU has AVX2.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -33,7 +35,7 @@
 
 namespace vq {
 
-// 32 lanes = 4 AVX2 vectors of 8: four independent decode chains hide the gather latency, and a
+// 32 lanes = 4 AVX2 vectors of 8: four independent decode chains hide the lookup latency, and a
 // group of 32 symbols is also one GPU warp. Part of the format: changing it changes every stream.
 inline constexpr int kRansLanes = 32;
 // Lower bound L of a state: 2^15. States stay below 2^31 = L << 16 so that (a) one 16-bit word
