@@ -54,8 +54,6 @@ __attribute__((target("avx2,f16c"), always_inline)) inline bool block(const std:
   constexpr std::size_t esz = DT == DType::F16 ? 2 : 4;
   const std::size_t off = static_cast<std::size_t>(c) * esz;
   const __m256 min_scale = _mm256_set1_ps(kMinScale);
-  const __m256 shift = _mm256_set1_ps(8388608.0f);  // 2^23: rint half-to-even for 0 <= v < 2^23
-  const __m256 zero = _mm256_setzero_ps();
   const __m256 fmax = _mm256_set1_ps(3.4028234e38f);
   __m256 mn[W], mx[W], s[W];
   __m256 nonfinite = _mm256_setzero_ps();  // OR of x - x: +0 for finite x, NaN for NaN and Inf
@@ -77,18 +75,29 @@ __attribute__((target("avx2,f16c"), always_inline)) inline bool block(const std:
     _mm256_storeu_ps(scale + c + 8 * w, s[w]);
     _mm256_storeu_ps(minv + c + 8 * w, mn[w]);
   }
-  for (int r = 0; r < n_rows; ++r)
+  // v = (x - min) / scale is >= +0 (x >= min exactly, scale > 0), so the reference's clip at 0 is
+  // a no-op and is skipped; rounding to nearest-even (roundps) equals rint for 0 <= v < 2^23, and
+  // the rounded, clamped v is the code as a float, so the reconstruction uses it directly.
+  for (int r = 0; r < n_rows; ++r) {
+    __m256i q32[W];
     for (int w = 0; w < W; ++w) {
       const std::size_t o = off + static_cast<std::size_t>(w) * 8 * esz;
-      const __m256 x = load8<DT>(rows[r] + o);
-      __m256 v = _mm256_div_ps(_mm256_sub_ps(x, mn[w]), s[w]);
-      v = _mm256_sub_ps(_mm256_add_ps(v, shift), shift);
-      v = _mm256_min_ps(_mm256_max_ps(v, zero), levels);
-      const __m256i q32 = _mm256_cvttps_epi32(v);
-      const __m128i q16 = _mm_packs_epi32(_mm256_castsi256_si128(q32), _mm256_extracti128_si256(q32, 1));
-      _mm_storel_epi64(reinterpret_cast<__m128i*>(codes + static_cast<std::size_t>(r) * dim + c + 8 * w), _mm_packus_epi16(q16, q16));
-      store8<DT>(out_rows[r] + o, _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(q32), s[w]), mn[w]));
+      __m256 v = _mm256_div_ps(_mm256_sub_ps(load8<DT>(rows[r] + o), mn[w]), s[w]);
+      v = _mm256_min_ps(_mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), levels);
+      q32[w] = _mm256_cvttps_epi32(v);
+      store8<DT>(out_rows[r] + o, _mm256_add_ps(_mm256_mul_ps(v, s[w]), mn[w]));
     }
+    std::uint8_t* q = codes + static_cast<std::size_t>(r) * dim + c;
+    if constexpr (W == 4) {  // 32 codes in one store: pack, then undo the per-lane interleave
+      const __m256i b = _mm256_packus_epi16(_mm256_packs_epi32(q32[0], q32[1]), _mm256_packs_epi32(q32[2], q32[3]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    } else {
+      for (int w = 0; w < W; ++w) {
+        const __m128i q16 = _mm_packs_epi32(_mm256_castsi256_si128(q32[w]), _mm256_extracti128_si256(q32[w], 1));
+        _mm_storel_epi64(reinterpret_cast<__m128i*>(q + 8 * w), _mm_packus_epi16(q16, q16));
+      }
+    }
+  }
   return true;
 }
 
