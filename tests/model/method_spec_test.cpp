@@ -15,14 +15,6 @@ namespace {
 
 using vq::MethodSpec;
 
-std::string error_of(const std::string& spec) {
-  try {
-    MethodSpec::parse(spec);
-  } catch (const vq::InvalidArgument& e) {
-    return e.what();
-  }
-  return "";
-}
 
 TEST(MethodSpec, ParsesAndPrintsCanonically) {
   EXPECT_EQ(MethodSpec::parse("fp32").kind, MethodSpec::Kind::Fp32);
@@ -38,18 +30,18 @@ TEST(MethodSpec, ParsesAndPrintsCanonically) {
 }
 
 TEST(MethodSpec, ErrorsNameTheProblem) {
-  const std::string unknown_key = error_of("cachegen:bits=4,colour=blue");
+  const std::string unknown_key = vqtest::spec_error("cachegen:bits=4,colour=blue");
   EXPECT_NE(unknown_key.find("unknown key 'colour'"), std::string::npos) << unknown_key;
   EXPECT_NE(unknown_key.find("bits, group, flush, delta, schedule"), std::string::npos) << unknown_key;
-  EXPECT_NE(error_of("int8").find("valid methods are fp32, fp16, cachegen"), std::string::npos);
-  EXPECT_NE(error_of("fp32:bits=4").find("takes no options"), std::string::npos);
-  EXPECT_NE(error_of("cachegen:bits=four").find("bits=four is not an integer"), std::string::npos);
-  EXPECT_NE(error_of("cachegen:bits=9").find("cachegen:bits=9"), std::string::npos);
-  EXPECT_NE(error_of("cachegen:flush=sometimes").find("flush=per_call or flush=group_aligned"), std::string::npos);
-  EXPECT_NE(error_of("cachegen:delta=yes").find("delta=1 or delta=0"), std::string::npos);
-  EXPECT_NE(error_of("cachegen:schedule=1").find("schedule=on or schedule=off"), std::string::npos);
-  EXPECT_NE(error_of("cachegen:bits").find("key=value"), std::string::npos);
-  EXPECT_NE(error_of("cachegen:").find("key=value"), std::string::npos);
+  EXPECT_NE(vqtest::spec_error("int8").find("valid methods are fp32, fp16, cachegen"), std::string::npos);
+  EXPECT_NE(vqtest::spec_error("fp32:bits=4").find("takes no options"), std::string::npos);
+  EXPECT_NE(vqtest::spec_error("cachegen:bits=four").find("bits=four is not an integer"), std::string::npos);
+  EXPECT_NE(vqtest::spec_error("cachegen:bits=9").find("cachegen:bits=9"), std::string::npos);
+  EXPECT_NE(vqtest::spec_error("cachegen:flush=sometimes").find("flush=per_call or flush=group_aligned"), std::string::npos);
+  EXPECT_NE(vqtest::spec_error("cachegen:delta=yes").find("delta=1 or delta=0"), std::string::npos);
+  EXPECT_NE(vqtest::spec_error("cachegen:schedule=1").find("schedule=on or schedule=off"), std::string::npos);
+  EXPECT_NE(vqtest::spec_error("cachegen:bits").find("key=value"), std::string::npos);
+  EXPECT_NE(vqtest::spec_error("cachegen:").find("key=value"), std::string::npos);
 }
 
 TEST(MethodSpec, MakesOneCachePerLayer) {

@@ -1,10 +1,22 @@
 // Shared helpers for the model tests: paths of the shared stories260K files, and file I/O.
 #pragma once
+#include "veloxquant/core/error.hpp"
+#include "veloxquant/model/method_spec.hpp"
 #include <fstream>
 #include <iterator>
 #include <string>
 
 namespace vqtest {
+
+// The message of the InvalidArgument that MethodSpec::parse throws for `spec` ("" if it parses).
+inline std::string spec_error(const std::string& spec) {
+  try {
+    vq::MethodSpec::parse(spec);
+  } catch (const vq::InvalidArgument& e) {
+    return e.what();
+  }
+  return "";
+}
 
 inline std::string models_dir() { return std::string(VQ_SOURCE_DIR) + "/../shared/models"; }
 inline std::string model_path() { return models_dir() + "/stories260K.bin"; }

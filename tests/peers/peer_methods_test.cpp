@@ -19,14 +19,6 @@ namespace {
 
 using vq::MethodSpec;
 
-std::string error_of(const std::string& spec) {
-  try {
-    MethodSpec::parse(spec);
-  } catch (const vq::InvalidArgument& e) {
-    return e.what();
-  }
-  return "";
-}
 
 TEST(PeerMethodSpecs, Parse) {
   EXPECT_EQ(MethodSpec::parse("q8_0").kind, MethodSpec::Kind::Q8_0);
@@ -44,15 +36,15 @@ TEST(PeerMethodSpecs, Parse) {
 }
 
 TEST(PeerMethodSpecs, ErrorsNameTheProblem) {
-  const std::string unknown = error_of("kivi:bits=2,colour=blue");
+  const std::string unknown = vqtest::spec_error("kivi:bits=2,colour=blue");
   EXPECT_NE(unknown.find("unknown key 'colour' for kivi; valid keys are bits, group, residual"), std::string::npos) << unknown;
-  EXPECT_NE(error_of("kivi:bits=3").find("bits=2 or bits=4"), std::string::npos);
-  EXPECT_NE(error_of("kivi:residual=100").find("multiple of group=32"), std::string::npos);
-  EXPECT_NE(error_of("kivi:group=x").find("group=x is not an integer"), std::string::npos);
-  EXPECT_NE(error_of("kivi:bits").find("key=value"), std::string::npos);
-  EXPECT_NE(error_of("q4_0:bits=4").find("takes no options"), std::string::npos);
-  EXPECT_NE(error_of("fp8:scale=token").find("takes no options"), std::string::npos);
-  const std::string unknown_method = error_of("q5_0");
+  EXPECT_NE(vqtest::spec_error("kivi:bits=3").find("bits=2 or bits=4"), std::string::npos);
+  EXPECT_NE(vqtest::spec_error("kivi:residual=100").find("multiple of group=32"), std::string::npos);
+  EXPECT_NE(vqtest::spec_error("kivi:group=x").find("group=x is not an integer"), std::string::npos);
+  EXPECT_NE(vqtest::spec_error("kivi:bits").find("key=value"), std::string::npos);
+  EXPECT_NE(vqtest::spec_error("q4_0:bits=4").find("takes no options"), std::string::npos);
+  EXPECT_NE(vqtest::spec_error("fp8:scale=token").find("takes no options"), std::string::npos);
+  const std::string unknown_method = vqtest::spec_error("q5_0");
   EXPECT_NE(unknown_method.find("kivi[:bits=2|4,group=G,residual=R], q8_0, q4_0, q4_1, fp8"), std::string::npos) << unknown_method;
 }
 
