@@ -227,15 +227,15 @@ QuantStatus QuantizedStream::ingest(Tensor& dense, const Tensor& input, std::int
     }
   }
   // The new residual rows are checked too: a NaN must not wait in the residual to fail later.
+  // One check of the whole new residual (all slices, rows [residual_begin, end)) before copying.
+  const std::int64_t residual_begin = std::max(closable, begin);
+  if (residual_begin < end && !input.slice(2, residual_begin - begin, end - begin).all_finite()) {
+    undo_last_ingest(dense);
+    return QuantStatus::NonFinite;
+  }
   for (std::int64_t s = 0; s < slices(); ++s) {
     const std::int64_t b = s / heads_, h = s % heads_;
-    for (std::int64_t t = std::max(closable, begin); t < end; ++t) {
-      if (!input.slice(0, b, b + 1).slice(1, h, h + 1).slice(2, t - begin, t - begin + 1).all_finite()) {
-        undo_last_ingest(dense);
-        return QuantStatus::NonFinite;
-      }
-      std::memcpy(dense.row(b, h, t), input.row(b, h, t - begin), row_bytes);
-    }
+    for (std::int64_t t = residual_begin; t < end; ++t) std::memcpy(dense.row(b, h, t), input.row(b, h, t - begin), row_bytes);
   }
   quantized_ = closable;
   return QuantStatus::Ok;
