@@ -12,8 +12,9 @@
 
 namespace vq {
 
-
+namespace {
 const char* const kRangeOverflow = "cannot quantize: a group's range overflows float32 (|values| too large)";
+}  // namespace
 
 void check_quant_params(int bits, int group_size) {
   require(bits >= 1 && bits <= 8, fmt::format("bits must be in 1..8, got {}", bits));

@@ -61,15 +61,12 @@ class Tensor {
   void set(std::int64_t b, std::int64_t h, std::int64_t s, std::int64_t d, float value);
 
   // True when no element is NaN or +-Inf.
-  bool all_finite() const { return all_below_exponent(255); }
-  // True when every |element| < 2^127 (so max - min of any two cannot overflow float32).
-  bool all_quantizable() const { return all_below_exponent(254); }
+  bool all_finite() const;
 
   // Bit-exact equality of shape, dtype and every element's bits.
   bool bit_equal(const Tensor& other) const;
 
  private:
-  bool all_below_exponent(unsigned biased_f32_exponent) const;
   std::shared_ptr<void> storage_;
   std::byte* base_ = nullptr;  // element (0,0,0,0) of this view
   Shape4 shape_{0, 0, 0, 0};

@@ -48,8 +48,6 @@ void dequant_codes(const GroupQuantized& q, std::span<float> out);
 bool quantize_group(const float* rows, int n_rows, int dim, int bits, std::uint8_t* codes, float* scale, float* minv);
 // x_hat for n_rows rows of one group.
 void dequant_group(const std::uint8_t* codes, int n_rows, int dim, const float* scale, const float* minv, float* out);
-// The error message for a false quantize_group.
-extern const char* const kRangeOverflow;
 // True when no element is NaN or +-Inf.
 bool all_finite(const float* x, std::size_t n);
 
