@@ -73,7 +73,7 @@ CacheGenState CacheGenKVCache::full_state() const {
   return s;
 }
 
-void CacheGenKVCache::from_full_state(const CacheGenState& s) {
+void CacheGenKVCache::from_full_state(CacheGenState s) {
   s.config.validate();
   require(s.offset >= 0 && s.keys.dim(2) == s.offset && s.values.dim(2) == s.offset,
           fmt::format("CacheGen state is inconsistent: offset {} but keys hold {} and values {} tokens", s.offset, s.keys.dim(2),
@@ -92,8 +92,8 @@ void CacheGenKVCache::from_full_state(const CacheGenState& s) {
   keys_buf_ = Tensor();
   values_buf_ = Tensor();
   if (s.offset > 0) append(s.keys, s.values);
-  key_stream_ = s.key_stream;
-  value_stream_ = s.value_stream;
+  key_stream_ = std::move(s.key_stream);
+  value_stream_ = std::move(s.value_stream);
 }
 
 std::uint64_t CacheGenKVCache::compressed_key_bytes() const { return offset_ ? key_stream_.compressed_bytes(offset_) : 0; }
@@ -120,7 +120,9 @@ DecodedStream CacheGenKVCache::decode(std::span<const std::uint8_t> bytes, std::
 std::uint64_t CacheGenKVCache::encoded_bytes(const QuantizedStream& stream, std::optional<std::uint64_t>& memo) const {
   if (offset_ == 0) return 0;
   if (!memo) {
-    const auto residual = static_cast<std::uint64_t>(stream.slices() * (offset_ - stream.quantized_tokens()) * stream.dim()) * 2;
+    // The residual as a .vqkv file stores it: exact, at the cache's dtype size.
+    const auto residual = static_cast<std::uint64_t>(stream.slices() * (offset_ - stream.quantized_tokens()) * stream.dim()) *
+                          dtype_size(keys_buf_.dtype());
     memo = encode_stream(stream).size() + residual;
   }
   return *memo;

@@ -32,6 +32,49 @@ QuantizedStream::QuantizedStream(std::int64_t batch, std::int64_t heads, int dim
   }
 }
 
+QuantizedStream QuantizedStream::from_parts(std::int64_t batch, std::int64_t heads, int dim, int bits, const KVCacheConfig& config,
+                                            QuantizedStreamParts parts) {
+  QuantizedStream q(batch, heads, dim, bits, config);
+  const auto n_slices = static_cast<std::size_t>(batch * heads);
+  require(parts.codes.size() == n_slices && parts.scales.size() == n_slices && parts.minima.size() == n_slices,
+          "quantized stream parts: slice count disagrees with the shape");
+  std::int64_t tokens = 0, groups = 0;
+  for (const std::int64_t t : parts.piece_tokens) {
+    require(t >= 1, "quantized stream parts: empty piece");
+    tokens += t;
+    groups += (t + q.group_size_ - 1) / q.group_size_;
+  }
+  if (q.flush_ == FlushMode::GroupAligned)
+    require(parts.piece_tokens.size() <= 1 && tokens % q.group_size_ == 0,
+            "quantized stream parts: a group_aligned stream is one piece of whole groups");
+  const auto d = static_cast<std::size_t>(dim);
+  for (std::size_t s = 0; s < n_slices; ++s)
+    require(parts.codes[s].size() == static_cast<std::size_t>(tokens) * d && parts.scales[s].size() == static_cast<std::size_t>(groups) * d &&
+                parts.minima[s].size() == static_cast<std::size_t>(groups) * d,
+            "quantized stream parts: code, scale or minimum count disagrees with the pieces");
+  q.codes_ = std::move(parts.codes);
+  q.scales_ = std::move(parts.scales);
+  q.mins_ = std::move(parts.minima);
+  q.quantized_ = tokens;
+  if (q.flush_ == FlushMode::PerCall) {
+    std::int64_t start = 0, first_group = 0;
+    for (const std::int64_t t : parts.piece_tokens) {
+      Segment seg;
+      seg.start = start;
+      seg.n_tokens = t;
+      seg.first_group = first_group;
+      q.account_segment(seg);
+      q.seg_compressed_ += seg.compressed;
+      q.seg_fixed_ += seg.fixed;
+      q.segments_.push_back(seg);
+      start += t;
+      first_group += (t + q.group_size_ - 1) / q.group_size_;
+    }
+  }
+  // group_aligned: the histograms fill lazily from accounted_ = 0 on the first counter read.
+  return q;
+}
+
 std::int64_t QuantizedStream::n_groups() const {
   if (flush_ == FlushMode::GroupAligned) return quantized_ / group_size_;
   if (segments_.empty()) return 0;

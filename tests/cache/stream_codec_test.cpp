@@ -109,7 +109,7 @@ TEST(StreamCodec, EmptyStreams) {
   const auto cp = make_cache(config(4, 32, vq::FlushMode::GroupAligned), {1, 3, 10, 8}, 1, {10});
   const auto& cache = *cp;
   expect_round_trip(cache.key_stream(), {});
-  EXPECT_EQ(cache.encoded_key_bytes(), cache.encode_keys().size() + 3u * 10 * 8 * 2);
+  EXPECT_EQ(cache.encoded_key_bytes(), cache.encode_keys().size() + 3u * 10 * 8 * 4);
   const auto d = vq::CacheGenKVCache::decode(cache.encode_keys(), 0);
   EXPECT_TRUE(d.codes.empty());
 }
@@ -119,13 +119,18 @@ TEST(StreamCodec, EncodedBytesCountResidualAndFollowUpdatesAndTrims) {
   const auto k = vqtest::random_walk({1, 2, 100, 8}, 3);
   cache.update_and_fetch(k.slice(2, 0, 70), k.slice(2, 0, 70));
   const std::uint64_t a = cache.encoded_key_bytes();
-  EXPECT_EQ(a, cache.encode_keys().size() + 2u * (70 - 64) * 8 * 2);
+  EXPECT_EQ(a, cache.encode_keys().size() + 2u * (70 - 64) * 8 * 4);
   EXPECT_EQ(cache.encoded_key_bytes(), a);  // cached
-  EXPECT_EQ(cache.encoded_value_bytes(), cache.encode_values().size() + 2u * 6 * 8 * 2);
+  EXPECT_EQ(cache.encoded_value_bytes(), cache.encode_values().size() + 2u * 6 * 8 * 4);
   cache.update_and_fetch(k.slice(2, 70, 100), k.slice(2, 70, 100));
-  EXPECT_EQ(cache.encoded_key_bytes(), cache.encode_keys().size() + 2u * (100 - 96) * 8 * 2);
+  EXPECT_EQ(cache.encoded_key_bytes(), cache.encode_keys().size() + 2u * (100 - 96) * 8 * 4);
   cache.trim(40);
-  EXPECT_EQ(cache.encoded_key_bytes(), cache.encode_keys().size() + 2u * (60 - 32) * 8 * 2);
+  EXPECT_EQ(cache.encoded_key_bytes(), cache.encode_keys().size() + 2u * (60 - 32) * 8 * 4);
+  // The residual is billed at the dtype's size (float32 above: 4 bytes), as a .vqkv file stores it.
+  vq::CacheGenKVCache half(config(4, 32, vq::FlushMode::GroupAligned));
+  const auto k16 = k.to(vq::DType::F16);
+  half.update_and_fetch(k16.slice(2, 0, 70), k16.slice(2, 0, 70));
+  EXPECT_EQ(half.encoded_key_bytes(), half.encode_keys().size() + 2u * (70 - 64) * 8 * 2);
 }
 
 TEST(StreamCodec, SizeIsCloseToEstimatePlusTablesPlusFloatMetadata) {

@@ -14,5 +14,8 @@ Runner add_synth(CLI::App& app);
 Runner add_generate(CLI::App& app);
 Runner add_eval(CLI::App& app);
 Runner add_bench(CLI::App& app);
+Runner add_compress(CLI::App& app);
+Runner add_decompress(CLI::App& app);
+Runner add_inspect(CLI::App& app);
 
 }  // namespace vqcli

@@ -49,7 +49,8 @@ class CacheGenKVCache : public KVCache {
   std::string kind() const override { return "CacheGenKVCache"; }
 
   CacheGenState full_state() const;
-  void from_full_state(const CacheGenState& state);
+  // Taken by value: pass std::move(state) to hand over its streams without copying them.
+  void from_full_state(CacheGenState state);
 
   const KVCacheConfig& config() const { return config_; }
 
@@ -66,7 +67,8 @@ class CacheGenKVCache : public KVCache {
 
   // The real coder (cache/stream_codec.hpp): the closed codes of one side, their per-(slice,
   // channel) tables, float32 scales and minima, and a header, as one buffer. The residual (tokens
-  // not yet in a closed group) is not in it: a holder stores those as fp16.
+  // not yet in a closed group) is not in it: a holder stores those exactly (the .vqkv container,
+  // format/vqkv.hpp, keeps them at the cache's dtype).
   std::vector<std::uint8_t> encode_keys(const StreamCodecOptions& options = {}) const;
   std::vector<std::uint8_t> encode_values(const StreamCodecOptions& options = {}) const;
   // Decode a buffer from encode_keys/encode_values (codes, scales, minima, for verification).
@@ -74,7 +76,8 @@ class CacheGenKVCache : public KVCache {
   // corrupt, truncated or oversized input.
   static DecodedStream decode(std::span<const std::uint8_t> bytes, std::uint64_t max_codes);
   // Measured: the size of encode_keys() / encode_values() with the default options, plus the
-  // residual at 2 bytes per element (fp16); 0 when empty. Computed on first read after a change
+  // residual stored exactly, at the dtype's size (2 bytes per element for f16/bf16, 4 for f32),
+  // as a .vqkv file holds it; 0 when empty. Computed on first read after a change
   // and kept until the next update_and_fetch, trim or from_full_state.
   std::uint64_t encoded_key_bytes() const;
   std::uint64_t encoded_value_bytes() const;

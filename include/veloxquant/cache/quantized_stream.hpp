@@ -25,10 +25,24 @@
 
 namespace vq {
 
+// The saved form of a stream (what the .vqkv container stores): codes, scales and minima per
+// slice, and the token counts of its independently quantized pieces.
+struct QuantizedStreamParts {
+  std::vector<std::int64_t> piece_tokens;           // as QuantizedStream::segment_tokens()
+  std::vector<UninitVector<std::uint8_t>> codes;    // [slice][token * D + c]
+  std::vector<UninitVector<float>> scales, minima;  // [slice][group * D + c]
+};
+
 class QuantizedStream {
  public:
   QuantizedStream() = default;
   QuantizedStream(std::int64_t batch, std::int64_t heads, int dim, int bits, const KVCacheConfig& config);
+  // Rebuild a stream from its saved parts (taken by value and moved in). The byte counters are
+  // recomputed from the codes, so they equal those of the stream that was saved. Throws
+  // InvalidArgument when the parts disagree with the shape, the flush mode or the group size
+  // (group_aligned: at most one piece, a whole number of groups; every piece >= 1 token).
+  static QuantizedStream from_parts(std::int64_t batch, std::int64_t heads, int dim, int bits, const KVCacheConfig& config,
+                                    QuantizedStreamParts parts);
 
   // Take the S tokens of `input` ([B, H, S, D]) as tokens [begin, begin + S) of the stream:
   // quantize what the flush mode makes ready and write every new row of `dense`

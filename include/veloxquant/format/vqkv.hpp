@@ -1,0 +1,110 @@
+// The .vqkv container: save a model's per-layer KV caches to a file and load them back exactly.
+//
+// What a reader must know first (the byte layout, field by field, is docs/format.md; the private
+// src/format/vqkv_layout.hpp holds the constants and the block plan both sides share):
+// - A file is a header (magic, version, the model shape, every layer's cache class and full
+//   configuration, string metadata) with its own xxHash64, then blocks, each a fixed 32-byte block
+//   header, a body and an xxHash64 of both. Integers are little-endian and fixed-width.
+// - Blocks come in one fixed order, so a reader can stream them: the frequency tables of every
+//   CacheGen (layer, side) first; then token chunks (chunk k holds tokens [k*C, (k+1)*C) of every
+//   layer, K then V: a CacheGen layer's closed groups starting there, coded with rANS, with their
+//   float32 scales and minima; a plain layer's rows); then the CacheGen residuals (tokens not yet in
+//   a closed group, stored exactly); then an END block that counts the blocks before it.
+// - Loading rebuilds the same cache classes with the same configurations and offset: fetching from
+//   a loaded cache returns bit for bit what the saved cache returned, and the loaded cache keeps
+//   working as if it had never been saved (its codes, scales and counters are the saved ones).
+// - Readers validate everything (lengths, enums, shapes, checksums, block order) and throw
+//   vq::FormatError with one clear sentence; they never read out of bounds and allocate only as
+//   the bytes present justify (the codes of a block at most group_size / 8 per byte of its
+//   scales and minima; see docs/format.md).
+// - Cache classes v1 holds: KVCache (plain, exact rows) and CacheGenKVCache. Saving any other
+//   class throws InvalidArgument naming it.
+#pragma once
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "veloxquant/cache/config.hpp"
+#include "veloxquant/cache/kv_cache.hpp"
+#include "veloxquant/core/dtype.hpp"
+#include "veloxquant/entropy/rans.hpp"
+
+namespace vq {
+
+// Free-form string pairs saved with the caches (mlx_lm's prompt-cache metadata), e.g. the model
+// and the text a context came from.
+using PromptMetadata = std::map<std::string, std::string>;
+
+struct VqkvSaveOptions {
+  // Tokens per chunk block (>= 1). Smaller chunks stream at a finer grain but pay a block header,
+  // a checksum and up to 128 bytes of rANS lane states each (per layer and side): 2048 keeps that
+  // under 0.5 % on stories260K and far less on larger heads (docs/format.md).
+  std::int64_t chunk_tokens = 2048;
+  RansKernel kernel = RansKernel::Auto;
+};
+
+struct VqkvLoadOptions {
+  RansKernel kernel = RansKernel::Auto;
+};
+
+struct PromptCache {
+  std::vector<std::shared_ptr<KVCache>> caches;
+  PromptMetadata metadata;
+};
+
+// Serialise `caches` (one per layer; all non-empty ones hold the same tokens, shape and dtype).
+// Throws InvalidArgument for a class the format cannot hold or caches that disagree.
+std::vector<std::uint8_t> serialize_prompt_cache(const std::vector<std::shared_ptr<KVCache>>& caches,
+                                                 const PromptMetadata& metadata = {}, const VqkvSaveOptions& options = {});
+// Same, written atomically: a temporary file beside `path`, flushed, then renamed over it, so an
+// interrupted save never leaves a partial file under the final name. Throws IoError.
+void save_prompt_cache(const std::string& path, const std::vector<std::shared_ptr<KVCache>>& caches,
+                       const PromptMetadata& metadata = {}, const VqkvSaveOptions& options = {});
+
+// Throws FormatError on any malformed input (IoError when the file cannot be read).
+PromptCache deserialize_prompt_cache(std::span<const std::uint8_t> bytes, const VqkvLoadOptions& options = {});
+PromptCache load_prompt_cache(const std::string& path, const VqkvLoadOptions& options = {});
+
+// Where a file's bytes go, per layer and side. The categories of every layer and side plus the
+// file's own header and END block sum exactly to the file size.
+struct VqkvBytes {
+  std::uint64_t payload = 0;       // rANS streams (CacheGen) or the rows of a plain KVCache
+  std::uint64_t tables = 0;        // serialised frequency tables
+  std::uint64_t scales_zeros = 0;  // float32 scales and minima
+  std::uint64_t residual = 0;      // CacheGen tokens not yet in a closed group, exact
+  std::uint64_t headers = 0;       // block headers and the counts inside block bodies
+  std::uint64_t checksums = 0;     // xxHash64 values
+  std::uint64_t total() const { return payload + tables + scales_zeros + residual + headers + checksums; }
+  void add(const VqkvBytes& o);
+};
+
+struct VqkvLayerInfo {
+  std::string kind;                     // "KVCache", "CacheGenKVCache"
+  std::optional<KVCacheConfig> config;  // CacheGen only
+  std::int64_t offset = 0;
+  std::int64_t quantized_keys = 0, quantized_values = 0;  // CacheGen: tokens in closed groups
+  VqkvBytes keys, values;
+};
+
+struct VqkvInfo {
+  int version = 0;
+  DType dtype = DType::F32;
+  std::int64_t batch = 0, heads = 0, key_dim = 0, value_dim = 0, tokens = 0, chunk_tokens = 0;
+  PromptMetadata metadata;
+  VqkvBytes file;  // the file header, its checksum and the END block
+  std::vector<VqkvLayerInfo> layers;
+  std::uint64_t file_bytes = 0;
+};
+
+// Parse and verify a whole file (structure, every checksum, every table) without decoding the
+// rANS payloads. Throws FormatError.
+VqkvInfo inspect_prompt_cache(std::span<const std::uint8_t> bytes);
+
+// The whole file, read with a clear IoError when it is missing or unreadable.
+std::vector<std::uint8_t> read_file_bytes(const std::string& path);
+
+}  // namespace vq

@@ -1,0 +1,254 @@
+#include "vqkv_layout.hpp"
+
+#include <xxhash.h>
+
+namespace vq::vqkv {
+
+std::uint64_t xxh64(std::span<const std::uint8_t> bytes) { return XXH64(bytes.data(), bytes.size(), 0); }
+
+namespace {
+
+void write_config(ByteWriter& w, const LayerEntry& e) {
+  const KVCacheConfig& c = e.config;
+  w.u8(static_cast<std::uint8_t>(c.cachegen_bits));
+  w.u8(static_cast<std::uint8_t>(c.cachegen_resolved_bits.value_or(0)));
+  w.u32(static_cast<std::uint32_t>(c.cachegen_group_size));
+  w.u8(c.cachegen_use_delta ? 1 : 0);
+  w.u8(c.cachegen_per_channel ? 1 : 0);
+  w.u32(static_cast<std::uint32_t>(c.cachegen_layer_groups));
+  w.u8(static_cast<std::uint8_t>(c.cachegen_flush));
+  w.u8(kTransformCodes);
+  w.u8(static_cast<std::uint8_t>(e.scale_bits));
+}
+
+bool flag(ByteReader& r, const char* what) { return r.ranged(r.u8(what), 0, 1, what) == 1; }
+
+void read_config(ByteReader& r, LayerEntry& e) {
+  KVCacheConfig& c = e.config;
+  c.cachegen_bits = static_cast<int>(r.ranged(r.u8("bits"), 1, 8, "bits"));
+  const auto resolved = r.ranged(r.u8("resolved bits"), 0, 8, "resolved bits");
+  if (resolved) c.cachegen_resolved_bits = static_cast<int>(resolved);
+  c.cachegen_group_size = static_cast<int>(r.ranged(r.u32("group size"), 1, kMaxGroupSize, "group size"));
+  c.cachegen_use_delta = flag(r, "use_delta");
+  c.cachegen_per_channel = flag(r, "per_channel");
+  c.cachegen_layer_groups = static_cast<int>(r.ranged(r.u32("layer groups"), 1, 1u << 16, "layer groups"));
+  const auto flush = r.u8("flush mode");
+  if (flush > 1) r.fail(fmt::format("unknown flush mode {} (0 = per_call, 1 = group_aligned)", flush));
+  c.cachegen_flush = static_cast<FlushMode>(flush);
+  const auto transform = r.u8("symbol transform");
+  if (transform != kTransformCodes) r.fail(fmt::format("unknown symbol transform {} (this version reads 0 = codes)", transform));
+  e.scale_bits = static_cast<int>(r.ranged(r.u8("table precision"), 1, 15, "table precision"));
+}
+
+}  // namespace
+
+std::vector<std::uint8_t> write_header(const Header& h) {
+  std::vector<std::uint8_t> body;
+  ByteWriter w(body);
+  w.u32(static_cast<std::uint32_t>(h.layers.size()));
+  w.u8(static_cast<std::uint8_t>(h.dtype));
+  w.u64(h.tokens);
+  w.u32(h.batch);
+  w.u32(h.heads);
+  w.u32(h.key_dim);
+  w.u32(h.value_dim);
+  w.u32(h.chunk_tokens);
+  w.u32(static_cast<std::uint32_t>(h.metadata.size()));
+  for (const auto& [k, v] : h.metadata) {
+    w.str(k);
+    w.str(v);
+  }
+  for (const LayerEntry& e : h.layers) {
+    w.u8(static_cast<std::uint8_t>(e.cls));
+    w.u64(e.offset);
+    if (e.cls == CacheClass::CacheGen) write_config(w, e);
+  }
+  require(body.size() <= kMaxHeaderBody, "vqkv: the header (metadata) is too large");
+  std::vector<std::uint8_t> out;
+  ByteWriter o(out);
+  o.bytes(kMagic.data(), kMagic.size());
+  o.u16(kVersion);
+  o.u16(0);
+  o.u32(static_cast<std::uint32_t>(body.size()));
+  o.bytes(body.data(), body.size());
+  o.u64(xxh64(out));
+  return out;
+}
+
+Header read_header(std::span<const std::uint8_t> file, std::size_t& consumed) {
+  ByteReader p(file, "header");
+  const auto magic = p.take(kMagic.size(), "magic");
+  if (!std::equal(magic.begin(), magic.end(), kMagic.begin())) p.fail("not a .vqkv file (wrong magic bytes)");
+  const auto version = p.u16("version");
+  if (version != kVersion) p.fail(fmt::format("unsupported format version {} (this build reads version {})", version, kVersion));
+  const auto flags = p.u16("flags");
+  if (flags != 0) p.fail(fmt::format("unknown flags 0x{:04x} (this build knows none)", flags));
+  const auto body_size = p.ranged(p.u32("header size"), 1, kMaxHeaderBody, "header size");
+  const auto body = p.take(body_size, "header body");
+  const std::uint64_t stored = p.u64("header checksum");
+  if (stored != xxh64(file.first(kPrefixBytes + body_size))) p.fail("checksum mismatch (the header is corrupt)");
+  consumed = p.pos();
+
+  ByteReader r(body, "header");
+  Header h;
+  const auto n_layers = r.ranged(r.u32("layer count"), 1, kMaxLayers, "layer count");
+  const auto dtype = r.u8("dtype");
+  if (dtype > 2) r.fail(fmt::format("unknown dtype {} (0 = float32, 1 = float16, 2 = bfloat16)", dtype));
+  h.dtype = static_cast<DType>(dtype);
+  h.tokens = r.ranged(r.u64("token count"), 0, kMaxTokens, "token count");
+  const std::uint64_t lo = h.tokens > 0 ? 1 : 0;  // an empty cache has no shape
+  const std::uint64_t hi_if = h.tokens > 0 ? 1 : 0;
+  h.batch = static_cast<std::uint32_t>(r.ranged(r.u32("batch"), lo, hi_if * kMaxBatch, "batch"));
+  h.heads = static_cast<std::uint32_t>(r.ranged(r.u32("heads"), lo, hi_if * kMaxHeads, "heads"));
+  h.key_dim = static_cast<std::uint32_t>(r.ranged(r.u32("key head dim"), lo, hi_if * kMaxDim, "key head dim"));
+  h.value_dim = static_cast<std::uint32_t>(r.ranged(r.u32("value head dim"), lo, hi_if * kMaxDim, "value head dim"));
+  h.chunk_tokens = static_cast<std::uint32_t>(r.ranged(r.u32("chunk tokens"), 1, 0xffffffffu, "chunk tokens"));
+  const auto n_meta = r.ranged(r.u32("metadata count"), 0, kMaxMetadataEntries, "metadata count");
+  for (std::uint64_t i = 0; i < n_meta; ++i) {
+    std::string k = r.str(kMaxHeaderBody, "metadata key");
+    std::string v = r.str(kMaxHeaderBody, "metadata value");
+    if (!h.metadata.emplace(std::move(k), std::move(v)).second) r.fail("a metadata key appears twice");
+  }
+  h.layers.resize(n_layers);
+  for (std::uint64_t i = 0; i < n_layers; ++i) {
+    LayerEntry& e = h.layers[i];
+    const auto cls = r.u8("cache class");
+    if (cls > 1) r.fail(fmt::format("layer {}: unknown cache class {} (0 = KVCache, 1 = CacheGenKVCache)", i, cls));
+    e.cls = static_cast<CacheClass>(cls);
+    e.offset = r.u64("layer offset");
+    if (e.offset != 0 && e.offset != h.tokens)
+      r.fail(fmt::format("layer {} holds {} tokens, the file {} (a layer holds all of them or none)", i, e.offset, h.tokens));
+    if (e.cls == CacheClass::CacheGen) read_config(r, e);
+  }
+  if (r.remaining() != 0) r.fail(fmt::format("{} unexpected bytes after the layer table", r.remaining()));
+  return h;
+}
+
+std::string describe(const BlockHeader& b) {
+  const char* type = b.type == BlockType::Tables ? "TABLES"
+                     : b.type == BlockType::Codes ? "CODES"
+                     : b.type == BlockType::Rows  ? "ROWS"
+                                                  : "END";
+  if (b.type == BlockType::End) return "END block";
+  return fmt::format("{} block of layer {} {} (tokens {}..{})", type, b.layer, side_name(b.side), b.token_begin,
+                     b.token_begin + b.token_count);
+}
+
+void write_block(std::vector<std::uint8_t>& out, const BlockHeader& b, std::span<const std::uint8_t> body) {
+  const std::size_t at = out.size();
+  ByteWriter w(out);
+  w.u8(static_cast<std::uint8_t>(b.type));
+  w.u8(b.side);
+  w.u16(0);
+  w.u32(b.layer);
+  w.u64(b.token_begin);
+  w.u64(b.token_count);
+  w.u64(body.size());
+  w.bytes(body.data(), body.size());
+  w.u64(xxh64(std::span<const std::uint8_t>(out).subspan(at)));
+}
+
+BlockHeader read_block(std::span<const std::uint8_t> file, std::size_t& pos, std::span<const std::uint8_t>& body) {
+  ByteReader r(file.subspan(pos), fmt::format("block at byte {}", pos));
+  BlockHeader b;
+  const auto type = r.u8("block type");
+  if (type < 1 || type > 4) r.fail(fmt::format("unknown block type {}", type));
+  b.type = static_cast<BlockType>(type);
+  b.side = static_cast<std::uint8_t>(r.ranged(r.u8("side"), 0, 1, "side"));
+  if (r.u16("reserved") != 0) r.fail("reserved field is not 0");
+  b.layer = r.u32("layer");
+  b.token_begin = r.u64("first token");
+  b.token_count = r.u64("token count");
+  b.body_size = r.u64("body size");
+  if (b.body_size > r.remaining()) r.fail(fmt::format("body of {} bytes runs past the end of the file ({} left)", b.body_size, r.remaining()));
+  body = r.take(b.body_size, "body");
+  const std::size_t covered = r.pos();
+  if (r.u64("block checksum") != xxh64(file.subspan(pos, covered))) r.fail(fmt::format("checksum mismatch in the {}", describe(b)));
+  pos += r.pos();
+  return b;
+}
+
+std::vector<Group> groups_of(std::span<const std::uint64_t> pieces, std::uint64_t group_size) {
+  std::vector<Group> out;
+  std::uint64_t start = 0;
+  for (const std::uint64_t p : pieces) {
+    for (std::uint64_t g = 0; g < p; g += group_size) out.push_back({start + g, std::min(group_size, p - g)});
+    start += p;
+  }
+  return out;
+}
+
+BlockPlan::BlockPlan(const Header& h, const std::vector<std::array<std::vector<Group>, 2>>& groups)
+    : h_(h), groups_(groups), cursor_(h.layers.size(), {0, 0}) {
+  n_chunks_ = (h.tokens + h.chunk_tokens - 1) / h.chunk_tokens;
+}
+
+void BlockPlan::advance() {
+  if (++side_ < 2) return;
+  side_ = 0;
+  if (++layer_ < h_.layers.size()) return;
+  layer_ = 0;
+  if (phase_ == 0 && ++chunk_ < n_chunks_) return;
+  ++phase_;
+}
+
+// Chunk `chunk_` of (layer_, side_): the CacheGen groups starting in it, or a plain layer's rows.
+std::optional<PlannedBlock> BlockPlan::chunk_block() {
+  const LayerEntry& e = h_.layers[layer_];
+  if (e.offset == 0) return std::nullopt;
+  const std::uint64_t begin = chunk_ * h_.chunk_tokens, end = std::min<std::uint64_t>(begin + h_.chunk_tokens, e.offset);
+  PlannedBlock p;
+  p.header.layer = static_cast<std::uint32_t>(layer_);
+  p.header.side = static_cast<std::uint8_t>(side_);
+  if (e.cls == CacheClass::Plain) {
+    p.header.type = BlockType::Rows;
+    p.header.token_begin = begin;
+    p.header.token_count = end - begin;
+    return p;
+  }
+  const auto& g = groups_[layer_][static_cast<std::size_t>(side_)];
+  std::size_t& c = cursor_[layer_][static_cast<std::size_t>(side_)];
+  if (c >= g.size() || g[c].start >= begin + h_.chunk_tokens) return std::nullopt;
+  p.header.type = BlockType::Codes;
+  p.group_begin = c;
+  p.header.token_begin = g[c].start;
+  while (c < g.size() && g[c].start < begin + h_.chunk_tokens) ++c;
+  p.n_groups = c - p.group_begin;
+  p.header.token_count = g[c - 1].start + g[c - 1].n - p.header.token_begin;
+  return p;
+}
+
+std::optional<PlannedBlock> BlockPlan::residual_block() {
+  const LayerEntry& e = h_.layers[layer_];
+  if (e.cls != CacheClass::CacheGen || e.offset == 0) return std::nullopt;
+  const std::uint64_t q = quantized_tokens(groups_[layer_][static_cast<std::size_t>(side_)]);
+  if (q >= e.offset) return std::nullopt;
+  PlannedBlock p;
+  p.header.type = BlockType::Rows;
+  p.header.layer = static_cast<std::uint32_t>(layer_);
+  p.header.side = static_cast<std::uint8_t>(side_);
+  p.header.token_begin = q;
+  p.header.token_count = e.offset - q;
+  return p;
+}
+
+std::optional<PlannedBlock> BlockPlan::next() {
+  if (phase_ == 0 && n_chunks_ == 0) phase_ = 1;
+  while (phase_ < 2) {
+    std::optional<PlannedBlock> p = phase_ == 0 ? chunk_block() : residual_block();
+    advance();
+    if (p) {
+      ++emitted_;
+      return p;
+    }
+  }
+  if (phase_ == 2) {
+    phase_ = 3;
+    PlannedBlock p;
+    p.header.type = BlockType::End;
+    return p;
+  }
+  return std::nullopt;
+}
+
+}  // namespace vq::vqkv

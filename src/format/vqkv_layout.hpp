@@ -1,0 +1,190 @@
+// Private to the format stage: the .vqkv constants, little-endian byte helpers, the file header as
+// a struct, and the block plan that the writer follows and the reader checks, so the two agree on
+// the order of blocks by construction. docs/format.md is the field-by-field specification.
+#pragma once
+#include <array>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "veloxquant/cache/config.hpp"
+#include "veloxquant/core/dtype.hpp"
+#include "veloxquant/core/error.hpp"
+#include "veloxquant/format/vqkv.hpp"
+
+namespace vq::vqkv {
+
+// 0x89 first (a byte with the high bit set catches 7-bit transfers), then the name, then CR LF and
+// 0x1A (catch newline conversion and stop a DOS `type`), as PNG does.
+inline constexpr std::array<std::uint8_t, 8> kMagic = {0x89, 'V', 'Q', 'K', 'V', 0x0D, 0x0A, 0x1A};
+inline constexpr std::uint16_t kVersion = 1;
+inline constexpr std::size_t kPrefixBytes = 16;       // magic, version, flags, header body size
+inline constexpr std::size_t kBlockHeaderBytes = 32;  // type, side, reserved, layer, begin, count, body size
+inline constexpr std::size_t kChecksumBytes = 8;
+// Limits far above any real model, so that header counts can be multiplied without overflow and a
+// corrupt header is refused before anything is allocated.
+inline constexpr std::uint32_t kMaxLayers = 1u << 12;
+inline constexpr std::uint32_t kMaxBatch = 1u << 12, kMaxHeads = 1u << 12, kMaxDim = 1u << 16;
+inline constexpr std::uint64_t kMaxTokens = std::uint64_t{1} << 32;
+inline constexpr std::uint32_t kMaxGroupSize = 4096;  // bounds codes per byte of scales (see the header comment)
+inline constexpr std::uint32_t kMaxHeaderBody = 1u << 26;
+inline constexpr std::uint32_t kMaxMetadataEntries = 1u << 16;
+
+// Numbers written to files: never renumber.
+enum class BlockType : std::uint8_t { Tables = 1, Codes = 2, Rows = 3, End = 4 };
+enum class CacheClass : std::uint8_t { Plain = 0, CacheGen = 1 };
+inline constexpr std::uint8_t kTransformCodes = 0;  // the symbols are the codes (stream_codec.hpp)
+
+std::uint64_t xxh64(std::span<const std::uint8_t> bytes);
+
+// ---- writing ----
+class ByteWriter {
+ public:
+  explicit ByteWriter(std::vector<std::uint8_t>& out) : out_(out) {}
+  void u8(std::uint8_t v) { out_.push_back(v); }
+  void u16(std::uint16_t v) { le(v, 2); }
+  void u32(std::uint32_t v) { le(v, 4); }
+  void u64(std::uint64_t v) { le(v, 8); }
+  void bytes(const void* p, std::size_t n) {
+    const auto at = out_.size();
+    out_.resize(at + n);
+    if (n) std::memcpy(out_.data() + at, p, n);
+  }
+  void str(const std::string& s) {
+    u32(static_cast<std::uint32_t>(s.size()));
+    bytes(s.data(), s.size());
+  }
+
+ private:
+  void le(std::uint64_t v, int n) {
+    for (int i = 0; i < n; ++i) out_.push_back(static_cast<std::uint8_t>(v >> (8 * i)));
+  }
+  std::vector<std::uint8_t>& out_;
+};
+
+// ---- reading: every read is bounds-checked and names the field it failed on ----
+class ByteReader {
+ public:
+  ByteReader(std::span<const std::uint8_t> b, std::string where) : b_(b), where_(std::move(where)) {}
+  std::size_t remaining() const { return b_.size() - pos_; }
+  std::size_t pos() const { return pos_; }
+  [[noreturn]] void fail(const std::string& why) const { throw FormatError(fmt::format("vqkv: {}: {}", where_, why)); }
+  std::span<const std::uint8_t> take(std::size_t n, const char* what) {
+    if (remaining() < n) fail(fmt::format("truncated ({} needs {} bytes, {} left)", what, n, remaining()));
+    auto s = b_.subspan(pos_, n);
+    pos_ += n;
+    return s;
+  }
+  std::uint8_t u8(const char* what) { return take(1, what)[0]; }
+  std::uint16_t u16(const char* what) { return static_cast<std::uint16_t>(le(take(2, what))); }
+  std::uint32_t u32(const char* what) { return static_cast<std::uint32_t>(le(take(4, what))); }
+  std::uint64_t u64(const char* what) { return le(take(8, what)); }
+  // An integer field that must lie in [lo, hi].
+  std::uint64_t ranged(std::uint64_t v, std::uint64_t lo, std::uint64_t hi, const char* what) const {
+    if (v < lo || v > hi) fail(fmt::format("{} {} is out of range {}..{}", what, v, lo, hi));
+    return v;
+  }
+  std::string str(std::size_t max, const char* what) {
+    const std::uint32_t n = u32(what);
+    if (n > max) fail(fmt::format("{} length {} is out of range (at most {})", what, n, max));
+    const auto s = take(n, what);
+    return std::string(reinterpret_cast<const char*>(s.data()), s.size());
+  }
+
+ private:
+  static std::uint64_t le(std::span<const std::uint8_t> s) {
+    std::uint64_t v = 0;
+    for (std::size_t i = 0; i < s.size(); ++i) v |= static_cast<std::uint64_t>(s[i]) << (8 * i);
+    return v;
+  }
+  std::span<const std::uint8_t> b_;
+  std::string where_;
+  std::size_t pos_ = 0;
+};
+
+// ---- the file header ----
+struct LayerEntry {
+  CacheClass cls = CacheClass::Plain;
+  std::uint64_t offset = 0;  // 0 or Header::tokens
+  KVCacheConfig config;      // CacheGen
+  int scale_bits = 0;        // CacheGen: precision of its frequency tables
+};
+
+struct Header {
+  DType dtype = DType::F32;
+  std::uint64_t tokens = 0;
+  std::uint32_t batch = 0, heads = 0, key_dim = 0, value_dim = 0;  // all 0 when tokens == 0
+  std::uint32_t chunk_tokens = 1;
+  PromptMetadata metadata;
+  std::vector<LayerEntry> layers;
+
+  std::uint64_t slices() const { return std::uint64_t{batch} * heads; }
+  std::uint32_t dim(int side) const { return side == 0 ? key_dim : value_dim; }
+};
+
+// The whole header section: prefix, body, checksum.
+std::vector<std::uint8_t> write_header(const Header& h);
+// Parse and verify the header section at the start of `file`; `consumed` receives its size.
+Header read_header(std::span<const std::uint8_t> file, std::size_t& consumed);
+
+// ---- blocks ----
+struct BlockHeader {
+  BlockType type = BlockType::End;
+  std::uint8_t side = 0;  // 0 keys, 1 values
+  std::uint32_t layer = 0;
+  std::uint64_t token_begin = 0, token_count = 0;
+  std::uint64_t body_size = 0;
+};
+inline const char* side_name(int side) { return side == 0 ? "keys" : "values"; }
+std::string describe(const BlockHeader& b);
+
+// Append a block (header, body, checksum) to `out`.
+void write_block(std::vector<std::uint8_t>& out, const BlockHeader& b, std::span<const std::uint8_t> body);
+// Parse and verify the block at file[pos]; advances pos past it. `body` receives its body.
+BlockHeader read_block(std::span<const std::uint8_t> file, std::size_t& pos, std::span<const std::uint8_t>& body);
+
+// One group of a CacheGen side: rows [start, start + n) quantized with one scale/minimum per channel.
+struct Group {
+  std::uint64_t start = 0, n = 0;
+};
+// The groups of a side from its pieces (each piece restarts the grouping, as per_call does).
+std::vector<Group> groups_of(std::span<const std::uint64_t> pieces, std::uint64_t group_size);
+
+// A block the plan expects after the TABLES blocks.
+struct PlannedBlock {
+  BlockHeader header;  // body_size unknown (0) for Codes blocks
+  std::uint64_t group_begin = 0, n_groups = 0;  // Codes
+};
+
+// The order of the blocks after the TABLES blocks, computed from the header and the groups of
+// every CacheGen side (groups[layer][side], empty for plain layers). Lazy: next() yields one block
+// at a time, so an absurd header costs nothing until its blocks fail to appear.
+class BlockPlan {
+ public:
+  BlockPlan(const Header& h, const std::vector<std::array<std::vector<Group>, 2>>& groups);
+  std::optional<PlannedBlock> next();
+  std::uint64_t emitted() const { return emitted_; }
+
+ private:
+  const Header& h_;
+  const std::vector<std::array<std::vector<Group>, 2>>& groups_;
+  std::vector<std::array<std::size_t, 2>> cursor_;  // next group per (layer, side)
+  std::uint64_t chunk_ = 0, n_chunks_ = 0;
+  std::size_t layer_ = 0;
+  int side_ = 0;
+  int phase_ = 0;  // 0 chunks, 1 residuals, 2 end, 3 done
+  std::uint64_t emitted_ = 0;
+  std::optional<PlannedBlock> chunk_block();
+  std::optional<PlannedBlock> residual_block();
+  void advance();
+};
+
+// Tokens of a CacheGen side in closed groups.
+inline std::uint64_t quantized_tokens(const std::vector<Group>& g) { return g.empty() ? 0 : g.back().start + g.back().n; }
+
+}  // namespace vq::vqkv

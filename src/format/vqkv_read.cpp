@@ -1,0 +1,349 @@
+// Reading a .vqkv file: verify the header, the TABLES blocks, then every block against the plan
+// (vqkv_layout.hpp), decode, and rebuild the caches. inspect_prompt_cache runs the same walk
+// without decoding the rANS payloads.
+#include <cmath>
+#include <fstream>
+
+#include "veloxquant/cache/cachegen_cache.hpp"
+#include "veloxquant/entropy/frequency_table.hpp"
+#include "veloxquant/format/vqkv.hpp"
+#include "veloxquant/quant/group_quant.hpp"
+#include "vqkv_layout.hpp"
+
+namespace vq {
+
+namespace {
+
+using vqkv::BlockHeader;
+using vqkv::BlockType;
+using vqkv::ByteReader;
+using vqkv::CacheClass;
+using vqkv::Group;
+
+// Everything read for one side of one layer.
+struct SideData {
+  std::vector<std::uint64_t> pieces;
+  std::vector<FrequencyTable> tables;
+  QuantizedStreamParts parts;                       // CacheGen codes, scales, minima (when decoding)
+  std::vector<std::span<const std::uint8_t>> rows;  // ROWS bodies in token order (views of the file)
+  VqkvBytes bytes;
+};
+
+class FileReader {
+ public:
+  FileReader(std::span<const std::uint8_t> file, bool decode, RansKernel kernel) : file_(file), decode_(decode), kernel_(kernel) {}
+
+  void run() {
+    std::size_t pos = 0;
+    h_ = vqkv::read_header(file_, pos);
+    file_bytes_.headers += pos - vqkv::kChecksumBytes;
+    file_bytes_.checksums += vqkv::kChecksumBytes;
+    sides_.resize(h_.layers.size());
+    groups_.resize(h_.layers.size());
+    std::uint64_t n_blocks = 0;
+    for (std::size_t l = 0; l < h_.layers.size(); ++l) {
+      const vqkv::LayerEntry& e = h_.layers[l];
+      if (e.cls != CacheClass::CacheGen || e.offset == 0) continue;
+      for (int side = 0; side < 2; ++side) {
+        BlockHeader want;
+        want.type = BlockType::Tables;
+        want.layer = static_cast<std::uint32_t>(l);
+        want.side = static_cast<std::uint8_t>(side);
+        std::span<const std::uint8_t> body;
+        const BlockHeader got = next_block(pos, want, body);
+        read_tables(got, body, e, sides_[l][static_cast<std::size_t>(side)], pos);
+        groups_[l][static_cast<std::size_t>(side)] =
+            vqkv::groups_of(sides_[l][static_cast<std::size_t>(side)].pieces, static_cast<std::uint64_t>(e.config.cachegen_group_size));
+        ++n_blocks;
+      }
+    }
+    vqkv::BlockPlan plan(h_, groups_);
+    while (auto p = plan.next()) {
+      std::span<const std::uint8_t> body;
+      if (p->header.type == BlockType::End) {
+        p->header.token_count = n_blocks;
+        const BlockHeader got = next_block(pos, p->header, body);
+        if (got.body_size != 0) fail_at(got, "has a body");
+        file_bytes_.headers += vqkv::kBlockHeaderBytes;
+        file_bytes_.checksums += vqkv::kChecksumBytes;
+        break;
+      }
+      const BlockHeader got = next_block(pos, p->header, body);
+      SideData& sd = sides_[got.layer][got.side];
+      sd.bytes.headers += vqkv::kBlockHeaderBytes;
+      sd.bytes.checksums += vqkv::kChecksumBytes;
+      if (got.type == BlockType::Codes)
+        read_codes(got, *p, body, sd);
+      else
+        read_rows(got, body, sd);
+      ++n_blocks;
+    }
+    if (pos != file_.size())
+      throw FormatError(fmt::format("vqkv: {} unexpected bytes after the END block (at byte {})", file_.size() - pos, pos));
+  }
+
+  VqkvInfo info() const {
+    VqkvInfo in;
+    in.version = vqkv::kVersion;
+    in.dtype = h_.dtype;
+    in.batch = h_.batch;
+    in.heads = h_.heads;
+    in.key_dim = h_.key_dim;
+    in.value_dim = h_.value_dim;
+    in.tokens = static_cast<std::int64_t>(h_.tokens);
+    in.chunk_tokens = h_.chunk_tokens;
+    in.metadata = h_.metadata;
+    in.file = file_bytes_;
+    in.file_bytes = file_.size();
+    for (std::size_t l = 0; l < h_.layers.size(); ++l) {
+      const vqkv::LayerEntry& e = h_.layers[l];
+      VqkvLayerInfo li;
+      li.kind = e.cls == CacheClass::CacheGen ? "CacheGenKVCache" : "KVCache";
+      if (e.cls == CacheClass::CacheGen) li.config = e.config;
+      li.offset = static_cast<std::int64_t>(e.offset);
+      li.quantized_keys = static_cast<std::int64_t>(vqkv::quantized_tokens(groups_[l][0]));
+      li.quantized_values = static_cast<std::int64_t>(vqkv::quantized_tokens(groups_[l][1]));
+      li.keys = sides_[l][0].bytes;
+      li.values = sides_[l][1].bytes;
+      in.layers.push_back(std::move(li));
+    }
+    return in;
+  }
+
+  PromptCache caches() {
+    PromptCache out;
+    out.metadata = h_.metadata;
+    for (std::size_t l = 0; l < h_.layers.size(); ++l) out.caches.push_back(build_layer(l));
+    return out;
+  }
+
+ private:
+  [[noreturn]] static void fail_at(const BlockHeader& b, const std::string& why) {
+    throw FormatError(fmt::format("vqkv: {}: {}", vqkv::describe(b), why));
+  }
+
+  // The next block, which must be the one `want` describes (type, layer, side, tokens; token
+  // counts of TABLES blocks are checked by read_tables).
+  BlockHeader next_block(std::size_t& pos, const BlockHeader& want, std::span<const std::uint8_t>& body) {
+    if (pos >= file_.size()) throw FormatError(fmt::format("vqkv: truncated file: the {} is missing", vqkv::describe(want)));
+    const BlockHeader got = vqkv::read_block(file_, pos, body);
+    const bool tables = want.type == BlockType::Tables;
+    if (got.type != want.type || got.layer != want.layer || got.side != want.side || got.token_begin != want.token_begin ||
+        (!tables && got.token_count != want.token_count))
+      throw FormatError(fmt::format("vqkv: found the {} where the {} belongs (blocks out of order or missing)", vqkv::describe(got),
+                                    vqkv::describe(want)));
+    return got;
+  }
+
+  std::uint64_t slices() const { return h_.slices(); }
+
+  void read_tables(const BlockHeader& b, std::span<const std::uint8_t> body, const vqkv::LayerEntry& e, SideData& sd,
+                   std::size_t pos_after) {
+    sd.bytes.headers += vqkv::kBlockHeaderBytes;
+    sd.bytes.checksums += vqkv::kChecksumBytes;
+    ByteReader r(body, vqkv::describe(b));
+    if (b.token_count > e.offset) r.fail(fmt::format("{} closed tokens in a layer of {}", b.token_count, e.offset));
+    const std::uint32_t n_pieces = r.u32("piece count");
+    if (std::uint64_t{n_pieces} * 4 > r.remaining()) r.fail("truncated (piece list)");
+    std::uint64_t sum = 0, n_groups = 0;
+    const auto g = static_cast<std::uint64_t>(e.config.cachegen_group_size);
+    for (std::uint32_t i = 0; i < n_pieces; ++i) {
+      const std::uint64_t t = r.ranged(r.u32("piece tokens"), 1, b.token_count - sum, "piece tokens");
+      sum += t;
+      n_groups += (t + g - 1) / g;
+      sd.pieces.push_back(t);
+    }
+    if (sum != b.token_count) r.fail(fmt::format("pieces hold {} tokens, the block says {}", sum, b.token_count));
+    if (e.config.cachegen_flush == FlushMode::GroupAligned && (n_pieces > 1 || sum % g != 0))
+      r.fail("a group_aligned side must be one piece of whole groups");
+    // Every group costs 8 bytes per (slice, channel) of scale and minimum in the CODES blocks to
+    // come: refuse a count the rest of the file cannot hold before building the group list.
+    const std::uint64_t d = h_.dim(b.side);
+    const unsigned __int128 meta = static_cast<unsigned __int128>(n_groups) * slices() * d * 8;
+    if (meta > file_.size() - pos_after) r.fail(fmt::format("{} groups need more bytes than the file holds", n_groups));
+    sd.bytes.headers += r.pos();
+    if (sum > 0) {
+      const std::uint64_t n_tables = slices() * d;
+      if (n_tables * 3 > r.remaining()) r.fail("truncated (frequency tables)");  // a table takes >= 3 bytes
+      const int alphabet = 1 << e.config.effective_bits();
+      sd.tables.reserve(n_tables);
+      const std::size_t t0 = r.pos();
+      for (std::uint64_t i = 0; i < n_tables; ++i) {
+        std::size_t used = 0;
+        sd.tables.push_back(FrequencyTable::deserialize(body.subspan(r.pos()), &used));
+        r.take(used, "frequency table");
+        if (sd.tables.back().alphabet_size() != alphabet || sd.tables.back().scale_bits() != e.scale_bits)
+          r.fail(fmt::format("table {} has alphabet {} at {} bits, expected {} at {} bits", i, sd.tables.back().alphabet_size(),
+                             sd.tables.back().scale_bits(), alphabet, e.scale_bits));
+      }
+      sd.bytes.tables += r.pos() - t0;
+    }
+    if (r.remaining() != 0) r.fail(fmt::format("{} unexpected bytes after the tables", r.remaining()));
+    if (decode_) {
+      sd.parts.piece_tokens.assign(sd.pieces.begin(), sd.pieces.end());
+      sd.parts.codes.resize(slices());
+      sd.parts.scales.resize(slices());
+      sd.parts.minima.resize(slices());
+    }
+  }
+
+  void read_codes(const BlockHeader& b, const vqkv::PlannedBlock& p, std::span<const std::uint8_t> body, SideData& sd) {
+    ByteReader r(body, vqkv::describe(b));
+    if (r.u64("first group") != p.group_begin) r.fail("first group disagrees with the pieces");
+    if (r.u32("group count") != p.n_groups) r.fail("group count disagrees with the pieces");
+    const std::size_t d = h_.dim(b.side), n_slices = slices();
+    const std::size_t meta = static_cast<std::size_t>(p.n_groups) * d;
+    const auto scales = r.take(meta * n_slices * 4, "scales");
+    const auto minima = r.take(meta * n_slices * 4, "minima");
+    sd.bytes.headers += 12;
+    sd.bytes.scales_zeros += scales.size() + minima.size();
+    sd.bytes.payload += r.remaining();
+    const std::size_t count = b.token_count;
+    const unsigned __int128 n_symbols = static_cast<unsigned __int128>(count) * n_slices * d;
+    if (vq::rans_stream_symbols(body.subspan(r.pos())) != n_symbols)
+      r.fail("the rANS stream holds a different number of symbols than the block's tokens");
+    if (!decode_) return;
+    const std::size_t t0 = b.token_begin;
+    for (std::size_t s = 0; s < n_slices; ++s) {
+      append_floats(sd.parts.scales[s], scales.subspan(s * meta * 4, meta * 4), r, true);
+      append_floats(sd.parts.minima[s], minima.subspan(s * meta * 4, meta * 4), r, false);
+    }
+    symbols_.resize(static_cast<std::size_t>(n_symbols));
+    std::vector<RansDecodeSegment> segs(n_slices * d);
+    for (std::size_t i = 0; i < segs.size(); ++i)
+      segs[i] = {std::span<std::uint16_t>(symbols_).subspan(i * count, count), &sd.tables[i]};
+    rans_decode(body.subspan(r.pos()), segs, kernel_);
+    for (std::size_t s = 0; s < n_slices; ++s) {
+      auto& codes = sd.parts.codes[s];
+      codes.resize((t0 + count) * d);
+      std::uint8_t* out = codes.data() + t0 * d;
+      const std::uint16_t* in = symbols_.data() + s * d * count;
+      for (std::size_t t = 0; t < count; ++t)
+        for (std::size_t c = 0; c < d; ++c) out[t * d + c] = static_cast<std::uint8_t>(in[c * count + t]);
+    }
+  }
+
+  static void append_floats(UninitVector<float>& out, std::span<const std::uint8_t> raw, const ByteReader& r, bool scale) {
+    const std::size_t at = out.size(), n = raw.size() / 4;
+    out.resize(at + n);
+    std::memcpy(out.data() + at, raw.data(), raw.size());
+    for (std::size_t i = at; i < at + n; ++i)
+      if (!std::isfinite(out[i]) || (scale && out[i] < 0)) r.fail(fmt::format("a {} is {} (corrupt data)", scale ? "scale" : "minimum", out[i]));
+  }
+
+  void read_rows(const BlockHeader& b, std::span<const std::uint8_t> body, SideData& sd) {
+    const unsigned __int128 want = static_cast<unsigned __int128>(b.token_count) * slices() * h_.dim(b.side) * dtype_size(h_.dtype);
+    if (body.size() != want) fail_at(b, fmt::format("holds {} bytes, its rows need {}", body.size(), static_cast<std::uint64_t>(want)));
+    (h_.layers[b.layer].cls == CacheClass::CacheGen ? sd.bytes.residual : sd.bytes.payload) += body.size();
+    if (decode_) sd.rows.push_back(body);
+  }
+
+  // Dense [B, H, offset, D] of one side: CacheGen reconstructions of the closed groups, then rows.
+  Tensor dense_side(std::size_t l, int side) const {
+    const vqkv::LayerEntry& e = h_.layers[l];
+    const SideData& sd = sides_[l][static_cast<std::size_t>(side)];
+    const std::int64_t d = h_.dim(side);
+    Tensor x = Tensor::uninitialized({h_.batch, h_.heads, static_cast<std::int64_t>(e.offset), d}, h_.dtype);
+    const std::uint64_t q = e.cls == CacheClass::CacheGen ? vqkv::quantized_tokens(groups_[l][static_cast<std::size_t>(side)]) : 0;
+    std::vector<float> buf;
+    for (std::int64_t s = 0; s < static_cast<std::int64_t>(slices()); ++s) {
+      const std::int64_t b = s / h_.heads, hh = s % h_.heads;
+      if (q > 0) {
+        const auto& codes = sd.parts.codes[static_cast<std::size_t>(s)];
+        const auto& sc = sd.parts.scales[static_cast<std::size_t>(s)];
+        const auto& mn = sd.parts.minima[static_cast<std::size_t>(s)];
+        std::size_t g = 0;
+        for (const Group& grp : groups_[l][static_cast<std::size_t>(side)]) {
+          buf.resize(static_cast<std::size_t>(grp.n * d));
+          dequant_group(codes.data() + grp.start * d, static_cast<int>(grp.n), static_cast<int>(d), sc.data() + g * d, mn.data() + g * d,
+                        buf.data());
+          from_f32(buf.data(), x.row(b, hh, static_cast<std::int64_t>(grp.start)), h_.dtype, buf.size());
+          ++g;
+        }
+      }
+    }
+    // Rows blocks: [slice][token][D] per block, blocks in token order from token q.
+    const std::size_t row_bytes = static_cast<std::size_t>(d) * dtype_size(h_.dtype);
+    std::int64_t t = static_cast<std::int64_t>(q);
+    for (const auto& body : sd.rows) {
+      const std::int64_t count = static_cast<std::int64_t>(body.size() / row_bytes / slices());
+      const std::uint8_t* in = body.data();
+      for (std::int64_t s = 0; s < static_cast<std::int64_t>(slices()); ++s)
+        for (std::int64_t i = 0; i < count; ++i, in += row_bytes) std::memcpy(x.row(s / h_.heads, s % h_.heads, t + i), in, row_bytes);
+      t += count;
+    }
+    return x;
+  }
+
+  std::shared_ptr<KVCache> build_layer(std::size_t l) {
+    const vqkv::LayerEntry& e = h_.layers[l];
+    if (e.cls == CacheClass::Plain) {
+      auto c = std::make_shared<KVCache>();
+      if (e.offset > 0) c->from_state({dense_side(l, 0), dense_side(l, 1)});
+      return c;
+    }
+    auto c = std::make_shared<CacheGenKVCache>(e.config);
+    if (e.offset == 0) return c;
+    CacheGenState st;
+    st.config = e.config;
+    st.offset = static_cast<std::int64_t>(e.offset);
+    st.keys = dense_side(l, 0);
+    st.values = dense_side(l, 1);
+    const int bits = e.config.effective_bits();
+    try {
+      st.key_stream = QuantizedStream::from_parts(h_.batch, h_.heads, static_cast<int>(h_.key_dim), bits, e.config,
+                                                  std::move(sides_[l][0].parts));
+      st.value_stream = QuantizedStream::from_parts(h_.batch, h_.heads, static_cast<int>(h_.value_dim), bits, e.config,
+                                                    std::move(sides_[l][1].parts));
+    } catch (const InvalidArgument& ex) {
+      throw FormatError(fmt::format("vqkv: layer {}: {}", l, ex.what()));
+    }
+    c->from_full_state(std::move(st));
+    return c;
+  }
+
+  std::span<const std::uint8_t> file_;
+  bool decode_;
+  RansKernel kernel_;
+  vqkv::Header h_;
+  VqkvBytes file_bytes_;
+  std::vector<std::array<SideData, 2>> sides_;
+  std::vector<std::array<std::vector<Group>, 2>> groups_;
+  std::vector<std::uint16_t> symbols_;
+};
+
+}  // namespace
+
+PromptCache deserialize_prompt_cache(std::span<const std::uint8_t> bytes, const VqkvLoadOptions& options) {
+  FileReader r(bytes, true, options.kernel);
+  r.run();
+  return r.caches();
+}
+
+VqkvInfo inspect_prompt_cache(std::span<const std::uint8_t> bytes) {
+  FileReader r(bytes, false, RansKernel::Auto);
+  r.run();
+  return r.info();
+}
+
+std::vector<std::uint8_t> read_file_bytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary | std::ios::ate);
+  if (!in) throw IoError(fmt::format("cannot open {}", path));
+  const std::streamoff size = in.tellg();
+  if (size < 0) throw IoError(fmt::format("cannot read {}", path));
+  std::vector<std::uint8_t> out(static_cast<std::size_t>(size));
+  in.seekg(0);
+  if (size > 0 && !in.read(reinterpret_cast<char*>(out.data()), size)) throw IoError(fmt::format("cannot read {}", path));
+  return out;
+}
+
+PromptCache load_prompt_cache(const std::string& path, const VqkvLoadOptions& options) {
+  const auto bytes = read_file_bytes(path);
+  try {
+    return deserialize_prompt_cache(bytes, options);
+  } catch (const FormatError& e) {
+    throw FormatError(fmt::format("{}: {}", path, e.what()));
+  }
+}
+
+}  // namespace vq

@@ -1,0 +1,241 @@
+// Writing a .vqkv file: the header, then the blocks in the order BlockPlan gives (docs/format.md).
+#include <cstring>
+#include <functional>
+
+#include "veloxquant/cache/cachegen_cache.hpp"
+#include "veloxquant/entropy/frequency_table.hpp"
+#include "veloxquant/format/vqkv.hpp"
+#include "atomic_file.hpp"
+#include "vqkv_layout.hpp"
+
+namespace vq {
+
+namespace {
+
+using Sink = std::function<void(std::span<const std::uint8_t>)>;
+using vqkv::BlockHeader;
+using vqkv::BlockType;
+using vqkv::ByteWriter;
+using vqkv::CacheClass;
+using vqkv::Group;
+
+// What the writer needs of one CacheGen side.
+struct SideSource {
+  const QuantizedStream* stream = nullptr;
+  std::vector<std::uint64_t> pieces;
+  std::vector<FrequencyTable> tables;  // [slice * D + c]
+};
+
+struct LayerSource {
+  const KVCache* cache = nullptr;
+  const CacheGenKVCache* cachegen = nullptr;
+  KVState state;  // views of the dense contents
+  std::array<SideSource, 2> sides;
+};
+
+vqkv::Header make_header(const std::vector<std::shared_ptr<KVCache>>& caches, const PromptMetadata& metadata,
+                         const VqkvSaveOptions& options, std::vector<LayerSource>& layers) {
+  require(!caches.empty(), "save_prompt_cache: no caches to save");
+  require(caches.size() <= vqkv::kMaxLayers, fmt::format("save_prompt_cache: {} layers is more than the format's {}", caches.size(), vqkv::kMaxLayers));
+  require(options.chunk_tokens >= 1 && options.chunk_tokens <= 0xffffffffLL,
+          fmt::format("save_prompt_cache: chunk_tokens {} is out of range 1..4294967295", options.chunk_tokens));
+  vqkv::Header h;
+  h.chunk_tokens = static_cast<std::uint32_t>(options.chunk_tokens);
+  h.metadata = metadata;
+  layers.resize(caches.size());
+  bool shaped = false;
+  for (std::size_t i = 0; i < caches.size(); ++i) {
+    const KVCache* c = caches[i].get();
+    require(c != nullptr, fmt::format("save_prompt_cache: layer {} has no cache", i));
+    LayerSource& src = layers[i];
+    src.cache = c;
+    vqkv::LayerEntry e;
+    if (const auto* cg = dynamic_cast<const CacheGenKVCache*>(c); cg && c->kind() == "CacheGenKVCache") {
+      src.cachegen = cg;
+      e.cls = CacheClass::CacheGen;
+      e.config = cg->config();
+      e.scale_bits = kDefaultScaleBits;
+      require(e.config.cachegen_group_size <= static_cast<int>(vqkv::kMaxGroupSize),
+              fmt::format("save_prompt_cache: layer {}: group size {} is above the format's limit {}", i,
+                          e.config.cachegen_group_size, vqkv::kMaxGroupSize));
+    } else if (c->kind() == "KVCache") {
+      e.cls = CacheClass::Plain;
+    } else {
+      throw InvalidArgument(fmt::format("save_prompt_cache: layer {} is a {}, which a .vqkv file cannot hold "
+                                        "(it holds KVCache and CacheGenKVCache layers)", i, c->kind()));
+    }
+    e.offset = static_cast<std::uint64_t>(c->offset());
+    if (e.offset > 0) {
+      src.state = c->state();
+      const Tensor& k = src.state.keys;
+      const Tensor& v = src.state.values;
+      if (!shaped) {
+        require(e.offset <= vqkv::kMaxTokens && k.dim(0) <= vqkv::kMaxBatch && k.dim(1) <= vqkv::kMaxHeads &&
+                    k.dim(3) <= vqkv::kMaxDim && v.dim(3) <= vqkv::kMaxDim,
+                fmt::format("save_prompt_cache: shape {} is beyond the format's limits", shape_string(k.shape())));
+        h.tokens = e.offset;
+        h.dtype = k.dtype();
+        h.batch = static_cast<std::uint32_t>(k.dim(0));
+        h.heads = static_cast<std::uint32_t>(k.dim(1));
+        h.key_dim = static_cast<std::uint32_t>(k.dim(3));
+        h.value_dim = static_cast<std::uint32_t>(v.dim(3));
+        shaped = true;
+      }
+      require(e.offset == h.tokens && k.dtype() == h.dtype && k.dim(0) == h.batch && k.dim(1) == h.heads && k.dim(3) == h.key_dim &&
+                  v.dim(3) == h.value_dim,
+              fmt::format("save_prompt_cache: layer {} ({} tokens, keys {} {}) disagrees with the first non-empty layer "
+                          "({} tokens, {}): a file holds the caches of one sequence",
+                          i, e.offset, shape_string(k.shape()), dtype_name(k.dtype()), h.tokens, dtype_name(h.dtype)));
+    }
+    h.layers.push_back(e);
+  }
+  return h;
+}
+
+// The TABLES block of a CacheGen side: its pieces, then one table per (slice, channel) built from
+// the histogram of its codes over every closed token.
+void tables_block(std::vector<std::uint8_t>& body, SideSource& side, const vqkv::LayerEntry& e) {
+  const QuantizedStream& q = *side.stream;
+  for (const auto t : q.segment_tokens()) side.pieces.push_back(static_cast<std::uint64_t>(t));
+  body.clear();
+  ByteWriter w(body);
+  w.u32(static_cast<std::uint32_t>(side.pieces.size()));
+  for (const auto t : side.pieces) {
+    require(t <= 0xffffffffu, "save_prompt_cache: a quantized piece of more than 2^32 tokens");
+    w.u32(static_cast<std::uint32_t>(t));
+  }
+  const auto n = static_cast<std::size_t>(q.quantized_tokens());
+  if (n == 0) return;
+  const auto d = static_cast<std::size_t>(q.dim());
+  const std::size_t alphabet = std::size_t{1} << q.bits();
+  std::vector<std::uint32_t> counts(d * alphabet);
+  side.tables.reserve(static_cast<std::size_t>(q.slices()) * d);
+  for (std::int64_t s = 0; s < q.slices(); ++s) {
+    std::fill(counts.begin(), counts.end(), 0u);
+    const std::uint8_t* codes = q.codes(s).data();
+    for (std::size_t t = 0; t < n; ++t)
+      for (std::size_t c = 0; c < d; ++c) ++counts[c * alphabet + codes[t * d + c]];
+    for (std::size_t c = 0; c < d; ++c) {
+      side.tables.push_back(FrequencyTable::from_histogram(std::span(counts).subspan(c * alphabet, alphabet), e.scale_bits));
+      side.tables.back().serialize_to(body);
+    }
+  }
+}
+
+// A CODES block: groups [g0, g0 + ng) of a side, tokens [t0, t0 + count).
+void codes_block(std::vector<std::uint8_t>& body, std::vector<std::uint16_t>& symbols, const SideSource& side,
+                 const vqkv::PlannedBlock& p, RansKernel kernel) {
+  const QuantizedStream& q = *side.stream;
+  const auto d = static_cast<std::size_t>(q.dim());
+  const auto slices = static_cast<std::size_t>(q.slices());
+  const auto t0 = static_cast<std::size_t>(p.header.token_begin), count = static_cast<std::size_t>(p.header.token_count);
+  body.clear();
+  ByteWriter w(body);
+  w.u64(p.group_begin);
+  w.u32(static_cast<std::uint32_t>(p.n_groups));
+  const std::size_t meta = static_cast<std::size_t>(p.n_groups) * d, m0 = static_cast<std::size_t>(p.group_begin) * d;
+  for (std::size_t s = 0; s < slices; ++s) w.bytes(q.scales(static_cast<std::int64_t>(s)).data() + m0, meta * 4);
+  for (std::size_t s = 0; s < slices; ++s) w.bytes(q.minima(static_cast<std::int64_t>(s)).data() + m0, meta * 4);
+  // Channel-major symbols: segment (slice, channel) holds its tokens in order.
+  symbols.resize(slices * d * count);
+  std::vector<RansEncodeSegment> segs(slices * d);
+  for (std::size_t s = 0; s < slices; ++s) {
+    const std::uint8_t* codes = q.codes(static_cast<std::int64_t>(s)).data() + t0 * d;
+    std::uint16_t* out = symbols.data() + s * d * count;
+    for (std::size_t t = 0; t < count; ++t)
+      for (std::size_t c = 0; c < d; ++c) out[c * count + t] = codes[t * d + c];
+    for (std::size_t c = 0; c < d; ++c)
+      segs[s * d + c] = {std::span<const std::uint16_t>(out + c * count, count), &side.tables[s * d + c]};
+  }
+  rans_encode_append(body, segs, kernel);
+}
+
+// A ROWS block: tokens [t0, t0 + count) of every slice of a dense tensor, raw.
+void rows_block(std::vector<std::uint8_t>& body, const Tensor& x, const vqkv::PlannedBlock& p) {
+  const auto t0 = static_cast<std::int64_t>(p.header.token_begin), count = static_cast<std::int64_t>(p.header.token_count);
+  const std::size_t row_bytes = static_cast<std::size_t>(x.dim(3)) * dtype_size(x.dtype());
+  body.resize(static_cast<std::size_t>(x.dim(0) * x.dim(1) * count) * row_bytes);
+  std::uint8_t* out = body.data();
+  for (std::int64_t b = 0; b < x.dim(0); ++b)
+    for (std::int64_t h = 0; h < x.dim(1); ++h)
+      for (std::int64_t t = t0; t < t0 + count; ++t, out += row_bytes) std::memcpy(out, x.row(b, h, t), row_bytes);
+}
+
+void write_all(const std::vector<std::shared_ptr<KVCache>>& caches, const PromptMetadata& metadata, const VqkvSaveOptions& options,
+               const Sink& sink) {
+  std::vector<LayerSource> layers;
+  const vqkv::Header h = make_header(caches, metadata, options, layers);
+  sink(vqkv::write_header(h));
+
+  std::vector<std::uint8_t> body, block;
+  std::vector<std::uint16_t> symbols;
+  std::uint64_t n_blocks = 0;
+  auto emit = [&](const BlockHeader& bh) {
+    block.clear();
+    vqkv::write_block(block, bh, body);
+    sink(block);
+    ++n_blocks;
+  };
+  std::vector<std::array<std::vector<Group>, 2>> groups(h.layers.size());
+  for (std::size_t l = 0; l < h.layers.size(); ++l) {
+    const vqkv::LayerEntry& e = h.layers[l];
+    if (e.cls != CacheClass::CacheGen || e.offset == 0) continue;
+    for (int side = 0; side < 2; ++side) {
+      SideSource& src = layers[l].sides[static_cast<std::size_t>(side)];
+      src.stream = side == 0 ? &layers[l].cachegen->key_stream() : &layers[l].cachegen->value_stream();
+      tables_block(body, src, e);
+      groups[l][static_cast<std::size_t>(side)] = vqkv::groups_of(src.pieces, static_cast<std::uint64_t>(e.config.cachegen_group_size));
+      BlockHeader bh;
+      bh.type = BlockType::Tables;
+      bh.layer = static_cast<std::uint32_t>(l);
+      bh.side = static_cast<std::uint8_t>(side);
+      bh.token_count = static_cast<std::uint64_t>(src.stream->quantized_tokens());
+      emit(bh);
+    }
+  }
+  vqkv::BlockPlan plan(h, groups);
+  while (auto p = plan.next()) {
+    if (p->header.type == BlockType::End) {
+      body.clear();
+      BlockHeader end;
+      end.type = BlockType::End;
+      end.token_count = n_blocks;
+      emit(end);
+      break;
+    }
+    const LayerSource& src = layers[p->header.layer];
+    const Tensor& dense = p->header.side == 0 ? src.state.keys : src.state.values;
+    if (p->header.type == BlockType::Codes)
+      codes_block(body, symbols, src.sides[p->header.side], *p, options.kernel);
+    else
+      rows_block(body, dense, *p);
+    emit(p->header);
+  }
+}
+
+}  // namespace
+
+void VqkvBytes::add(const VqkvBytes& o) {
+  payload += o.payload;
+  tables += o.tables;
+  scales_zeros += o.scales_zeros;
+  residual += o.residual;
+  headers += o.headers;
+  checksums += o.checksums;
+}
+
+std::vector<std::uint8_t> serialize_prompt_cache(const std::vector<std::shared_ptr<KVCache>>& caches, const PromptMetadata& metadata,
+                                                 const VqkvSaveOptions& options) {
+  std::vector<std::uint8_t> out;
+  write_all(caches, metadata, options, [&](std::span<const std::uint8_t> b) { out.insert(out.end(), b.begin(), b.end()); });
+  return out;
+}
+
+void save_prompt_cache(const std::string& path, const std::vector<std::shared_ptr<KVCache>>& caches, const PromptMetadata& metadata,
+                       const VqkvSaveOptions& options) {
+  format_detail::AtomicFile out(path);
+  write_all(caches, metadata, options, [&](std::span<const std::uint8_t> b) { out.write(b); });
+  out.commit();
+}
+
+}  // namespace vq

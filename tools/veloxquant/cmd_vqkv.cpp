@@ -1,0 +1,283 @@
+// veloxquant compress / decompress / inspect: the .vqkv container from the command line
+// (format/vqkv.hpp, docs/format.md).
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+
+#include <fmt/core.h>
+#include <nlohmann/json.hpp>
+
+#include "commands.hpp"
+#include "model_options.hpp"
+#include "veloxquant/core/error.hpp"
+#include "veloxquant/core/npy.hpp"
+#include "veloxquant/format/safetensors.hpp"
+#include "veloxquant/format/vqkv.hpp"
+#include "veloxquant/model/checkpoint.hpp"
+#include "veloxquant/model/method_spec.hpp"
+#include "veloxquant/model/model_files.hpp"
+#include "veloxquant/model/tokenizer.hpp"
+#include "veloxquant/model/transformer.hpp"
+
+namespace vqcli {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+struct CompressOptions {
+  std::string keys, values, kv, model, tokenizer, text, out, method = "cachegen", flush;
+  int ctx = 0, bits = 0, group_size = 0;
+  std::int64_t chunk = 0, chunk_tokens = vq::VqkvSaveOptions{}.chunk_tokens;
+  bool json = false;
+};
+
+// The method: --method, with --bits / --group-size / --flush overriding a cachegen spec's keys.
+vq::MethodSpec method_of(const CompressOptions& o) {
+  vq::MethodSpec spec = vq::MethodSpec::parse(o.method);
+  const bool overrides = o.bits != 0 || o.group_size != 0 || !o.flush.empty();
+  if (overrides) {
+    vq::require(spec.kind == vq::MethodSpec::Kind::CacheGen, "--bits, --group-size and --flush apply to --method cachegen only");
+    if (o.bits != 0) spec.cachegen.cachegen_bits = o.bits;
+    if (o.group_size != 0) spec.cachegen.cachegen_group_size = o.group_size;
+    if (!o.flush.empty()) spec.cachegen.cachegen_flush = vq::flush_mode_from_name(o.flush);
+    spec.cachegen.validate();
+  }
+  vq::require(spec.kind == vq::MethodSpec::Kind::CacheGen || spec.kind == vq::MethodSpec::Kind::Fp32,
+              fmt::format("--method {}: a .vqkv file holds cachegen or fp32 caches", o.method));
+  return spec;
+}
+
+// Feed one layer's K/V to its cache, `chunk` tokens per call (0: all at once).
+void feed(vq::KVCache& cache, const vq::Tensor& k, const vq::Tensor& v, std::int64_t chunk) {
+  const std::int64_t S = k.dim(2);
+  const std::int64_t step = chunk > 0 ? chunk : std::max<std::int64_t>(S, 1);
+  for (std::int64_t s = 0; s < S; s += step) {
+    const std::int64_t e = std::min(S, s + step);
+    cache.update_and_fetch(k.slice(2, s, e), v.slice(2, s, e));
+  }
+}
+
+std::string read_text(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw vq::IoError(fmt::format("{}: cannot open", path));
+  std::stringstream buf;
+  buf << in.rdbuf();
+  return buf.str();
+}
+
+int run_compress(const CompressOptions& o) {
+  const int sources = (!o.keys.empty() || !o.values.empty()) + !o.kv.empty() + (o.ctx > 0 || !o.model.empty() || !o.text.empty());
+  vq::require(sources == 1, "give exactly one input: --keys K.npy --values V.npy, --kv FILE.safetensors, or --model/--text with --ctx N");
+  vq::require(o.chunk >= 0, fmt::format("--chunk must be >= 1, got {}", o.chunk));
+  const vq::MethodSpec spec = method_of(o);
+  vq::PromptMetadata meta{{"method", spec.to_string()}, {"writer", "veloxquant 0.1.0"}};
+  std::vector<std::shared_ptr<vq::KVCache>> caches;
+  double input_fp16_bytes = 0;
+  const auto t0 = Clock::now();
+  auto feed_layers = [&](const std::vector<vq::KVPair>& layers) {
+    caches = vq::make_caches(spec, vq::ModelDescription::uniform(static_cast<int>(layers.size()), static_cast<int>(layers[0].keys.dim(3))));
+    for (std::size_t i = 0; i < layers.size(); ++i) {
+      feed(*caches[i], layers[i].keys, layers[i].values, o.chunk);
+      input_fp16_bytes += 2.0 * static_cast<double>(layers[i].keys.numel() + layers[i].values.numel());
+    }
+  };
+  if (!o.keys.empty() || !o.values.empty()) {
+    vq::require(!o.keys.empty() && !o.values.empty(), "--keys and --values go together");
+    vq::KVPair p{vq::read_npy(o.keys), vq::read_npy(o.values)};
+    vq::require(p.keys.dim(0) == p.values.dim(0) && p.keys.dim(1) == p.values.dim(1) && p.keys.dim(2) == p.values.dim(2),
+                fmt::format("{} has shape {} but {} has shape {}: B, H and S must agree", o.keys, vq::shape_string(p.keys.shape()), o.values,
+                            vq::shape_string(p.values.shape())));
+    vq::require(p.keys.dtype() == p.values.dtype(),
+                fmt::format("{} is {} but {} is {}", o.keys, vq::dtype_name(p.keys.dtype()), o.values, vq::dtype_name(p.values.dtype())));
+    meta["source"] = fmt::format("{} {}", std::filesystem::path(o.keys).filename().string(), std::filesystem::path(o.values).filename().string());
+    feed_layers({p});
+  } else if (!o.kv.empty()) {
+    const auto layers = vq::read_kv_safetensors(o.kv);
+    meta["source"] = std::filesystem::path(o.kv).filename().string();
+    feed_layers(layers);
+  } else {
+    vq::require(o.ctx > 0, "--ctx N (tokens of --text to run through the model) is required with --model/--text");
+    const vq::ModelFiles files = vq::resolve_model_files(o.model.empty() ? std::nullopt : std::optional<std::filesystem::path>(o.model),
+                                                         o.tokenizer.empty() ? std::nullopt : std::optional<std::filesystem::path>(o.tokenizer));
+    vq::Transformer model(vq::Checkpoint::load(files.model.string()));
+    const vq::Tokenizer tok = vq::Tokenizer::load(files.tokenizer.string(), model.config().vocab_size);
+    vq::require(o.ctx <= model.config().seq_len, fmt::format("--ctx {} is longer than the model's context ({})", o.ctx, model.config().seq_len));
+    std::string text_path = o.text;
+    if (text_path.empty()) {
+      const auto found = vq::find_model_file("tinystories_val.txt");
+      vq::require(found.has_value(), "--text is required (no tinystories_val.txt beside the model files)");
+      text_path = found->string();
+    }
+    std::string text = read_text(text_path);
+    text.resize(std::min<std::size_t>(text.size(), static_cast<std::size_t>(o.ctx) * 64));  // plenty for ctx tokens
+    std::vector<int> tokens = tok.encode(text, /*bos=*/true);
+    vq::require(static_cast<int>(tokens.size()) >= o.ctx, fmt::format("{} holds only {} tokens, fewer than --ctx {}", text_path, tokens.size(), o.ctx));
+    tokens.resize(static_cast<std::size_t>(o.ctx));
+    caches = vq::make_caches(spec, model);
+    const std::size_t step = o.chunk > 0 ? static_cast<std::size_t>(o.chunk) : tokens.size();
+    for (std::size_t s = 0; s < tokens.size(); s += step)
+      model.forward(std::span<const int>(tokens).subspan(s, std::min(step, tokens.size() - s)), caches);
+    const auto& c = model.config();
+    input_fp16_bytes = 2.0 * 2.0 * c.n_layers * c.n_kv_heads * (c.dim / c.n_heads) * static_cast<double>(o.ctx);
+    meta["source"] = fmt::format("{} on {} tokens of {}", files.model.filename().string(), o.ctx, std::filesystem::path(text_path).filename().string());
+    meta["model"] = files.model.filename().string();
+  }
+  vq::VqkvSaveOptions so;
+  so.chunk_tokens = o.chunk_tokens;
+  vq::save_prompt_cache(o.out, caches, meta, so);
+  const double secs = seconds_since(t0);
+  const auto bytes = std::filesystem::file_size(o.out);
+  const double bits = input_fp16_bytes > 0 ? 16.0 * static_cast<double>(bytes) / input_fp16_bytes : 0.0;
+  if (o.json) {
+    nlohmann::json j{{"path", o.out},           {"bytes", bytes},   {"layers", caches.size()},
+                     {"tokens", caches[0]->offset()}, {"method", spec.to_string()}, {"fp16_bytes", input_fp16_bytes},
+                     {"bits_per_element", bits}, {"seconds", secs}};
+    fmt::print("{}\n", j.dump());
+  } else {
+    fmt::print("wrote {}: {} bytes, {} layers x {} tokens, {}; {:.3f} bits/element ({:.2f}x smaller than fp16); {:.2f} s\n", o.out, bytes,
+               caches.size(), caches[0]->offset(), spec.to_string(), bits, bits > 0 ? 16.0 / bits : 0.0, secs);
+  }
+  return 0;
+}
+
+struct DecompressOptions {
+  std::string in, out, keys_out, values_out;
+  int layer = -1;
+};
+
+int run_decompress(const DecompressOptions& o) {
+  const bool npy = !o.keys_out.empty() || !o.values_out.empty();
+  vq::require(npy != !o.out.empty(), "give either -o OUT.safetensors or --keys-out K.npy --values-out V.npy");
+  vq::require(!npy || (!o.keys_out.empty() && !o.values_out.empty()), "--keys-out and --values-out go together");
+  const vq::PromptCache pc = vq::load_prompt_cache(o.in);
+  if (npy) {
+    const int n = static_cast<int>(pc.caches.size());
+    vq::require(o.layer >= 0 || n == 1, fmt::format("{} holds {} layers: choose one with --layer I, or write them all with -o OUT.safetensors", o.in, n));
+    const int l = o.layer >= 0 ? o.layer : 0;
+    vq::require(l < n, fmt::format("--layer {} is out of range (the file holds layers 0..{})", l, n - 1));
+    const vq::KVState st = pc.caches[static_cast<std::size_t>(l)]->state();
+    vq::write_npy(o.keys_out, st.keys.contiguous());
+    vq::write_npy(o.values_out, st.values.contiguous());
+    return 0;
+  }
+  vq::require(o.layer < 0, "--layer applies to .npy output only");
+  std::vector<vq::KVPair> layers;
+  for (const auto& c : pc.caches) {
+    const vq::KVState st = c->state();
+    layers.push_back({st.keys, st.values});
+  }
+  vq::write_kv_safetensors(o.out, layers, pc.metadata);
+  return 0;
+}
+
+nlohmann::json bytes_json(const vq::VqkvBytes& b, double elements) {
+  const double total = static_cast<double>(b.total());
+  return {{"payload", b.payload},   {"tables", b.tables},       {"scales_zeros", b.scales_zeros},
+          {"residual", b.residual}, {"headers", b.headers},     {"checksums", b.checksums},
+          {"total", b.total()},     {"bits_per_element", elements > 0 ? 8.0 * total / elements : 0.0},
+          {"ratio_to_fp16", elements > 0 ? total / (2.0 * elements) : 0.0}};
+}
+
+int run_inspect(const std::string& path, bool json) {
+  const auto bytes = vq::read_file_bytes(path);
+  vq::VqkvInfo in;
+  try {
+    in = vq::inspect_prompt_cache(bytes);
+  } catch (const vq::FormatError& e) {
+    throw vq::FormatError(fmt::format("{}: {}", path, e.what()));
+  }
+  const double slices = static_cast<double>(in.batch * in.heads);
+  auto elements = [&](const vq::VqkvLayerInfo& l, int side) {
+    return slices * static_cast<double>(l.offset) * static_cast<double>(side == 0 ? in.key_dim : in.value_dim);
+  };
+  vq::VqkvBytes sum = in.file;
+  double all_elements = 0;
+  for (const auto& l : in.layers) {
+    sum.add(l.keys);
+    sum.add(l.values);
+    all_elements += elements(l, 0) + elements(l, 1);
+  }
+  vq::require(sum.total() == in.file_bytes, "internal error: the byte breakdown does not sum to the file size");
+  if (json) {
+    nlohmann::json j{{"file_bytes", in.file_bytes}, {"version", in.version}, {"dtype", vq::dtype_name(in.dtype)},
+                     {"batch", in.batch}, {"heads", in.heads}, {"key_dim", in.key_dim}, {"value_dim", in.value_dim},
+                     {"tokens", in.tokens}, {"chunk_tokens", in.chunk_tokens}, {"metadata", in.metadata},
+                     {"file", bytes_json(in.file, 0)}, {"layers", nlohmann::json::array()}, {"total", bytes_json(sum, all_elements)}};
+    for (std::size_t i = 0; i < in.layers.size(); ++i) {
+      const auto& l = in.layers[i];
+      j["layers"].push_back({{"layer", i}, {"kind", l.kind}, {"config", l.config ? l.config->to_string() : ""}, {"offset", l.offset},
+                             {"quantized_keys", l.quantized_keys}, {"quantized_values", l.quantized_values},
+                             {"keys", bytes_json(l.keys, elements(l, 0))}, {"values", bytes_json(l.values, elements(l, 1))}});
+    }
+    fmt::print("{}\n", j.dump(2));
+    return 0;
+  }
+  fmt::print("{}: .vqkv version {}, {} bytes\n", path, in.version, in.file_bytes);
+  fmt::print("shape: {} layers x [B {}, H {}, S {}, D_k {} / D_v {}] {}, chunks of {} tokens\n", in.layers.size(), in.batch, in.heads,
+             in.tokens, in.key_dim, in.value_dim, vq::dtype_name(in.dtype), in.chunk_tokens);
+  for (const auto& [k, v] : in.metadata) fmt::print("metadata: {} = {}\n", k, v);
+  fmt::print("{:<6} {:<7} {:>10} {:>9} {:>12} {:>9} {:>8} {:>9} {:>11} {:>9} {:>8}\n", "layer", "side", "payload", "tables", "scales+zeros",
+             "residual", "headers", "checksums", "total", "bits/elem", "vs fp16");
+  auto row = [](const std::string& layer, const char* side, const vq::VqkvBytes& b, double el) {
+    fmt::print("{:<6} {:<7} {:>10} {:>9} {:>12} {:>9} {:>8} {:>9} {:>11} {:>9} {:>8}\n", layer, side, b.payload, b.tables, b.scales_zeros,
+               b.residual, b.headers, b.checksums, b.total(), el > 0 ? fmt::format("{:.3f}", 8.0 * static_cast<double>(b.total()) / el) : "-",
+               el > 0 ? fmt::format("{:.3f}", static_cast<double>(b.total()) / (2.0 * el)) : "-");
+  };
+  for (std::size_t i = 0; i < in.layers.size(); ++i) {
+    const auto& l = in.layers[i];
+    fmt::print("layer {}: {} {} ({} tokens; closed: keys {}, values {})\n", i, l.kind, l.config ? l.config->to_string() : "", l.offset,
+               l.quantized_keys, l.quantized_values);
+    row(std::to_string(i), "keys", l.keys, elements(l, 0));
+    row(std::to_string(i), "values", l.values, elements(l, 1));
+  }
+  row("file", "header", in.file, 0);
+  row("all", "", sum, all_elements);
+  fmt::print("the rows sum to the file size ({} bytes); every checksum verified\n", in.file_bytes);
+  return 0;
+}
+
+}  // namespace
+
+Runner add_compress(CLI::App& app) {
+  auto o = std::make_shared<CompressOptions>();
+  auto* kin = app.add_option("--keys", o->keys, "keys .npy [B, H, S, D], float32 or float16 (one layer)")->check(CLI::ExistingFile);
+  app.add_option("--values", o->values, "values .npy [B, H, S, D]")->check(CLI::ExistingFile)->needs(kin);
+  app.add_option("--kv", o->kv, "safetensors with layers.{i}.keys / layers.{i}.values [B, H, S, D]")->check(CLI::ExistingFile);
+  add_model_options(app, o->model, o->tokenizer);
+  app.add_option("--text", o->text, "text to run through the model (default: tinystories_val.txt beside the model)");
+  app.add_option("--ctx", o->ctx, "tokens of the text (BOS first) to prefill through the model")->check(CLI::PositiveNumber);
+  app.add_option("--method", o->method, "cache method spec: cachegen[:bits=..,group=..,flush=..,schedule=..] or fp32 (default: cachegen)");
+  app.add_option("--bits", o->bits, "cachegen base bits (overrides the spec)")->check(CLI::Range(1, 8));
+  app.add_option("--group-size", o->group_size, "cachegen tokens per group (overrides the spec)")->check(CLI::PositiveNumber);
+  app.add_option("--flush", o->flush, "cachegen flush mode: per_call | group_aligned (overrides the spec)");
+  app.add_option("--chunk", o->chunk, "tokens per update_and_fetch call (default: all at once)");
+  app.add_option("--chunk-tokens", o->chunk_tokens, "tokens per block of the file (default 2048)")->check(CLI::PositiveNumber);
+  app.add_option("-o,--output", o->out, "output .vqkv file")->required();
+  app.add_flag("--json", o->json, "print one JSON object");
+  return [o] { return run_compress(*o); };
+}
+
+Runner add_decompress(CLI::App& app) {
+  auto o = std::make_shared<DecompressOptions>();
+  app.add_option("input", o->in, ".vqkv file")->required()->check(CLI::ExistingFile);
+  app.add_option("-o,--output", o->out, "output safetensors (layers.{i}.keys / layers.{i}.values)");
+  app.add_option("--keys-out", o->keys_out, "output keys .npy (one layer)");
+  app.add_option("--values-out", o->values_out, "output values .npy (one layer)");
+  app.add_option("--layer", o->layer, "layer to write as .npy (required when the file holds several)")->check(CLI::NonNegativeNumber);
+  return [o] { return run_decompress(*o); };
+}
+
+Runner add_inspect(CLI::App& app) {
+  auto path = std::make_shared<std::string>();
+  auto json = std::make_shared<bool>(false);
+  app.add_option("input", *path, ".vqkv file")->required()->check(CLI::ExistingFile);
+  app.add_flag("--json", *json, "print one JSON object");
+  return [path, json] { return run_inspect(*path, *json); };
+}
+
+}  // namespace vqcli
