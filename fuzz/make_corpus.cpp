@@ -8,7 +8,9 @@
 #include <string>
 #include <vector>
 
+#include "veloxquant/cache/cachegen_cache.hpp"
 #include "veloxquant/entropy/rans.hpp"
+#include "veloxquant/format/vqkv.hpp"
 
 namespace {
 
@@ -53,6 +55,31 @@ int main(int argc, char** argv) {
   write(ft, "bad_sum", {2, 2, 1, 2});
   write(ft, "bad_scale", {2, 16, 1, 2});
   write(ft, "zero_run_past_end", {2, 2, 4, 0, 1});
+  // .vqkv files: small caches of each class, flush mode and dtype.
+  const auto vk = root / "fuzz_vqkv_read";
+  std::mt19937 rng(5);
+  std::normal_distribution<float> nd;
+  int f = 0;
+  for (auto [flush, dtype, tokens, chunk] : {std::tuple{vq::FlushMode::GroupAligned, vq::DType::F32, 21, 8}, {vq::FlushMode::PerCall, vq::DType::F16, 9, 4},
+                                             {vq::FlushMode::GroupAligned, vq::DType::BF16, 7, 64}, {vq::FlushMode::GroupAligned, vq::DType::F16, 0, 8}}) {
+    const vq::Shape4 shape{1, 2, tokens, 4};
+    std::vector<float> x(static_cast<std::size_t>(2 * tokens * 4));
+    for (auto& v : x) v = nd(rng);
+    const auto t = vq::Tensor::from_f32(shape, x, dtype);
+    vq::KVCacheConfig cfg;
+    cfg.cachegen_group_size = 4;
+    cfg.cachegen_bits = 3;
+    cfg.cachegen_flush = flush;
+    std::vector<std::shared_ptr<vq::KVCache>> caches = {std::make_shared<vq::CacheGenKVCache>(cfg), std::make_shared<vq::KVCache>()};
+    if (tokens > 0)
+      for (auto& c : caches) c->update_and_fetch(t, t);
+    const auto b = vq::serialize_prompt_cache(caches, {{"i", std::to_string(f)}}, {.chunk_tokens = chunk});
+    write(vk, "valid_" + std::to_string(f), b);
+    auto cut = b;
+    cut.resize(b.size() * 2 / 3);
+    write(vk, "truncated_" + std::to_string(f), cut);
+    ++f;
+  }
   std::printf("corpus written under %s\n", root.c_str());
   return 0;
 }

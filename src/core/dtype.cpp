@@ -1,4 +1,5 @@
 #include "veloxquant/core/dtype.hpp"
+#include "veloxquant/core/cpu_features.hpp"
 
 #include <bit>
 #include <cstring>
@@ -118,7 +119,7 @@ __attribute__((target("f16c,avx"))) void f32_to_f16_f16c(const float* src, std::
 }
 
 bool cpu_has_f16c() {
-  static const bool has = __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx");
+  static const bool has = cpu_has_f16c_avx();
   return has;
 }
 #endif

@@ -160,7 +160,7 @@ BlockHeader read_block(std::span<const std::uint8_t> file, std::size_t& pos, std
   b.token_begin = r.u64("first token");
   b.token_count = r.u64("token count");
   b.body_size = r.u64("body size");
-  if (b.body_size > r.remaining()) r.fail(fmt::format("body of {} bytes runs past the end of the file ({} left)", b.body_size, r.remaining()));
+  if (b.body_size > r.remaining()) r.fail(fmt::format("truncated or corrupt: a body of {} bytes runs past the end of the file ({} left)", b.body_size, r.remaining()));
   body = r.take(b.body_size, "body");
   const std::size_t covered = r.pos();
   if (r.u64("block checksum") != xxh64(file.subspan(pos, covered))) r.fail(fmt::format("checksum mismatch in the {}", describe(b)));

@@ -208,18 +208,18 @@ class FileReader {
       append_floats(sd.parts.scales[s], scales.subspan(s * meta * 4, meta * 4), r, true);
       append_floats(sd.parts.minima[s], minima.subspan(s * meta * 4, meta * 4), r, false);
     }
-    symbols_.resize(static_cast<std::size_t>(n_symbols));
+    const std::size_t ld = count + vqkv::kSymbolPad;
+    symbols_.resize(n_slices * d * ld);
     std::vector<RansDecodeSegment> segs(n_slices * d);
     for (std::size_t i = 0; i < segs.size(); ++i)
-      segs[i] = {std::span<std::uint16_t>(symbols_).subspan(i * count, count), &sd.tables[i]};
+      segs[i] = {std::span<std::uint16_t>(symbols_).subspan(i * ld, count), &sd.tables[i]};
     rans_decode(body.subspan(r.pos()), segs, kernel_);
     for (std::size_t s = 0; s < n_slices; ++s) {
       auto& codes = sd.parts.codes[s];
       codes.resize((t0 + count) * d);
       std::uint8_t* out = codes.data() + t0 * d;
-      const std::uint16_t* in = symbols_.data() + s * d * count;
-      for (std::size_t t = 0; t < count; ++t)
-        for (std::size_t c = 0; c < d; ++c) out[t * d + c] = static_cast<std::uint8_t>(in[c * count + t]);
+      const std::uint16_t* in = symbols_.data() + s * d * ld;
+      vqkv::transpose(in, ld, d, count, out, d);
     }
   }
 

@@ -137,15 +137,15 @@ void codes_block(std::vector<std::uint8_t>& body, std::vector<std::uint16_t>& sy
   for (std::size_t s = 0; s < slices; ++s) w.bytes(q.scales(static_cast<std::int64_t>(s)).data() + m0, meta * 4);
   for (std::size_t s = 0; s < slices; ++s) w.bytes(q.minima(static_cast<std::int64_t>(s)).data() + m0, meta * 4);
   // Channel-major symbols: segment (slice, channel) holds its tokens in order.
-  symbols.resize(slices * d * count);
+  const std::size_t ld = count + vqkv::kSymbolPad;
+  symbols.resize(slices * d * ld);
   std::vector<RansEncodeSegment> segs(slices * d);
   for (std::size_t s = 0; s < slices; ++s) {
     const std::uint8_t* codes = q.codes(static_cast<std::int64_t>(s)).data() + t0 * d;
-    std::uint16_t* out = symbols.data() + s * d * count;
-    for (std::size_t t = 0; t < count; ++t)
-      for (std::size_t c = 0; c < d; ++c) out[c * count + t] = codes[t * d + c];
+    std::uint16_t* out = symbols.data() + s * d * ld;
+    vqkv::transpose(codes, d, count, d, out, ld);
     for (std::size_t c = 0; c < d; ++c)
-      segs[s * d + c] = {std::span<const std::uint16_t>(out + c * count, count), &side.tables[s * d + c]};
+      segs[s * d + c] = {std::span<const std::uint16_t>(out + c * ld, count), &side.tables[s * d + c]};
   }
   rans_encode_append(body, segs, kernel);
 }

@@ -1,4 +1,5 @@
 #include "veloxquant/quant/fused_group_quant.hpp"
+#include "veloxquant/core/cpu_features.hpp"
 
 #include <cstring>
 
@@ -137,7 +138,7 @@ __attribute__((target("avx2,f16c"))) QuantStatus kernel(const std::byte* const* 
 }
 
 bool cpu_ok() {
-  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+  static const bool ok = __builtin_cpu_supports("avx2") && cpu_has_f16c_avx();
   return ok;
 }
 

@@ -1,0 +1,41 @@
+// Helpers for tests that take .vqkv files apart: block offsets, and recomputing checksums so that a
+// deliberate corruption reaches the checks behind them.
+#pragma once
+#include <xxhash.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace vqtest {
+
+inline std::uint64_t rd64(const std::vector<std::uint8_t>& b, std::size_t at) {
+  std::uint64_t v = 0;
+  for (int i = 0; i < 8; ++i) v |= static_cast<std::uint64_t>(b[at + static_cast<std::size_t>(i)]) << (8 * i);
+  return v;
+}
+inline void wr(std::vector<std::uint8_t>& b, std::size_t at, std::uint64_t v, int n) {
+  for (int i = 0; i < n; ++i) b[at + static_cast<std::size_t>(i)] = static_cast<std::uint8_t>(v >> (8 * i));
+}
+
+// Offsets of the blocks of a well-formed file (after the header section).
+inline std::vector<std::size_t> block_offsets(const std::vector<std::uint8_t>& b) {
+  std::size_t pos = 16 + static_cast<std::size_t>(b[12] | b[13] << 8 | b[14] << 16 | b[15] << 24) + 8;
+  std::vector<std::size_t> out;
+  while (pos + 40 <= b.size()) {
+    out.push_back(pos);
+    pos += 32 + rd64(b, pos + 24) + 8;
+  }
+  return out;
+}
+
+// Recompute every checksum, so a mutation reaches the checks behind them.
+inline void fix_checksums(std::vector<std::uint8_t>& b) {
+  const std::size_t hs = 16 + static_cast<std::size_t>(b[12] | b[13] << 8 | b[14] << 16 | b[15] << 24);
+  if (hs + 8 <= b.size()) wr(b, hs, XXH64(b.data(), hs, 0), 8);
+  for (const std::size_t at : block_offsets(b)) {
+    const std::size_t n = 32 + rd64(b, at + 24);
+    if (at + n + 8 <= b.size()) wr(b, at + n, XXH64(b.data() + at, n, 0), 8);
+  }
+}
+
+}  // namespace vqtest
