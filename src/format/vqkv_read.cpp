@@ -2,6 +2,8 @@
 // (vqkv_layout.hpp), decode, and rebuild the caches. inspect_prompt_cache runs the same walk
 // without decoding the rANS payloads.
 #include <cmath>
+#include <limits>
+#include <optional>
 #include <fstream>
 
 #include "veloxquant/cache/cachegen_cache.hpp"
@@ -25,13 +27,15 @@ struct SideData {
   std::vector<std::uint64_t> pieces;
   std::vector<FrequencyTable> tables;
   QuantizedStreamParts parts;                       // CacheGen codes, scales, minima (when decoding)
+  std::uint64_t decoded_groups = 0, row_tokens = 0;  // what was decoded (all of it unless a prefix load)
   std::vector<std::span<const std::uint8_t>> rows;  // ROWS bodies in token order (views of the file)
   VqkvBytes bytes;
 };
 
 class FileReader {
  public:
-  FileReader(std::span<const std::uint8_t> file, bool decode, RansKernel kernel) : file_(file), decode_(decode), kernel_(kernel) {}
+  FileReader(std::span<const std::uint8_t> file, bool decode, RansKernel kernel, std::optional<std::int64_t> max_tokens = std::nullopt)
+      : file_(file), decode_(decode), kernel_(kernel), max_tokens_(max_tokens) {}
 
   void run() {
     std::size_t pos = 0;
@@ -57,8 +61,11 @@ class FileReader {
         ++n_blocks;
       }
     }
+    prefix_ = max_tokens_ ? std::min<std::uint64_t>(h_.tokens, static_cast<std::uint64_t>(*max_tokens_)) : h_.tokens;
+    const std::uint64_t n_read = blocks_to_read();
     vqkv::BlockPlan plan(h_, groups_);
-    while (auto p = plan.next()) {
+    for (std::uint64_t i = 0; auto p = plan.next(); ++i) {
+      if (i >= n_read) return;  // a prefix load stops after the last block it needs
       std::span<const std::uint8_t> body;
       if (p->header.type == BlockType::End) {
         p->header.token_count = n_blocks;
@@ -72,10 +79,11 @@ class FileReader {
       SideData& sd = sides_[got.layer][got.side];
       sd.bytes.headers += vqkv::kBlockHeaderBytes;
       sd.bytes.checksums += vqkv::kChecksumBytes;
+      const bool want = needed(*p);
       if (got.type == BlockType::Codes)
-        read_codes(got, *p, body, sd);
+        read_codes(got, *p, body, sd, want);
       else
-        read_rows(got, body, sd);
+        read_rows(got, body, sd, want);
       ++n_blocks;
     }
     if (pos != file_.size())
@@ -187,7 +195,29 @@ class FileReader {
     }
   }
 
-  void read_codes(const BlockHeader& b, const vqkv::PlannedBlock& p, std::span<const std::uint8_t> body, SideData& sd) {
+  // Whether a load of prefix_ tokens needs this block's contents.
+  bool needed(const vqkv::PlannedBlock& p) const {
+    if (p.header.type == BlockType::End) return prefix_ == h_.tokens;
+    const bool residual = p.header.type == BlockType::Rows && h_.layers[p.header.layer].cls == CacheClass::CacheGen;
+    return residual ? prefix_ > p.header.token_begin : p.header.token_begin < prefix_;
+  }
+
+  // How many blocks of the plan a load of prefix_ tokens reads: up to the last one it needs (all of
+  // them, END included, for a whole load; none when the prefix is empty).
+  std::uint64_t blocks_to_read() const {
+    if (prefix_ == h_.tokens) return std::numeric_limits<std::uint64_t>::max();
+    vqkv::BlockPlan scan(h_, groups_);
+    std::uint64_t n = 0;
+    for (std::uint64_t i = 0; auto p = scan.next(); ++i) {
+      if (needed(*p)) n = i + 1;
+      // Each block takes >= 40 bytes: a plan longer than the file can hold is cut short here, and
+      // reading reports the truncation.
+      if ((i + 1) * (vqkv::kBlockHeaderBytes + vqkv::kChecksumBytes) > file_.size()) break;
+    }
+    return n;
+  }
+
+  void read_codes(const BlockHeader& b, const vqkv::PlannedBlock& p, std::span<const std::uint8_t> body, SideData& sd, bool keep) {
     ByteReader r(body, vqkv::describe(b));
     if (r.u64("first group") != p.group_begin) r.fail("first group disagrees with the pieces");
     if (r.u32("group count") != p.n_groups) r.fail("group count disagrees with the pieces");
@@ -202,7 +232,8 @@ class FileReader {
     const unsigned __int128 n_symbols = static_cast<unsigned __int128>(count) * n_slices * d;
     if (vq::rans_stream_symbols(body.subspan(r.pos())) != n_symbols)
       r.fail("the rANS stream holds a different number of symbols than the block's tokens");
-    if (!decode_) return;
+    if (!decode_ || !keep) return;
+    sd.decoded_groups += p.n_groups;
     const std::size_t t0 = b.token_begin;
     for (std::size_t s = 0; s < n_slices; ++s) {
       append_floats(sd.parts.scales[s], scales.subspan(s * meta * 4, meta * 4), r, true);
@@ -231,20 +262,44 @@ class FileReader {
       if (!std::isfinite(out[i]) || (scale && out[i] < 0)) r.fail(fmt::format("a {} is {} (corrupt data)", scale ? "scale" : "minimum", out[i]));
   }
 
-  void read_rows(const BlockHeader& b, std::span<const std::uint8_t> body, SideData& sd) {
+  void read_rows(const BlockHeader& b, std::span<const std::uint8_t> body, SideData& sd, bool keep) {
     const unsigned __int128 want = static_cast<unsigned __int128>(b.token_count) * slices() * h_.dim(b.side) * dtype_size(h_.dtype);
     if (body.size() != want) fail_at(b, fmt::format("holds {} bytes, its rows need {}", body.size(), static_cast<std::uint64_t>(want)));
     (h_.layers[b.layer].cls == CacheClass::CacheGen ? sd.bytes.residual : sd.bytes.payload) += body.size();
-    if (decode_) sd.rows.push_back(body);
+    if (decode_ && keep) {
+      sd.rows.push_back(body);
+      sd.row_tokens += b.token_count;
+    }
   }
 
   // Dense [B, H, offset, D] of one side: CacheGen reconstructions of the closed groups, then rows.
+  // Tokens decoded for a side: its decoded groups, then its rows (all of them unless a prefix load).
+  std::uint64_t decoded_tokens(std::size_t l, int side) const {
+    const SideData& sd = sides_[l][static_cast<std::size_t>(side)];
+    return vqkv::quantized_tokens(groups_[l][static_cast<std::size_t>(side)]) + sd.row_tokens;
+  }
+
+  // A prefix load decoded only the first groups: drop the others and cut the pieces to match.
+  void keep_decoded_groups(std::size_t l, int side) {
+    SideData& sd = sides_[l][static_cast<std::size_t>(side)];
+    auto& groups = groups_[l][static_cast<std::size_t>(side)];
+    if (sd.decoded_groups == groups.size()) return;
+    groups.resize(sd.decoded_groups);
+    std::uint64_t left = vqkv::quantized_tokens(groups);
+    auto& pieces = sd.parts.piece_tokens;
+    std::size_t i = 0;
+    for (; i < pieces.size() && left > 0; ++i) {
+      pieces[i] = static_cast<std::int64_t>(std::min<std::uint64_t>(static_cast<std::uint64_t>(pieces[i]), left));
+      left -= static_cast<std::uint64_t>(pieces[i]);
+    }
+    pieces.resize(i);
+  }
+
   Tensor dense_side(std::size_t l, int side) const {
-    const vqkv::LayerEntry& e = h_.layers[l];
     const SideData& sd = sides_[l][static_cast<std::size_t>(side)];
     const std::int64_t d = h_.dim(side);
-    Tensor x = Tensor::uninitialized({h_.batch, h_.heads, static_cast<std::int64_t>(e.offset), d}, h_.dtype);
-    const std::uint64_t q = e.cls == CacheClass::CacheGen ? vqkv::quantized_tokens(groups_[l][static_cast<std::size_t>(side)]) : 0;
+    Tensor x = Tensor::uninitialized({h_.batch, h_.heads, static_cast<std::int64_t>(decoded_tokens(l, side)), d}, h_.dtype);
+    const std::uint64_t q = vqkv::quantized_tokens(groups_[l][static_cast<std::size_t>(side)]);
     std::vector<float> buf;
     for (std::int64_t s = 0; s < static_cast<std::int64_t>(slices()); ++s) {
       const std::int64_t b = s / h_.heads, hh = s % h_.heads;
@@ -275,18 +330,31 @@ class FileReader {
     return x;
   }
 
+  // The layer's cache as saved, or, for a prefix load, built from what was decoded (a whole number
+  // of chunks) and trimmed to the prefix, as trim() would leave the saved cache.
   std::shared_ptr<KVCache> build_layer(std::size_t l) {
     const vqkv::LayerEntry& e = h_.layers[l];
+    std::shared_ptr<KVCache> c;
     if (e.cls == CacheClass::Plain) {
-      auto c = std::make_shared<KVCache>();
-      if (e.offset > 0) c->from_state({dense_side(l, 0), dense_side(l, 1)});
-      return c;
+      c = std::make_shared<KVCache>();
+      if (e.offset > 0 && prefix_ > 0) c->from_state({dense_side(l, 0), dense_side(l, 1)});
+    } else {
+      c = build_cachegen(l);
     }
+    if (c->offset() > static_cast<std::int64_t>(prefix_)) c->trim(c->offset() - static_cast<std::int64_t>(prefix_));
+    return c;
+  }
+
+  std::shared_ptr<KVCache> build_cachegen(std::size_t l) {
+    const vqkv::LayerEntry& e = h_.layers[l];
     auto c = std::make_shared<CacheGenKVCache>(e.config);
-    if (e.offset == 0) return c;
+    if (e.offset == 0 || prefix_ == 0) return c;
+    keep_decoded_groups(l, 0);
+    keep_decoded_groups(l, 1);
     CacheGenState st;
     st.config = e.config;
-    st.offset = static_cast<std::int64_t>(e.offset);
+    st.offset = static_cast<std::int64_t>(decoded_tokens(l, 0));
+    if (decoded_tokens(l, 1) != decoded_tokens(l, 0)) throw FormatError(fmt::format("vqkv: layer {}: keys and values cover different tokens", l));
     st.keys = dense_side(l, 0);
     st.values = dense_side(l, 1);
     const int bits = e.config.effective_bits();
@@ -305,6 +373,8 @@ class FileReader {
   std::span<const std::uint8_t> file_;
   bool decode_;
   RansKernel kernel_;
+  std::optional<std::int64_t> max_tokens_;
+  std::uint64_t prefix_ = 0;  // tokens to load
   vqkv::Header h_;
   VqkvBytes file_bytes_;
   std::vector<std::array<SideData, 2>> sides_;
@@ -315,7 +385,8 @@ class FileReader {
 }  // namespace
 
 PromptCache deserialize_prompt_cache(std::span<const std::uint8_t> bytes, const VqkvLoadOptions& options) {
-  FileReader r(bytes, true, options.kernel);
+  require(!options.max_tokens || *options.max_tokens >= 0, fmt::format("max_tokens must be >= 0, got {}", options.max_tokens.value_or(0)));
+  FileReader r(bytes, true, options.kernel, options.max_tokens);
   r.run();
   return r.caches();
 }

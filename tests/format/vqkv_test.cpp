@@ -119,6 +119,38 @@ TEST(Vqkv, RoundTripIsExactAndTheLoadedCacheKeepsWorking) {
   }
 }
 
+TEST(Vqkv, PrefixLoadEqualsTheSavedCacheTrimmed) {
+  using F = vq::FlushMode;
+  const auto k = vqtest::random_walk({1, 2, 100, 8}, 21, vq::DType::F16);
+  const auto v = vqtest::random_walk({1, 2, 100, 8}, 22, vq::DType::F16);
+  auto make = [&] {
+    Caches c = {std::make_shared<vq::CacheGenKVCache>(cfg(4, 16, F::GroupAligned)), std::make_shared<vq::CacheGenKVCache>(cfg(3, 8, F::PerCall)),
+                std::make_shared<vq::KVCache>()};
+    feed(*c[0], k, v, 0, 100, 0);
+    feed(*c[1], k, v, 0, 100, 13);
+    feed(*c[2], k, v, 0, 100, 0);
+    return c;
+  };
+  const auto bytes = vq::serialize_prompt_cache(make(), {}, {.chunk_tokens = 24});
+  for (const std::int64_t prefix : {0, 1, 15, 16, 24, 30, 48, 95, 96, 99, 100, 500}) {
+    SCOPED_TRACE(prefix);
+    Caches want = make();
+    for (auto& c : want) c->trim(std::max<std::int64_t>(0, 100 - prefix));
+    const auto got = vq::deserialize_prompt_cache(bytes, {.max_tokens = prefix});
+    for (std::size_t l = 0; l < want.size(); ++l) expect_same_cache(*want[l], *got.caches[l], fmt::format("layer {}", l));
+  }
+  // A stream cut after the first chunk (tokens 0..23 of every layer) still gives its prefix.
+  const auto blocks = block_offsets(bytes);
+  const std::vector<std::uint8_t> head(bytes.begin(), bytes.begin() + static_cast<std::ptrdiff_t>(blocks[4 + 6]));  // 4 TABLES + 6 blocks
+  const auto got = vq::deserialize_prompt_cache(head, {.max_tokens = 20});
+  Caches want = make();
+  for (auto& c : want) c->trim(80);
+  for (std::size_t l = 0; l < want.size(); ++l) expect_same_cache(*want[l], *got.caches[l], fmt::format("cut stream, layer {}", l));
+  EXPECT_THROW((void)vq::deserialize_prompt_cache(head), vq::FormatError);  // a whole load needs the whole file
+  EXPECT_THROW((void)vq::deserialize_prompt_cache(head, {.max_tokens = 30}), vq::FormatError);
+  EXPECT_THROW((void)vq::deserialize_prompt_cache(bytes, {.max_tokens = -1}), vq::InvalidArgument);
+}
+
 TEST(Vqkv, PlainAndEmptyLayersAndMetadata) {
   const auto k = vqtest::random_walk({1, 2, 70, 8}, 1);
   const auto v = vqtest::random_walk({1, 2, 70, 6}, 2);

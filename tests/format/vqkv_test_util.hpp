@@ -17,13 +17,15 @@ inline void wr(std::vector<std::uint8_t>& b, std::size_t at, std::uint64_t v, in
   for (int i = 0; i < n; ++i) b[at + static_cast<std::size_t>(i)] = static_cast<std::uint8_t>(v >> (8 * i));
 }
 
-// Offsets of the blocks of a well-formed file (after the header section).
+// Offsets of the blocks of a file (after the header section), as far as its sizes make sense.
 inline std::vector<std::size_t> block_offsets(const std::vector<std::uint8_t>& b) {
   std::size_t pos = 16 + static_cast<std::size_t>(b[12] | b[13] << 8 | b[14] << 16 | b[15] << 24) + 8;
   std::vector<std::size_t> out;
   while (pos + 40 <= b.size()) {
     out.push_back(pos);
-    pos += 32 + rd64(b, pos + 24) + 8;
+    const std::uint64_t body = rd64(b, pos + 24);
+    if (body > b.size()) break;  // corrupt (no wrap-around on arbitrary input)
+    pos += 32 + body + 8;
   }
   return out;
 }

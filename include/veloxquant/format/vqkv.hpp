@@ -49,6 +49,12 @@ struct VqkvSaveOptions {
 
 struct VqkvLoadOptions {
   RansKernel kernel = RansKernel::Auto;
+  // Load only the first max_tokens tokens (a prefix): the reader decodes the chunks that cover them
+  // and stops reading after the last block it needs, so a partly received file (a stream cut at a
+  // block boundary) loads too. The caches are then what trim() would leave of the saved ones: a
+  // group the prefix cuts is reopened, its kept rows (reconstructions) in the residual. Not set, or
+  // >= the file's tokens: the whole file, END block and all, must be present.
+  std::optional<std::int64_t> max_tokens;
 };
 
 struct PromptCache {
