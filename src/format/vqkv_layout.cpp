@@ -1,6 +1,9 @@
 #include "vqkv_layout.hpp"
 
 #include <xxhash.h>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 namespace vq::vqkv {
 
@@ -249,6 +252,65 @@ std::optional<PlannedBlock> BlockPlan::next() {
     return p;
   }
   return std::nullopt;
+}
+
+#if defined(__SSE2__)
+namespace {
+// Transpose 16 rows of 16 bytes in place: r[i] byte j becomes r[j] byte i.
+inline void transpose16x16(__m128i r[16]) {
+  for (int round = 0; round < 4; ++round) {
+    __m128i t[16];
+    for (int i = 0; i < 8; ++i) {
+      t[2 * i] = _mm_unpacklo_epi8(r[i], r[i + 8]);
+      t[2 * i + 1] = _mm_unpackhi_epi8(r[i], r[i + 8]);
+    }
+    for (int i = 0; i < 16; ++i) r[i] = t[i];
+  }
+}
+}  // namespace
+#endif
+
+void codes_to_symbols(const std::uint8_t* codes, std::size_t tokens, std::size_t dim, std::uint16_t* symbols, std::size_t ld) {
+  std::size_t t0 = 0, c0 = 0;
+#if defined(__SSE2__)
+  const __m128i zero = _mm_setzero_si128();
+  for (; t0 + 16 <= tokens; t0 += 16)
+    for (c0 = 0; c0 + 16 <= dim; c0 += 16) {
+      __m128i r[16];
+      for (int i = 0; i < 16; ++i) r[i] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + (t0 + static_cast<std::size_t>(i)) * dim + c0));
+      transpose16x16(r);  // r[j] = channel c0 + j, tokens t0 .. t0 + 15
+      for (int j = 0; j < 16; ++j) {
+        std::uint16_t* out = symbols + (c0 + static_cast<std::size_t>(j)) * ld + t0;
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm_unpacklo_epi8(r[j], zero));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 8), _mm_unpackhi_epi8(r[j], zero));
+      }
+    }
+  // Edges: the last dim % 16 channels of the blocked tokens, then the last tokens % 16 tokens.
+  for (std::size_t t = 0; t < t0; ++t)
+    for (std::size_t c = c0; c < dim; ++c) symbols[c * ld + t] = codes[t * dim + c];
+#endif
+  for (std::size_t c = 0; c < dim; ++c)
+    for (std::size_t t = t0; t < tokens; ++t) symbols[c * ld + t] = codes[t * dim + c];
+}
+
+void symbols_to_codes(const std::uint16_t* symbols, std::size_t ld, std::size_t tokens, std::size_t dim, std::uint8_t* codes) {
+  std::size_t t0 = 0, c0 = 0;
+#if defined(__SSE2__)
+  for (; t0 + 16 <= tokens; t0 += 16)
+    for (c0 = 0; c0 + 16 <= dim; c0 += 16) {
+      __m128i r[16];
+      for (int j = 0; j < 16; ++j) {  // symbols are codes < 256: packus keeps them exactly
+        const std::uint16_t* in = symbols + (c0 + static_cast<std::size_t>(j)) * ld + t0;
+        r[j] = _mm_packus_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in)), _mm_loadu_si128(reinterpret_cast<const __m128i*>(in + 8)));
+      }
+      transpose16x16(r);  // r[i] = token t0 + i, channels c0 .. c0 + 15
+      for (int i = 0; i < 16; ++i) _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + (t0 + static_cast<std::size_t>(i)) * dim + c0), r[i]);
+    }
+  for (std::size_t t = 0; t < t0; ++t)
+    for (std::size_t c = c0; c < dim; ++c) codes[t * dim + c] = static_cast<std::uint8_t>(symbols[c * ld + t]);
+#endif
+  for (std::size_t t = t0; t < tokens; ++t)
+    for (std::size_t c = 0; c < dim; ++c) codes[t * dim + c] = static_cast<std::uint8_t>(symbols[c * ld + t]);
 }
 
 }  // namespace vq::vqkv

@@ -185,21 +185,14 @@ class BlockPlan {
   void advance();
 };
 
-// dst[c * dst_ld + r] = src[r * src_ld + c] for r < rows, c < cols: codes [tokens][D] <->
-// channel-major symbols [D][tokens]. Tiled, and callers pad the channel-major side's leading
-// dimension (kSymbolPad): rows of 2048 uint16 lie 4 KiB apart, and such strides alias in the L1
-// cache, which made the naive loop 10x slower than the rANS coder itself.
+// Codes [tokens][D] (uint8) <-> channel-major symbols [D][tokens] (uint16), both ways. Callers pad
+// the channel-major side's leading dimension (kSymbolPad): rows of 2048 uint16 lie 4 KiB apart, and
+// such strides alias in the L1 cache. 16x16 byte blocks are transposed in SSE2 registers (four
+// rounds of byte unpacks transpose a 16x16 byte matrix); edges fall back to scalar loops. The naive
+// loop was several times slower than the rANS coder itself.
 inline constexpr std::size_t kSymbolPad = 32;
-template <class In, class Out>
-void transpose(const In* __restrict src, std::size_t src_ld, std::size_t rows, std::size_t cols, Out* __restrict dst, std::size_t dst_ld) {
-  constexpr std::size_t kTile = 32;
-  for (std::size_t r0 = 0; r0 < rows; r0 += kTile)
-    for (std::size_t c0 = 0; c0 < cols; c0 += kTile) {
-      const std::size_t r1 = std::min(rows, r0 + kTile), c1 = std::min(cols, c0 + kTile);
-      for (std::size_t c = c0; c < c1; ++c)
-        for (std::size_t r = r0; r < r1; ++r) dst[c * dst_ld + r] = static_cast<Out>(src[r * src_ld + c]);
-    }
-}
+void codes_to_symbols(const std::uint8_t* codes, std::size_t tokens, std::size_t dim, std::uint16_t* symbols, std::size_t ld);
+void symbols_to_codes(const std::uint16_t* symbols, std::size_t ld, std::size_t tokens, std::size_t dim, std::uint8_t* codes);
 
 // Tokens of a CacheGen side in closed groups.
 inline std::uint64_t quantized_tokens(const std::vector<Group>& g) { return g.empty() ? 0 : g.back().start + g.back().n; }

@@ -250,7 +250,7 @@ class FileReader {
       codes.resize((t0 + count) * d);
       std::uint8_t* out = codes.data() + t0 * d;
       const std::uint16_t* in = symbols_.data() + s * d * ld;
-      vqkv::transpose(in, ld, d, count, out, d);
+      vqkv::symbols_to_codes(in, ld, count, d, out);
     }
   }
 

@@ -143,7 +143,7 @@ void codes_block(std::vector<std::uint8_t>& body, std::vector<std::uint16_t>& sy
   for (std::size_t s = 0; s < slices; ++s) {
     const std::uint8_t* codes = q.codes(static_cast<std::int64_t>(s)).data() + t0 * d;
     std::uint16_t* out = symbols.data() + s * d * ld;
-    vqkv::transpose(codes, d, count, d, out, ld);
+    vqkv::codes_to_symbols(codes, count, d, out, ld);
     for (std::size_t c = 0; c < d; ++c)
       segs[s * d + c] = {std::span<const std::uint16_t>(out + c * ld, count), &side.tables[s * d + c]};
   }
