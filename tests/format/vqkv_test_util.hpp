@@ -35,8 +35,10 @@ inline void fix_checksums(std::vector<std::uint8_t>& b) {
   const std::size_t hs = 16 + static_cast<std::size_t>(b[12] | b[13] << 8 | b[14] << 16 | b[15] << 24);
   if (hs + 8 <= b.size()) wr(b, hs, XXH64(b.data(), hs, 0), 8);
   for (const std::size_t at : block_offsets(b)) {
-    const std::size_t n = 32 + rd64(b, at + 24);
-    if (at + n + 8 <= b.size()) wr(b, at + n, XXH64(b.data() + at, n, 0), 8);
+    const std::uint64_t body = rd64(b, at + 24);
+    if (body > b.size() || at + 40 + body > b.size()) continue;  // runs past the end (no wrap-around)
+    const std::size_t n = 32 + static_cast<std::size_t>(body);
+    wr(b, at + n, XXH64(b.data() + at, n, 0), 8);
   }
 }
 

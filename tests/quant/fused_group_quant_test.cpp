@@ -1,5 +1,7 @@
 #include "veloxquant/quant/fused_group_quant.hpp"
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <limits>
 #include <random>
@@ -40,6 +42,49 @@ TEST(FusedGroupQuant, FastPathEqualsPortableBitForBit) {
           ASSERT_EQ(0, std::memcmp(ma.data(), mb.data(), ma.size() * 4));
           ASSERT_EQ(out_a, out_b);
         }
+}
+
+// Values whose quotient (x - min) / scale lies at or within a few ulps of a half-integer, where a
+// kernel that rounded an approximate quotient would pick the other code: the fast path must still
+// equal the portable path (the reference's division) bit for bit.
+TEST(FusedGroupQuant, NearTiesEqualPortable) {
+  std::mt19937 rng(5);
+  std::uniform_real_distribution<float> span(0.01f, 100.0f), base(-50.0f, 50.0f);
+  std::uniform_int_distribution<int> ulps(-4, 4);
+  for (int bits : {2, 4, 8})
+    for (int trial = 0; trial < 200; ++trial) {
+      const int rows = 32, dim = 32, levels = (1 << bits) - 1;
+      std::vector<float> f(static_cast<std::size_t>(rows * dim));
+      for (int c = 0; c < dim; ++c) {
+        const float lo = base(rng), hi = lo + span(rng);
+        f[static_cast<std::size_t>(c)] = lo;                 // row 0: the minimum
+        f[static_cast<std::size_t>(dim + c)] = hi;           // row 1: the maximum
+        const float s = (hi - lo) / static_cast<float>(levels);
+        for (int r = 2; r < rows; ++r) {
+          const int k = static_cast<int>(rng() % static_cast<unsigned>(levels));
+          float x = lo + (static_cast<float>(k) + 0.5f) * s;  // near the tie between codes k and k + 1
+          for (int u = ulps(rng); u != 0; u += u > 0 ? -1 : 1) x = std::nextafter(x, u > 0 ? 1e30f : -1e30f);
+          f[static_cast<std::size_t>(r * dim + c)] = std::clamp(x, lo, hi);
+        }
+      }
+      std::vector<const std::byte*> in(rows);
+      std::vector<std::byte*> oa(rows), ob(rows);
+      std::vector<float> out_a(f.size()), out_b(f.size());
+      for (int r = 0; r < rows; ++r) {
+        in[static_cast<std::size_t>(r)] = reinterpret_cast<const std::byte*>(f.data() + r * dim);
+        oa[static_cast<std::size_t>(r)] = reinterpret_cast<std::byte*>(out_a.data() + r * dim);
+        ob[static_cast<std::size_t>(r)] = reinterpret_cast<std::byte*>(out_b.data() + r * dim);
+      }
+      std::vector<std::uint8_t> qa(f.size()), qb(f.size());
+      std::vector<float> sa(dim), sb(dim), ma(dim), mb(dim);
+      vq::FusedGroupScratch scratch;
+      ASSERT_EQ(vq::quantize_group_rows(in.data(), oa.data(), rows, dim, bits, vq::DType::F32, qa.data(), sa.data(), ma.data(), scratch),
+                vq::QuantStatus::Ok);
+      ASSERT_EQ(vq::quantize_group_rows_portable(in.data(), ob.data(), rows, dim, bits, vq::DType::F32, qb.data(), sb.data(), mb.data(), scratch),
+                vq::QuantStatus::Ok);
+      ASSERT_EQ(qa, qb) << "bits " << bits << " trial " << trial;
+      ASSERT_EQ(0, std::memcmp(out_a.data(), out_b.data(), out_a.size() * 4));
+    }
 }
 
 TEST(FusedGroupQuant, InPlaceAndOverflow) {
