@@ -13,13 +13,18 @@ inline std::uint64_t rd64(const std::vector<std::uint8_t>& b, std::size_t at) {
   for (int i = 0; i < 8; ++i) v |= static_cast<std::uint64_t>(b[at + static_cast<std::size_t>(i)]) << (8 * i);
   return v;
 }
+inline std::size_t header_end(const std::vector<std::uint8_t>& b) {  // 16 + the header body size
+  std::uint32_t v = 0;
+  for (int i = 0; i < 4; ++i) v |= static_cast<std::uint32_t>(b[12 + static_cast<std::size_t>(i)]) << (8 * i);
+  return 16 + static_cast<std::size_t>(v);
+}
 inline void wr(std::vector<std::uint8_t>& b, std::size_t at, std::uint64_t v, int n) {
   for (int i = 0; i < n; ++i) b[at + static_cast<std::size_t>(i)] = static_cast<std::uint8_t>(v >> (8 * i));
 }
 
 // Offsets of the blocks of a file (after the header section), as far as its sizes make sense.
 inline std::vector<std::size_t> block_offsets(const std::vector<std::uint8_t>& b) {
-  std::size_t pos = 16 + static_cast<std::size_t>(b[12] | b[13] << 8 | b[14] << 16 | b[15] << 24) + 8;
+  std::size_t pos = header_end(b) + 8;
   std::vector<std::size_t> out;
   while (pos + 40 <= b.size()) {
     out.push_back(pos);
@@ -32,7 +37,7 @@ inline std::vector<std::size_t> block_offsets(const std::vector<std::uint8_t>& b
 
 // Recompute every checksum, so a mutation reaches the checks behind them.
 inline void fix_checksums(std::vector<std::uint8_t>& b) {
-  const std::size_t hs = 16 + static_cast<std::size_t>(b[12] | b[13] << 8 | b[14] << 16 | b[15] << 24);
+  const std::size_t hs = header_end(b);
   if (hs + 8 <= b.size()) wr(b, hs, XXH64(b.data(), hs, 0), 8);
   for (const std::size_t at : block_offsets(b)) {
     const std::uint64_t body = rd64(b, at + 24);
