@@ -19,6 +19,7 @@
 #include <chrono>
 #include <cstring>
 #include <memory>
+#include <map>
 #include <optional>
 #include <string>
 #include <utility>
@@ -30,6 +31,7 @@
 
 #include "veloxquant/cache/builder.hpp"
 #include "veloxquant/cache/cachegen_cache.hpp"
+#include "veloxquant/format/vqkv.hpp"
 #include "veloxquant/cache/config.hpp"
 #include "veloxquant/cache/kv_cache.hpp"
 #include "veloxquant/core/error.hpp"
@@ -226,6 +228,8 @@ PYBIND11_MODULE(veloxquant, m) {
       if (p) std::rethrow_exception(p);
     } catch (const vq::InvalidArgument& e) {
       PyErr_SetString(PyExc_ValueError, e.what());
+    } catch (const vq::IoError& e) {
+      PyErr_SetString(PyExc_OSError, e.what());
     } catch (const vq::Error& e) {
       PyErr_SetString(PyExc_RuntimeError, e.what());
     }
@@ -318,6 +322,34 @@ PYBIND11_MODULE(veloxquant, m) {
           "model"_a, "config"_a = py::none(),
           "One cache per layer: a CacheGenKVCache with the layer schedule's bits for each attention layer, a KVCache for "
           "layers without attention (None). model: list of head dims, or an object with layer_head_dims.");
+
+  m.def(
+      "save_prompt_cache",
+      [](const std::string& file, const std::vector<std::shared_ptr<vq::KVCache>>& cache,
+         std::optional<std::map<std::string, std::string>> metadata) {
+        vq::save_prompt_cache(file, cache, metadata.value_or(vq::PromptMetadata{}));
+      },
+      "file"_a, "cache"_a, "metadata"_a = py::none(),
+      "mlx_lm's save_prompt_cache: write the per-layer caches (KVCache / CacheGenKVCache) and string metadata to a .vqkv "
+      "file (docs/format.md), atomically. ValueError for a cache class the format cannot hold, OSError when writing fails.");
+  m.def(
+      "load_prompt_cache",
+      [](const std::string& file, bool return_metadata) -> py::object {
+        vq::PromptCache pc = vq::load_prompt_cache(file);
+        py::list caches;
+        for (auto& c : pc.caches) {
+          if (auto cg = std::dynamic_pointer_cast<vq::CacheGenKVCache>(c))
+            caches.append(py::cast(cg));
+          else
+            caches.append(py::cast(c));
+        }
+        if (return_metadata) return py::make_tuple(caches, py::cast(pc.metadata));
+        return std::move(caches);
+      },
+      "file"_a, "return_metadata"_a = false,
+      "mlx_lm's load_prompt_cache: the caches saved in a .vqkv file, the same classes and configurations, fetching bit "
+      "for bit what the saved caches fetched (and (caches, metadata) with return_metadata=True). RuntimeError for a "
+      "malformed file, OSError when it cannot be read.");
 
   m.def("layer_group_bits", &vq::layer_group_bits, "n_layers"_a, "base_bits"_a, "n_groups"_a = 3,
         "CacheGen's layer-wise bit schedule: deeper layers get fewer bits (never below 2).");

@@ -152,3 +152,37 @@ def test_error_classes():
         vq.CacheGenKVCache().trim(-2)
     assert not isinstance(e.value, RuntimeError)
     assert "must be >= 0" in str(e.value)
+
+
+def test_save_and_load_prompt_cache_round_trip(tmp_path):
+    rng = np.random.default_rng(3)
+    k = np.cumsum(rng.normal(0, 0.05, (1, 2, 70, 16)), axis=2).astype(np.float16)
+    caches = vq.KVCacheBuilder.for_model([16, 16, None], vq.KVCacheConfig(cachegen_bits=3))
+    fetched = [c.update_and_fetch(k, k) for c in caches[:2]]
+    path = str(tmp_path / "prompt.vqkv")
+    vq.save_prompt_cache(path, caches, {"model": "test"})
+    loaded, meta = vq.load_prompt_cache(path, return_metadata=True)
+    assert meta == {"model": "test"}
+    assert [type(c).__name__ for c in loaded] == ["CacheGenKVCache", "CacheGenKVCache", "KVCache"]
+    assert loaded[0].config.cachegen_resolved_bits != loaded[1].config.cachegen_resolved_bits
+    for c, saved, (fk, fv) in zip(loaded, caches, fetched):
+        assert c.offset == 70 and c.config == saved.config  # resolved bits of the schedule included
+        keys, values = c.state
+        assert np.array_equal(keys.view(np.uint16), fk.view(np.uint16)) and np.array_equal(values.view(np.uint16), fv.view(np.uint16))
+        assert (c.encoded_key_bytes, c.compressed_value_bytes) == (saved.encoded_key_bytes, saved.compressed_value_bytes)
+    assert loaded[2].offset == 0
+    # The loaded cache keeps working like the saved one.
+    k2 = k[:, :, :5]
+    a = caches[0].update_and_fetch(k2, k2)[0]
+    b = loaded[0].update_and_fetch(k2, k2)[0]
+    assert np.array_equal(a.view(np.uint16), b.view(np.uint16))
+    assert vq.load_prompt_cache(path)[0].offset == 70
+
+
+def test_load_prompt_cache_errors(tmp_path):
+    with pytest.raises(OSError):
+        vq.load_prompt_cache(str(tmp_path / "missing.vqkv"))
+    bad = tmp_path / "bad.vqkv"
+    bad.write_bytes(b"not a cache at all")
+    with pytest.raises(RuntimeError, match="vqkv"):
+        vq.load_prompt_cache(str(bad))
