@@ -344,7 +344,7 @@ PYBIND11_MODULE(veloxquant, m) {
             caches.append(py::cast(c));
         }
         if (return_metadata) return py::make_tuple(caches, py::cast(pc.metadata));
-        return std::move(caches);
+        return caches;
       },
       "file"_a, "return_metadata"_a = false,
       "mlx_lm's load_prompt_cache: the caches saved in a .vqkv file, the same classes and configurations, fetching bit "

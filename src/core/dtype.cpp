@@ -127,6 +127,7 @@ bool cpu_has_f16c() {
 }  // namespace
 
 void to_f32(const void* src, DType src_dtype, float* dst, std::size_t n) {
+  if (n == 0) return;  // empty tensors may have null buffers (memcpy must not see them)
   switch (src_dtype) {
     case DType::F32:
       std::memcpy(dst, src, n * sizeof(float));
@@ -148,6 +149,7 @@ void to_f32(const void* src, DType src_dtype, float* dst, std::size_t n) {
 }
 
 void from_f32(const float* src, void* dst, DType dst_dtype, std::size_t n) {
+  if (n == 0) return;  // empty tensors may have null buffers (memcpy must not see them)
   switch (dst_dtype) {
     case DType::F32:
       std::memcpy(dst, src, n * sizeof(float));
