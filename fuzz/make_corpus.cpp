@@ -1,16 +1,22 @@
-// Writes the seed corpus: valid blocks and tables of several shapes, and a few broken ones.
+// Writes the seed corpus of every fuzz target: valid inputs of several shapes, and a few broken ones.
 //   vq_fuzz_make_corpus fuzz/corpus   (run from the repository root; files are committed)
 #include <cstdint>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <memory>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "veloxquant/cache/cachegen_cache.hpp"
 #include "veloxquant/entropy/rans.hpp"
 #include "veloxquant/format/vqkv.hpp"
+#include "veloxquant/peers/cachegen_paper_cache.hpp"
+#include "veloxquant/peers/lmcache_cache.hpp"
+#include "veloxquant/vq/vq_cache.hpp"
+#include "cachegen_paper_fuzz_profile.hpp"
 
 namespace {
 
@@ -25,6 +31,33 @@ std::vector<std::uint16_t> codes(int alphabet, std::size_t n, unsigned seed) {
   std::vector<std::uint16_t> s(n);
   for (auto& v : s) v = static_cast<std::uint16_t>(std::min(g(rng), alphabet - 1));
   return s;
+}
+
+// [1, H, S, D] of N(0, 1) values (all zero when `zero`).
+vq::Tensor normal(std::int64_t H, std::int64_t S, std::int64_t D, std::mt19937& rng, bool zero = false) {
+  std::normal_distribution<float> nd;
+  std::vector<float> x(static_cast<std::size_t>(H * S * D));
+  for (auto& v : x) v = zero ? 0.0f : nd(rng);
+  return vq::Tensor::from_f32({1, H, S, D}, x);
+}
+
+// Every chunk of sequence 0 of `cache`, behind the header byte its fuzz target expects, as valid_*,
+// and a truncated and a bit-flipped copy of each.
+template <class Cache>
+void write_chunks(const std::filesystem::path& dir, const Cache& cache, std::uint8_t header, int& n) {
+  for (std::int64_t c = 0; c < cache.chunks(); ++c) {
+    std::vector<std::uint8_t> b{header};
+    const auto chunk = cache.encode_chunk(0, c);
+    b.insert(b.end(), chunk.begin(), chunk.end());
+    write(dir, "valid_" + std::to_string(n), b);
+    auto cut = b;
+    cut.resize(b.size() * 2 / 3);
+    write(dir, "truncated_" + std::to_string(n), cut);
+    auto flip = b;
+    flip[b.size() / 2] ^= 0x04;
+    write(dir, "flipped_" + std::to_string(n), flip);
+    ++n;
+  }
 }
 
 }  // namespace
@@ -80,6 +113,90 @@ int main(int argc, char** argv) {
     write(vk, "truncated_" + std::to_string(f), cut);
     ++f;
   }
+  // LMCache chunks (fuzz_lmcache_chunk): header byte = the shape (K channels - 1, V channels - 1 << 3,
+  // 16 key bins << 6, 16 value bins << 7); K [1, 2, S, 4], V [1, 2, S, 2], chunk 16, 21 tokens
+  // (a whole and a partial chunk), at layers of a 32-layer model with each bins pair.
+  const auto lm = root / "fuzz_lmcache_chunk";
+  std::mt19937 lrng(7);
+  int n = 0;
+  for (auto [layer, zero] : {std::pair{0, false}, {5, false}, {20, false}, {20, true}}) {
+    vq::LmcacheKVCache cache({.chunk = 16}, layer, 32);
+    cache.update_and_fetch(normal(2, 21, 4, lrng, zero), normal(2, 21, 2, lrng, zero));
+    const auto header = static_cast<std::uint8_t>(7 | 3 << 3 | (cache.bins().key == 16) << 6 | (cache.bins().value == 16) << 7);
+    write_chunks(lm, cache, header, n);
+  }
+  write(lm, "empty", {});
+  write(lm, "zero_tokens", {0x1f, 0});
+  // cachegen_paper chunks (fuzz_cachegen_paper_chunk): header byte = the layer of the fuzz profile;
+  // chunk 16 (4 groups), 21 tokens.
+  const auto cg = root / "fuzz_cachegen_paper_chunk";
+  const auto profile = std::make_shared<const vq::CachegenPaperProfile>(vqfuzz::cachegen_fuzz_profile());
+  vq::CachegenPaperConfig cfg_cg;
+  cfg_cg.group = vqfuzz::kCachegenFuzzGroup;
+  cfg_cg.chunk = 16;
+  std::mt19937 crng(8);
+  n = 0;
+  for (int layer = 0; layer < 3; ++layer) {
+    const std::int64_t ck = vqfuzz::kCachegenFuzzChannels[layer][0], cv = vqfuzz::kCachegenFuzzChannels[layer][1];
+    const std::int64_t H = layer == 0 ? 4 : 1;
+    vq::CachegenPaperKVCache cache(cfg_cg, layer, 3, profile);
+    cache.update_and_fetch(normal(H, 21, ck / H, crng), normal(H, 21, cv / H, crng));
+    write_chunks(cg, cache, static_cast<std::uint8_t>(layer), n);
+  }
+  write(cg, "empty", {});
+  // cachegen_paper profiles (fuzz_cachegen_paper_profile): the fuzz profile, a one-layer one, cuts.
+  const auto pf = root / "fuzz_cachegen_paper_profile";
+  vq::CachegenPaperProfile one;
+  one.layers.resize(1);
+  for (int kv = 0; kv < 2; ++kv) {
+    auto& t = one.layers[0][kv];
+    t.channels = 1;
+    t.delta_max_q = 2;  // bin 0.5
+    t.anchor_counts.assign(1, std::vector<std::uint32_t>(vq::kCachegenAnchorAlphabet));
+    t.anchor_counts[0][127] = 300;
+    t.anchor_counts[0][130] = 5;
+    t.delta_counts.assign(1, std::vector<std::uint32_t>{1, 20, 200, 20, 1});
+  }
+  one.tokens = 12;
+  n = 0;
+  for (const auto& p : {profile->serialize(), one.serialize()}) {
+    write(pf, "valid_" + std::to_string(n), p);
+    auto cut = p;
+    cut.resize(p.size() - 1);
+    write(pf, "truncated_" + std::to_string(n), cut);
+    ++n;
+  }
+  auto bad_magic = one.serialize();
+  bad_magic[7] = '2';
+  write(pf, "bad_magic", bad_magic);
+  write(pf, "empty", {});
+  // vq layers (fuzz_vq_layer): caches of our method at low and high rates (the high one splits
+  // codes), with and without an exact window, one of batch 2; a cut and a flipped copy of each.
+  const auto vl = root / "fuzz_vq_layer";
+  std::mt19937 vrng(9);
+  n = 0;
+  for (auto [bits, batch, residual] : {std::tuple{2.0, 1, 0}, {8.0, 1, 0}, {1.0, 2, 3}, {4.0, 1, 30}}) {
+    vq::VqConfig vcfg;
+    vcfg.bits = bits;
+    vcfg.calib = 8;
+    vcfg.residual = residual;
+    vq::VqKVCache cache(vcfg);
+    std::vector<float> x(static_cast<std::size_t>(batch * 2 * 20 * 4));
+    std::normal_distribution<float> nd;
+    for (std::size_t i = 0; i < x.size(); ++i) x[i] = nd(vrng) * (i % 4 == 3 ? 500.0f : 1.0f);
+    const auto t = vq::Tensor::from_f32({batch, 2, 20, 4}, x);
+    cache.update_and_fetch(t, t);
+    const auto b = cache.encode();
+    write(vl, "valid_" + std::to_string(n), b);
+    auto cut = b;
+    cut.resize(b.size() * 2 / 3);
+    write(vl, "truncated_" + std::to_string(n), cut);
+    auto flip = b;
+    flip[b.size() / 2] ^= 0x08;
+    write(vl, "flipped_" + std::to_string(n), flip);
+    ++n;
+  }
+  write(vl, "empty", {});
   std::printf("corpus written under %s\n", root.c_str());
   return 0;
 }

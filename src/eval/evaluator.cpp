@@ -35,6 +35,7 @@ void EvalOptions::validate(int seq_len) const {
 void CacheBits::add(const CacheBits& o) {
   fixed_bytes += o.fixed_bytes;
   estimated_bytes += o.estimated_bytes;
+  coded_bytes += o.coded_bytes;
   elements += o.elements;
 }
 
@@ -49,6 +50,8 @@ CacheBits cache_bits(const std::vector<std::shared_ptr<KVCache>>& caches) {
     const CacheBytes b = c->stored_bytes();
     out.fixed_bytes += b.fixed_bytes;
     out.estimated_bytes += b.estimated_bytes;
+    const auto* cg = dynamic_cast<const CacheGenKVCache*>(c.get());
+    out.coded_bytes += cg ? static_cast<double>(cg->encoded_key_bytes() + cg->encoded_value_bytes()) : b.estimated_bytes;
   }
   return out;
 }
@@ -201,6 +204,7 @@ std::vector<MethodResult> evaluate(Transformer& model, const std::vector<int>& t
     r.top1 = static_cast<double>(acc[m].agree) / static_cast<double>(acc[m].tokens);
     r.bits_per_element_fixed = acc[m].bits.fixed_bits();
     r.bits_per_element_estimated = acc[m].bits.estimated_bits();
+    r.bits_per_element_coded = acc[m].bits.coded_bits();
     out.push_back(r);
   }
   return out;

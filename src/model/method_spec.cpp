@@ -1,6 +1,7 @@
 // Method spec parser and the caches it builds.
 #include "veloxquant/model/method_spec.hpp"
 
+#include <algorithm>
 #include <charconv>
 
 #include <fmt/core.h>
@@ -9,10 +10,14 @@
 #include "veloxquant/cache/cachegen_cache.hpp"
 #include "veloxquant/core/dtype.hpp"
 #include "veloxquant/core/error.hpp"
+#include "veloxquant/model/cachegen_profile.hpp"
 #include "veloxquant/model/transformer.hpp"
+#include "veloxquant/peers/cachegen_paper_cache.hpp"
 #include "veloxquant/peers/fp8_cache.hpp"
 #include "veloxquant/peers/ggml_block_cache.hpp"
 #include "veloxquant/peers/kivi_cache.hpp"
+#include "veloxquant/peers/lmcache_cache.hpp"
+#include "method_spec_vq.hpp"
 
 namespace vq {
 
@@ -24,6 +29,15 @@ int parse_int(const std::string& key, const std::string& value, const std::strin
   auto [p, ec] = std::from_chars(value.data(), end, v);
   if (ec != std::errc() || p != end || value.empty())
     throw InvalidArgument(fmt::format("method '{}': {}={} is not an integer", spec, key, value));
+  return v;
+}
+
+double parse_double(const std::string& key, const std::string& value, const std::string& spec) {
+  double v = 0;
+  const auto* end = value.data() + value.size();
+  auto [p, ec] = std::from_chars(value.data(), end, v);
+  if (ec != std::errc() || p != end || value.empty())
+    throw InvalidArgument(fmt::format("method '{}': {}={} is not a number", spec, key, value));
   return v;
 }
 
@@ -54,7 +68,9 @@ void for_each_option(const std::string& spec, const std::string& args, bool has_
 
 constexpr const char* kValidMethods =
     "fp32, fp16, cachegen[:bits=N,group=G,flush=per_call|group_aligned,delta=0|1,schedule=on|off], "
-    "kivi[:bits=2|4,group=G,residual=R], q8_0, q4_0, q4_1, fp8";
+    "kivi[:bits=2|4,group=G,residual=R], q8_0, q4_0, q4_1, fp8, lmcache[:chunk=N,schedule=scaled|native], "
+    "cachegen_paper[:bin1=B,bin2=B,bin3=B,group=G,chunk=N,profile=PATH,profile_tokens=N], "
+    "vq[:bits=B,calib=N,residual=N,alloc=flat|K0/V0/...,basis=weights|hadamard|identity,shape=on|off,rope=on|off]";
 
 }  // namespace
 
@@ -92,6 +108,52 @@ MethodSpec MethodSpec::parse(const std::string& spec) {
     }
     return m;
   }
+  if (name == "lmcache") {
+    m.kind = Kind::Lmcache;
+    constexpr const char* keys = "chunk, schedule";
+    for_each_option(spec, args, has_colon, keys, [&](const std::string& key, const std::string& value) {
+      if (key == "chunk")
+        m.lmcache.chunk = parse_int(key, value, spec);
+      else if (key == "schedule")
+        m.lmcache.scaled = parse_bool(key, value, spec, "scaled", "native");
+      else
+        throw InvalidArgument(fmt::format("method '{}': unknown key '{}' for lmcache; valid keys are {}", spec, key, keys));
+    });
+    try {
+      m.lmcache.validate();
+    } catch (const InvalidArgument& e) {
+      throw InvalidArgument(fmt::format("method '{}': {}", spec, e.what()));
+    }
+    return m;
+  }
+  if (name == "cachegen_paper") {
+    m.kind = Kind::CachegenPaper;
+    constexpr const char* keys = "bin1, bin2, bin3, group, chunk, profile, profile_tokens";
+    for_each_option(spec, args, has_colon, keys, [&](const std::string& key, const std::string& value) {
+      auto& c = m.cachegen_paper;
+      if (key == "bin1" || key == "bin2" || key == "bin3")
+        c.bins[static_cast<std::size_t>(key[3] - '1')] = parse_double(key, value, spec);
+      else if (key == "group")
+        c.group = parse_int(key, value, spec);
+      else if (key == "chunk")
+        c.chunk = parse_int(key, value, spec);
+      else if (key == "profile" && !value.empty())
+        c.profile = value;
+      else if (key == "profile_tokens")
+        c.profile_tokens = parse_int(key, value, spec);
+      else if (key == "profile")
+        throw InvalidArgument(fmt::format("method '{}': profile= needs a path (a file written by `veloxquant profile`)", spec));
+      else
+        throw InvalidArgument(fmt::format("method '{}': unknown key '{}' for cachegen_paper; valid keys are {}", spec, key, keys));
+    });
+    try {
+      m.cachegen_paper.validate();
+    } catch (const InvalidArgument& e) {
+      throw InvalidArgument(fmt::format("method '{}': {}", spec, e.what()));
+    }
+    return m;
+  }
+  if (name == "vq") return detail::parse_vq_spec(spec, args, has_colon);
   if (name != "cachegen") throw InvalidArgument(fmt::format("unknown method '{}': valid methods are {}", name, kValidMethods));
   m.kind = Kind::CacheGen;
   for_each_option(spec, args, has_colon, "bits, group, flush, delta, schedule", [&](const std::string& key, const std::string& value) {
@@ -129,6 +191,13 @@ std::string MethodSpec::to_string() const {
     case Kind::Q4_1: return "q4_1";
     case Kind::Fp8: return "fp8";
     case Kind::Kivi: return fmt::format("kivi:bits={},group={},residual={}", kivi.bits, kivi.group, kivi.residual);
+    case Kind::Lmcache: return fmt::format("lmcache:chunk={},schedule={}", lmcache.chunk, lmcache.scaled ? "scaled" : "native");
+    case Kind::CachegenPaper: {
+      const auto& c = cachegen_paper;
+      return fmt::format("cachegen_paper:bin1={},bin2={},bin3={},group={},chunk={},{}", c.bins[0], c.bins[1], c.bins[2], c.group, c.chunk,
+                         c.profile.empty() ? fmt::format("profile_tokens={}", c.profile_tokens) : "profile=" + c.profile);
+    }
+    case Kind::Vq: return detail::vq_spec_string(*this);
     case Kind::CacheGen: break;
   }
   return fmt::format("cachegen:bits={},group={},flush={},delta={},schedule={}", cachegen.cachegen_bits, cachegen.cachegen_group_size,
@@ -149,12 +218,24 @@ CacheBytes Fp16KVCache::stored_bytes() const {
   return {bytes, bytes};
 }
 
-std::vector<std::shared_ptr<KVCache>> make_caches(const MethodSpec& spec, const ModelDescription& model) {
+namespace {
+
+// `transformer` (may be null) lets a cachegen_paper spec without profile=PATH profile the model.
+std::vector<std::shared_ptr<KVCache>> build_caches(const MethodSpec& spec, const ModelDescription& model, const Transformer* transformer) {
   if (spec.kind == MethodSpec::Kind::CacheGen && spec.schedule) return KVCacheBuilder::for_model(model, spec.cachegen);
+  if (spec.kind == MethodSpec::Kind::Vq) return detail::make_vq_caches(spec, model, transformer ? &transformer->checkpoint() : nullptr);
   KVCacheConfig cfg = spec.cachegen;
   cfg.cachegen_resolved_bits = cfg.cachegen_bits;
+  // The CacheGen-family peers need each attention layer's depth: count attention layers only.
+  const int n_attention = static_cast<int>(std::count_if(model.layer_head_dims.begin(), model.layer_head_dims.end(),
+                                                         [](const auto& d) { return d.has_value(); }));
+  std::shared_ptr<const CachegenPaperProfile> profile;
+  if (spec.kind == MethodSpec::Kind::CachegenPaper && n_attention > 0)
+    profile = cachegen_paper_profile_for(spec.cachegen_paper, transformer, n_attention);
+  int attention_layer = 0;
   std::vector<std::shared_ptr<KVCache>> caches;
   for (const auto& head_dim : model.layer_head_dims) {
+    const int layer = head_dim ? attention_layer++ : -1;
     if (!head_dim || spec.kind == MethodSpec::Kind::Fp32)
       caches.push_back(std::make_shared<KVCache>());
     else if (spec.kind == MethodSpec::Kind::Fp16)
@@ -169,14 +250,24 @@ std::vector<std::shared_ptr<KVCache>> make_caches(const MethodSpec& spec, const 
       caches.push_back(std::make_shared<Q4_1KVCache>());
     else if (spec.kind == MethodSpec::Kind::Fp8)
       caches.push_back(std::make_shared<Fp8KVCache>());
+    else if (spec.kind == MethodSpec::Kind::Lmcache)
+      caches.push_back(std::make_shared<LmcacheKVCache>(spec.lmcache, layer, n_attention));
+    else if (spec.kind == MethodSpec::Kind::CachegenPaper)
+      caches.push_back(std::make_shared<CachegenPaperKVCache>(spec.cachegen_paper, layer, n_attention, profile));
     else
       caches.push_back(std::make_shared<CacheGenKVCache>(cfg));
   }
   return caches;
 }
 
+}  // namespace
+
+std::vector<std::shared_ptr<KVCache>> make_caches(const MethodSpec& spec, const ModelDescription& model) {
+  return build_caches(spec, model, nullptr);
+}
+
 std::vector<std::shared_ptr<KVCache>> make_caches(const MethodSpec& spec, const Transformer& model) {
-  return make_caches(spec, model.description());
+  return build_caches(spec, model.description(), &model);
 }
 
 std::vector<std::shared_ptr<KVCache>> make_caches(const std::string& spec, const Transformer& model) {

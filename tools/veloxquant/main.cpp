@@ -23,9 +23,13 @@ int main(int argc, char** argv) {
   add("synth", "write a synthetic LLM-like K/V pair as .npy files", vqcli::add_synth);
   add("generate", "generate text with a llama2.c model through a chosen KV cache method", vqcli::add_generate);
   add("eval", "score KV cache methods against the exact fp32 cache on a real model (perplexity, KL, top-1, bits)", vqcli::add_eval);
+  add("rd", "rate-distortion table: every method at its usual settings, actual coded bits against dPPL, KL and top-1, Pareto frontier",
+      vqcli::add_rd);
   add("compress", "save a KV cache (from .npy, safetensors or a model run) as a .vqkv file", vqcli::add_compress);
   add("decompress", "load a .vqkv file and write its K/V as safetensors or .npy", vqcli::add_decompress);
   add("inspect", "show a .vqkv file's shape, configuration and where its bytes go", vqcli::add_inspect);
+  add("profile", "profile the CacheGen paper codec's tables (per layer and channel) of a model over text, for cachegen_paper:profile=PATH",
+      vqcli::add_profile);
   add("bench", "benchmarks: 'bench codec' compares veloxquant's rANS with htscodecs, zstd and lz4 on KV codes", vqcli::add_bench);
 
   std::string names;

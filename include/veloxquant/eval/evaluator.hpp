@@ -45,12 +45,18 @@ struct MethodResult {
   std::int64_t tokens = 0;
   double ppl = 0, delta_ppl_pct = 0, kl = 0, top1 = 0;
   double bits_per_element_fixed = 0, bits_per_element_estimated = 0;
+  double bits_per_element_coded = 0;  // the actual coded size (see CacheBits::coded_bytes)
 };
 
 // Bits per element a set of per-layer caches costs now: fixed-width and entropy-estimated.
 struct CacheBits {
   double fixed_bytes = 0, estimated_bytes = 0, elements = 0;
+  // What the cache's real coder writes: CacheGenKVCache's encode_keys/encode_values sizes plus
+  // its fp16 residual (its estimated_bytes is an entropy estimate); every other cache's
+  // estimated_bytes, which is already its coded (or packed) size.
+  double coded_bytes = 0;
   void add(const CacheBits& o);
+  double coded_bits() const { return elements > 0 ? 8.0 * coded_bytes / elements : 0.0; }
   double fixed_bits() const { return elements > 0 ? 8.0 * fixed_bytes / elements : 0.0; }
   double estimated_bits() const { return elements > 0 ? 8.0 * estimated_bytes / elements : 0.0; }
 };

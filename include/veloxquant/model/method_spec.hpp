@@ -15,6 +15,23 @@
 //       residual=N [128]     full-precision window, a multiple of group
 //   q8_0, q4_0, q4_1         llama.cpp's KV cache block formats (peers/ggml_block_cache.hpp)
 //   fp8                      e4m3 with a per-head scale per call (peers/fp8_cache.hpp)
+//   lmcache[:k=v,...]        LmcacheKVCache, LMCache's CacheGen codec (peers/lmcache_cache.hpp); keys [defaults]:
+//       chunk=N [256]        tokens per chunk (per-chunk tables shipped with it)
+//       schedule=scaled|native [scaled]  bins boundaries scaled to depth, or LMCache's own rule
+//   cachegen_paper[:k=v,...] CachegenPaperKVCache, the SIGCOMM'24 paper's codec (peers/cachegen_paper_cache.hpp):
+//       bin1=B, bin2=B, bin3=B [0.5, 1, 1.5]  delta bin size per depth third (units of the delta's absmax)
+//       group=N [10]         tokens per group (one 8-bit anchor)
+//       chunk=N [1500]       tokens per independently coded chunk, a multiple of group
+//       profile=PATH         tables from `veloxquant profile`; without it, profiled on the fly from
+//                            profile_tokens=N [4096] tokens sampled from the model (model/cachegen_profile.hpp)
+//   vq[:k=v,...]             VqKVCache, our method (vq/vq_cache.hpp, docs/methods.md); keys [defaults]:
+//       bits=B [2]           nominal code bits per element (real number; actual size is measured)
+//       calib=N [64]         tokens that calibrate the quantizer (kept exact until then)
+//       residual=N [0]       most recent tokens kept exact (for hosts decoding against the cache)
+//       alloc=flat|K0/V0/K1/V1/... [flat]  bits added per attention layer to K and V
+//                            ('/'-separated, two per layer; flat = all 0, the measured best)
+//       basis=weights|hadamard|identity [weights], shape=on|off [on], rope=on|off [on]: the
+//                            transform (vq/basis.hpp); without a model (synthetic eval) identity
 //
 // Unknown methods, keys or values throw InvalidArgument naming the bad part and the valid choices.
 #pragma once
@@ -25,18 +42,26 @@
 #include "veloxquant/cache/builder.hpp"
 #include "veloxquant/cache/config.hpp"
 #include "veloxquant/cache/kv_cache.hpp"
+#include "veloxquant/peers/cachegen_paper_profile.hpp"
 #include "veloxquant/peers/kivi_cache.hpp"
+#include "veloxquant/peers/lmcache_cache.hpp"
+#include "veloxquant/vq/vq_cache.hpp"
 
 namespace vq {
 
 class Transformer;
 
 struct MethodSpec {
-  enum class Kind { Fp32, Fp16, CacheGen, Kivi, Q8_0, Q4_0, Q4_1, Fp8 };
+  enum class Kind { Fp32, Fp16, CacheGen, Kivi, Q8_0, Q4_0, Q4_1, Fp8, Lmcache, CachegenPaper, Vq };
   Kind kind = Kind::Fp32;
   KVCacheConfig cachegen;   // used when kind == CacheGen (cachegen_bits = the base bits)
   bool schedule = true;     // CacheGen: layer-wise schedule via KVCacheBuilder
   KiviConfig kivi;          // used when kind == Kivi
+  LmcacheConfig lmcache;    // used when kind == Lmcache
+  CachegenPaperConfig cachegen_paper;  // used when kind == CachegenPaper
+  VqConfig vq;              // used when kind == Vq (k_offset/v_offset set per layer from vq_alloc)
+  VqBasisOptions vq_basis;  // used when kind == Vq and a model is known
+  std::string vq_alloc = "flat";  // "flat" or the '/'-separated K/V offsets per attention layer
 
   // Parse a spec string (see above); throws InvalidArgument.
   static MethodSpec parse(const std::string& spec);

@@ -1,0 +1,49 @@
+// libFuzzer target: vq_decode (vq/codec.hpp), our method's coded layer, on arbitrary bytes.
+// Checks: only vq::FormatError escapes; a decoded layer has consistent sizes, shifts <= 7 and codes
+// whose hi part is within +-255; it re-encodes without an error to bytes that decode to the same
+// codes and re-encode to themselves. (The input itself need not come back: the encoder picks its
+// own model parameters and shift layout.)
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+#include <span>
+#include <vector>
+
+#include "veloxquant/core/error.hpp"
+#include "veloxquant/vq/codec.hpp"
+
+namespace {
+
+// Bounds what a hostile header may make the decoder allocate.
+constexpr std::uint64_t kMaxCodes = 1 << 16;
+
+bool same(const vq::VqLayerCodes& a, const vq::VqLayerCodes& b) {
+  auto side = [](const vq::VqSideCodes& x, const vq::VqSideCodes& y) {
+    return x.n == y.n && x.step == y.step && x.offset == y.offset && x.shift == y.shift && x.codes == y.codes;
+  };
+  return a.batch == b.batch && a.tokens == b.tokens && side(a.k, b.k) && side(a.v, b.v);
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
+  vq::VqLayerCodes lc;
+  try {
+    lc = vq::vq_decode(std::span<const std::uint8_t>(data, size), kMaxCodes);
+  } catch (const vq::FormatError&) {
+    return 0;
+  }
+  for (const vq::VqSideCodes* s : {&lc.k, &lc.v}) {
+    const auto n = static_cast<std::size_t>(s->n);
+    if (s->offset.size() != n || s->shift.size() != n || s->codes.size() != static_cast<std::size_t>(lc.rows()) * n) std::abort();
+    for (std::size_t i = 0; i < s->codes.size(); ++i) {
+      const int shift = s->shift[i % n], q = s->codes[i];
+      if (shift > vq::kVqMaxShift || q < -(vq::kVqMaxCode << shift) || q > ((vq::kVqMaxCode + 1) << shift) - 1) std::abort();
+    }
+  }
+  const std::vector<std::uint8_t> again = vq::vq_encode(lc);  // must not throw
+  const auto back = vq::vq_decode(again, kMaxCodes);
+  if (!same(back, lc)) std::abort();
+  if (vq::vq_encode(back) != again) std::abort();
+  return 0;
+}

@@ -1,0 +1,77 @@
+// The per-layer linear transforms of our method (`vq`), derived from the model's own weights.
+//
+// What a reader must know first:
+// - The method quantizes one token's K (or V) row of all KV heads, n = H * D values, after a fixed
+//   invertible transform y = F x; the cache keeps y's codes and reconstructs x = G y_hat (G = F^-1).
+//   The transform is a function of the model only (nothing per cache, nothing shipped with a cache:
+//   a reader of the cache has the model anyway), so it costs no stored bytes.
+// - Keys are un-rotated first (RoPE undone at the token's position, pairs (2i, 2i+1) as llama2.c):
+//   RoPE turns each channel's steady mean into a rotating one, which a per-coefficient mean cannot
+//   remove (measured on stories260K: 0.75 bits per key element of avoidable spread).
+// - Basis::Weights: F = B^T S. S shapes the quantization noise by what the error costs downstream
+//   (keys: the query energy of each RoPE pair, E|q_pair|^2 from W_q and the RMSNorm gain, summed
+//   over the query heads sharing the KV head; values: (sum of W_o^T W_o over those query heads)^1/2,
+//   the output projection's gain), and B holds the eigenvectors of the covariance the weights imply
+//   for S x when the normalised hidden state is white: S W diag(g)^2 W^T S. A KLT computed per
+//   cache would cost 32x32 coefficients per layer and side; this one is free and measured within
+//   ~0.15 bits of it (docs/methods.md). Basis::Hadamard (random signs, fixed seed) and
+//   Basis::Identity are kept for the measured comparison.
+// - Rows wider than kMaxCrossHead are transformed per head (block-diagonal), bounding the O(n^3)
+//   set-up; stories260K (4 x 8 = 32) is transformed across heads, where most of the gain is.
+#pragma once
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+namespace vq {
+
+enum class VqBasis { Identity, Hadamard, Weights };
+VqBasis vq_basis_from_name(const std::string& name);  // "identity" | "hadamard" | "weights"; throws InvalidArgument
+const char* vq_basis_name(VqBasis b);
+
+// Widest row transformed as a whole; wider rows use one block per head.
+inline constexpr int kVqMaxCrossHead = 256;
+
+// One side's transform: y = fwd x, x = inv y, both [n, n] row-major. Empty = identity.
+struct VqSideTransform {
+  int n = 0;
+  std::vector<float> fwd, inv;
+  bool identity() const { return fwd.empty(); }
+};
+
+// Everything our cache needs to know about its layer.
+struct VqLayerModel {
+  int kv_heads = 0, head_dim = 0;
+  VqSideTransform k, v;
+  // RoPE frequency of each pair (head_dim / 2 values, theta^(-2i/head_dim)); empty: keys are
+  // quantized as given (no model, or rope=off).
+  std::vector<double> rope_freq;
+};
+
+// Views of one layer's weights in llama2.c's row-major [out, in] layout.
+struct VqLayerWeights {
+  int dim = 0, n_heads = 0, n_kv_heads = 0, head_dim = 0;
+  std::span<const float> wq;       // [n_heads * head_dim, dim]
+  std::span<const float> wk, wv;   // [n_kv_heads * head_dim, dim]
+  std::span<const float> wo;       // [dim, n_heads * head_dim]
+  std::span<const float> rms_att;  // [dim]
+};
+
+struct VqBasisOptions {
+  VqBasis basis = VqBasis::Weights;
+  bool shape = true;         // Weights only: the downstream noise shaping S (false: S = I)
+  bool rope = true;          // un-rotate keys
+  double rope_theta = 10000.0;
+};
+
+// The transforms of one layer. Throws InvalidArgument on inconsistent shapes.
+VqLayerModel make_vq_layer_model(const VqLayerWeights& w, const VqBasisOptions& options);
+// A layer with no model: identity transforms, keys quantized as given.
+VqLayerModel make_vq_identity_layer(int kv_heads, int head_dim);
+
+// Eigen-decomposition of a symmetric n x n matrix (cyclic Jacobi, double): eigenvalues descending
+// in `values`, the matching unit eigenvectors as the columns of the returned row-major matrix.
+std::vector<double> symmetric_eigen(std::vector<double> a, int n, std::vector<double>& values);
+
+}  // namespace vq

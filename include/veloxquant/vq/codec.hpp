@@ -1,0 +1,88 @@
+// The coded form of one layer of our method (`vq`): quantizer parameters, per-coefficient
+// parametric entropy models, and the codes, rANS-coded (entropy/rans.hpp). Its size is what the
+// cache bills (VqKVCache::stored_bytes), so every byte of it is metadata that counts.
+//
+// What a reader must know first:
+// - A side (K or V) of a layer is `rows` = batch * tokens rows of n transformed coefficients;
+//   row b * tokens + t is token t of batch b. Code q of coefficient c stands for
+//   offset_c + q * step (step float32; see vq/vq_cache.hpp), |q| <= kVqMaxCode. The offset is
+//   the coefficient's mean rounded to a quarter step, stored as an integer m_c (offset_c =
+//   m_c * step / 4, vq_offset): it only places the quantizer's grid (the error of a uniform
+//   quantizer does not depend on where its grid sits), so a quarter step is as good as float16
+//   and takes one varint byte where float16 takes two.
+// - No frequency table is stored. Each coefficient's codes are modelled by a discretised Gaussian
+//   or Laplace distribution on [-amax, amax] with a scale from a 1-byte parameter; the decoder
+//   rebuilds the table from (amax, param) with vq_table(). A stored table would cost ~20 bytes per
+//   coefficient (0.6 bits per element at a 256-token context with 32 coefficients per row);
+//   the parametric one costs 2 bytes and codes within a few percent of the empirical entropy.
+//   vq_table computes its probabilities with IEEE +, -, *, / and ldexp only (no libm exp/erf),
+//   so every platform rebuilds bit-identical tables.
+// - High rates: the model's alphabet is at most 511 symbols, so a coefficient whose codes would
+//   need more (set per coefficient at calibration) is split: q = hi * 2^shift + low, hi coded by
+//   the model on [-amax, amax], low (0 .. 2^shift - 1) by a uniform table (the low bits of a
+//   wide distribution are nearly uniform). The quantizer keeps |q| <= vq_max_code(shift) =
+//   255 * 2^shift; the coder takes any q whose hi part is within +-255 (up to 256 * 2^shift - 1),
+//   shift <= 7, so every q fits int16.
+// - Format (integers little-endian, varint = unsigned LEB128):
+//     u8      version = 1
+//     varint  batch, tokens, n_k, n_v
+//     per side (K, then V):
+//       u32     step (float32 bits; finite, > 0: float16 could not hold the step of small data)
+//       shifts: u8 0 (none); or u8 1, varint k, k x (varint gap, u8 shift_c) (sparse, gap = index
+//               - previous index - 1); or u8 2, ceil(n / 2) bytes of 4-bit shift_c (dense, even c low)
+//       per coefficient c: varint zigzag(m_c) (|m_c| <= kVqMaxOffset); varint amax_c (<= kVqMaxCode);
+//                          u8 param_c, only when amax_c > 0 (amax_c = 0: every hi part is 0, none coded)
+//     one rANS stream (entropy/rans.hpp) to the end: one segment per coefficient with amax > 0,
+//     K's coefficients in order, then V's; segment c holds the `rows` symbols hi + amax_c, followed,
+//     when shift_c > 0, by a segment of the `rows` low parts.
+// - param: bit 7 = family (0 Gaussian, 1 Laplace), bits 0-6 = i, scale sigma = 2^((i - 48) / 8)
+//   code steps (1/8-octave resolution: a mismatch of half a step costs ~0.1 % of the rate).
+#pragma once
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "veloxquant/entropy/frequency_table.hpp"
+
+namespace vq {
+
+// Largest |code|: alphabets of 2 * 255 + 1 = 511 symbols, the rANS tables' limit (kMaxAlphabet).
+inline constexpr int kVqMaxCode = 255;
+// Table precision: 2^12 slots leave room for every symbol of a 511-symbol alphabet to keep a
+// frequency >= 1 while the mode keeps most of the range at small scales.
+inline constexpr int kVqScaleBits = 12;
+
+// Largest split of a code: 256 * 128 - 1 = 32767 still fits the int16 codes.
+inline constexpr int kVqMaxShift = 7;
+inline constexpr int vq_max_code(int shift) { return kVqMaxCode << shift; }
+// |m_c| bound: 2^24, so float(m_c) is exact.
+inline constexpr std::int32_t kVqMaxOffset = 1 << 24;
+// The grid offset m quarter steps stand for (float arithmetic, as the decoder computes it).
+inline float vq_offset(std::int32_t m, float step) { return static_cast<float>(m) * (step * 0.25f); }
+
+struct VqSideCodes {
+  int n = 0;                          // coefficients per row
+  float step = 1.0f;                  // quantizer step
+  std::vector<std::int32_t> offset;   // [n] grid offsets m_c, in quarter steps
+  std::vector<std::uint8_t> shift;    // [n] or empty (all 0)
+  std::vector<std::int16_t> codes;    // [rows, n] row-major
+};
+
+struct VqLayerCodes {
+  std::int64_t batch = 0, tokens = 0;
+  VqSideCodes k, v;
+  std::int64_t rows() const { return batch * tokens; }
+};
+
+// The table of a coefficient's model: alphabet 2 * amax + 1 (symbol = code + amax), kVqScaleBits.
+FrequencyTable vq_table(int amax, std::uint8_t param);
+// The parameter whose table codes `histogram` (over [-amax, amax]) in the fewest bits.
+std::uint8_t vq_best_param(std::span<const std::uint32_t> histogram, int amax);
+
+// Serialise; throws InvalidArgument on inconsistent sizes or a code outside +-kVqMaxCode.
+std::vector<std::uint8_t> vq_encode(const VqLayerCodes& codes);
+// Parse and decode; max_codes bounds rows * (n_k + n_v) (the caller knows what it expects).
+// Throws FormatError on any malformed, truncated, oversized or trailing input.
+VqLayerCodes vq_decode(std::span<const std::uint8_t> bytes, std::uint64_t max_codes);
+
+}  // namespace vq

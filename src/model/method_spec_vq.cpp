@@ -1,0 +1,148 @@
+#include "method_spec_vq.hpp"
+
+#include <charconv>
+
+#include <fmt/format.h>
+
+#include "veloxquant/core/error.hpp"
+
+namespace vq::detail {
+
+namespace {
+
+constexpr const char* kKeys = "bits, calib, residual, alloc, basis, shape, rope";
+
+double parse_real(const std::string& spec, const std::string& key, const std::string& value) {
+  double v = 0;
+  const char* end = value.data() + value.size();
+  auto [p, ec] = std::from_chars(value.data(), end, v);
+  if (value.empty() || ec != std::errc() || p != end)
+    throw InvalidArgument(fmt::format("method '{}': {}={} is not a number", spec, key, value));
+  return v;
+}
+
+bool parse_on_off(const std::string& spec, const std::string& key, const std::string& value) {
+  if (value == "on") return true;
+  if (value == "off") return false;
+  throw InvalidArgument(fmt::format("method '{}': {}={} is not valid; use {}=on or {}=off", spec, key, value, key, key));
+}
+
+// The numbers of an explicit alloc value (K0/V0/K1/V1/...); throws InvalidArgument.
+std::vector<double> alloc_values(const std::string& spec, const std::string& alloc) {
+  std::vector<double> v;
+  std::size_t start = 0;
+  while (start <= alloc.size()) {
+    const auto slash = alloc.find('/', start);
+    v.push_back(parse_real(spec, "alloc", alloc.substr(start, slash == std::string::npos ? std::string::npos : slash - start)));
+    start = slash == std::string::npos ? alloc.size() + 1 : slash + 1;
+  }
+  if (v.size() % 2 != 0)
+    throw InvalidArgument(fmt::format("method '{}': alloc lists {} offsets; it needs two per attention layer (K/V)", spec, v.size()));
+  return v;
+}
+
+// The (K, V) offsets an alloc value gives `n` attention layers; throws InvalidArgument.
+std::vector<std::pair<double, double>> allocation(const std::string& spec, const std::string& alloc, int n) {
+  // flat is the default because it measured best: with the downstream shaping (vq/basis.hpp) no
+  // K/V split or depth trend we tried lowered KL at equal bits (docs/methods.md, "vq").
+  if (alloc == "flat") return std::vector<std::pair<double, double>>(static_cast<std::size_t>(n), {0.0, 0.0});
+  const std::vector<double> v = alloc_values(spec, alloc);
+  if (v.size() != 2 * static_cast<std::size_t>(n))
+    throw InvalidArgument(fmt::format("method '{}': alloc lists {} offsets; the model has {} attention layers, so it needs {} (K/V per layer)",
+                                      spec, v.size(), n, 2 * n));
+  std::vector<std::pair<double, double>> out;
+  for (std::size_t i = 0; i < v.size(); i += 2) out.emplace_back(v[i], v[i + 1]);
+  return out;
+}
+
+}  // namespace
+
+MethodSpec parse_vq_spec(const std::string& spec, const std::string& args, bool has_colon) {
+  MethodSpec m;
+  m.kind = MethodSpec::Kind::Vq;
+  std::size_t start = 0;
+  while (has_colon && start <= args.size()) {
+    const auto comma = args.find(',', start);
+    const std::string item = args.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
+    start = comma == std::string::npos ? args.size() + 1 : comma + 1;
+    const auto eq = item.find('=');
+    if (eq == std::string::npos)
+      throw InvalidArgument(fmt::format("method '{}': option '{}' needs the form key=value (keys: {})", spec, item, kKeys));
+    const std::string key = item.substr(0, eq), value = item.substr(eq + 1);
+    if (key == "bits") {
+      m.vq.bits = parse_real(spec, key, value);
+    } else if (key == "calib" || key == "residual") {
+      int v = 0;
+      const char* end = value.data() + value.size();
+      auto [p, ec] = std::from_chars(value.data(), end, v);
+      if (value.empty() || ec != std::errc() || p != end)
+        throw InvalidArgument(fmt::format("method '{}': {}={} is not an integer", spec, key, value));
+      (key == "calib" ? m.vq.calib : m.vq.residual) = v;
+    } else if (key == "alloc") {
+      if (value != "flat") (void)alloc_values(spec, value);
+      m.vq_alloc = value;
+    } else if (key == "basis") {
+      try {
+        m.vq_basis.basis = vq_basis_from_name(value);
+      } catch (const InvalidArgument& e) {
+        throw InvalidArgument(fmt::format("method '{}': {}", spec, e.what()));
+      }
+    } else if (key == "shape") {
+      m.vq_basis.shape = parse_on_off(spec, key, value);
+    } else if (key == "rope") {
+      m.vq_basis.rope = parse_on_off(spec, key, value);
+    } else {
+      throw InvalidArgument(fmt::format("method '{}': unknown key '{}' for vq; valid keys are {}", spec, key, kKeys));
+    }
+  }
+  try {
+    m.vq.validate();
+  } catch (const InvalidArgument& e) {
+    throw InvalidArgument(fmt::format("method '{}': {}", spec, e.what()));
+  }
+  return m;
+}
+
+std::string vq_spec_string(const MethodSpec& m) {
+  return fmt::format("vq:bits={},calib={},residual={},alloc={},basis={},shape={},rope={}", m.vq.bits, m.vq.calib, m.vq.residual, m.vq_alloc,
+                     vq_basis_name(m.vq_basis.basis),
+                     m.vq_basis.shape ? "on" : "off", m.vq_basis.rope ? "on" : "off");
+}
+
+std::vector<std::shared_ptr<KVCache>> make_vq_caches(const MethodSpec& m, const ModelDescription& model, const Checkpoint* ck) {
+  int n_attention = 0;
+  for (const auto& d : model.layer_head_dims) n_attention += d.has_value();
+  const auto alloc = allocation(vq_spec_string(m), m.vq_alloc, n_attention);
+  std::vector<std::shared_ptr<KVCache>> caches;
+  int a = 0;
+  for (std::size_t l = 0; l < model.layer_head_dims.size(); ++l) {
+    if (!model.layer_head_dims[l]) {
+      caches.push_back(std::make_shared<KVCache>());
+      continue;
+    }
+    VqConfig cfg = m.vq;
+    cfg.k_offset = alloc[static_cast<std::size_t>(a)].first;
+    cfg.v_offset = alloc[static_cast<std::size_t>(a)].second;
+    ++a;
+    std::shared_ptr<const VqLayerModel> layer;
+    if (ck) {
+      const ModelConfig& c = ck->config;
+      const std::size_t dim = static_cast<std::size_t>(c.dim), kv = static_cast<std::size_t>(c.kv_dim());
+      VqLayerWeights w;
+      w.dim = c.dim;
+      w.n_heads = c.n_heads;
+      w.n_kv_heads = c.n_kv_heads;
+      w.head_dim = c.head_size();
+      w.wq = std::span<const float>(ck->wq).subspan(l * dim * dim, dim * dim);
+      w.wk = std::span<const float>(ck->wk).subspan(l * kv * dim, kv * dim);
+      w.wv = std::span<const float>(ck->wv).subspan(l * kv * dim, kv * dim);
+      w.wo = std::span<const float>(ck->wo).subspan(l * dim * dim, dim * dim);
+      w.rms_att = std::span<const float>(ck->rms_att).subspan(l * dim, dim);
+      layer = std::make_shared<const VqLayerModel>(make_vq_layer_model(w, m.vq_basis));
+    }
+    caches.push_back(std::make_shared<VqKVCache>(cfg, layer));
+  }
+  return caches;
+}
+
+}  // namespace vq::detail

@@ -1,0 +1,143 @@
+// `veloxquant rd` as a user runs it, on the real model with a few cheap methods and windows.
+#include <algorithm>
+#include <fstream>
+#include <iterator>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "../support/test_util.hpp"
+
+namespace {
+
+std::string models() { return std::string(VQ_SOURCE_DIR) + "/../shared/models"; }
+std::string model_args() { return "--model " + models() + "/stories260K.bin --tokenizer " + models() + "/tok512.bin"; }
+vqtest::CliRun rd(const std::string& args) { return vqtest::run_cli("rd " + model_args() + " " + args); }
+
+std::string slurp(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+// Tags balance: every <x ...> is closed by </x> in order, or self-closed (<x .../>).
+bool well_formed(const std::string& svg) {
+  std::vector<std::string> open;
+  for (std::size_t i = svg.find('<'); i != std::string::npos; i = svg.find('<', i + 1)) {
+    const std::size_t end = svg.find('>', i);
+    if (end == std::string::npos) return false;
+    const std::string tag = svg.substr(i + 1, end - i - 1);
+    if (tag.empty()) return false;
+    if (tag[0] == '/') {
+      if (open.empty() || open.back() != tag.substr(1)) return false;
+      open.pop_back();
+    } else if (tag.back() != '/') {
+      open.push_back(tag.substr(0, tag.find_first_of(" \n")));
+    }
+  }
+  return open.empty();
+}
+
+TEST(RdCli, JsonRowsParetoAndPlot) {
+  const std::string svg = vqtest::temp_dir() + "/rd.svg";
+  const auto r = rd("--methods 'fp16,q4_0;vq:bits=2,kivi' --windows 2 --json --plot " + svg);
+  ASSERT_EQ(r.code, 0) << r.err;
+  const auto j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j["model"], "stories260K.bin");
+  EXPECT_EQ(j["protocol"], "reuse");
+  ASSERT_EQ(j.size(), 3u);
+  const auto& rows = j["results"];
+  ASSERT_EQ(rows.size(), 5u);  // fp16, q4_0, vq:bits=2, kivi:bits=2, kivi:bits=4
+  std::vector<std::string> methods;
+  for (const auto& row : rows) {
+    ASSERT_EQ(row.size(), 6u) << row.dump();
+    for (const char* key : {"method", "bits_per_element", "delta_ppl_pct", "kl", "top1", "pareto"}) EXPECT_TRUE(row.contains(key)) << key;
+    methods.push_back(row["method"]);
+  }
+  for (const char* m : {"fp16", "q4_0", "vq:bits=2", "kivi:bits=2", "kivi:bits=4"})
+    EXPECT_NE(std::find(methods.begin(), methods.end(), m), methods.end()) << m;
+  for (std::size_t i = 0; i < rows.size(); ++i) {
+    if (i > 0) {
+      EXPECT_LE(rows[i - 1]["bits_per_element"].get<double>(), rows[i]["bits_per_element"].get<double>());
+    }
+    // Pareto on (bits, KL), recomputed from the numbers.
+    bool dominated = false;
+    for (const auto& other : rows) {
+      const double b = other["bits_per_element"], k = other["kl"], b0 = rows[i]["bits_per_element"], k0 = rows[i]["kl"];
+      dominated = dominated || (b <= b0 && k <= k0 && (b < b0 || k < k0));
+    }
+    EXPECT_EQ(rows[i]["pareto"].get<bool>(), !dominated) << rows[i].dump();
+  }
+  // Packed sizes as documented; fp16 exactly 16 bits, and ours the cheapest and on the frontier.
+  for (const auto& row : rows) {
+    if (row["method"] == "fp16") {
+      EXPECT_DOUBLE_EQ(row["bits_per_element"].get<double>(), 16.0);
+    }
+    if (row["method"] == "q4_0") {
+      EXPECT_DOUBLE_EQ(row["bits_per_element"].get<double>(), 4.5);
+    }
+  }
+  EXPECT_EQ(rows[0]["method"], "vq:bits=2");
+  EXPECT_TRUE(rows[0]["pareto"].get<bool>());
+  EXPECT_NE(r.err.find("rd: 5 settings scored on 2 windows"), std::string::npos) << r.err;
+
+  const std::string s = slurp(svg);
+  ASSERT_FALSE(s.empty());
+  EXPECT_EQ(s.rfind("<svg", 0), 0u);
+  EXPECT_NE(s.find("</svg>"), std::string::npos);
+  EXPECT_TRUE(well_formed(s));
+  EXPECT_NE(s.find("bits per element"), std::string::npos);
+  EXPECT_NE(s.find("KL"), std::string::npos);
+  EXPECT_NE(s.find("<polyline"), std::string::npos);  // kivi's two points
+  for (const char* legend : {">vq<", ">kivi<", ">q4_0<", ">fp16<"}) EXPECT_NE(s.find(legend), std::string::npos) << legend;
+}
+
+TEST(RdCli, TableMarksTheFrontier) {
+  const auto r = rd("--methods 'q4_1;vq:bits=3' --windows 1");
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("bits/elem"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("pareto"), std::string::npos);
+  EXPECT_NE(r.out.find("windows 1"), std::string::npos);
+  const auto line = r.out.find("vq:bits=3");
+  ASSERT_NE(line, std::string::npos);
+  EXPECT_EQ(r.out.substr(line, r.out.find('\n', line) - line).back(), '*');
+}
+
+TEST(RdCli, FamiliesExpandAndStreamWorks) {
+  const auto r = rd("--methods kivi --protocol stream --window 64 --ctx 16 --windows 2 --json");
+  ASSERT_EQ(r.code, 0) << r.err;
+  const auto j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j["protocol"], "stream");
+  ASSERT_EQ(j["results"].size(), 2u);
+  EXPECT_EQ(j["results"][0]["method"], "kivi:bits=2");
+  EXPECT_EQ(j["results"][1]["method"], "kivi:bits=4");
+}
+
+TEST(RdCli, BadInputIsOneClearLineAndANonzeroExit) {
+  struct Case {
+    std::string args, says;
+  };
+  const std::vector<Case> cases = {
+      {"--methods nosuch --windows 1", "unknown method 'nosuch'"},
+      {"--methods 'vq:bits=99' --windows 1", "bits=99"},
+      {"--methods vq --protocol sideways", "unknown protocol 'sideways'"},
+      {"--methods vq --windows 0", "--windows must be >= 1"},
+      {"--methods vq --ctx 600", "reuse needs 1 <= --ctx < --window"},
+      {"--methods vq --plot /nonexistent/dir/rd.svg", "no such directory"},
+      {"--methods vq --text /nonexistent.txt", "/nonexistent.txt: cannot open"},
+      {"--methods vq --windows", "--windows"},
+  };
+  for (const auto& c : cases) {
+    const auto r = rd(c.args);
+    EXPECT_NE(r.code, 0) << c.args;
+    EXPECT_NE(r.err.find(c.says), std::string::npos) << c.args << ": " << r.err;
+    EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << c.args << ": " << r.err;
+    EXPECT_TRUE(r.out.empty()) << c.args;
+  }
+  const auto missing = vqtest::run_cli("rd --model /nonexistent/model.bin --methods vq");
+  EXPECT_EQ(missing.code, 1);
+  EXPECT_NE(missing.err.find("cannot open model"), std::string::npos) << missing.err;
+}
+
+}  // namespace

@@ -1,0 +1,198 @@
+// veloxquant rd: the rate-distortion table. Every method at its usual settings, scored on the same
+// windows against the exact fp32 cache; bits per element are the actual coded sizes.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <optional>
+#include <sstream>
+
+#include <unistd.h>
+
+#include <fmt/core.h>
+#include <nlohmann/json.hpp>
+
+#include "commands.hpp"
+#include "model_options.hpp"
+#include "rd_report.hpp"
+#include "veloxquant/core/error.hpp"
+#include "veloxquant/eval/evaluator.hpp"
+#include "veloxquant/model/checkpoint.hpp"
+#include "veloxquant/model/method_spec.hpp"
+#include "veloxquant/model/model_files.hpp"
+#include "veloxquant/model/tokenizer.hpp"
+#include "veloxquant/model/transformer.hpp"
+
+namespace vqcli {
+
+namespace {
+
+struct RdOptions {
+  std::string model, tokenizer, text, methods, protocol = "reuse", plot;
+  int ctx = 256, window = 512, chunk = 64, windows = 40;
+  bool json = false;
+};
+
+std::optional<std::filesystem::path> opt(const std::string& s) {
+  if (s.empty()) return std::nullopt;
+  return std::filesystem::path(s);
+}
+
+// Progress on stderr: a line rewritten in place on a terminal, a line every 10 s in a log.
+class Progress {
+ public:
+  explicit Progress(std::string what) : what_(std::move(what)) {}
+  void operator()(double frac) {
+    const double t = std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+    // Quiet for short runs; the summary line after the run is always printed.
+    if (t < 2.0 || (frac < 1.0 && t - last_ < (tty_ ? 0.25 : 10.0))) return;
+    last_ = t;
+    const double eta = frac > 0 ? t / frac - t : 0;
+    fmt::print(stderr, "{}rd: {} {:5.1f}%  {:.0f}s elapsed, ~{:.0f}s left{}", tty_ ? "\r" : "", what_, 100.0 * frac, t, eta, tty_ ? "   " : "\n");
+    shown_ = tty_;
+  }
+  double elapsed() const { return std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count(); }
+  ~Progress() {
+    if (shown_) fmt::print(stderr, "\n");
+  }
+
+ private:
+  std::string what_;
+  std::chrono::steady_clock::time_point start_ = std::chrono::steady_clock::now();
+  double last_ = -1e9;
+  bool tty_ = isatty(fileno(stderr)) != 0;
+  bool shown_ = false;
+};
+
+std::string join(const std::vector<std::string>& v, const char* sep) {
+  std::string s;
+  for (const auto& x : v) s += (s.empty() ? "" : sep) + x;
+  return s;
+}
+
+int run_rd(RdOptions o) {
+  vq::EvalOptions eval;
+  eval.protocol = vq::eval_protocol_from_name(o.protocol);
+  eval.ctx = o.ctx;
+  eval.window = o.window;
+  eval.chunk = o.chunk;
+  vq::require(o.windows >= 1, fmt::format("--windows must be >= 1, got {}", o.windows));
+  const std::vector<std::string> items =
+      o.methods.empty() ? rd::default_families() : vq::split_method_list(o.methods);
+  const std::vector<std::string> methods = rd::expand_methods(items);
+  for (const auto& m : methods) {
+    try {
+      (void)vq::MethodSpec::parse(m);  // a bad spec fails before any loading
+    } catch (const vq::InvalidArgument& e) {
+      if (m.find(':') != std::string::npos) throw;
+      throw vq::InvalidArgument(fmt::format("{} (or a family: {})", e.what(), join(rd::default_families(), ", ")));
+    }
+  }
+  if (!o.plot.empty()) {
+    const auto dir = std::filesystem::path(o.plot).parent_path();
+    if (!dir.empty() && !std::filesystem::is_directory(dir))
+      throw vq::IoError(fmt::format("{}: cannot write the plot (no such directory {})", o.plot, dir.string()));
+  }
+  if (!o.model.empty() && !std::filesystem::is_regular_file(o.model))
+    throw vq::IoError(fmt::format("{}: cannot open model (no such file)", o.model));
+  // As `eval`: a tokenizer or text not given is looked for beside an explicit model first.
+  const auto beside_model = [&](const char* name) -> std::string {
+    if (o.model.empty()) return {};
+    const auto p = std::filesystem::path(o.model).parent_path() / name;
+    return std::filesystem::is_regular_file(p) ? p.string() : std::string();
+  };
+  if (o.tokenizer.empty()) o.tokenizer = beside_model("tok512.bin");
+  if (o.text.empty()) o.text = beside_model("tinystories_val.txt");
+  const vq::ModelFiles files = vq::resolve_model_files(opt(o.model), opt(o.tokenizer));
+  vq::Transformer model(vq::Checkpoint::load(files.model.string()));
+  const vq::Tokenizer tok = vq::Tokenizer::load(files.tokenizer.string(), model.config().vocab_size);
+  eval.validate(model.config().seq_len);
+  const std::int64_t scored = eval.protocol == vq::EvalProtocol::Stream ? eval.window - 1 : eval.window - eval.ctx;
+  eval.max_tokens = scored * o.windows;
+
+  std::string text_path = o.text;
+  if (text_path.empty()) {
+    const auto found = vq::find_model_file("tinystories_val.txt");
+    vq::require(found.has_value(), "--text is required (no tinystories_val.txt beside the model files)");
+    text_path = found->string();
+  }
+  std::ifstream in(text_path, std::ios::binary);
+  if (!in) throw vq::IoError(fmt::format("{}: cannot open", text_path));
+  std::stringstream buf;
+  buf << in.rdbuf();
+  std::string text = buf.str();
+  // Tokenize only what the windows need (with a wide margin, at a paragraph boundary).
+  const std::size_t want = static_cast<std::size_t>(o.windows) * static_cast<std::size_t>(eval.window) * 16;
+  if (text.size() > want) text.resize(text.rfind("\n\n", want) == std::string::npos ? want : text.rfind("\n\n", want));
+  const std::vector<int> tokens = tok.encode(text, /*bos=*/false);
+  const std::int64_t available = static_cast<std::int64_t>(tokens.size()) / (eval.window - 1);
+  vq::require(available >= 1, fmt::format("{}: the text holds {} tokens, fewer than one window of {}", text_path, tokens.size(), eval.window));
+  const std::int64_t n_windows = std::min<std::int64_t>(available, o.windows);
+  if (n_windows < o.windows)
+    fmt::print(stderr, "rd: warning: the text holds only {} windows of {} tokens; scoring {} instead of {}\n", available, eval.window,
+               n_windows, o.windows);
+
+  std::vector<rd::Point> points;
+  double seconds = 0;
+  {
+    Progress progress(fmt::format("{} settings x {} windows", methods.size(), n_windows));
+    eval.progress = [&](double f) { progress(f); };
+    const auto results = vq::evaluate(model, tokens, methods, eval);
+    seconds = progress.elapsed();
+    for (const auto& r : results) points.push_back({r.method, r.bits_per_element_coded, r.delta_ppl_pct, r.kl, r.top1, false});
+  }
+  rd::mark_pareto(points);
+  std::stable_sort(points.begin(), points.end(), [](const rd::Point& a, const rd::Point& b) {
+    return a.bits != b.bits ? a.bits < b.bits : a.kl < b.kl;
+  });
+  fmt::print(stderr, "rd: {} settings scored on {} windows in {:.0f}s\n", methods.size(), n_windows, seconds);
+
+  const std::string model_name = files.model.filename().string();
+  if (!o.plot.empty()) {
+    const std::string title = fmt::format("{}: KL vs bits per element ({}, ctx {}, window {}, {} windows)", model_name, o.protocol, eval.ctx,
+                                          eval.window, n_windows);
+    std::ofstream out(o.plot, std::ios::binary | std::ios::trunc);
+    out << rd::plot_svg(points, title);
+    out.close();
+    if (!out) throw vq::IoError(fmt::format("{}: cannot write the plot", o.plot));
+  }
+  if (o.json) {
+    nlohmann::json j{{"model", model_name}, {"protocol", o.protocol}, {"results", nlohmann::json::array()}};
+    for (const auto& p : points)
+      j["results"].push_back({{"method", p.method}, {"bits_per_element", p.bits}, {"delta_ppl_pct", p.delta_ppl_pct}, {"kl", p.kl},
+                              {"top1", p.top1}, {"pareto", p.pareto}});
+    fmt::print("{}\n", j.dump(2));
+    return 0;
+  }
+  fmt::print("model {}  protocol {}  ctx {}  window {}  windows {}  text {}\n", model_name, o.protocol, eval.ctx, eval.window, n_windows,
+             text_path);
+  fmt::print("{:<50} {:>9} {:>8} {:>10} {:>7}  {}\n", "method", "bits/elem", "dPPL %", "KL", "top-1", "pareto");
+  for (const auto& p : points)
+    fmt::print("{:<50} {:>9.3f} {:>8.3f} {:>10.3e} {:>7.4f}  {}\n", p.method, p.bits, p.delta_ppl_pct, p.kl, p.top1, p.pareto ? "*" : "");
+  fmt::print(
+      "(sorted by bits per element: the actual coded size of K and V, metadata included; dPPL, KL and top-1 against the exact fp32 "
+      "cache on the same tokens; * = Pareto frontier on (bits, KL): no other row has fewer or equal bits and lower or equal KL)\n");
+  return 0;
+}
+
+}  // namespace
+
+Runner add_rd(CLI::App& app) {
+  auto o = std::make_shared<RdOptions>();
+  add_model_options(app, o->model, o->tokenizer);
+  app.add_option("--text", o->text, "text to score (default: tinystories_val.txt beside the model)");
+  app.add_option("--methods", o->methods,
+                 "families (expanded to their usual settings: " + join(rd::default_families(), ", ") +
+                     ") and/or full specs run as given, e.g. 'kivi,vq:bits=2;cachegen:bits=4,schedule=off' (default: every family)");
+  app.add_option("--protocol", o->protocol, "reuse or stream (see `eval`)")->capture_default_str();
+  app.add_option("--ctx", o->ctx, "reuse: context tokens; stream: tokens prefilled per window")->capture_default_str();
+  app.add_option("--window", o->window, "tokens per window, BOS included")->capture_default_str();
+  app.add_option("--chunk", o->chunk, "prefill chunk size")->capture_default_str();
+  app.add_option("--windows", o->windows, "windows scored (fewer if the text is shorter)")->capture_default_str();
+  app.add_flag("--json", o->json, "print JSON: {model, protocol, results: [{method, bits_per_element, delta_ppl_pct, kl, top1, pareto}]}");
+  app.add_option("--plot", o->plot, "write the rate-distortion curves (KL against bits) as an SVG file");
+  return [o] { return run_rd(*o); };
+}
+
+}  // namespace vqcli
