@@ -89,13 +89,8 @@ int run_eval(EvalCliOptions o) {
   if (!o.model.empty() && !std::filesystem::is_regular_file(o.model))
     throw vq::IoError(fmt::format("{}: cannot open model (no such file)", o.model));
   // A tokenizer or text not given explicitly is looked for beside an explicit model first.
-  const auto beside_model = [&](const char* name) -> std::string {
-    if (o.model.empty()) return {};
-    const auto p = std::filesystem::path(o.model).parent_path() / name;
-    return std::filesystem::is_regular_file(p) ? p.string() : std::string();
-  };
-  if (o.tokenizer.empty()) o.tokenizer = beside_model("tok512.bin");
-  if (o.text.empty()) o.text = beside_model("tinystories_val.txt");
+  if (o.tokenizer.empty()) o.tokenizer = beside_model(o.model, "tok512.bin");
+  if (o.text.empty()) o.text = beside_model(o.model, "tinystories_val.txt");
   vq::ModelFiles files;
   try {
     files = vq::resolve_model_files(opt(o.model), opt(o.tokenizer));
@@ -107,22 +102,11 @@ int run_eval(EvalCliOptions o) {
   const vq::Tokenizer tok = vq::Tokenizer::load(files.tokenizer.string(), model.config().vocab_size);
   o.eval.validate(model.config().seq_len);
 
-  std::string text_path = o.text;
-  if (text_path.empty()) {
-    const auto found = vq::find_model_file("tinystories_val.txt");
-    vq::require(found.has_value(), "--text is required (no tinystories_val.txt beside the model files)");
-    text_path = found->string();
-  }
-  std::ifstream in(text_path, std::ios::binary);
-  if (!in) throw vq::IoError(fmt::format("{}: cannot open", text_path));
-  std::stringstream buf;
-  buf << in.rdbuf();
-  std::string text = buf.str();
+  const std::string text_path = text_path_or_default(o.text);
   // Tokenize only as much text as the run can score (2x margin), so a short run stays short.
-  if (o.eval.max_tokens > 0) {
-    const std::size_t want = static_cast<std::size_t>(o.eval.max_tokens) * 16 + static_cast<std::size_t>(o.eval.window) * 64;
-    if (text.size() > want) text.resize(text.rfind("\n\n", want) == std::string::npos ? want : text.rfind("\n\n", want));
-  }
+  const std::string text = read_text(text_path, o.eval.max_tokens > 0 ? static_cast<std::size_t>(o.eval.max_tokens) * 16 +
+                                                                             static_cast<std::size_t>(o.eval.window) * 64
+                                                                       : 0);
   const std::vector<int> tokens = tok.encode(text, /*bos=*/false);
 
   Progress progress;

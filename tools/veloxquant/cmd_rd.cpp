@@ -97,13 +97,8 @@ int run_rd(RdOptions o) {
   if (!o.model.empty() && !std::filesystem::is_regular_file(o.model))
     throw vq::IoError(fmt::format("{}: cannot open model (no such file)", o.model));
   // As `eval`: a tokenizer or text not given is looked for beside an explicit model first.
-  const auto beside_model = [&](const char* name) -> std::string {
-    if (o.model.empty()) return {};
-    const auto p = std::filesystem::path(o.model).parent_path() / name;
-    return std::filesystem::is_regular_file(p) ? p.string() : std::string();
-  };
-  if (o.tokenizer.empty()) o.tokenizer = beside_model("tok512.bin");
-  if (o.text.empty()) o.text = beside_model("tinystories_val.txt");
+  if (o.tokenizer.empty()) o.tokenizer = beside_model(o.model, "tok512.bin");
+  if (o.text.empty()) o.text = beside_model(o.model, "tinystories_val.txt");
   const vq::ModelFiles files = vq::resolve_model_files(opt(o.model), opt(o.tokenizer));
   vq::Transformer model(vq::Checkpoint::load(files.model.string()));
   const vq::Tokenizer tok = vq::Tokenizer::load(files.tokenizer.string(), model.config().vocab_size);
@@ -111,20 +106,9 @@ int run_rd(RdOptions o) {
   const std::int64_t scored = eval.protocol == vq::EvalProtocol::Stream ? eval.window - 1 : eval.window - eval.ctx;
   eval.max_tokens = scored * o.windows;
 
-  std::string text_path = o.text;
-  if (text_path.empty()) {
-    const auto found = vq::find_model_file("tinystories_val.txt");
-    vq::require(found.has_value(), "--text is required (no tinystories_val.txt beside the model files)");
-    text_path = found->string();
-  }
-  std::ifstream in(text_path, std::ios::binary);
-  if (!in) throw vq::IoError(fmt::format("{}: cannot open", text_path));
-  std::stringstream buf;
-  buf << in.rdbuf();
-  std::string text = buf.str();
+  const std::string text_path = text_path_or_default(o.text);
   // Tokenize only what the windows need (with a wide margin, at a paragraph boundary).
-  const std::size_t want = static_cast<std::size_t>(o.windows) * static_cast<std::size_t>(eval.window) * 16;
-  if (text.size() > want) text.resize(text.rfind("\n\n", want) == std::string::npos ? want : text.rfind("\n\n", want));
+  const std::string text = read_text(text_path, static_cast<std::size_t>(o.windows) * static_cast<std::size_t>(eval.window) * 16);
   const std::vector<int> tokens = tok.encode(text, /*bos=*/false);
   const std::int64_t available = static_cast<std::int64_t>(tokens.size()) / (eval.window - 1);
   vq::require(available >= 1, fmt::format("{}: the text holds {} tokens, fewer than one window of {}", text_path, tokens.size(), eval.window));

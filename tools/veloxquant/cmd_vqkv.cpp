@@ -62,14 +62,6 @@ void feed(vq::KVCache& cache, const vq::Tensor& k, const vq::Tensor& v, std::int
   }
 }
 
-std::string read_text(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw vq::IoError(fmt::format("{}: cannot open", path));
-  std::stringstream buf;
-  buf << in.rdbuf();
-  return buf.str();
-}
-
 int run_compress(const CompressOptions& o) {
   const int sources = (!o.keys.empty() || !o.values.empty()) + !o.kv.empty() + (o.ctx > 0 || !o.model.empty() || !o.text.empty());
   vq::require(sources == 1, "give exactly one input: --keys K.npy --values V.npy, --kv FILE.safetensors, or --model/--text with --ctx N");
@@ -107,14 +99,8 @@ int run_compress(const CompressOptions& o) {
     vq::Transformer model(vq::Checkpoint::load(files.model.string()));
     const vq::Tokenizer tok = vq::Tokenizer::load(files.tokenizer.string(), model.config().vocab_size);
     vq::require(o.ctx <= model.config().seq_len, fmt::format("--ctx {} is longer than the model's context ({})", o.ctx, model.config().seq_len));
-    std::string text_path = o.text;
-    if (text_path.empty()) {
-      const auto found = vq::find_model_file("tinystories_val.txt");
-      vq::require(found.has_value(), "--text is required (no tinystories_val.txt beside the model files)");
-      text_path = found->string();
-    }
-    std::string text = read_text(text_path);
-    text.resize(std::min<std::size_t>(text.size(), static_cast<std::size_t>(o.ctx) * 64));  // plenty for ctx tokens
+    const std::string text_path = text_path_or_default(o.text);
+    const std::string text = read_text(text_path, static_cast<std::size_t>(o.ctx) * 64);  // plenty for ctx tokens
     std::vector<int> tokens = tok.encode(text, /*bos=*/true);
     vq::require(static_cast<int>(tokens.size()) >= o.ctx, fmt::format("{} holds only {} tokens, fewer than --ctx {}", text_path, tokens.size(), o.ctx));
     tokens.resize(static_cast<std::size_t>(o.ctx));

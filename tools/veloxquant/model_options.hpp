@@ -1,14 +1,52 @@
-// The --model / --tokenizer options shared by every subcommand that runs the llama2.c model.
+// The --model / --tokenizer options shared by every subcommand that runs the llama2.c model, and
+// the text those subcommands read.
 #pragma once
+#include <filesystem>
+#include <fstream>
+#include <sstream>
 #include <string>
 
 #include <CLI/CLI.hpp>
+#include <fmt/core.h>
+
+#include "veloxquant/core/error.hpp"
+#include "veloxquant/model/model_files.hpp"
 
 namespace vqcli {
 
 inline void add_model_options(CLI::App& app, std::string& model, std::string& tokenizer) {
   app.add_option("--model", model, "llama2.c checkpoint (default: stories260K.bin in $VELOXQUANT_MODEL_DIR, ./models, ../shared/models)");
   app.add_option("--tokenizer", tokenizer, "llama2.c tokenizer (default: tok512.bin, looked up like --model)");
+}
+
+// A file named `name` beside an explicit --model ("" when there is none or no such file).
+inline std::string beside_model(const std::string& model, const char* name) {
+  if (model.empty()) return {};
+  const auto p = std::filesystem::path(model).parent_path() / name;
+  return std::filesystem::is_regular_file(p) ? p.string() : std::string();
+}
+
+// `path`, or tinystories_val.txt where the model files are looked up; InvalidArgument when neither.
+inline std::string text_path_or_default(const std::string& path) {
+  if (!path.empty()) return path;
+  const auto found = vq::find_model_file("tinystories_val.txt");
+  vq::require(found.has_value(), "--text is required (no tinystories_val.txt beside the model files)");
+  return found->string();
+}
+
+// The text of `path`, cut at the last paragraph break before max_bytes (0: all of it), so that a
+// short run tokenizes only what it needs. IoError when the file cannot be read.
+inline std::string read_text(const std::string& path, std::size_t max_bytes = 0) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw vq::IoError(fmt::format("{}: cannot open", path));
+  std::stringstream buf;
+  buf << in.rdbuf();
+  std::string text = buf.str();
+  if (max_bytes > 0 && text.size() > max_bytes) {
+    const auto cut = text.rfind("\n\n", max_bytes);
+    text.resize(cut == std::string::npos ? max_bytes : cut);
+  }
+  return text;
 }
 
 }  // namespace vqcli
