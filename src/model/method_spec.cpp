@@ -52,19 +52,6 @@ bool parse_bool(const std::string& key, const std::string& value, const std::str
 namespace {
 
 // The key=value items of `args` (empty when the spec had no ':'), each passed to `set(key, value)`.
-template <class Set>
-void for_each_option(const std::string& spec, const std::string& args, bool has_colon, const char* keys, Set set) {
-  std::size_t start = 0;
-  while (has_colon && start <= args.size()) {
-    const auto comma = args.find(',', start);
-    const std::string item = args.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
-    start = comma == std::string::npos ? args.size() + 1 : comma + 1;
-    const auto eq = item.find('=');
-    if (eq == std::string::npos)
-      throw InvalidArgument(fmt::format("method '{}': option '{}' needs the form key=value (keys: {})", spec, item, keys));
-    set(item.substr(0, eq), item.substr(eq + 1));
-  }
-}
 
 constexpr const char* kValidMethods =
     "fp32, fp16, cachegen[:bits=N,group=G,flush=per_call|group_aligned,delta=0|1,schedule=on|off], "
@@ -91,7 +78,7 @@ MethodSpec MethodSpec::parse(const std::string& spec) {
   if (name == "kivi") {
     m.kind = Kind::Kivi;
     constexpr const char* keys = "bits, group, residual";
-    for_each_option(spec, args, has_colon, keys, [&](const std::string& key, const std::string& value) {
+    detail::for_each_option(spec, args, has_colon, keys, [&](const std::string& key, const std::string& value) {
       if (key == "bits")
         m.kivi.bits = parse_int(key, value, spec);
       else if (key == "group")
@@ -111,7 +98,7 @@ MethodSpec MethodSpec::parse(const std::string& spec) {
   if (name == "lmcache") {
     m.kind = Kind::Lmcache;
     constexpr const char* keys = "chunk, schedule";
-    for_each_option(spec, args, has_colon, keys, [&](const std::string& key, const std::string& value) {
+    detail::for_each_option(spec, args, has_colon, keys, [&](const std::string& key, const std::string& value) {
       if (key == "chunk")
         m.lmcache.chunk = parse_int(key, value, spec);
       else if (key == "schedule")
@@ -129,7 +116,7 @@ MethodSpec MethodSpec::parse(const std::string& spec) {
   if (name == "cachegen_paper") {
     m.kind = Kind::CachegenPaper;
     constexpr const char* keys = "bin1, bin2, bin3, group, chunk, profile, profile_tokens";
-    for_each_option(spec, args, has_colon, keys, [&](const std::string& key, const std::string& value) {
+    detail::for_each_option(spec, args, has_colon, keys, [&](const std::string& key, const std::string& value) {
       auto& c = m.cachegen_paper;
       if (key == "bin1" || key == "bin2" || key == "bin3")
         c.bins[static_cast<std::size_t>(key[3] - '1')] = parse_double(key, value, spec);
@@ -156,7 +143,7 @@ MethodSpec MethodSpec::parse(const std::string& spec) {
   if (name == "vq") return detail::parse_vq_spec(spec, args, has_colon);
   if (name != "cachegen") throw InvalidArgument(fmt::format("unknown method '{}': valid methods are {}", name, kValidMethods));
   m.kind = Kind::CacheGen;
-  for_each_option(spec, args, has_colon, "bits, group, flush, delta, schedule", [&](const std::string& key, const std::string& value) {
+  detail::for_each_option(spec, args, has_colon, "bits, group, flush, delta, schedule", [&](const std::string& key, const std::string& value) {
     if (key == "bits") {
       m.cachegen.cachegen_bits = parse_int(key, value, spec);
     } else if (key == "group") {

@@ -60,15 +60,7 @@ std::vector<std::pair<double, double>> allocation(const std::string& spec, const
 MethodSpec parse_vq_spec(const std::string& spec, const std::string& args, bool has_colon) {
   MethodSpec m;
   m.kind = MethodSpec::Kind::Vq;
-  std::size_t start = 0;
-  while (has_colon && start <= args.size()) {
-    const auto comma = args.find(',', start);
-    const std::string item = args.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
-    start = comma == std::string::npos ? args.size() + 1 : comma + 1;
-    const auto eq = item.find('=');
-    if (eq == std::string::npos)
-      throw InvalidArgument(fmt::format("method '{}': option '{}' needs the form key=value (keys: {})", spec, item, kKeys));
-    const std::string key = item.substr(0, eq), value = item.substr(eq + 1);
+  for_each_option(spec, args, has_colon, kKeys, [&](const std::string& key, const std::string& value) {
     if (key == "bits") {
       m.vq.bits = parse_real(spec, key, value);
     } else if (key == "calib" || key == "residual") {
@@ -94,7 +86,7 @@ MethodSpec parse_vq_spec(const std::string& spec, const std::string& args, bool 
     } else {
       throw InvalidArgument(fmt::format("method '{}': unknown key '{}' for vq; valid keys are {}", spec, key, kKeys));
     }
-  }
+  });
   try {
     m.vq.validate();
   } catch (const InvalidArgument& e) {

@@ -5,10 +5,31 @@
 #include <string>
 #include <vector>
 
+#include <fmt/format.h>
+
+#include "veloxquant/core/error.hpp"
+
 #include "veloxquant/model/checkpoint.hpp"
 #include "veloxquant/model/method_spec.hpp"
 
 namespace vq::detail {
+
+// Calls set(key, value) for each `key=value` item of a spec's comma-separated options; throws
+// InvalidArgument naming `keys` for an item without '='.
+template <class Set>
+inline void for_each_option(const std::string& spec, const std::string& args, bool has_colon, const char* keys, Set set) {
+  std::size_t start = 0;
+  while (has_colon && start <= args.size()) {
+    const auto comma = args.find(',', start);
+    const std::string item = args.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
+    start = comma == std::string::npos ? args.size() + 1 : comma + 1;
+    const auto eq = item.find('=');
+    if (eq == std::string::npos)
+      throw InvalidArgument(fmt::format("method '{}': option '{}' needs the form key=value (keys: {})", spec, item, keys));
+    set(item.substr(0, eq), item.substr(eq + 1));
+  }
+}
+
 
 // Parse the options of a `vq[:...]` spec into a MethodSpec of kind Vq; throws InvalidArgument.
 MethodSpec parse_vq_spec(const std::string& spec, const std::string& args, bool has_colon);
