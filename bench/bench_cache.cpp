@@ -125,7 +125,7 @@ void BM_CacheGen_Decode(benchmark::State& state) {
   state.counters["us_per_token"] = benchmark::Counter(static_cast<double>(state.iterations() * steps),
                                                       benchmark::Counter::kIsRate | benchmark::Counter::kInvert);
 }
-BENCHMARK(BM_CacheGen_Decode)->Args({1024, 0})->Args({16384, 0})->Args({1024, 1})->Args({16384, 1})->Unit(benchmark::kMillisecond)->Iterations(5);
+BENCHMARK(BM_CacheGen_Decode)->Args({1024, 0})->Args({16384, 0})->Args({1024, 1})->Args({16384, 1})->Unit(benchmark::kMillisecond)->Iterations(20);
 
 // Whole decode from an empty cache to 16384 tokens, one token per call: per-token cost including
 // the buffer's geometric growth (amortised O(1)).

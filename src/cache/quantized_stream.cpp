@@ -98,25 +98,31 @@ std::span<const float> QuantizedStream::scales(std::int64_t slice) const { retur
 std::span<const float> QuantizedStream::minima(std::int64_t slice) const { return mins_.at(static_cast<std::size_t>(slice)); }
 
 QuantStatus QuantizedStream::quantize_rows(Tensor& dense, const Tensor& input, std::int64_t begin, std::int64_t slice,
-                                           std::int64_t row0, int n_rows, std::int64_t group_index) {
+                                           std::int64_t row0, int n_rows, std::int64_t group_index, int n_groups) {
   const std::int64_t b = slice / heads_, h = slice % heads_;
   const auto d = static_cast<std::size_t>(dim_);
-  src_rows_.resize(static_cast<std::size_t>(n_rows));
-  dst_rows_.resize(static_cast<std::size_t>(n_rows));
-  for (int r = 0; r < n_rows; ++r) {
+  const int total_rows = n_rows * n_groups;
+  src_rows_.resize(static_cast<std::size_t>(total_rows));
+  dst_rows_.resize(static_cast<std::size_t>(total_rows));
+  // Row pointers from each tensor's token stride (one row() call per tensor, not two per row).
+  const std::int64_t esz = static_cast<std::int64_t>(dtype_size(dense.dtype()));
+  const std::int64_t dense_step = dense.strides()[2] * esz, input_step = input.strides()[2] * esz;
+  std::byte* const dense0 = dense.row(b, h, 0);
+  const std::byte* const input0 = input.row(b, h, 0);
+  for (int r = 0; r < total_rows; ++r) {
     const std::int64_t t = row0 + r;
-    src_rows_[static_cast<std::size_t>(r)] = t >= begin ? input.row(b, h, t - begin) : dense.row(b, h, t);
-    dst_rows_[static_cast<std::size_t>(r)] = dense.row(b, h, t);
+    src_rows_[static_cast<std::size_t>(r)] = t >= begin ? input0 + (t - begin) * input_step : dense0 + t * dense_step;
+    dst_rows_[static_cast<std::size_t>(r)] = dense0 + t * dense_step;
   }
   auto& codes = codes_[static_cast<std::size_t>(slice)];
   auto& sc = scales_[static_cast<std::size_t>(slice)];
   auto& mn = mins_[static_cast<std::size_t>(slice)];
-  codes.resize(static_cast<std::size_t>(row0 + n_rows) * d);
-  sc.resize(static_cast<std::size_t>(group_index + 1) * d);
+  codes.resize(static_cast<std::size_t>(row0 + total_rows) * d);
+  sc.resize(static_cast<std::size_t>(group_index + n_groups) * d);
   mn.resize(sc.size());
-  return quantize_group_rows(src_rows_.data(), dst_rows_.data(), n_rows, dim_, bits_, dense.dtype(),
-                             codes.data() + static_cast<std::size_t>(row0) * d, sc.data() + static_cast<std::size_t>(group_index) * d,
-                             mn.data() + static_cast<std::size_t>(group_index) * d, scratch_);
+  return quantize_groups(src_rows_.data(), dst_rows_.data(), n_groups, n_rows, dim_, bits_, dense.dtype(),
+                         codes.data() + static_cast<std::size_t>(row0) * d, sc.data() + static_cast<std::size_t>(group_index) * d,
+                         mn.data() + static_cast<std::size_t>(group_index) * d, scratch_);
 }
 
 std::vector<std::int16_t> QuantizedStream::symbols_of(std::int64_t slice, std::int64_t row0, std::int64_t n_rows) const {
@@ -261,8 +267,9 @@ QuantStatus QuantizedStream::ingest(Tensor& dense, const Tensor& input, std::int
     auto& codes = codes_[static_cast<std::size_t>(s)];
     if (codes.capacity() < static_cast<std::size_t>(closable) * d)
       codes.reserve(std::max(static_cast<std::size_t>(closable) * d, codes.capacity() * 2));
-    for (std::int64_t r0 = closed_before; r0 < closable; r0 += group_size_) {
-      const QuantStatus st = quantize_rows(dense, input, begin, s, r0, group_size_, r0 / group_size_);
+    if (closable > closed_before) {  // all of this slice's newly closed groups in one call
+      const QuantStatus st = quantize_rows(dense, input, begin, s, closed_before, group_size_, closed_before / group_size_,
+                                           static_cast<int>((closable - closed_before) / group_size_));
       if (st != QuantStatus::Ok) {
         undo_last_ingest(dense);
         return st;

@@ -46,92 +46,131 @@ __attribute__((target("avx2,f16c"))) inline void store8(std::byte* p, __m256 v) 
   }
 }
 
-// One block of W vectors (8 * W channels starting at c): each row's block is read as W adjacent
-// vectors (a whole cache line for W = 4 and f16), so both passes stream through the rows.
-template <DType DT, int W>
-__attribute__((target("avx2,f16c"), always_inline)) inline bool block(const std::byte* const* rows, std::byte* const* out_rows,
-                                                                      int n_rows, int dim, int c, __m256 levels, std::uint8_t* codes,
-                                                                      float* scale, float* minv, int& overflow) {
+// Every pass walks rows in order, all channels of a row before the next row, so the input, the
+// dense output and the codes are each one sequential stream (walking a 32-channel column block down
+// the rows touched one line in four at a 256-byte stride, which the hardware prefetcher followed
+// badly). A group's running min and max live in its minv and scale (L1-resident); scale is then
+// overwritten with the step in place.
+template <DType DT>
+__attribute__((target("avx2,f16c"), always_inline)) inline void min_max_row(const std::byte* row, int dim8, bool first, float* mn,
+                                                                            float* mx, __m256& nonfinite) {
   constexpr std::size_t esz = DT == DType::F16 ? 2 : 4;
-  const std::size_t off = static_cast<std::size_t>(c) * esz;
-  const __m256 min_scale = _mm256_set1_ps(kMinScale);
-  const __m256 fmax = _mm256_set1_ps(3.4028234e38f);
-  __m256 mn[W], mx[W], s[W];
-  __m256 nonfinite = _mm256_setzero_ps();  // OR of x - x: +0 for finite x, NaN for NaN and Inf
-  for (int w = 0; w < W; ++w) {
-    mn[w] = mx[w] = load8<DT>(rows[0] + off + static_cast<std::size_t>(w) * 8 * esz);
-    nonfinite = _mm256_or_ps(nonfinite, _mm256_sub_ps(mn[w], mn[w]));
-  }
-  for (int r = 1; r < n_rows; ++r)
-    for (int w = 0; w < W; ++w) {
-      const __m256 x = load8<DT>(rows[r] + off + static_cast<std::size_t>(w) * 8 * esz);
-      mn[w] = _mm256_min_ps(x, mn[w]);  // same operand order as the portable x < mn ? x : mn
-      mx[w] = _mm256_max_ps(x, mx[w]);
-      nonfinite = _mm256_or_ps(nonfinite, _mm256_sub_ps(x, x));
-    }
-  if (!_mm256_testz_si256(_mm256_castps_si256(nonfinite), _mm256_castps_si256(nonfinite))) return false;
-  for (int w = 0; w < W; ++w) {
-    s[w] = _mm256_max_ps(_mm256_div_ps(_mm256_sub_ps(mx[w], mn[w]), levels), min_scale);  // s > 1e-8 ? s : 1e-8
-    overflow |= _mm256_movemask_ps(_mm256_cmp_ps(s[w], fmax, _CMP_GT_OQ));
-    _mm256_storeu_ps(scale + c + 8 * w, s[w]);
-    _mm256_storeu_ps(minv + c + 8 * w, mn[w]);
-  }
-  // v = (x - min) / scale is >= +0 (x >= min exactly, scale > 0), so the reference's clip at 0 is
-  // a no-op and is skipped; rounding to nearest-even (roundps) equals rint for 0 <= v < 2^23, and
-  // the rounded, clamped v is the code as a float, so the reconstruction uses it directly.
-  for (int r = 0; r < n_rows; ++r) {
-    __m256i q32[W];
-    for (int w = 0; w < W; ++w) {
-      const std::size_t o = off + static_cast<std::size_t>(w) * 8 * esz;
-      __m256 v = _mm256_div_ps(_mm256_sub_ps(load8<DT>(rows[r] + o), mn[w]), s[w]);
-      v = _mm256_min_ps(_mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), levels);
-      q32[w] = _mm256_cvttps_epi32(v);
-      store8<DT>(out_rows[r] + o, _mm256_add_ps(_mm256_mul_ps(v, s[w]), mn[w]));
-    }
-    std::uint8_t* q = codes + static_cast<std::size_t>(r) * dim + c;
-    if constexpr (W == 4) {  // 32 codes in one store: pack, then undo the per-lane interleave
-      const __m256i b = _mm256_packus_epi16(_mm256_packs_epi32(q32[0], q32[1]), _mm256_packs_epi32(q32[2], q32[3]));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  for (int c = 0; c < dim8; c += 8) {
+    const __m256 x = load8<DT>(row + static_cast<std::size_t>(c) * esz);
+    nonfinite = _mm256_or_ps(nonfinite, _mm256_sub_ps(x, x));  // x - x: +0 for finite x, NaN for NaN and Inf
+    if (first) {
+      _mm256_storeu_ps(mn + c, x);
+      _mm256_storeu_ps(mx + c, x);
     } else {
-      for (int w = 0; w < W; ++w) {
-        const __m128i q16 = _mm_packs_epi32(_mm256_castsi256_si128(q32[w]), _mm256_extracti128_si256(q32[w], 1));
-        _mm_storel_epi64(reinterpret_cast<__m128i*>(q + 8 * w), _mm_packus_epi16(q16, q16));
-      }
+      _mm256_storeu_ps(mn + c, _mm256_min_ps(x, _mm256_loadu_ps(mn + c)));  // same operand order as the portable x < mn ? x : mn
+      _mm256_storeu_ps(mx + c, _mm256_max_ps(x, _mm256_loadu_ps(mx + c)));
     }
   }
-  return true;
 }
 
-// Channels [0, dim8) in blocks of 32 then 8; the tail (dim % 8) goes through the portable formulas.
+// Turns the group's max (stored in scale) into its step; returns false when a step overflows.
+__attribute__((target("avx2,f16c"))) inline bool steps_from_range(float* scale, const float* mn, int dim8, __m256 levels) {
+  const __m256 min_scale = _mm256_set1_ps(kMinScale);
+  const __m256 fmax = _mm256_set1_ps(3.4028234e38f);
+  int overflow = 0;
+  for (int c = 0; c < dim8; c += 8) {
+    const __m256 s = _mm256_max_ps(_mm256_div_ps(_mm256_sub_ps(_mm256_loadu_ps(scale + c), _mm256_loadu_ps(mn + c)), levels),
+                                   min_scale);  // s > 1e-8 ? s : 1e-8
+    overflow |= _mm256_movemask_ps(_mm256_cmp_ps(s, fmax, _CMP_GT_OQ));
+    _mm256_storeu_ps(scale + c, s);
+  }
+  return overflow == 0;
+}
+
+// v = (x - min) / scale is >= +0 (x >= min exactly, scale > 0), so the reference's clip at 0 is
+// a no-op and is skipped; rounding to nearest-even (roundps) equals rint for 0 <= v < 2^23, and
+// the rounded, clamped v is the code as a float, so the reconstruction uses it directly.
+// (Multiplying by 1 / scale with an exact fallback near halves was measured slower: the division
+// is not what bounds this kernel, memory is.)
 template <DType DT>
-__attribute__((target("avx2,f16c"))) QuantStatus kernel(const std::byte* const* rows, std::byte* const* out_rows, int n_rows, int dim,
-                                                 int bits, std::uint8_t* codes, float* scale, float* minv) {
+__attribute__((target("avx2,f16c"), always_inline)) inline __m256i quant8(const std::byte* in, std::byte* out, const float* mn,
+                                                                         const float* s, __m256 levels) {
+  const __m256 m = _mm256_loadu_ps(mn), st = _mm256_loadu_ps(s);
+  __m256 v = _mm256_div_ps(_mm256_sub_ps(load8<DT>(in), m), st);
+  v = _mm256_min_ps(_mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), levels);
+  store8<DT>(out, _mm256_add_ps(_mm256_mul_ps(v, st), m));
+  return _mm256_cvttps_epi32(v);
+}
+
+template <DType DT>
+__attribute__((target("avx2,f16c"), always_inline)) inline void quant_row(const std::byte* in, std::byte* out, std::uint8_t* q, int dim8,
+                                                                          const float* mn, const float* s, __m256 levels) {
   constexpr std::size_t esz = DT == DType::F16 ? 2 : 4;
+  int c = 0;
+  for (; c + 32 <= dim8; c += 32) {  // 32 codes in one store: pack, then undo the per-lane interleave
+    __m256i q32[4];
+    for (int w = 0; w < 4; ++w) {
+      const std::size_t o = static_cast<std::size_t>(c + 8 * w) * esz;
+      q32[w] = quant8<DT>(in + o, out + o, mn + c + 8 * w, s + c + 8 * w, levels);
+    }
+    const __m256i b = _mm256_packus_epi16(_mm256_packs_epi32(q32[0], q32[1]), _mm256_packs_epi32(q32[2], q32[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + c), _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  }
+  for (; c < dim8; c += 8) {
+    const std::size_t o = static_cast<std::size_t>(c) * esz;
+    const __m256i q32 = quant8<DT>(in + o, out + o, mn + c, s + c, levels);
+    const __m128i q16 = _mm_packs_epi32(_mm256_castsi256_si128(q32), _mm256_extracti128_si256(q32, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(q + c), _mm_packus_epi16(q16, q16));
+  }
+}
+
+// Channels [dim8, dim) of one group (dim % 8 of them): the portable formulas, one channel at a time.
+QuantStatus tail_channels(const std::byte* const* rows, std::byte* const* out_rows, int n_rows, int dim, int dim8, int bits, DType dt,
+                          std::uint8_t* codes, float* scale, float* minv) {
+  const std::size_t esz = dtype_size(dt);
+  const int tail = dim - dim8;
+  float s[8], m[8];
+  std::vector<float> col(static_cast<std::size_t>(n_rows) * tail), out(col.size());
+  std::vector<std::uint8_t> qc(col.size());
+  for (int r = 0; r < n_rows; ++r) to_f32(rows[r] + static_cast<std::size_t>(dim8) * esz, dt, col.data() + r * tail, static_cast<std::size_t>(tail));
+  if (!all_finite(col.data(), col.size())) return QuantStatus::NonFinite;
+  if (!quantize_group(col.data(), n_rows, tail, bits, qc.data(), s, m)) return QuantStatus::RangeOverflow;
+  dequant_group(qc.data(), n_rows, tail, s, m, out.data());
+  for (int k = 0; k < tail; ++k) {
+    scale[dim8 + k] = s[k];
+    minv[dim8 + k] = m[k];
+  }
+  for (int r = 0; r < n_rows; ++r) {
+    std::memcpy(codes + static_cast<std::size_t>(r) * dim + dim8, qc.data() + r * tail, static_cast<std::size_t>(tail));
+    from_f32(out.data() + r * tail, out_rows[r] + static_cast<std::size_t>(dim8) * esz, dt, static_cast<std::size_t>(tail));
+  }
+  return QuantStatus::Ok;
+}
+
+// n_groups consecutive groups of group_rows rows each. Group g + 1's min/max pass runs row by row
+// inside group g's quantizing pass, so the loads of the next group's input (from memory) overlap the
+// stores of this group's output instead of each pass waiting on one stream alone. Each group's
+// status is checked in order (non-finite, overflow, then the tail channels'), so the first failing
+// group decides, as when groups are quantized one call at a time.
+template <DType DT>
+__attribute__((target("avx2,f16c"))) QuantStatus kernel(const std::byte* const* rows, std::byte* const* out_rows, int n_groups, int group_rows,
+                                                 int dim, int bits, std::uint8_t* codes, float* scale, float* minv) {
   const int dim8 = dim & ~7;
   const __m256 levels = _mm256_set1_ps(static_cast<float>((1 << bits) - 1));
-  int overflow = 0;
-  int c = 0;
-  for (; c + 32 <= dim8; c += 32)
-    if (!block<DT, 4>(rows, out_rows, n_rows, dim, c, levels, codes, scale, minv, overflow)) return QuantStatus::NonFinite;
-  for (; c < dim8; c += 8)
-    if (!block<DT, 1>(rows, out_rows, n_rows, dim, c, levels, codes, scale, minv, overflow)) return QuantStatus::NonFinite;
-  if (overflow) return QuantStatus::RangeOverflow;
-  if (dim8 < dim) {  // tail channels: portable arithmetic, one channel at a time
-    const int tail = dim - dim8;
-    float s[8], m[8];
-    std::vector<float> col(static_cast<std::size_t>(n_rows) * tail), out(col.size());
-    std::vector<std::uint8_t> qc(col.size());
-    for (int r = 0; r < n_rows; ++r) to_f32(rows[r] + static_cast<std::size_t>(dim8) * esz, DT, col.data() + r * tail, static_cast<std::size_t>(tail));
-    if (!all_finite(col.data(), col.size())) return QuantStatus::NonFinite;
-    if (!quantize_group(col.data(), n_rows, tail, bits, qc.data(), s, m)) return QuantStatus::RangeOverflow;
-    dequant_group(qc.data(), n_rows, tail, s, m, out.data());
-    for (int k = 0; k < tail; ++k) {
-      scale[dim8 + k] = s[k];
-      minv[dim8 + k] = m[k];
+  const auto d = static_cast<std::size_t>(dim);
+  __m256 nonfinite = _mm256_setzero_ps();
+  for (int r = 0; r < group_rows; ++r) min_max_row<DT>(rows[r], dim8, r == 0, minv, scale, nonfinite);
+  for (int g = 0; g < n_groups; ++g) {
+    const std::size_t row0 = static_cast<std::size_t>(g) * static_cast<std::size_t>(group_rows);
+    float* const sc = scale + static_cast<std::size_t>(g) * d;
+    float* const mn = minv + static_cast<std::size_t>(g) * d;
+    if (!_mm256_testz_si256(_mm256_castps_si256(nonfinite), _mm256_castps_si256(nonfinite))) return QuantStatus::NonFinite;
+    if (!steps_from_range(sc, mn, dim8, levels)) return QuantStatus::RangeOverflow;
+    if (dim8 < dim) {
+      const QuantStatus st = tail_channels(rows + row0, out_rows + row0, group_rows, dim, dim8, bits, DT, codes + row0 * d, sc, mn);
+      if (st != QuantStatus::Ok) return st;
     }
-    for (int r = 0; r < n_rows; ++r) {
-      std::memcpy(codes + static_cast<std::size_t>(r) * dim + dim8, qc.data() + r * tail, static_cast<std::size_t>(tail));
-      from_f32(out.data() + r * tail, out_rows[r] + static_cast<std::size_t>(dim8) * esz, DT, static_cast<std::size_t>(tail));
+    nonfinite = _mm256_setzero_ps();
+    const bool next = g + 1 < n_groups;
+    for (int r = 0; r < group_rows; ++r) {
+      const std::size_t i = row0 + static_cast<std::size_t>(r);
+      quant_row<DT>(rows[i], out_rows[i], codes + i * d, dim8, mn, sc, levels);
+      if (next) min_max_row<DT>(rows[i + static_cast<std::size_t>(group_rows)], dim8, r == 0, mn + d, sc + d, nonfinite);
     }
   }
   return QuantStatus::Ok;
@@ -156,13 +195,25 @@ bool fused_quant_has_fast_path(DType dtype) {
 
 QuantStatus quantize_group_rows(const std::byte* const* rows, std::byte* const* out_rows, int n_rows, int dim, int bits, DType dtype,
                          std::uint8_t* codes, float* scale, float* minv, FusedGroupScratch& scratch) {
+  return quantize_groups(rows, out_rows, 1, n_rows, dim, bits, dtype, codes, scale, minv, scratch);
+}
+
+QuantStatus quantize_groups(const std::byte* const* rows, std::byte* const* out_rows, int n_groups, int group_rows, int dim, int bits,
+                            DType dtype, std::uint8_t* codes, float* scale, float* minv, FusedGroupScratch& scratch) {
 #ifdef VQ_HAVE_AVX2_KERNEL
-  if (cpu_ok() && n_rows >= 1) {
-    if (dtype == DType::F16) return kernel<DType::F16>(rows, out_rows, n_rows, dim, bits, codes, scale, minv);
-    if (dtype == DType::F32) return kernel<DType::F32>(rows, out_rows, n_rows, dim, bits, codes, scale, minv);
+  if (cpu_ok() && n_groups >= 1 && group_rows >= 1) {
+    if (dtype == DType::F16) return kernel<DType::F16>(rows, out_rows, n_groups, group_rows, dim, bits, codes, scale, minv);
+    if (dtype == DType::F32) return kernel<DType::F32>(rows, out_rows, n_groups, group_rows, dim, bits, codes, scale, minv);
   }
 #endif
-  return quantize_group_rows_portable(rows, out_rows, n_rows, dim, bits, dtype, codes, scale, minv, scratch);
+  const auto d = static_cast<std::size_t>(dim);
+  for (int g = 0; g < n_groups; ++g) {
+    const std::size_t row0 = static_cast<std::size_t>(g) * static_cast<std::size_t>(group_rows);
+    const QuantStatus st = quantize_group_rows_portable(rows + row0, out_rows + row0, group_rows, dim, bits, dtype, codes + row0 * d,
+                                                        scale + static_cast<std::size_t>(g) * d, minv + static_cast<std::size_t>(g) * d, scratch);
+    if (st != QuantStatus::Ok) return st;
+  }
+  return QuantStatus::Ok;
 }
 
 }  // namespace vq

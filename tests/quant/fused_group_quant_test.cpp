@@ -130,4 +130,85 @@ TEST(FusedGroupQuant, NonFiniteIsReportedByBothPaths) {
   }
 }
 
+// quantize_groups (the fast kernel pipelines group g + 1's min/max pass into group g's quantizing
+// pass) must equal one portable call per group, in place or not, and report the status of the
+// first failing group when several groups fail in different ways.
+TEST(FusedGroupQuant, GroupsInOneCallEqualOneCallPerGroup) {
+  std::mt19937 rng(8);
+  std::normal_distribution<float> nd(0.0f, 3.0f);
+  for (auto dt : {vq::DType::F32, vq::DType::F16})
+    for (int dim : {8, 13, 40, 128})
+      for (int n_groups : {1, 2, 5})
+        for (bool in_place : {false, true}) {
+          const int group_rows = 32, rows = group_rows * n_groups;
+          const std::size_t esz = vq::dtype_size(dt), n = static_cast<std::size_t>(rows * dim);
+          std::vector<float> f(n);
+          for (auto& v : f) v = nd(rng);
+          std::vector<std::byte> src(n * esz), out_a(n * esz), out_b(n * esz);
+          vq::from_f32(f.data(), src.data(), dt, n);
+          if (in_place) out_a = src;
+          std::vector<const std::byte*> in(static_cast<std::size_t>(rows)), in_b(in.size());
+          std::vector<std::byte*> oa(in.size()), ob(in.size());
+          for (int r = 0; r < rows; ++r) {
+            const std::size_t at = static_cast<std::size_t>(r * dim) * esz;
+            in[static_cast<std::size_t>(r)] = in_place ? out_a.data() + at : src.data() + at;
+            in_b[static_cast<std::size_t>(r)] = src.data() + at;
+            oa[static_cast<std::size_t>(r)] = out_a.data() + at;
+            ob[static_cast<std::size_t>(r)] = out_b.data() + at;
+          }
+          std::vector<std::uint8_t> qa(n, 1), qb(n, 2);
+          const std::size_t ns = static_cast<std::size_t>(n_groups * dim);
+          std::vector<float> sa(ns), sb(ns), ma(ns), mb(ns);
+          vq::FusedGroupScratch scratch;
+          ASSERT_EQ(vq::quantize_groups(in.data(), oa.data(), n_groups, group_rows, dim, 4, dt, qa.data(), sa.data(), ma.data(), scratch),
+                    vq::QuantStatus::Ok);
+          for (int g = 0; g < n_groups; ++g) {
+            const std::size_t r0 = static_cast<std::size_t>(g * group_rows), c0 = static_cast<std::size_t>(g * dim);
+            ASSERT_EQ(vq::quantize_group_rows_portable(in_b.data() + r0, ob.data() + r0, group_rows, dim, 4, dt, qb.data() + r0 * dim,
+                                                       sb.data() + c0, mb.data() + c0, scratch),
+                      vq::QuantStatus::Ok);
+          }
+          ASSERT_EQ(qa, qb) << "dim " << dim << " groups " << n_groups << " in place " << in_place;
+          ASSERT_EQ(0, std::memcmp(sa.data(), sb.data(), ns * 4));
+          ASSERT_EQ(0, std::memcmp(ma.data(), mb.data(), ns * 4));
+          ASSERT_EQ(out_a, out_b);
+        }
+  // Failures: a NaN, an overflowing range, or both in different groups (in the main channels or in
+  // the tail channels of dim 13); the first failing group decides.
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  struct Bad { int group; int channel; bool overflow; };
+  const std::vector<std::vector<Bad>> cases{{{1, 0, false}}, {{2, 3, true}}, {{1, 12, false}, {0, 12, true}}, {{0, 2, false}, {1, 2, true}},
+                                            {{2, 1, false}, {1, 5, true}}, {{1, 12, true}, {1, 0, false}}, {{0, 3, true}, {1, 0, false}}};
+  for (const auto& bads : cases) {
+    const int dim = 13, group_rows = 4, n_groups = 3, rows = group_rows * n_groups;
+    std::vector<float> f(static_cast<std::size_t>(rows * dim), 1.0f);
+    for (const Bad& b : bads) {
+      const std::size_t at = static_cast<std::size_t>((b.group * group_rows + 1) * dim + b.channel);
+      if (b.overflow) {
+        f[at] = 3e38f;
+        f[at + static_cast<std::size_t>(dim)] = -3e38f;
+      } else {
+        f[at] = nan;
+      }
+    }
+    std::vector<const std::byte*> in(static_cast<std::size_t>(rows));
+    std::vector<std::byte*> out(in.size());
+    std::vector<float> o(f.size());
+    for (int r = 0; r < rows; ++r) {
+      in[static_cast<std::size_t>(r)] = reinterpret_cast<const std::byte*>(f.data() + r * dim);
+      out[static_cast<std::size_t>(r)] = reinterpret_cast<std::byte*>(o.data() + r * dim);
+    }
+    std::vector<std::uint8_t> q(f.size());
+    std::vector<float> s(static_cast<std::size_t>(n_groups * dim)), m(s.size());
+    vq::FusedGroupScratch scratch;
+    vq::QuantStatus expected = vq::QuantStatus::Ok;
+    for (int g = 0; g < n_groups && expected == vq::QuantStatus::Ok; ++g)
+      expected = vq::quantize_group_rows_portable(in.data() + g * group_rows, out.data() + g * group_rows, group_rows, dim, 4, vq::DType::F32,
+                                                  q.data() + g * group_rows * dim, s.data() + g * dim, m.data() + g * dim, scratch);
+    ASSERT_NE(expected, vq::QuantStatus::Ok);
+    EXPECT_EQ(vq::quantize_groups(in.data(), out.data(), n_groups, group_rows, dim, 4, vq::DType::F32, q.data(), s.data(), m.data(), scratch),
+              expected);
+  }
+}
+
 }  // namespace

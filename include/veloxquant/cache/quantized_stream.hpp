@@ -90,10 +90,11 @@ class QuantizedStream {
     std::uint64_t compressed = 0;  // summed over slices
     std::uint64_t fixed = 0;
   };
-  // Quantize rows [row0, row0 + n_rows) of one slice as group `group_index`; row r is read from
-  // input row r - begin when r >= begin, else from dense; the reconstruction goes to dense.
+  // Quantize rows [row0, row0 + n_rows * n_groups) of one slice as groups group_index, ... of
+  // n_rows rows each; row r is read from input row r - begin when r >= begin, else from dense; the
+  // reconstruction goes to dense.
   QuantStatus quantize_rows(Tensor& dense, const Tensor& input, std::int64_t begin, std::int64_t slice, std::int64_t row0, int n_rows,
-                            std::int64_t group_index);
+                            std::int64_t group_index, int n_groups = 1);
   void account_segment(Segment& seg) const;
   std::vector<std::int16_t> symbols_of(std::int64_t slice, std::int64_t row0, std::int64_t n_rows) const;
   void add_symbols(std::int64_t slice, std::int64_t row0, std::int64_t n_rows) const;

@@ -12,7 +12,7 @@
 namespace vq {
 
 struct FusedGroupScratch {
-  std::vector<float> in, out;
+  std::vector<float> in, out, inv;
 };
 
 enum class QuantStatus { Ok = 0, NonFinite, RangeOverflow };
@@ -22,6 +22,13 @@ enum class QuantStatus { Ok = 0, NonFinite, RangeOverflow };
 // overflows float32; outputs are then unspecified (possibly partly written). Never throws.
 QuantStatus quantize_group_rows(const std::byte* const* rows, std::byte* const* out_rows, int n_rows, int dim, int bits, DType dtype,
                          std::uint8_t* codes, float* scale, float* minv, FusedGroupScratch& scratch);
+
+// n_groups consecutive groups of group_rows rows each (rows, out_rows: n_groups * group_rows
+// pointers; codes: that many rows of dim; scale, minv: n_groups * dim), with the same results and
+// the same first failing status as one quantize_group_rows call per group in order. The fast
+// kernel overlaps one group's reads with the previous group's writes.
+QuantStatus quantize_groups(const std::byte* const* rows, std::byte* const* out_rows, int n_groups, int group_rows, int dim, int bits,
+                            DType dtype, std::uint8_t* codes, float* scale, float* minv, FusedGroupScratch& scratch);
 
 // The portable implementation (exposed for the equality test).
 QuantStatus quantize_group_rows_portable(const std::byte* const* rows, std::byte* const* out_rows, int n_rows, int dim, int bits,
