@@ -145,6 +145,7 @@ std::vector<std::uint8_t> encode_stream(const QuantizedStream& stream, const Str
   }
 
   const int alphabet = symbol_alphabet(bits, options.transform);
+  const int scale_bits = options.scale_bits != 0 ? options.scale_bits : table_scale_bits(alphabet);
   const std::size_t n = tokens, d = dim;
   std::vector<std::uint16_t> symbols;
   symbols.reserve(n * d * slices);
@@ -156,7 +157,7 @@ std::vector<std::uint8_t> encode_stream(const QuantizedStream& stream, const Str
     for (std::size_t c = 0; c < d; ++c) {
       const std::size_t at = symbols.size();
       channel_symbols(codes.data() + c, d, pieces, bits, options.transform, symbols);
-      tables.push_back(FrequencyTable::from_symbols(std::span(symbols).subspan(at, n), alphabet, options.scale_bits));
+      tables.push_back(FrequencyTable::from_symbols(std::span(symbols).subspan(at, n), alphabet, scale_bits));
       tables.back().serialize_to(out);
     }
   }

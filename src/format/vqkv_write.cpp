@@ -54,7 +54,7 @@ vqkv::Header make_header(const std::vector<std::shared_ptr<KVCache>>& caches, co
       src.cachegen = cg;
       e.cls = CacheClass::CacheGen;
       e.config = cg->config();
-      e.scale_bits = kDefaultScaleBits;
+      e.scale_bits = table_scale_bits(1 << cg->key_stream().bits());  // the file stores plain codes
       require(e.config.cachegen_group_size <= static_cast<int>(vqkv::kMaxGroupSize),
               fmt::format("save_prompt_cache: layer {}: group size {} is above the format's limit {}", i,
                           e.config.cachegen_group_size, vqkv::kMaxGroupSize));

@@ -1,6 +1,7 @@
 // Golden .vqkv files under tests/golden/: a small valid file whose bytes this build must write
 // exactly and read back exactly (a format change that alters them must bump the version), and
-// broken ones that must fail with a clear message. Regenerate (only on a deliberate format change):
+// broken ones that must fail with a clear message. Regenerate (only on a deliberate change of the
+// format or of what the writer chooses, e.g. the table precision; keep a file of the old writer):
 //   VQ_WRITE_GOLDEN=1 ./build/tests/vq_tests --gtest_filter='VqkvGolden.*'
 #include <gtest/gtest.h>
 
@@ -73,6 +74,21 @@ TEST(VqkvGolden, ValidFileIsWrittenAndReadExactly) {
   EXPECT_EQ(loaded.metadata.at("golden"), "v1");
   for (std::size_t l = 0; l < live.size(); ++l) {
     EXPECT_EQ(loaded.caches[l]->kind(), live[l]->kind());
+    EXPECT_EQ(loaded.caches[l]->offset(), 20);
+    EXPECT_TRUE(loaded.caches[l]->state().keys.bit_equal(live[l]->state().keys)) << l;
+    EXPECT_TRUE(loaded.caches[l]->state().values.bit_equal(live[l]->state().values)) << l;
+  }
+}
+
+// A v1 file written by an earlier writer that gave 3- and 4-bit codes 11-bit tables (this one
+// gives them 10 bits, table_scale_bits): the format lets every file choose, so it must still load
+// into the same caches.
+TEST(VqkvGolden, FileWithElevenBitTablesStillLoads) {
+  const auto loaded = vq::load_prompt_cache(golden("valid_v1_tables11.vqkv"));
+  const auto live = golden_caches();
+  ASSERT_EQ(loaded.caches.size(), live.size());
+  EXPECT_NE(vq::read_file_bytes(golden("valid_v1_tables11.vqkv")), golden_bytes());
+  for (std::size_t l = 0; l < live.size(); ++l) {
     EXPECT_EQ(loaded.caches[l]->offset(), 20);
     EXPECT_TRUE(loaded.caches[l]->state().keys.bit_equal(live[l]->state().keys)) << l;
     EXPECT_TRUE(loaded.caches[l]->state().values.bit_equal(live[l]->state().values)) << l;

@@ -56,7 +56,7 @@ inline constexpr std::uint8_t kStreamCodecVersion = 1;
 
 struct StreamCodecOptions {
   SymbolTransform transform = SymbolTransform::Codes;  // see above for why
-  int scale_bits = kDefaultScaleBits;
+  int scale_bits = 0;  // table precision; 0: table_scale_bits(alphabet) (10 bits for raw 4-bit codes, else 11)
   RansKernel kernel = RansKernel::Auto;
 };
 
