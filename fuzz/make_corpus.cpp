@@ -1,5 +1,7 @@
 // Writes the seed corpus of every fuzz target: valid inputs of several shapes, and a few broken ones.
 //   vq_fuzz_make_corpus fuzz/corpus   (run from the repository root; files are committed)
+#include <algorithm>
+#include <array>
 #include <cstdint>
 #include <cstdio>
 #include <filesystem>
@@ -17,6 +19,7 @@
 #include "veloxquant/peers/lmcache_cache.hpp"
 #include "veloxquant/vq/vq_cache.hpp"
 #include "cachegen_paper_fuzz_profile.hpp"
+#include "context_fuzz_layout.hpp"
 
 namespace {
 
@@ -82,6 +85,32 @@ int main(int argc, char** argv) {
       write(rd, "flipped_" + std::to_string(k), flip);
     }
     ++k;
+  }
+  // Context-coded blocks: 4 layout bytes (context_fuzz_layout.hpp), then the block.
+  const auto cx = root / "fuzz_context_decode";
+  int m = 0;
+  for (std::array<std::uint8_t, 4> h : {std::array<std::uint8_t, 4>{0, 40, 7, 3 | (7 << 2)}, {2, 63, 39, 1 | (31 << 2)}, {1, 20, 3, 0},
+                                        {0, 0, 5, 3}, {0, 1, 1, 2}, {1, 33, 16, 3 | (3 << 2)}}) {
+    const vq::ContextLayout l = vqfuzz::context_layout(h);
+    std::mt19937 g(static_cast<unsigned>(m));
+    std::vector<std::uint8_t> q(l.size());
+    int walk = 0;
+    for (auto& v : q) {  // a clamped random walk: several classes survive the merge
+      walk = std::clamp(walk + static_cast<int>(g() % 3) - 1, 0, (1 << l.bits) - 1);
+      v = static_cast<std::uint8_t>(walk);
+    }
+    auto b = vq::context_encode(q, l);
+    b.insert(b.begin(), h.begin(), h.end());
+    write(cx, "valid_" + std::to_string(m), b);
+    if (b.size() > 10) {
+      auto cut = b;
+      cut.resize(b.size() - 3);
+      write(cx, "truncated_" + std::to_string(m), cut);
+      auto flip = b;
+      flip[6] ^= 0x21;
+      write(cx, "flipped_" + std::to_string(m), flip);
+    }
+    ++m;
   }
   write(rd, "empty", {});
   write(ft, "empty", {});

@@ -7,6 +7,7 @@
 #include <fmt/format.h>
 
 #include "veloxquant/core/error.hpp"
+#include "veloxquant/entropy/context_coder.hpp"
 
 namespace vq {
 
@@ -32,6 +33,19 @@ void put_f32s(std::vector<std::uint8_t>& out, std::span<const float> v) {
   const std::size_t at = out.size();
   out.resize(at + v.size() * 4);
   if (!v.empty()) std::memcpy(out.data() + at, v.data(), v.size() * 4);
+}
+
+void put_scales_and_minima(std::vector<std::uint8_t>& out, const QuantizedStream& stream, std::uint64_t per_slice) {
+  for (std::int64_t s = 0; s < stream.slices(); ++s) {
+    const auto sc = stream.scales(s);
+    require(sc.size() == per_slice, "stream codec: internal error: scale count disagrees with the stream");
+    put_f32s(out, sc);
+  }
+  for (std::int64_t s = 0; s < stream.slices(); ++s) {
+    const auto mn = stream.minima(s);
+    require(mn.size() == per_slice, "stream codec: internal error: minimum count disagrees with the stream");
+    put_f32s(out, mn);
+  }
 }
 
 class Reader {
@@ -78,6 +92,14 @@ class Reader {
   std::size_t pos_ = 0;
 };
 
+void read_scales_and_minima(Reader& r, DecodedStream& ds, std::size_t count) {
+  if (count > r.remaining() / 8) throw FormatError("stream codec: truncated input (scales and minima)");
+  ds.scales.resize(count);
+  r.f32s(ds.scales, "scale");
+  ds.minima.resize(count);
+  r.f32s(ds.minima, "minimum");
+}
+
 std::int64_t groups_of(std::span<const std::int64_t> pieces, std::int64_t group_size) {
   std::int64_t g = 0;
   for (const auto t : pieces) g += (t + group_size - 1) / group_size;
@@ -87,7 +109,7 @@ std::int64_t groups_of(std::span<const std::int64_t> pieces, std::int64_t group_
 }  // namespace
 
 int symbol_alphabet(int bits, SymbolTransform transform) {
-  return transform == SymbolTransform::Codes ? (1 << bits) : (1 << (bits + 1)) - 1;
+  return transform == SymbolTransform::TokenDelta ? (1 << (bits + 1)) - 1 : (1 << bits);
 }
 
 void channel_symbols(const std::uint8_t* codes, std::size_t stride, std::span<const std::int64_t> piece_tokens, int bits,
@@ -114,9 +136,12 @@ std::vector<std::uint8_t> encode_stream(const QuantizedStream& stream, const Str
 }
 
 std::vector<std::uint8_t> encode_stream(const QuantizedStream& stream, const StreamCodecOptions& options, EncodedStreamSize& size) {
-  require(options.transform == SymbolTransform::Codes || options.transform == SymbolTransform::TokenDelta,
+  require(options.transform == SymbolTransform::Codes || options.transform == SymbolTransform::TokenDelta ||
+              options.transform == SymbolTransform::Context,
           "stream codec: unknown symbol transform");
   const int bits = stream.bits();
+  require(options.transform != SymbolTransform::Context || bits <= kContextMaxBits,
+          "stream codec: the Context transform codes at most 4-bit codes");
   const auto dim = static_cast<std::uint64_t>(stream.slices() > 0 ? stream.dim() : 0);
   const auto slices = static_cast<std::uint64_t>(stream.slices());
   const auto tokens = static_cast<std::uint64_t>(stream.quantized_tokens());
@@ -144,6 +169,25 @@ std::vector<std::uint8_t> encode_stream(const QuantizedStream& stream, const Str
     return out;
   }
 
+  if (options.transform == SymbolTransform::Context) {
+    put_scales_and_minima(out, stream, groups * dim);
+    size.metadata = out.size() - size.header;
+    std::vector<std::uint8_t> codes;
+    codes.reserve(static_cast<std::size_t>(tokens * dim * slices));
+    for (std::uint64_t s = 0; s < slices; ++s) {
+      const auto c = stream.codes(static_cast<std::int64_t>(s));
+      require(c.size() == tokens * dim, "stream codec: internal error: code count disagrees with the stream");
+      codes.insert(codes.end(), c.begin(), c.end());
+    }
+    const ContextLayout layout{slices, tokens, dim, bits, group_starts(pieces, stream.group_size())};
+    ContextCodedSize cs;
+    const auto block = context_encode(codes, layout, &cs, options.kernel);
+    out.insert(out.end(), block.begin(), block.end());
+    size.tables = cs.model + cs.tables;
+    size.payload = cs.payload;
+    size.total = out.size();
+    return out;
+  }
   const int alphabet = symbol_alphabet(bits, options.transform);
   const int scale_bits = options.scale_bits != 0 ? options.scale_bits : table_scale_bits(alphabet);
   const std::size_t n = tokens, d = dim;
@@ -162,16 +206,7 @@ std::vector<std::uint8_t> encode_stream(const QuantizedStream& stream, const Str
     }
   }
   size.tables = out.size() - size.header;
-  for (std::uint64_t s = 0; s < slices; ++s) {
-    const auto sc = stream.scales(static_cast<std::int64_t>(s));
-    require(sc.size() == groups * d, "stream codec: internal error: scale count disagrees with the stream");
-    put_f32s(out, sc);
-  }
-  for (std::uint64_t s = 0; s < slices; ++s) {
-    const auto mn = stream.minima(static_cast<std::int64_t>(s));
-    require(mn.size() == groups * d, "stream codec: internal error: minimum count disagrees with the stream");
-    put_f32s(out, mn);
-  }
+  put_scales_and_minima(out, stream, groups * d);
   size.metadata = out.size() - size.header - size.tables;
   std::vector<RansEncodeSegment> segs(tables.size());
   for (std::size_t i = 0; i < tables.size(); ++i) segs[i] = {std::span<const std::uint16_t>(symbols).subspan(i * n, n), &tables[i]};
@@ -190,7 +225,7 @@ DecodedStream decode_stream(std::span<const std::uint8_t> bytes, std::uint64_t m
   ds.bits = r.u8("bits");
   if (ds.bits < 1 || ds.bits > 8) throw FormatError(fmt::format("stream codec: bits {} is out of range 1..8", ds.bits));
   const std::uint8_t tr = r.u8("transform");
-  if (tr > 1) throw FormatError(fmt::format("stream codec: unknown symbol transform {}", tr));
+  if (tr > 2) throw FormatError(fmt::format("stream codec: unknown symbol transform {}", tr));
   ds.transform = static_cast<SymbolTransform>(tr);
   const std::uint64_t dim = r.varint(kMaxDim, "dim");
   const std::uint64_t slices = r.varint(kMaxSlices, "slices");
@@ -228,6 +263,15 @@ DecodedStream decode_stream(std::span<const std::uint8_t> bytes, std::uint64_t m
   }
 
   const auto d = static_cast<std::size_t>(dim), n = static_cast<std::size_t>(tokens);
+  const std::size_t meta = static_cast<std::size_t>(groups) * d;
+  if (ds.transform == SymbolTransform::Context) {
+    if (ds.bits > kContextMaxBits) throw FormatError(fmt::format("stream codec: the Context transform holds at most 4-bit codes, not {}", ds.bits));
+    read_scales_and_minima(r, ds, meta * slices);
+    ds.codes.resize(total);
+    const ContextLayout layout{static_cast<std::size_t>(slices), n, d, ds.bits, group_starts(ds.piece_tokens, ds.group_size)};
+    context_decode(r.rest(), layout, ds.codes, kernel);
+    return ds;
+  }
   const int alphabet = symbol_alphabet(ds.bits, ds.transform);
   const std::size_t n_tables = d * slices;
   if (n_tables * 3 > r.remaining()) throw FormatError("stream codec: truncated input (tables)");  // a table takes >= 3 bytes
@@ -240,12 +284,7 @@ DecodedStream decode_stream(std::span<const std::uint8_t> bytes, std::uint64_t m
     if (tables.back().alphabet_size() != alphabet)
       throw FormatError(fmt::format("stream codec: table {} has alphabet {}, expected {}", i, tables.back().alphabet_size(), alphabet));
   }
-  const std::size_t meta = static_cast<std::size_t>(groups) * d;
-  if (meta * slices * 8 > r.remaining()) throw FormatError("stream codec: truncated input (scales and minima)");
-  ds.scales.resize(meta * slices);
-  r.f32s(ds.scales, "scale");
-  ds.minima.resize(meta * slices);
-  r.f32s(ds.minima, "minimum");
+  read_scales_and_minima(r, ds, meta * slices);
 
   std::vector<std::uint16_t> symbols(total);
   std::vector<RansDecodeSegment> segs(n_tables);

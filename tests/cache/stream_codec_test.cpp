@@ -10,6 +10,7 @@
 #include "../support/test_util.hpp"
 #include "veloxquant/cache/cachegen_cache.hpp"
 #include "veloxquant/core/error.hpp"
+#include "veloxquant/entropy/context_coder.hpp"
 
 namespace {
 
@@ -67,7 +68,8 @@ TEST(StreamCodec, RoundTripsEveryBitWidthFlushTransformAndGroupSize) {
   for (int bits = 1; bits <= 8; ++bits)
     for (const auto flush : {vq::FlushMode::PerCall, vq::FlushMode::GroupAligned})
       for (const int group : {1, 31, 32, 33})
-        for (const auto tr : {SymbolTransform::Codes, SymbolTransform::TokenDelta}) {
+        for (const auto tr : {SymbolTransform::Codes, SymbolTransform::TokenDelta, SymbolTransform::Context}) {
+          if (tr == SymbolTransform::Context && bits > vq::kContextMaxBits) continue;
           SCOPED_TRACE(testing::Message() << "bits " << bits << " group " << group << " flush " << static_cast<int>(flush) << " tr "
                                           << static_cast<int>(tr));
           // Chunks of 37, 1, 1, 5: per_call makes several pieces, group_aligned leaves a residual.
@@ -90,7 +92,23 @@ TEST(StreamCodec, RoundTripsAwkwardShapesAndKernels) {
       expect_round_trip(cache.key_stream(), opt);
       opt.transform = SymbolTransform::TokenDelta;
       expect_round_trip(cache.value_stream(), opt);
+      opt.transform = SymbolTransform::Context;
+      expect_round_trip(cache.key_stream(), opt);
+      expect_round_trip(cache.value_stream(), opt);
     }
+}
+
+// Context codes at most 4-bit codes (the class map is built for 2^4 + 1 raw contexts): a 5-bit
+// stream is refused at encode, and a buffer that claims it is a FormatError.
+TEST(StreamCodec, ContextTransformIsForCodesUpToFourBits) {
+  const auto cp = make_cache(config(5, 8, vq::FlushMode::GroupAligned), {1, 2, 40, 3}, 5, {40});
+  vq::StreamCodecOptions opt;
+  opt.transform = SymbolTransform::Context;
+  EXPECT_THROW((void)vq::encode_stream(cp->key_stream(), opt), vq::InvalidArgument);
+  const auto c4 = make_cache(config(4, 8, vq::FlushMode::GroupAligned), {1, 2, 40, 3}, 5, {40});
+  auto bytes = vq::encode_stream(c4->key_stream(), opt);
+  bytes[1] = 5;
+  EXPECT_THROW((void)vq::decode_stream(bytes, 240), vq::FormatError);
 }
 
 TEST(StreamCodec, ConstantInputCodesInZeroPayload) {
@@ -168,7 +186,7 @@ TEST(StreamCodec, SizeIsCloseToEstimatePlusTablesPlusFloatMetadata) {
 
 TEST(StreamCodec, CorruptAndTruncatedInputIsAFormatError) {
   for (const auto flush : {vq::FlushMode::PerCall, vq::FlushMode::GroupAligned})
-    for (const auto tr : {SymbolTransform::Codes, SymbolTransform::TokenDelta}) {
+    for (const auto tr : {SymbolTransform::Codes, SymbolTransform::TokenDelta, SymbolTransform::Context}) {
       const auto cp = make_cache(config(3, 8, flush), {1, 2, 40, 3}, 5, {17, 1, 22});
   const auto& cache = *cp;
       vq::StreamCodecOptions opt;

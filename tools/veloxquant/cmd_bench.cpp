@@ -29,6 +29,7 @@
 #include "veloxquant/core/error.hpp"
 #include "veloxquant/core/npy.hpp"
 #include "veloxquant/entropy/channel_histograms.hpp"
+#include "veloxquant/entropy/context_coder.hpp"
 #include "veloxquant/entropy/frequency_table.hpp"
 #include "veloxquant/entropy/rans.hpp"
 #include "veloxquant/model/checkpoint.hpp"
@@ -406,6 +407,7 @@ int run_bench_codec(const BenchOptions& o) {
   results.push_back(vq_rans("veloxquant-rans", defaults.transform));
   results.push_back(vq_rans("veloxquant-rans-codes", vq::SymbolTransform::Codes));
   results.push_back(vq_rans("veloxquant-rans-delta", vq::SymbolTransform::TokenDelta));
+  if (o.bits <= vq::kContextMaxBits) results.push_back(vq_rans("veloxquant-rans-context", vq::SymbolTransform::Context));
   // Subtract the float32 metadata, the same for every transform: 8 bytes per (group, channel, slice).
   std::uint64_t meta_bytes = 0;
   for (const auto& s : streams) meta_bytes += static_cast<std::uint64_t>(s.n_groups() * s.dim() * s.slices()) * 8;

@@ -13,6 +13,12 @@
 //   stream in group_aligned mode, each update_and_fetch call's tokens in per_call mode (as the
 //   reference's estimate does). In per_call mode a (slice, channel) still has ONE table over all of
 //   its pieces: a table per one-token decode step would cost far more than it saves.
+// - Context (bits <= 4): the codes coded by the context coder (entropy/context_coder.hpp): tables
+//   per class of (previous code | group start), pooled over the side's channels, instead of one
+//   per channel. On stories260K it stores 6.5 % fewer bytes than Codes, on the synthetic K/V 20 %
+//   fewer (docs/benchmarks.md); it decodes at about half Codes' speed (the codes are rebuilt by
+//   following the contexts after the rANS decode). Opt-in for now: the .vqkv container stores
+//   per-channel tables, and its files must stay within 1 % of encoded_*_bytes.
 // - The default transform is Codes, chosen by measurement on stories260K's real K/V
 //   (docs/benchmarks.md, "Choosing the symbol model (issue 4)"): min/max groups leave the token
 //   delta no better than the codes there, and the delta's wider alphabet costs table bytes.
@@ -22,7 +28,7 @@
 // - Format (integers little-endian, varint = unsigned LEB128):
 //     u8      version                  1
 //     u8      bits                     1..8
-//     u8      transform                0 = Codes, 1 = TokenDelta
+//     u8      transform                0 = Codes, 1 = TokenDelta, 2 = Context
 //     varint  dim                      channels per slice, D
 //     varint  slices                   B * H
 //     varint  group_size               tokens per quantization group, >= 1
@@ -35,6 +41,8 @@
 //       f32     scales[slices][groups * D]
 //       f32     minima[slices][groups * D]
 //       rANS stream                    to the end of the buffer (rans.hpp), N * D * slices symbols
+//     Context instead: no tables, the scales and minima as above, then the context-coded block
+//     (context_coder.hpp) to the end: layout slices x N x D, group starts from the pieces.
 // - Decoding validates every length and value and throws FormatError on anything inconsistent; it
 //   allocates codes only up to the caller's max_codes (a one-symbol table codes any count in zero
 //   payload bytes, so only the caller can bound that) and metadata only as far as the bytes
@@ -51,7 +59,7 @@
 namespace vq {
 
 // Saved in the format: never renumber.
-enum class SymbolTransform : std::uint8_t { Codes = 0, TokenDelta = 1 };
+enum class SymbolTransform : std::uint8_t { Codes = 0, TokenDelta = 1, Context = 2 };
 inline constexpr std::uint8_t kStreamCodecVersion = 1;
 
 struct StreamCodecOptions {
@@ -110,7 +118,7 @@ DecodedStream decode_stream(std::span<const std::uint8_t> bytes, std::uint64_t m
 // the piece boundaries restart the delta. Appends to `out`. Exposed for benchmarks and tests.
 void channel_symbols(const std::uint8_t* codes, std::size_t stride, std::span<const std::int64_t> piece_tokens, int bits,
                      SymbolTransform transform, std::vector<std::uint16_t>& out);
-// Alphabet of the transform's symbols for b-bit codes: 2^b (Codes) or 2^(b+1) - 1 (TokenDelta).
+// Alphabet of the transform's symbols for b-bit codes: 2^b (Codes, Context) or 2^(b+1) - 1 (TokenDelta).
 int symbol_alphabet(int bits, SymbolTransform transform);
 
 }  // namespace vq
