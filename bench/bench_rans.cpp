@@ -13,6 +13,7 @@
 #include <zstd.h>
 #endif
 
+#include "veloxquant/entropy/context_coder.hpp"
 #include "veloxquant/entropy/rans.hpp"
 
 namespace {
@@ -226,6 +227,78 @@ void BM_SingleChannelBlock(benchmark::State& state) {
   state.SetItemsProcessed(static_cast<std::int64_t>(state.iterations() * s.size()));
 }
 BENCHMARK(BM_SingleChannelBlock)->Arg(4)->Arg(8)->Unit(benchmark::kMicrosecond);
+
+// The context coder (entropy/context_coder.hpp) on cache-like 4-bit codes: 8 slices x 4096 tokens x
+// D = 128, groups of 32, each channel an AR(1) walk (rho 0.9) restarted at every group start; zstd
+// -1 gets the same codes channel-major and bit-packed, in the same run (as `bench codec` feeds it).
+struct DriftCodes {
+  vq::ContextLayout layout{8, 4096, 128, 4, {}};
+  std::vector<std::uint8_t> codes;
+  DriftCodes() {
+    layout.group_start = vq::group_starts(std::vector<std::int64_t>{4096}, 32);
+    codes.resize(layout.size());
+    std::mt19937_64 rng(3);
+    std::normal_distribution<double> nd(0, 1);
+    for (std::size_t s = 0; s < layout.slices; ++s)
+      for (std::size_t c = 0; c < layout.dim; ++c) {
+        double v = 0;
+        for (std::size_t t = 0; t < layout.tokens; ++t) {
+          v = 0.9 * v + nd(rng);
+          codes[(s * layout.tokens + t) * layout.dim + c] = static_cast<std::uint8_t>(std::clamp(static_cast<int>(std::lround(v * 2 + 7.5)), 0, 15));
+        }
+      }
+  }
+};
+
+void BM_ContextEncode(benchmark::State& state) {
+  const DriftCodes d;
+  std::vector<std::uint8_t> b;
+  for (auto _ : state) {
+    b = vq::context_encode(d.codes, d.layout);
+    benchmark::DoNotOptimize(b.data());
+  }
+  state.SetItemsProcessed(static_cast<std::int64_t>(state.iterations() * d.codes.size()));
+  state.counters["bits_per_symbol"] = static_cast<double>(b.size()) * 8.0 / static_cast<double>(d.codes.size());
+}
+BENCHMARK(BM_ContextEncode)->Unit(benchmark::kMicrosecond);
+
+void BM_ContextDecode(benchmark::State& state) {
+  const DriftCodes d;
+  const auto b = vq::context_encode(d.codes, d.layout);
+  std::vector<std::uint8_t> out(d.codes.size());
+  for (auto _ : state) {
+    vq::context_decode(b, d.layout, out);
+    benchmark::DoNotOptimize(out.data());
+  }
+  if (out != d.codes) state.SkipWithError("round trip failed");
+  state.SetItemsProcessed(static_cast<std::int64_t>(state.iterations() * d.codes.size()));
+}
+BENCHMARK(BM_ContextDecode)->Unit(benchmark::kMicrosecond);
+
+#ifdef VQ_HAVE_ZSTD
+void BM_ContextZstd1Decompress(benchmark::State& state) {
+  const DriftCodes d;
+  const std::size_t C = d.layout.slices * d.layout.dim, T = d.layout.tokens;
+  std::vector<std::uint16_t> cm(d.codes.size());
+  for (std::size_t s = 0; s < d.layout.slices; ++s)
+    for (std::size_t t = 0; t < T; ++t)
+      for (std::size_t c = 0; c < d.layout.dim; ++c) cm[(s * d.layout.dim + c) * T + t] = d.codes[(s * T + t) * d.layout.dim + c];
+  (void)C;
+  const auto packed = pack(cm, 4);
+  std::vector<std::uint8_t> comp(ZSTD_compressBound(packed.size())), out(packed.size());
+  comp.resize(ZSTD_compress(comp.data(), comp.size(), packed.data(), packed.size(), 1));
+  ZSTD_DCtx* dctx = ZSTD_createDCtx();
+  for (auto _ : state) {
+    benchmark::DoNotOptimize(ZSTD_decompressDCtx(dctx, out.data(), out.size(), comp.data(), comp.size()));
+    benchmark::ClobberMemory();
+  }
+  ZSTD_freeDCtx(dctx);
+  if (out != packed) state.SkipWithError("zstd round trip failed");
+  state.SetItemsProcessed(static_cast<std::int64_t>(state.iterations() * d.codes.size()));
+  state.counters["bits_per_symbol"] = static_cast<double>(comp.size()) * 8.0 / static_cast<double>(d.codes.size());
+}
+BENCHMARK(BM_ContextZstd1Decompress)->Unit(benchmark::kMicrosecond);
+#endif
 
 }  // namespace
 
