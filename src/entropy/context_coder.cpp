@@ -267,7 +267,8 @@ void context_decode(std::span<const std::uint8_t> bytes, const ContextLayout& la
       throw FormatError("context coder: table " + std::to_string(k) + " has alphabet " + std::to_string(tables.back().alphabet_size()) +
                         ", expected " + std::to_string(A));
   }
-  std::vector<std::uint16_t> symbols(total);
+  // dim symbols of padding after the last class: see the row rebuild below.
+  std::vector<std::uint16_t> symbols(total + layout.dim, 0);
   const int tail = tail_per_lane(layout.bits, total);
   const std::size_t coded = total - static_cast<std::size_t>(kRansLanes) * static_cast<std::size_t>(tail);
   std::vector<RansDecodeSegment> segs;
@@ -287,7 +288,6 @@ void context_decode(std::span<const std::uint8_t> bytes, const ContextLayout& la
   // Rebuild the rows. A row takes at most dim symbols from a class, so with dim symbols of padding
   // after the last class the reads stay in bounds even when corrupt lengths would let a class run
   // out; every row then checks that none did.
-  symbols.resize(total + layout.dim, 0);
   std::array<std::size_t, kMaxContexts> next{}, end{};
   for (int k = 0; k < K; ++k) next[static_cast<std::size_t>(k)] = start[static_cast<std::size_t>(k)], end[static_cast<std::size_t>(k)] = start[static_cast<std::size_t>(k) + 1];
   const std::size_t D = layout.dim;
