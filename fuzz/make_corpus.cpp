@@ -90,7 +90,9 @@ int main(int argc, char** argv) {
   const auto cx = root / "fuzz_context_decode";
   int m = 0;
   for (std::array<std::uint8_t, 4> h : {std::array<std::uint8_t, 4>{0, 40, 7, 3 | (7 << 2)}, {2, 63, 39, 1 | (31 << 2)}, {1, 20, 3, 0},
-                                        {0, 0, 5, 3}, {0, 1, 1, 2}, {1, 33, 16, 3 | (3 << 2)}}) {
+                                        {0, 0, 5, 3}, {0, 1, 1, 2}, {1, 33, 16, 3 | (3 << 2)},
+                                        // 32 and 2 x 16 channels: the AVX2 context-lane kernel
+                                        {0, 60, 31, 3 | (7 << 2)}, {1, 50, 15, 3 | (31 << 2)}}) {
     const vq::ContextLayout l = vqfuzz::context_layout(h);
     std::mt19937 g(static_cast<unsigned>(m));
     std::vector<std::uint8_t> q(l.size());

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "byte_io.hpp"
+#include "rans_kernels.hpp"
 #include "veloxquant/core/error.hpp"
 
 namespace vq {
@@ -22,17 +23,6 @@ void check_layout(const ContextLayout& l) {
   require(l.group_start.size() == l.tokens, "context coder: group_start must hold one flag per token");
   require(l.tokens == 0 || l.group_start[0] != 0, "context coder: a group must start at token 0");
   require(l.dim == 0 || l.slices == 0 || l.tokens <= (std::size_t{1} << 40) / l.dim / l.slices, "context coder: stream too large");
-}
-
-// Calls f(row, start) for every token row of every slice, in (slice, token) order: row is the
-// index of the row's first code, start whether a quantization group starts at that token. Within a
-// slice, the previous row (row - dim) holds each channel's previous code, the raw context of a
-// row that does not start a group.
-template <typename F>
-void for_each_row(const ContextLayout& l, F&& f) {
-  std::size_t row = 0;
-  for (std::size_t s = 0; s < l.slices; ++s)
-    for (std::size_t t = 0; t < l.tokens; ++t, row += l.dim) f(row, l.group_start[t] != 0);
 }
 
 // Estimated bytes of a class: its order-0 entropy plus its table as FrequencyTable serialises it
@@ -118,6 +108,25 @@ int tail_per_lane(int bits, std::size_t total) {
   return total >= static_cast<std::size_t>(kRansLanes) * static_cast<std::size_t>(k + 1) ? k : 0;
 }
 
+// The stream's symbol order: token by token, all slices' channels of a token together
+// ((slice, channel) index s * dim + c), so that a lane's previous-token context is C = slices * dim
+// symbols back and never inside its own group of 32 when C >= 32.
+std::vector<std::uint8_t> to_token_channel(std::span<const std::uint8_t> codes, const ContextLayout& l) {
+  std::vector<std::uint8_t> tc(codes.size());
+  const std::size_t C = l.slices * l.dim;
+  for (std::size_t s = 0; s < l.slices; ++s)
+    for (std::size_t t = 0; t < l.tokens; ++t)
+      std::copy_n(codes.data() + (s * l.tokens + t) * l.dim, l.dim, tc.data() + t * C + s * l.dim);
+  return tc;
+}
+
+void from_token_channel(std::span<const std::uint8_t> tc, const ContextLayout& l, std::span<std::uint8_t> codes) {
+  const std::size_t C = l.slices * l.dim;
+  for (std::size_t s = 0; s < l.slices; ++s)
+    for (std::size_t t = 0; t < l.tokens; ++t)
+      std::copy_n(tc.data() + t * C + s * l.dim, l.dim, codes.data() + (s * l.tokens + t) * l.dim);
+}
+
 int map_bits(int K) { return K <= 1 ? 0 : std::bit_width(static_cast<unsigned>(K - 1)); }
 
 }  // namespace
@@ -134,6 +143,7 @@ std::vector<std::uint8_t> group_starts(std::span<const std::int64_t> piece_token
 
 std::vector<std::uint8_t> context_encode(std::span<const std::uint8_t> codes, const ContextLayout& layout, ContextCodedSize* size,
                                          RansKernel kernel) {
+  (void)kernel;  // one encoder: the per-symbol tables leave nothing for the AVX2 encoder's registers
   check_layout(layout);
   require(codes.size() == layout.size(), "context coder: code count disagrees with the layout");
   const int A = 1 << layout.bits;
@@ -144,17 +154,18 @@ std::vector<std::uint8_t> context_encode(std::span<const std::uint8_t> codes, co
   std::uint8_t top = 0;
   for (const auto c : codes) top = std::max(top, c);
   require(top < A, "context coder: a code is outside 0.." + std::to_string(A - 1));
+  const std::size_t T = layout.tokens, C = layout.slices * layout.dim, n = codes.size();
+  const std::vector<std::uint8_t> tc = to_token_channel(codes, layout);
   std::array<Histogram, kMaxContexts> raw{};
-  const std::size_t D = layout.dim;
-  for_each_row(layout, [&](std::size_t row, bool start) {
-    const std::uint8_t* q = codes.data() + row;
-    if (start) {
-      for (std::size_t c = 0; c < D; ++c) ++raw[static_cast<std::size_t>(A)][q[c]];
+  for (std::size_t t = 0; t < T; ++t) {
+    const std::uint8_t* q = tc.data() + t * C;
+    if (layout.group_start[t]) {
+      for (std::size_t c = 0; c < C; ++c) ++raw[static_cast<std::size_t>(A)][q[c]];
     } else {
-      const std::uint8_t* prev = q - D;
-      for (std::size_t c = 0; c < D; ++c) ++raw[prev[c]][q[c]];
+      const std::uint8_t* prev = q - C;
+      for (std::size_t c = 0; c < C; ++c) ++raw[prev[c]][q[c]];
     }
-  });
+  }
   const int scale_bits = table_scale_bits(A);
   std::array<std::uint8_t, kMaxContexts> cls{};
   const int K = choose_classes(raw, A, scale_bits, cls);
@@ -171,52 +182,50 @@ std::vector<std::uint8_t> context_encode(std::span<const std::uint8_t> codes, co
     if (have > 0) out.push_back(static_cast<std::uint8_t>(acc));
   }
   const std::size_t model_bytes = out.size();
-  std::vector<Histogram> hist(static_cast<std::size_t>(K), Histogram{});
-  for (int r = 0; r <= A; ++r)
-    for (int s = 0; s < A; ++s) hist[cls[static_cast<std::size_t>(r)]][static_cast<std::size_t>(s)] += raw[static_cast<std::size_t>(r)][static_cast<std::size_t>(s)];
-  std::vector<std::size_t> start(static_cast<std::size_t>(K) + 1, 0);
-  for (int k = 0; k < K; ++k) {
-    std::uint64_t n = 0;
-    for (const auto c : hist[static_cast<std::size_t>(k)]) n += c;
-    start[static_cast<std::size_t>(k) + 1] = start[static_cast<std::size_t>(k)] + n;
-    if (k + 1 < K) entropy_detail::put_varint(out, n);
-  }
   std::vector<FrequencyTable> tables;
-  tables.reserve(static_cast<std::size_t>(K));
+  std::vector<std::vector<rans_detail::EncSym>> enc;
   for (int k = 0; k < K; ++k) {
-    std::vector<std::uint32_t> counts(static_cast<std::size_t>(A));
-    for (int s = 0; s < A; ++s) counts[static_cast<std::size_t>(s)] = static_cast<std::uint32_t>(hist[static_cast<std::size_t>(k)][static_cast<std::size_t>(s)]);
+    std::vector<std::uint32_t> counts(static_cast<std::size_t>(A), 0);
+    for (int r = 0; r <= A; ++r)
+      if (cls[static_cast<std::size_t>(r)] == k)
+        for (int v = 0; v < A; ++v) counts[static_cast<std::size_t>(v)] += static_cast<std::uint32_t>(raw[static_cast<std::size_t>(r)][static_cast<std::size_t>(v)]);
     tables.push_back(FrequencyTable::from_histogram(counts, scale_bits));
     tables.back().serialize_to(out);
+    enc.push_back(rans_detail::make_enc_syms(tables.back()));
   }
   const std::size_t header_bytes = out.size();
-  std::vector<std::uint16_t> symbols(codes.size());
-  std::vector<std::size_t> fill(start.begin(), start.end() - 1);
-  for_each_row(layout, [&](std::size_t row, bool start) {
-    const std::uint8_t* q = codes.data() + row;
-    if (start) {
-      std::size_t& f = fill[cls[static_cast<std::size_t>(A)]];
-      for (std::size_t c = 0; c < D; ++c) symbols[f + c] = q[c];
-      f += D;
-    } else {
-      const std::uint8_t* prev = q - D;
-      for (std::size_t c = 0; c < D; ++c) symbols[fill[cls[prev[c]]]++] = q[c];
-    }
-  });
-  const int tail = tail_per_lane(layout.bits, symbols.size());
-  const std::size_t coded = symbols.size() - static_cast<std::size_t>(kRansLanes) * static_cast<std::size_t>(tail);
-  std::array<std::uint32_t, kRansLanes> states;
-  for (std::size_t j = 0; j < states.size(); ++j) {
+
+  // Bits back: the tail rides in the start states; the rest is coded backwards, lane i % 32.
+  const int tail = tail_per_lane(layout.bits, n);
+  const std::size_t coded = n - static_cast<std::size_t>(kRansLanes) * static_cast<std::size_t>(tail);
+  std::uint32_t x[kRansLanes];
+  for (std::size_t j = 0; j < static_cast<std::size_t>(kRansLanes); ++j) {
     std::uint32_t v = 0;
-    for (int m = 0; m < tail; ++m) v |= static_cast<std::uint32_t>(symbols[coded + static_cast<std::size_t>(kRansLanes * m) + j]) << (layout.bits * m);
-    states[j] = kRansStateLow + v;
+    for (int m = 0; m < tail; ++m) v |= static_cast<std::uint32_t>(tc[coded + static_cast<std::size_t>(kRansLanes * m) + j]) << (layout.bits * m);
+    x[j] = kRansStateLow + v;
   }
-  std::vector<RansEncodeSegment> segs;
-  for (int k = 0; k < K; ++k) {
-    const std::size_t b = start[static_cast<std::size_t>(k)], e = std::min(start[static_cast<std::size_t>(k) + 1], coded);
-    if (e > b) segs.push_back({std::span<const std::uint16_t>(symbols).subspan(b, e - b), &tables[static_cast<std::size_t>(k)]});
+  std::vector<std::uint16_t> words(coded + 1);
+  std::uint16_t* const wend = words.data() + words.size();
+  std::uint16_t* ptr = wend;
+  for (std::size_t i = coded; i-- > 0;) {
+    const std::size_t t = i / C;
+    const int ctx = layout.group_start[t] ? A : tc[i - C];
+    const rans_detail::EncSym& e = enc[cls[static_cast<std::size_t>(ctx)]][tc[i]];
+    std::uint32_t& xi = x[i & (kRansLanes - 1)];
+    if (xi >= e.x_max) {
+      *--ptr = static_cast<std::uint16_t>(xi);
+      xi >>= 16;
+    }
+    const std::uint32_t q = static_cast<std::uint32_t>((static_cast<std::uint64_t>(xi) * e.rcp_freq) >> 32) >> e.rcp_shift;
+    xi = xi + e.bias + q * e.cmpl_freq;
   }
-  rans_encode_append(out, segs, kernel, states);
+  entropy_detail::put_varint(out, coded);
+  for (std::size_t j = 0; j < std::min<std::size_t>(coded, kRansLanes); ++j)
+    for (int b = 0; b < 4; ++b) out.push_back(static_cast<std::uint8_t>(x[j] >> (8 * b)));
+  for (const std::uint16_t* w = ptr; w != wend; ++w) {
+    out.push_back(static_cast<std::uint8_t>(*w));
+    out.push_back(static_cast<std::uint8_t>(*w >> 8));
+  }
   if (size) *size = {model_bytes, header_bytes - model_bytes, out.size() - header_bytes, static_cast<std::size_t>(K)};
   return out;
 }
@@ -247,66 +256,64 @@ void context_decode(std::span<const std::uint8_t> bytes, const ContextLayout& la
     }
     if (acc != 0) throw FormatError("context coder: nonzero padding after the class map");
   }
-  std::vector<std::size_t> start(static_cast<std::size_t>(K) + 1, 0);
-  for (int k = 0; k + 1 < K; ++k) {
-    const std::uint64_t n = r.varint(total, "class length");
-    if (n == 0 || n > total - start[static_cast<std::size_t>(k)])
-      throw FormatError("context coder: class " + std::to_string(k) + " length " + std::to_string(n) + " does not fit the stream");
-    start[static_cast<std::size_t>(k) + 1] = start[static_cast<std::size_t>(k)] + n;
-  }
-  start[static_cast<std::size_t>(K)] = total;
-  if (start[static_cast<std::size_t>(K)] == start[static_cast<std::size_t>(K) - 1])
-    throw FormatError("context coder: the last class is empty");
-  std::vector<FrequencyTable> tables;
-  tables.reserve(static_cast<std::size_t>(K));
+  const int scale_bits = table_scale_bits(A);
+  const std::size_t M = std::size_t{1} << scale_bits;
+  std::vector<std::uint32_t> packed(static_cast<std::size_t>(K) * M);
+  rans_detail::DecTables d;
   for (int k = 0; k < K; ++k) {
     std::size_t used = 0;
-    tables.push_back(FrequencyTable::deserialize(r.rest(), &used));
+    const FrequencyTable t = FrequencyTable::deserialize(r.rest(), &used);
     r.skip(used);
-    if (tables.back().alphabet_size() != A)
-      throw FormatError("context coder: table " + std::to_string(k) + " has alphabet " + std::to_string(tables.back().alphabet_size()) +
-                        ", expected " + std::to_string(A));
+    if (t.alphabet_size() != A || t.scale_bits() != scale_bits)
+      throw FormatError("context coder: table " + std::to_string(k) + " has alphabet " + std::to_string(t.alphabet_size()) + " at " +
+                        std::to_string(t.scale_bits()) + " bits, expected " + std::to_string(A) + " at " + std::to_string(scale_bits));
+    d.build(t, false);  // packed: (freq - 1) | (slot - cum) << s | symbol << 2s
+    std::copy_n(d.packed.data(), M, packed.data() + static_cast<std::size_t>(k) * M);
   }
-  // dim symbols of padding after the last class: see the row rebuild below.
-  std::vector<std::uint16_t> symbols(total + layout.dim, 0);
   const int tail = tail_per_lane(layout.bits, total);
   const std::size_t coded = total - static_cast<std::size_t>(kRansLanes) * static_cast<std::size_t>(tail);
-  std::vector<RansDecodeSegment> segs;
-  for (int k = 0; k < K; ++k) {
-    const std::size_t b = start[static_cast<std::size_t>(k)], e = std::min(start[static_cast<std::size_t>(k) + 1], coded);
-    if (e > b) segs.push_back({std::span<std::uint16_t>(symbols).subspan(b, e - b), &tables[static_cast<std::size_t>(k)]});
+  if (r.varint(total, "symbol count") != coded) throw FormatError("context coder: the rANS stream holds the wrong number of symbols");
+  std::uint32_t x[kRansLanes];
+  for (std::size_t j = 0; j < static_cast<std::size_t>(kRansLanes); ++j) {
+    x[j] = kRansStateLow;
+    if (j < coded) {
+      x[j] = r.u32le();
+      if (x[j] < kRansStateLow || x[j] >= (kRansStateLow << 16))
+        throw FormatError("context coder: lane " + std::to_string(j) + " state is outside [2^15, 2^31)");
+    }
   }
-  std::array<std::uint32_t, kRansLanes> states;
-  rans_decode(r.rest(), segs, kernel, states);
-  for (std::size_t j = 0; j < states.size(); ++j) {
-    const std::uint32_t v = states[j] - kRansStateLow;  // end states are >= 2^15 (the decoder checks)
+  const std::uint8_t* p = r.rest().data();
+  const std::uint8_t* const end = p + r.remaining();
+  if (r.remaining() % 2) throw FormatError("context coder: payload has an odd number of bytes");
+
+  const std::size_t C = layout.slices * layout.dim;
+  std::vector<std::uint8_t> tc(total);
+  std::size_t i = 0;
+  if (kernel != RansKernel::Scalar && rans_avx2_available() && C % kRansLanes == 0)
+    p = rans_detail::decode_context_avx2(x, tc.data(), i, coded, C, layout.group_start.data(), cls.data(), A, scale_bits, packed.data(), p, end);
+  const std::uint32_t mask = static_cast<std::uint32_t>(M - 1);
+  for (std::size_t t = i / C, c = i % C; i < coded; ++i) {
+    const int ctx = layout.group_start[t] ? A : tc[i - C];
+    std::uint32_t& xi = x[i & (kRansLanes - 1)];
+    const std::uint32_t e = packed[(static_cast<std::size_t>(cls[static_cast<std::size_t>(ctx)]) << scale_bits) + (xi & mask)];
+    tc[i] = static_cast<std::uint8_t>(e >> (2 * scale_bits));
+    xi = ((e & mask) + 1) * (xi >> scale_bits) + ((e >> scale_bits) & mask);
+    if (xi < kRansStateLow) {
+      if (end - p < 2) throw FormatError("context coder: payload truncated (ran out of renormalisation words)");
+      xi = xi << 16 | static_cast<std::uint32_t>(p[0]) | static_cast<std::uint32_t>(p[1]) << 8;
+      p += 2;
+    }
+    if (++c == C) c = 0, ++t;
+  }
+  if (p != end) throw FormatError("context coder: " + std::to_string((end - p) / 2) + " renormalisation words left over (corrupt)");
+  for (std::size_t j = 0; j < static_cast<std::size_t>(kRansLanes); ++j) {
+    const std::uint32_t v = x[j] - kRansStateLow;
     if (v >> (layout.bits * tail) != 0)
       throw FormatError("context coder: lane " + std::to_string(j) + " ends in a state that holds no tail symbols (corrupt input)");
     for (int m = 0; m < tail; ++m)
-      symbols[coded + static_cast<std::size_t>(kRansLanes * m) + j] = static_cast<std::uint16_t>((v >> (layout.bits * m)) & static_cast<std::uint32_t>(A - 1));
+      tc[coded + static_cast<std::size_t>(kRansLanes * m) + j] = static_cast<std::uint8_t>((v >> (layout.bits * m)) & static_cast<std::uint32_t>(A - 1));
   }
-  // Rebuild the rows. A row takes at most dim symbols from a class, so with dim symbols of padding
-  // after the last class the reads stay in bounds even when corrupt lengths would let a class run
-  // out; every row then checks that none did.
-  std::array<std::size_t, kMaxContexts> next{}, end{};
-  for (int k = 0; k < K; ++k) next[static_cast<std::size_t>(k)] = start[static_cast<std::size_t>(k)], end[static_cast<std::size_t>(k)] = start[static_cast<std::size_t>(k) + 1];
-  const std::size_t D = layout.dim;
-  const std::uint16_t* sym = symbols.data();
-  for_each_row(layout, [&](std::size_t row, bool first) {
-    std::uint8_t* q = codes.data() + row;
-    if (first) {
-      std::size_t& n = next[cls[static_cast<std::size_t>(A)]];
-      for (std::size_t c = 0; c < D; ++c) q[c] = static_cast<std::uint8_t>(sym[n + c]);
-      n += D;
-    } else {
-      const std::uint8_t* prev = q - D;
-      for (std::size_t c = 0; c < D; ++c) q[c] = static_cast<std::uint8_t>(sym[next[cls[prev[c]]]++]);
-    }
-    for (int k = 0; k < K; ++k)
-      if (next[static_cast<std::size_t>(k)] > end[static_cast<std::size_t>(k)])
-        throw FormatError("context coder: class " + std::to_string(k) + " runs out of symbols (corrupt input)");
-  });
-  // Every class's symbols were taken: the lengths sum to the total and none ran out.
+  from_token_channel(tc, layout, codes);
 }
 
 }  // namespace vq

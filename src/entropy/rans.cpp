@@ -1,8 +1,6 @@
 // rANS framing, the scalar reference kernels and kernel dispatch. See rans.hpp for the format.
 #include "veloxquant/entropy/rans.hpp"
 
-#include <array>
-
 #include <algorithm>
 #include <bit>
 #include <cstring>
@@ -271,22 +269,11 @@ struct Scratch {
 }  // namespace
 
 void rans_encode_append(std::vector<std::uint8_t>& out, std::span<const RansEncodeSegment> segments, RansKernel kernel) {
-  std::array<std::uint32_t, kRansLanes> start;
-  start.fill(kL);
-  rans_encode_append(out, segments, kernel, start);
-}
-
-void rans_encode_append(std::vector<std::uint8_t>& out, std::span<const RansEncodeSegment> segments, RansKernel kernel,
-                        std::span<const std::uint32_t, kRansLanes> start_states) {
   const bool fast = use_avx2(kernel);
   std::size_t n = 0;
   for (const auto& seg : segments) {
     validate_segment(seg);
     n += seg.symbols.size();
-  }
-  for (std::size_t j = 0; j < static_cast<std::size_t>(kRansLanes); ++j) {
-    require(start_states[j] >= kL && start_states[j] < (kL << 16), "rANS encode: a start state is outside [2^15, 2^31)");
-    require(j < n || start_states[j] == kL, "rANS encode: a lane that codes no symbol must start at 2^15 (its state is not stored)");
   }
   thread_local Scratch scratch;
   std::unique_ptr<std::uint16_t[]> temp;
@@ -305,7 +292,7 @@ void rans_encode_append(std::vector<std::uint8_t>& out, std::span<const RansEnco
   std::uint16_t* const end = buf + need;
   std::uint16_t* ptr = end;
   std::uint32_t x[kRansLanes];
-  for (std::size_t j = 0; j < static_cast<std::size_t>(kRansLanes); ++j) x[j] = start_states[j];
+  for (auto& v : x) v = kL;
   std::size_t base = n;
   std::vector<EncSym> es;
   const FrequencyTable* built = nullptr;
@@ -355,16 +342,6 @@ std::uint64_t rans_stream_symbols(std::span<const std::uint8_t> bytes) {
 }
 
 void rans_decode(std::span<const std::uint8_t> bytes, std::span<const RansDecodeSegment> segments, RansKernel kernel) {
-  std::array<std::uint32_t, kRansLanes> end_states;
-  rans_decode(bytes, segments, kernel, end_states);
-  for (int j = 0; j < kRansLanes; ++j)
-    if (end_states[static_cast<std::size_t>(j)] != kL)
-      throw FormatError("rANS stream: lane " + std::to_string(j) +
-                        " did not return to its initial state (corrupt stream or wrong table)");
-}
-
-void rans_decode(std::span<const std::uint8_t> bytes, std::span<const RansDecodeSegment> segments, RansKernel kernel,
-                 std::span<std::uint32_t, kRansLanes> end_states) {
   const bool fast = use_avx2(kernel);
   std::uint64_t expected = 0;
   for (const auto& seg : segments) {
@@ -400,7 +377,10 @@ void rans_decode(std::span<const std::uint8_t> bytes, std::span<const RansDecode
   }
   if (p != end)
     throw FormatError("rANS stream: " + std::to_string((end - p) / 2) + " renormalisation words left over (corrupt)");
-  for (int j = 0; j < kRansLanes; ++j) end_states[static_cast<std::size_t>(j)] = h.x[j];
+  for (int j = 0; j < kRansLanes; ++j)
+    if (h.x[j] != kL)
+      throw FormatError("rANS stream: lane " + std::to_string(j) +
+                        " did not return to its initial state (corrupt stream or wrong table)");
 }
 
 void rans_decode(std::span<const std::uint8_t> bytes, const FrequencyTable& table, std::span<std::uint16_t> out,

@@ -139,6 +139,17 @@ VQ_AVX2 void store_syms(std::uint16_t* out, __m256i a, __m256i b) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), packed);
 }
 
+
+// dec_step_packed with a per-lane table offset (the lane's class << scale_bits).
+VQ_AVX2 __m256i dec_step_ctx(__m256i x, __m256i& sym, const std::uint32_t* packed, __m256i off, __m256i mask_m, __m128i shift,
+                             __m128i shift2, __m256i one) {
+  const __m256i e = _mm256_i32gather_epi32(reinterpret_cast<const int*>(packed), _mm256_add_epi32(_mm256_and_si256(x, mask_m), off), 4);
+  sym = _mm256_srl_epi32(e, shift2);
+  const __m256i freq = _mm256_add_epi32(_mm256_and_si256(e, mask_m), one);
+  const __m256i bias = _mm256_and_si256(_mm256_srl_epi32(e, shift), mask_m);
+  return _mm256_add_epi32(_mm256_mullo_epi32(freq, _mm256_srl_epi32(x, shift)), bias);
+}
+
 }  // namespace
 
 __attribute__((target("avx2,popcnt"))) const std::uint8_t* decode_avx2(
@@ -355,6 +366,58 @@ const std::uint8_t* decode_small_avx2(std::uint32_t* x, std::uint16_t* out, std:
       i += decode_small_groups<15>(x, out + i, n - i, t, p, end);
   }
   return decode_scalar_search(x, out + i, n - i, base + i, t, p, end);
+}
+
+
+// Context lanes (context_coder.cpp): symbol i of the stream is symbol (token i / C, channel i % C)
+// and is coded with the packed slot table of its class, packed + (class << s). With C a multiple of
+// 32, a group of 32 symbols is one token's channels [c0, c0 + 32): its classes come from the
+// previous token's codes (out - C, already decoded: one byte shuffle through cls) or, at a group
+// start, are all cls[A]. Decodes whole groups from symbol i while 64 payload bytes remain, as the
+// other kernels; returns p and advances i. Same symbols and words as the scalar loop.
+__attribute__((target("avx2,popcnt"))) const std::uint8_t* decode_context_avx2(std::uint32_t* x, std::uint8_t* out, std::size_t& i,
+                                                                               std::size_t n, std::size_t C, const std::uint8_t* group_start,
+                                                                               const std::uint8_t* cls, int A, int scale_bits,
+                                                                               const std::uint32_t* packed, const std::uint8_t* p,
+                                                                               const std::uint8_t* end) {
+  __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 0));
+  __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 8));
+  __m256i x2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16));
+  __m256i x3 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 24));
+  const __m256i mask_m = _mm256_set1_epi32((1 << scale_bits) - 1);
+  const __m256i low = _mm256_set1_epi32(static_cast<int>(kL));
+  const __m128i shift = _mm_cvtsi32_si128(scale_bits), shift2 = _mm_cvtsi32_si128(2 * scale_bits);
+  const __m256i one = _mm256_set1_epi32(1);
+  const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(cls)));
+  const __m256i start_off = _mm256_set1_epi32(static_cast<int>(cls[A]) << scale_bits);
+  while (n - i >= kRansLanes && end - p >= 64) {
+    __m256i o0 = start_off, o1 = start_off, o2 = start_off, o3 = start_off;
+    if (!group_start[i / C]) {
+      const __m256i k = _mm256_shuffle_epi8(table, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(out + i - C)));
+      const __m128i lo = _mm256_castsi256_si128(k), hi = _mm256_extracti128_si256(k, 1);
+      o0 = _mm256_sll_epi32(_mm256_cvtepu8_epi32(lo), shift);
+      o1 = _mm256_sll_epi32(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)), shift);
+      o2 = _mm256_sll_epi32(_mm256_cvtepu8_epi32(hi), shift);
+      o3 = _mm256_sll_epi32(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)), shift);
+    }
+    __m256i s0, s1, s2, s3;
+    x0 = dec_step_ctx(x0, s0, packed, o0, mask_m, shift, shift2, one);
+    x1 = dec_step_ctx(x1, s1, packed, o1, mask_m, shift, shift2, one);
+    x2 = dec_step_ctx(x2, s2, packed, o2, mask_m, shift, shift2, one);
+    x3 = dec_step_ctx(x3, s3, packed, o3, mask_m, shift, shift2, one);
+    x0 = refill(x0, p, low);
+    x1 = refill(x1, p, low);
+    x2 = refill(x2, p, low);
+    x3 = refill(x3, p, low);
+    const __m256i b = _mm256_packus_epi16(_mm256_packus_epi32(s0, s1), _mm256_packus_epi32(s2, s3));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    i += kRansLanes;
+  }
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(x + 0), x0);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(x + 8), x1);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(x + 16), x2);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(x + 24), x3);
+  return p;
 }
 
 }  // namespace rans_detail

@@ -70,6 +70,11 @@ const std::uint8_t* decode_scalar_search(std::uint32_t* x, std::uint16_t* out, s
 const std::uint8_t* decode_small_avx2(std::uint32_t* x, std::uint16_t* out, std::size_t n, std::size_t base,
                                       const FrequencyTable& t, const std::uint8_t* p, const std::uint8_t* end);
 
+// Context lanes (context_coder.cpp): see rans_avx2.cpp. Needs C % 32 == 0, codes < 16, i % 32 == 0.
+const std::uint8_t* decode_context_avx2(std::uint32_t* x, std::uint8_t* out, std::size_t& i, std::size_t n, std::size_t C,
+                                        const std::uint8_t* group_start, const std::uint8_t* cls, int A, int scale_bits,
+                                        const std::uint32_t* packed, const std::uint8_t* p, const std::uint8_t* end);
+
 [[noreturn]] void throw_truncated();
 
 }  // namespace vq::rans_detail

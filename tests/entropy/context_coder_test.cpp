@@ -54,7 +54,7 @@ TEST(ContextCoder, RoundTripIsExactForEveryShape) {
   unsigned seed = 1;
   for (int bits = 1; bits <= 4; ++bits)
     for (std::size_t slices : {1u, 3u})
-      for (std::size_t dim : {1u, 7u, 40u})
+      for (std::size_t dim : {1u, 7u, 32u, 40u})
         for (const auto& [pieces, group] : std::vector<std::pair<std::vector<std::int64_t>, int>>{
                  {{1}, 32}, {{5}, 1}, {{100}, 32}, {{5, 3, 40}, 8}, {{33}, 32}})
           for (const double move : {0.0, 0.2, 1.0}) {

@@ -10,24 +10,27 @@
 // - The encoder merges raw contexts into classes greedily (the pair whose merge lowers the
 //   estimated payload + table bytes most, until no merge lowers it), one table per class. iid codes
 //   end with one class (a pooled order-0 model); codes that drift slowly keep many.
-// - Symbols of a class form one rANS segment, in (slice, token, channel) order; the decoder decodes
-//   the segments with the fast kernels, then rebuilds the codes by following the contexts.
+// - The rANS stream holds the codes token by token, all channels of a token together ((slice,
+//   channel) index s * dim + c; C = slices * dim per token), symbol i in lane i % 32 as rans.hpp
+//   lays out lanes, each coded with the table of its class. A lane's context is the code C symbols
+//   back: with C >= 32 never inside its own group of 32, so the AVX2 decoder decodes a group at
+//   once with one gather per 8 lanes from the classes' slot tables (C a multiple of 32; else the
+//   scalar loop, same result).
 // - Block format (varint = unsigned LEB128):
 //     u8      K                      classes, 1 .. A + 1
 //     bits    class[A + 1]           each raw context's class, ceil(log2 K) bits each, LSB first,
 //                                    padded to a byte (absent when K = 1)
-//     varint  len[K - 1]             symbols of classes 0 .. K - 2, each >= 1 (the last class holds
-//                                    the rest, also >= 1)
-//     table   [K]                    FrequencyTable of each class (alphabet A)
-//     rANS stream                    (rans.hpp) of the K segments, to the end of the block, except
-//                                    the last 32 * floor(15 / bits) symbols when the stream has at
-//                                    least 32 more: those are packed into the 32 lanes' start states
-//                                    (bits back, rans.hpp), symbol n' + 32 m + j of lane j at bit
-//                                    bits * m of state - 2^15, so they cost nothing
-//   An empty stream (no codes) is the single byte 1. The shape and the group starts are the caller's (like a rANS stream's segments): they are not
-//   stored.
-// - context_decode validates everything and throws vq::FormatError; a class whose symbols run out
-//   or are left over is an error.
+//     table   [K]                    FrequencyTable of each class (alphabet A, table_scale_bits(A))
+//     varint  n'                     symbols rANS-coded: all but the last 32 * floor(15 / bits)
+//                                    when the stream has at least 32 more (else all)
+//     u32     state[min(n', 32)]     final encoder states (rans.hpp)
+//     u16     word[...]              renormalisation words, to the end of the block
+//   The last 32 * floor(15 / bits) symbols ride in the lanes' start states ("bits back"): symbol
+//   n' + 32 m + j at bit bits * m of lane j's state - 2^15; they cost nothing. An empty stream (no
+//   codes) is the single byte 1. The shape and the group starts are the caller's (like a rANS
+//   stream's segments): they are not stored.
+// - context_decode validates everything and throws vq::FormatError (counts, states, words left over
+//   or missing, a final state that holds no tail).
 #pragma once
 #include <cstddef>
 #include <cstdint>

@@ -72,13 +72,6 @@ std::vector<std::uint8_t> rans_encode(std::span<const RansEncodeSegment> segment
                                       RansKernel kernel = RansKernel::Auto);
 void rans_encode_append(std::vector<std::uint8_t>& out, std::span<const RansEncodeSegment> segments,
                         RansKernel kernel = RansKernel::Auto);
-// The same with each lane's encoder starting (and so its decoder ending) at start_states[j] in
-// [2^15, 2^31) instead of 2^15: about 15 bits of the caller's data per lane that the stream carries
-// for free ("bits back"); the decoder overload below hands the end states back to check or use.
-// A lane that codes no symbol (j >= symbol count) must start at 2^15: its state is not stored.
-// The stream format is unchanged.
-void rans_encode_append(std::vector<std::uint8_t>& out, std::span<const RansEncodeSegment> segments, RansKernel kernel,
-                        std::span<const std::uint32_t, kRansLanes> start_states);
 
 // Decode a whole stream (exactly `bytes`, nothing after it) into `out`, whose size must equal the
 // stream's symbol count: the caller's size bounds the work. Throws FormatError on any corrupt,
@@ -87,10 +80,6 @@ void rans_decode(std::span<const std::uint8_t> bytes, const FrequencyTable& tabl
                  RansKernel kernel = RansKernel::Auto);
 void rans_decode(std::span<const std::uint8_t> bytes, std::span<const RansDecodeSegment> segments,
                  RansKernel kernel = RansKernel::Auto);
-// The same without the end-state check: each lane's final state goes to end_states (2^15 for a
-// lane that coded no symbol); the caller validates it.
-void rans_decode(std::span<const std::uint8_t> bytes, std::span<const RansDecodeSegment> segments, RansKernel kernel,
-                 std::span<std::uint32_t, kRansLanes> end_states);
 // The symbol count in a stream's header (FormatError when the header is malformed).
 std::uint64_t rans_stream_symbols(std::span<const std::uint8_t> bytes);
 
