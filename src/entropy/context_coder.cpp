@@ -99,7 +99,7 @@ int choose_classes(const std::array<Histogram, kMaxContexts>& raw, int A, int sc
   return K;
 }
 
-// Bits back: the last kRansLanes * tail_per_lane symbols (in segment order) are not rANS-coded but
+// Bits back: the last kRansLanes * tail_per_lane symbols (in stream order) are not rANS-coded but
 // packed into the lanes' start states (state = 2^15 + v, v < 2^15), which the stream carries for
 // free: lane j holds symbols n' + 32 m + j, m < tail_per_lane, at bits * m. Only when every lane
 // codes at least one symbol besides (its state is stored only then).

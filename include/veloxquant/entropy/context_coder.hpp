@@ -62,7 +62,9 @@ struct ContextCodedSize {
 };
 
 // Throws InvalidArgument when the layout is inconsistent (bits outside 1..4, group_start not one
-// per token, codes of the wrong count or out of range).
+// per token, codes of the wrong count or out of range). `kernel` is accepted for symmetry and
+// ignored: there is one encoder (its tables change per symbol, which leaves nothing for the AVX2
+// encoder's register tables); the decoder uses AVX2 where it can.
 std::vector<std::uint8_t> context_encode(std::span<const std::uint8_t> codes, const ContextLayout& layout,
                                          ContextCodedSize* size = nullptr, RansKernel kernel = RansKernel::Auto);
 
