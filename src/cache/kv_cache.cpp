@@ -99,6 +99,16 @@ void KVCache::from_state(const KVState& state) {
   append(state.keys, state.values);
 }
 
+void KVCache::refeed_state(const KVState& state, const std::function<void()>& forget) {
+  const KVState copy{state.keys.contiguous(true), state.values.contiguous(true)};
+  offset_ = 0;
+  keys_buf_ = Tensor();
+  values_buf_ = Tensor();
+  forget();
+  if (copy.keys.empty() && copy.values.empty()) return;
+  update_and_fetch(copy.keys, copy.values);
+}
+
 std::int64_t KVCache::trim(std::int64_t n) {
   require(n >= 0, fmt::format("trim: n must be >= 0, got {}", n));
   n = std::min(n, offset_);

@@ -100,13 +100,7 @@ std::int64_t Fp8KVCache::trim(std::int64_t n) {
 }
 
 void Fp8KVCache::from_state(const KVState& state) {
-  const KVState copy{state.keys.contiguous(true), state.values.contiguous(true)};  // `state` may view our own buffer
-  offset_ = 0;
-  keys_buf_ = Tensor();
-  values_buf_ = Tensor();
-  key_codes_.clear(), value_codes_.clear(), key_scales_.clear(), value_scales_.clear(), call_starts_.clear();
-  if (copy.keys.empty() && copy.values.empty()) return;
-  update_and_fetch(copy.keys, copy.values);
+  refeed_state(state, [this] { key_codes_.clear(), value_codes_.clear(), key_scales_.clear(), value_scales_.clear(), call_starts_.clear(); });
 }
 
 std::size_t Fp8KVCache::nbytes() const {

@@ -78,14 +78,10 @@ std::int64_t GgmlBlockCache<Traits>::trim(std::int64_t n) {
 
 template <class Traits>
 void GgmlBlockCache<Traits>::from_state(const KVState& state) {
-  const KVState copy{state.keys.contiguous(true), state.values.contiguous(true)};  // `state` may view our own buffer
-  offset_ = 0;
-  keys_buf_ = Tensor();
-  values_buf_ = Tensor();
-  key_blocks_.clear();
-  value_blocks_.clear();
-  if (copy.keys.empty() && copy.values.empty()) return;
-  update_and_fetch(copy.keys, copy.values);
+  this->refeed_state(state, [this] {
+    key_blocks_.clear();
+    value_blocks_.clear();
+  });
 }
 
 template <class Traits>

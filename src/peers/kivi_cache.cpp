@@ -101,13 +101,7 @@ std::int64_t KiviKVCache::trim(std::int64_t n) {
 }
 
 void KiviKVCache::from_state(const KVState& state) {
-  const KVState copy{state.keys.contiguous(true), state.values.contiguous(true)};  // `state` may view our own buffer
-  offset_ = 0;
-  key_quantized_ = value_quantized_ = 0;
-  keys_buf_ = Tensor();
-  values_buf_ = Tensor();
-  if (copy.keys.empty() && copy.values.empty()) return;
-  update_and_fetch(copy.keys, copy.values);
+  refeed_state(state, [this] { key_quantized_ = value_quantized_ = 0; });
 }
 
 CacheBytes KiviKVCache::stored_bytes() const {

@@ -39,13 +39,7 @@ std::int64_t TokenCodeKVCache::trim(std::int64_t n) {
 }
 
 void TokenCodeKVCache::from_state(const KVState& state) {
-  const KVState copy{state.keys.contiguous(true), state.values.contiguous(true)};  // `state` may view our own buffer
-  offset_ = 0;
-  keys_buf_ = Tensor();
-  values_buf_ = Tensor();
-  clear_codes();
-  if (copy.keys.empty() && copy.values.empty()) return;
-  update_and_fetch(copy.keys, copy.values);
+  refeed_state(state, [this] { clear_codes(); });
 }
 
 std::size_t TokenCodeKVCache::nbytes() const {

@@ -245,13 +245,7 @@ std::int64_t VqKVCache::trim(std::int64_t n) {
 }
 
 void VqKVCache::from_state(const KVState& state) {
-  const KVState copy{state.keys.contiguous(true), state.values.contiguous(true)};  // `state` may view our own buffer
-  offset_ = 0;
-  keys_buf_ = Tensor();
-  values_buf_ = Tensor();
-  reset();
-  if (copy.keys.empty() && copy.values.empty()) return;
-  update_and_fetch(copy.keys, copy.values);
+  refeed_state(state, [this] { reset(); });
 }
 
 std::size_t VqKVCache::nbytes() const {

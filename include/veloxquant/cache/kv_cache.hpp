@@ -8,6 +8,7 @@
 // The buffer grows geometrically, so appending a token costs amortised O(1).
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -56,6 +57,10 @@ class KVCache {
   virtual std::string kind() const { return "KVCache"; }
 
  protected:
+  // from_state for caches that quantize what they are fed: empties the buffers, calls `forget` to
+  // drop the subclass's own contents, then feeds `state` (copied first: it may view our own
+  // buffer) as one update_and_fetch call. An empty state leaves the cache empty.
+  void refeed_state(const KVState& state, const std::function<void()>& forget);
   // Check a new chunk against each other and against what the cache holds; throws InvalidArgument.
   void check_chunk(const Tensor& keys, const Tensor& values) const;
   // Append a checked chunk to the buffers (growing them) and advance offset.
