@@ -28,6 +28,18 @@ void write(const std::filesystem::path& dir, const std::string& name, const std:
   std::ofstream(dir / name, std::ios::binary).write(reinterpret_cast<const char*>(b.data()), static_cast<std::streamsize>(b.size()));
 }
 
+// Seed i of a target: valid_i = b, truncated_i = its first cut_to bytes, and (when flip_mask is
+// nonzero) flipped_i = b with byte flip_at XOR flip_mask.
+void write_seeds(const std::filesystem::path& dir, int i, const std::vector<std::uint8_t>& b, std::size_t cut_to, std::size_t flip_at = 0,
+                 std::uint8_t flip_mask = 0) {
+  write(dir, "valid_" + std::to_string(i), b);
+  write(dir, "truncated_" + std::to_string(i), {b.begin(), b.begin() + static_cast<std::ptrdiff_t>(cut_to)});
+  if (flip_mask == 0) return;
+  auto flip = b;
+  flip[flip_at] ^= flip_mask;
+  write(dir, "flipped_" + std::to_string(i), flip);
+}
+
 std::vector<std::uint16_t> codes(int alphabet, std::size_t n, unsigned seed) {
   std::mt19937 rng(seed);
   std::geometric_distribution<int> g(0.35);
@@ -52,14 +64,7 @@ void write_chunks(const std::filesystem::path& dir, const Cache& cache, std::uin
     std::vector<std::uint8_t> b{header};
     const auto chunk = cache.encode_chunk(0, c);
     b.insert(b.end(), chunk.begin(), chunk.end());
-    write(dir, "valid_" + std::to_string(n), b);
-    auto cut = b;
-    cut.resize(b.size() * 2 / 3);
-    write(dir, "truncated_" + std::to_string(n), cut);
-    auto flip = b;
-    flip[b.size() / 2] ^= 0x04;
-    write(dir, "flipped_" + std::to_string(n), flip);
-    ++n;
+    write_seeds(dir, n++, b, b.size() * 2 / 3, b.size() / 2, 0x04);
   }
 }
 
@@ -73,17 +78,12 @@ int main(int argc, char** argv) {
                                     {511, 64, 15}, {1, 50, 12}, {16, 0, 12}, {5, 33, 9}}) {
     const auto s = codes(alphabet, static_cast<std::size_t>(n), static_cast<unsigned>(k));
     auto b = vq::encode_block(s, alphabet, {.scale_bits = scale});
-    write(rd, "valid_" + std::to_string(k), b);
     const auto t = vq::FrequencyTable::from_symbols(s, alphabet, scale);
     write(ft, "valid_" + std::to_string(k), t.serialize());
-    if (b.size() > 8) {
-      auto cut = b;
-      cut.resize(b.size() / 2);
-      write(rd, "truncated_" + std::to_string(k), cut);
-      auto flip = b;
-      flip[b.size() - 3] ^= 0x10;
-      write(rd, "flipped_" + std::to_string(k), flip);
-    }
+    if (b.size() > 8)
+      write_seeds(rd, k, b, b.size() / 2, b.size() - 3, 0x10);
+    else
+      write(rd, "valid_" + std::to_string(k), b);
     ++k;
   }
   // Context-coded blocks: 4 layout bytes (context_fuzz_layout.hpp), then the block.
@@ -103,15 +103,10 @@ int main(int argc, char** argv) {
     }
     auto b = vq::context_encode(q, l);
     b.insert(b.begin(), h.begin(), h.end());
-    write(cx, "valid_" + std::to_string(m), b);
-    if (b.size() > 10) {
-      auto cut = b;
-      cut.resize(b.size() - 3);
-      write(cx, "truncated_" + std::to_string(m), cut);
-      auto flip = b;
-      flip[6] ^= 0x21;
-      write(cx, "flipped_" + std::to_string(m), flip);
-    }
+    if (b.size() > 10)
+      write_seeds(cx, m, b, b.size() - 3, 6, 0x21);
+    else
+      write(cx, "valid_" + std::to_string(m), b);
     ++m;
   }
   write(rd, "empty", {});
@@ -138,11 +133,7 @@ int main(int argc, char** argv) {
     if (tokens > 0)
       for (auto& c : caches) c->update_and_fetch(t, t);
     const auto b = vq::serialize_prompt_cache(caches, {{"i", std::to_string(f)}}, {.chunk_tokens = chunk});
-    write(vk, "valid_" + std::to_string(f), b);
-    auto cut = b;
-    cut.resize(b.size() * 2 / 3);
-    write(vk, "truncated_" + std::to_string(f), cut);
-    ++f;
+    write_seeds(vk, f++, b, b.size() * 2 / 3);
   }
   // LMCache chunks (fuzz_lmcache_chunk): header byte = the shape (K channels - 1, V channels - 1 << 3,
   // 16 key bins << 6, 16 value bins << 7); K [1, 2, S, 4], V [1, 2, S, 2], chunk 16, 21 tokens
@@ -191,11 +182,7 @@ int main(int argc, char** argv) {
   one.tokens = 12;
   n = 0;
   for (const auto& p : {profile->serialize(), one.serialize()}) {
-    write(pf, "valid_" + std::to_string(n), p);
-    auto cut = p;
-    cut.resize(p.size() - 1);
-    write(pf, "truncated_" + std::to_string(n), cut);
-    ++n;
+    write_seeds(pf, n++, p, p.size() - 1);
   }
   auto bad_magic = one.serialize();
   bad_magic[7] = '2';
@@ -218,14 +205,7 @@ int main(int argc, char** argv) {
     const auto t = vq::Tensor::from_f32({batch, 2, 20, 4}, x);
     cache.update_and_fetch(t, t);
     const auto b = cache.encode();
-    write(vl, "valid_" + std::to_string(n), b);
-    auto cut = b;
-    cut.resize(b.size() * 2 / 3);
-    write(vl, "truncated_" + std::to_string(n), cut);
-    auto flip = b;
-    flip[b.size() / 2] ^= 0x08;
-    write(vl, "flipped_" + std::to_string(n), flip);
-    ++n;
+    write_seeds(vl, n++, b, b.size() * 2 / 3, b.size() / 2, 0x08);
   }
   write(vl, "empty", {});
   std::printf("corpus written under %s\n", root.c_str());
