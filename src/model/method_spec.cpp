@@ -88,11 +88,7 @@ MethodSpec MethodSpec::parse(const std::string& spec) {
       else
         throw InvalidArgument(fmt::format("method '{}': unknown key '{}' for kivi; valid keys are {}", spec, key, keys));
     });
-    try {
-      m.kivi.validate();
-    } catch (const InvalidArgument& e) {
-      throw InvalidArgument(fmt::format("method '{}': {}", spec, e.what()));
-    }
+    detail::naming_spec(spec, [&] { m.kivi.validate(); });
     return m;
   }
   if (name == "lmcache") {
@@ -106,11 +102,7 @@ MethodSpec MethodSpec::parse(const std::string& spec) {
       else
         throw InvalidArgument(fmt::format("method '{}': unknown key '{}' for lmcache; valid keys are {}", spec, key, keys));
     });
-    try {
-      m.lmcache.validate();
-    } catch (const InvalidArgument& e) {
-      throw InvalidArgument(fmt::format("method '{}': {}", spec, e.what()));
-    }
+    detail::naming_spec(spec, [&] { m.lmcache.validate(); });
     return m;
   }
   if (name == "cachegen_paper") {
@@ -133,11 +125,7 @@ MethodSpec MethodSpec::parse(const std::string& spec) {
       else
         throw InvalidArgument(fmt::format("method '{}': unknown key '{}' for cachegen_paper; valid keys are {}", spec, key, keys));
     });
-    try {
-      m.cachegen_paper.validate();
-    } catch (const InvalidArgument& e) {
-      throw InvalidArgument(fmt::format("method '{}': {}", spec, e.what()));
-    }
+    detail::naming_spec(spec, [&] { m.cachegen_paper.validate(); });
     return m;
   }
   if (name == "vq") return detail::parse_vq_spec(spec, args, has_colon);
@@ -161,11 +149,7 @@ MethodSpec MethodSpec::parse(const std::string& spec) {
           fmt::format("method '{}': unknown key '{}' for cachegen; valid keys are bits, group, flush, delta, schedule", spec, key));
     }
   });
-  try {
-    m.cachegen.validate();
-  } catch (const InvalidArgument& e) {
-    throw InvalidArgument(fmt::format("method '{}': {}", spec, e.what()));
-  }
+  detail::naming_spec(spec, [&] { m.cachegen.validate(); });
   return m;
 }
 

@@ -74,11 +74,7 @@ MethodSpec parse_vq_spec(const std::string& spec, const std::string& args, bool 
       if (value != "flat") (void)alloc_values(spec, value);
       m.vq_alloc = value;
     } else if (key == "basis") {
-      try {
-        m.vq_basis.basis = vq_basis_from_name(value);
-      } catch (const InvalidArgument& e) {
-        throw InvalidArgument(fmt::format("method '{}': {}", spec, e.what()));
-      }
+      naming_spec(spec, [&] { m.vq_basis.basis = vq_basis_from_name(value); });
     } else if (key == "shape") {
       m.vq_basis.shape = parse_on_off(spec, key, value);
     } else if (key == "rope") {
@@ -87,11 +83,7 @@ MethodSpec parse_vq_spec(const std::string& spec, const std::string& args, bool 
       throw InvalidArgument(fmt::format("method '{}': unknown key '{}' for vq; valid keys are {}", spec, key, kKeys));
     }
   });
-  try {
-    m.vq.validate();
-  } catch (const InvalidArgument& e) {
-    throw InvalidArgument(fmt::format("method '{}': {}", spec, e.what()));
-  }
+  naming_spec(spec, [&] { m.vq.validate(); });
   return m;
 }
 

@@ -30,6 +30,16 @@ inline void for_each_option(const std::string& spec, const std::string& args, bo
   }
 }
 
+// Runs f (a config's validate(), a name lookup); an InvalidArgument it throws comes back prefixed
+// with "method '<spec>': ", so the message names the spec the user wrote.
+template <class F>
+inline void naming_spec(const std::string& spec, F f) {
+  try {
+    f();
+  } catch (const InvalidArgument& e) {
+    throw InvalidArgument(fmt::format("method '{}': {}", spec, e.what()));
+  }
+}
 
 // Parse the options of a `vq[:...]` spec into a MethodSpec of kind Vq; throws InvalidArgument.
 MethodSpec parse_vq_spec(const std::string& spec, const std::string& args, bool has_colon);
