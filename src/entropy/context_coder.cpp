@@ -207,17 +207,20 @@ std::vector<std::uint8_t> context_encode(std::span<const std::uint8_t> codes, co
   std::vector<std::uint16_t> words(coded + 1);
   std::uint16_t* const wend = words.data() + words.size();
   std::uint16_t* ptr = wend;
+  std::size_t t = coded > 0 ? (coded - 1) / C : 0, c = coded > 0 ? (coded - 1) % C : 0;  // token and channel of symbol i
   for (std::size_t i = coded; i-- > 0;) {
-    const std::size_t t = i / C;
     const int ctx = layout.group_start[t] ? A : tc[i - C];
     const rans_detail::EncSym& e = enc[cls[static_cast<std::size_t>(ctx)]][tc[i]];
     std::uint32_t& xi = x[i & (kRansLanes - 1)];
-    if (xi >= e.x_max) {
-      *--ptr = static_cast<std::uint16_t>(xi);
-      xi >>= 16;
-    }
+    // Branch-free renormalisation as in rans_detail::encode_fast: the word is always stored below
+    // ptr, which only moves when it was needed (words has one slot more than symbols).
+    const std::uint32_t renorm = xi >= e.x_max;
+    ptr[-1] = static_cast<std::uint16_t>(xi);
+    ptr -= renorm;
+    xi >>= renorm << 4;
     const std::uint32_t q = static_cast<std::uint32_t>((static_cast<std::uint64_t>(xi) * e.rcp_freq) >> 32) >> e.rcp_shift;
     xi = xi + e.bias + q * e.cmpl_freq;
+    if (c-- == 0) c = C - 1, --t;  // (wraps once after symbol 0, unused then)
   }
   entropy_detail::put_varint(out, coded);
   for (std::size_t j = 0; j < std::min<std::size_t>(coded, kRansLanes); ++j)
