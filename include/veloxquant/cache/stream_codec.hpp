@@ -16,7 +16,7 @@
 // - Context (bits <= 4): the codes coded by the context coder (entropy/context_coder.hpp): tables
 //   per class of (previous code | group start), pooled over the side's channels, instead of one
 //   per channel. On stories260K it stores 6.9 % fewer bytes than Codes, on the synthetic K/V 20 %
-//   fewer (docs/benchmarks.md), and decodes faster there too. Opt-in for now: the .vqkv container stores
+//   fewer (docs/benchmarks.md), and decodes faster than zstd -1 there. Opt-in for now: the .vqkv container stores
 //   per-channel tables, and its files must stay within 1 % of encoded_*_bytes.
 // - The default transform is Codes, chosen by measurement on stories260K's real K/V
 //   (docs/benchmarks.md, "Choosing the symbol model (issue 4)"): min/max groups leave the token
