@@ -172,16 +172,14 @@ std::vector<std::uint8_t> encode_stream(const QuantizedStream& stream, const Str
   if (options.transform == SymbolTransform::Context) {
     put_scales_and_minima(out, stream, groups * dim);
     size.metadata = out.size() - size.header;
-    std::vector<std::uint8_t> codes;
-    codes.reserve(static_cast<std::size_t>(tokens * dim * slices));
+    std::vector<std::span<const std::uint8_t>> codes(slices);
     for (std::uint64_t s = 0; s < slices; ++s) {
-      const auto c = stream.codes(static_cast<std::int64_t>(s));
-      require(c.size() == tokens * dim, "stream codec: internal error: code count disagrees with the stream");
-      codes.insert(codes.end(), c.begin(), c.end());
+      codes[s] = stream.codes(static_cast<std::int64_t>(s));
+      require(codes[s].size() == tokens * dim, "stream codec: internal error: code count disagrees with the stream");
     }
     const ContextLayout layout{slices, tokens, dim, bits, group_starts(pieces, stream.group_size())};
     ContextCodedSize cs;
-    const auto block = context_encode(codes, layout, &cs, options.kernel);
+    const auto block = context_encode(ContextSlices(codes), layout, &cs, options.kernel);
     out.insert(out.end(), block.begin(), block.end());
     size.tables = cs.model + cs.tables;
     size.payload = cs.payload;

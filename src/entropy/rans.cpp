@@ -19,32 +19,51 @@ namespace rans_detail {
 
 void throw_truncated() { throw FormatError("rANS stream: payload truncated (ran out of renormalisation words)"); }
 
-std::vector<EncSym> make_enc_syms(const FrequencyTable& t) {
-  const int s = t.scale_bits();
-  const std::uint32_t M = t.total();
-  std::vector<EncSym> es(static_cast<std::size_t>(t.alphabet_size()));
-  for (int i = 0; i < t.alphabet_size(); ++i) {
-    const std::uint32_t f = t.freq(i), c = t.cum(i);
-    EncSym& e = es[static_cast<std::size_t>(i)];
-    if (f == 0) {
-      e = EncSym{};
-      continue;
-    }
-    e.x_max = f << (31 - s);  // <= 2^31: fits
-    e.cmpl_freq = static_cast<std::uint16_t>(M - f);
-    if (f == 1) {
-      // q = x * (2^32 - 1) >> 32 = x - 1 for 1 <= x < 2^32; x + (c + M - 1) + (x - 1)(M - 1) = x*M + c.
-      e.rcp_freq = ~0u;
-      e.rcp_shift = 0;
-      e.bias = c + M - 1;
-    } else {
-      std::uint32_t shift = 0;
-      while (f > (1u << shift)) ++shift;
-      e.rcp_freq = static_cast<std::uint32_t>(((1ull << (shift + 31)) + f - 1) / f);
-      e.rcp_shift = static_cast<std::uint16_t>(shift - 1);
-      e.bias = c;
-    }
+namespace {
+// ceil(2^(shift+31) / f) with shift = ceil(log2 f), for f >= 2.
+struct Reciprocal {
+  std::uint32_t rcp;
+  std::uint16_t shift;
+};
+Reciprocal reciprocal(std::uint32_t f) {
+  std::uint32_t shift = 0;
+  while (f > (1u << shift)) ++shift;
+  return {static_cast<std::uint32_t>(((1ull << (shift + 31)) + f - 1) / f), static_cast<std::uint16_t>(shift - 1)};
+}
+constexpr std::uint32_t kCachedReciprocals = 1u << 12;
+const Reciprocal* reciprocal_table() {
+  static const std::vector<Reciprocal> t = [] {
+    std::vector<Reciprocal> r(kCachedReciprocals + 1);
+    for (std::uint32_t f = 2; f <= kCachedReciprocals; ++f) r[f] = reciprocal(f);
+    return r;
+  }();
+  return t.data();
+}
+}  // namespace
+
+EncSym make_enc_sym(std::uint32_t f, std::uint32_t c, int s) {
+  const std::uint32_t M = 1u << s;
+  EncSym e;
+  e.x_max = f << (31 - s);  // <= 2^31: fits
+  e.cmpl_freq = static_cast<std::uint16_t>(M - f);
+  if (f == 1) {
+    // q = x * (2^32 - 1) >> 32 = x - 1 for 1 <= x < 2^32; x + (c + M - 1) + (x - 1)(M - 1) = x*M + c.
+    e.rcp_freq = ~0u;
+    e.rcp_shift = 0;
+    e.bias = c + M - 1;
+  } else {
+    const Reciprocal r = f <= kCachedReciprocals ? reciprocal_table()[f] : reciprocal(f);
+    e.rcp_freq = r.rcp;
+    e.rcp_shift = r.shift;
+    e.bias = c;
   }
+  return e;
+}
+
+std::vector<EncSym> make_enc_syms(const FrequencyTable& t) {
+  std::vector<EncSym> es(static_cast<std::size_t>(t.alphabet_size()));
+  for (int i = 0; i < t.alphabet_size(); ++i)
+    if (t.freq(i) != 0) es[static_cast<std::size_t>(i)] = make_enc_sym(t.freq(i), t.cum(i), t.scale_bits());
   return es;
 }
 

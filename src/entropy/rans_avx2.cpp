@@ -11,6 +11,7 @@
 #include <array>
 #include <cstdint>
 
+#include "rans_avx2_steps.hpp"
 #include "rans_kernels.hpp"
 
 namespace vq {
@@ -23,20 +24,7 @@ bool rans_avx2_available() {
 namespace rans_detail {
 namespace {
 
-// kPerm[m][i]: for lane i whose bit is set in m, the index of its word among the loaded ones
-// (the number of set bits below i); 0 for other lanes (their value is discarded by the blend).
-constexpr std::array<std::array<std::uint8_t, 8>, 256> make_perm() {
-  std::array<std::array<std::uint8_t, 8>, 256> t{};
-  for (unsigned m = 0; m < 256; ++m) {
-    std::uint8_t k = 0;
-    for (unsigned i = 0; i < 8; ++i)
-      if (m >> i & 1) t[m][i] = k++;
-  }
-  return t;
-}
-alignas(64) constexpr auto kPerm = make_perm();
-
-#define VQ_AVX2 __attribute__((target("avx2,popcnt"), always_inline)) inline
+using namespace avx2;
 
 VQ_AVX2 __m256i dec_step(__m256i x, __m256i& sym, const std::uint32_t* entry, const std::uint16_t* slot_sym,
                          __m256i mask_m, __m256i lo16, __m128i shift) {
@@ -55,54 +43,6 @@ VQ_AVX2 __m256i dec_step_packed(__m256i x, __m256i& sym, const std::uint32_t* pa
   const __m256i freq = _mm256_add_epi32(_mm256_and_si256(e, mask_m), one);
   const __m256i bias = _mm256_and_si256(_mm256_srl_epi32(e, shift), mask_m);
   return _mm256_add_epi32(_mm256_mullo_epi32(freq, _mm256_srl_epi32(x, shift)), bias);
-}
-
-VQ_AVX2 __m256i refill(__m256i x, const std::uint8_t*& p, __m256i low) {
-  // x < 2^15 iff x - 2^15 is negative (states are < 2^31): its sign bits are the mask, for
-  // movemask and blendv alike.
-  const __m256 need = _mm256_castsi256_ps(_mm256_sub_epi32(x, low));
-  const unsigned m = static_cast<unsigned>(_mm256_movemask_ps(need));
-  __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  const __m256i perm = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(kPerm[m].data())));
-  w = _mm256_permutevar8x32_epi32(w, perm);
-  p += 2 * static_cast<unsigned>(__builtin_popcount(m));
-  return _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(x),
-                                               _mm256_castsi256_ps(_mm256_or_si256(_mm256_slli_epi32(x, 16), w)), need));
-}
-
-// kPermEnc[m]: 32-bit lane sources such that the set lanes of m, in ascending order, land in the
-// top popcount(m) of the 8 positions (the encoder stores 8 words ending at its old pointer).
-constexpr std::array<std::array<std::uint8_t, 8>, 256> make_perm_enc() {
-  std::array<std::array<std::uint8_t, 8>, 256> t{};
-  for (unsigned m = 0; m < 256; ++m) {
-    unsigned cnt = 0;
-    for (unsigned i = 0; i < 8; ++i) cnt += m >> i & 1;
-    unsigned pos = 8 - cnt;
-    for (unsigned i = 0; i < 8; ++i)
-      if (m >> i & 1) t[m][pos++] = static_cast<std::uint8_t>(i);
-  }
-  return t;
-}
-alignas(64) constexpr auto kPermEnc = make_perm_enc();
-
-// Encoder step for 8 lanes given each lane's symbol constants: renormalise (emit words, always
-// storing 8 words below ptr and moving ptr by the number needed: no branch to mispredict), then
-// x = x + bias + (mulhi(x, rcp) >> shift) * cmpl.
-VQ_AVX2 __m256i enc_core(__m256i x, __m256i x_max_m1, __m256i rcp, __m256i bias, __m256i cs, std::uint16_t*& ptr) {
-  // x >= x_max as x > x_max - 1: x_max may be 2^31, which a signed compare would misread.
-  const __m256i need = _mm256_cmpgt_epi32(x, x_max_m1);
-  const unsigned m = static_cast<unsigned>(_mm256_movemask_ps(_mm256_castsi256_ps(need)));
-  const __m256i perm = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(kPermEnc[m].data())));
-  const __m256i lo = _mm256_permutevar8x32_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0xffff)), perm);
-  const __m256i w = _mm256_permute4x64_epi64(_mm256_packus_epi32(lo, lo), 0xD8);
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(ptr - 8), _mm256_castsi256_si128(w));
-  ptr -= __builtin_popcount(m);
-  x = _mm256_blendv_epi8(x, _mm256_srli_epi32(x, 16), need);
-  const __m256i even = _mm256_srli_epi64(_mm256_mul_epu32(x, rcp), 32);
-  const __m256i odd = _mm256_mul_epu32(_mm256_srli_epi64(x, 32), _mm256_srli_epi64(rcp, 32));
-  const __m256i q = _mm256_srlv_epi32(_mm256_blend_epi32(even, odd, 0xAA), _mm256_srli_epi32(cs, 16));
-  const __m256i cmpl = _mm256_and_si256(cs, _mm256_set1_epi32(0xffff));
-  return _mm256_add_epi32(_mm256_add_epi32(x, bias), _mm256_mullo_epi32(q, cmpl));
 }
 
 // Any alphabet: three gathers per 8 symbols (x_max follows from cmpl_freq: (M - cmpl) << (31 - s)).
@@ -139,16 +79,6 @@ VQ_AVX2 void store_syms(std::uint16_t* out, __m256i a, __m256i b) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), packed);
 }
 
-
-// dec_step_packed with a per-lane table offset (the lane's class << scale_bits).
-VQ_AVX2 __m256i dec_step_ctx(__m256i x, __m256i& sym, const std::uint32_t* packed, __m256i off, __m256i mask_m, __m128i shift,
-                             __m128i shift2, __m256i one) {
-  const __m256i e = _mm256_i32gather_epi32(reinterpret_cast<const int*>(packed), _mm256_add_epi32(_mm256_and_si256(x, mask_m), off), 4);
-  sym = _mm256_srl_epi32(e, shift2);
-  const __m256i freq = _mm256_add_epi32(_mm256_and_si256(e, mask_m), one);
-  const __m256i bias = _mm256_and_si256(_mm256_srl_epi32(e, shift), mask_m);
-  return _mm256_add_epi32(_mm256_mullo_epi32(freq, _mm256_srl_epi32(x, shift)), bias);
-}
 
 }  // namespace
 
@@ -368,57 +298,6 @@ const std::uint8_t* decode_small_avx2(std::uint32_t* x, std::uint16_t* out, std:
   return decode_scalar_search(x, out + i, n - i, base + i, t, p, end);
 }
 
-
-// Context lanes (context_coder.cpp): symbol i of the stream is symbol (token i / C, channel i % C)
-// and is coded with the packed slot table of its class, packed + (class << s). With C a multiple of
-// 32, a group of 32 symbols is one token's channels [c0, c0 + 32): its classes come from the
-// previous token's codes (out - C, already decoded: one byte shuffle through cls) or, at a group
-// start, are all cls[A]. Decodes whole groups from symbol i while 64 payload bytes remain, as the
-// other kernels; returns p and advances i. Same symbols and words as the scalar loop.
-__attribute__((target("avx2,popcnt"))) const std::uint8_t* decode_context_avx2(std::uint32_t* x, std::uint8_t* out, std::size_t& i,
-                                                                               std::size_t n, std::size_t C, const std::uint8_t* group_start,
-                                                                               const std::uint8_t* cls, int A, int scale_bits,
-                                                                               const std::uint32_t* packed, const std::uint8_t* p,
-                                                                               const std::uint8_t* end) {
-  __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 0));
-  __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 8));
-  __m256i x2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16));
-  __m256i x3 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 24));
-  const __m256i mask_m = _mm256_set1_epi32((1 << scale_bits) - 1);
-  const __m256i low = _mm256_set1_epi32(static_cast<int>(kL));
-  const __m128i shift = _mm_cvtsi32_si128(scale_bits), shift2 = _mm_cvtsi32_si128(2 * scale_bits);
-  const __m256i one = _mm256_set1_epi32(1);
-  const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(cls)));
-  const __m256i start_off = _mm256_set1_epi32(static_cast<int>(cls[A]) << scale_bits);
-  while (n - i >= kRansLanes && end - p >= 64) {
-    __m256i o0 = start_off, o1 = start_off, o2 = start_off, o3 = start_off;
-    if (!group_start[i / C]) {
-      const __m256i k = _mm256_shuffle_epi8(table, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(out + i - C)));
-      const __m128i lo = _mm256_castsi256_si128(k), hi = _mm256_extracti128_si256(k, 1);
-      o0 = _mm256_sll_epi32(_mm256_cvtepu8_epi32(lo), shift);
-      o1 = _mm256_sll_epi32(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)), shift);
-      o2 = _mm256_sll_epi32(_mm256_cvtepu8_epi32(hi), shift);
-      o3 = _mm256_sll_epi32(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)), shift);
-    }
-    __m256i s0, s1, s2, s3;
-    x0 = dec_step_ctx(x0, s0, packed, o0, mask_m, shift, shift2, one);
-    x1 = dec_step_ctx(x1, s1, packed, o1, mask_m, shift, shift2, one);
-    x2 = dec_step_ctx(x2, s2, packed, o2, mask_m, shift, shift2, one);
-    x3 = dec_step_ctx(x3, s3, packed, o3, mask_m, shift, shift2, one);
-    x0 = refill(x0, p, low);
-    x1 = refill(x1, p, low);
-    x2 = refill(x2, p, low);
-    x3 = refill(x3, p, low);
-    const __m256i b = _mm256_packus_epi16(_mm256_packus_epi32(s0, s1), _mm256_packus_epi32(s2, s3));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
-    i += kRansLanes;
-  }
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(x + 0), x0);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(x + 8), x1);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(x + 16), x2);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(x + 24), x3);
-  return p;
-}
 
 }  // namespace rans_detail
 }  // namespace vq

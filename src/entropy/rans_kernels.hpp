@@ -23,6 +23,9 @@ struct EncSym {
   std::uint16_t cmpl_freq;  // M - freq
   std::uint16_t rcp_shift;  // shift - 1
 };
+// The constants of a symbol of frequency f >= 1 and cumulative frequency c in a table of
+// 2^scale_bits; frequencies up to 2^12 take their reciprocal from a table built once.
+EncSym make_enc_sym(std::uint32_t f, std::uint32_t c, int scale_bits);
 std::vector<EncSym> make_enc_syms(const FrequencyTable& t);
 
 // Decoder slot tables: entry[slot] = freq << 16 | (slot - cum), sym[slot] = symbol; sym has two
@@ -69,11 +72,6 @@ const std::uint8_t* decode_scalar_search(std::uint32_t* x, std::uint16_t* out, s
                                          const FrequencyTable& t, const std::uint8_t* p, const std::uint8_t* end);
 const std::uint8_t* decode_small_avx2(std::uint32_t* x, std::uint16_t* out, std::size_t n, std::size_t base,
                                       const FrequencyTable& t, const std::uint8_t* p, const std::uint8_t* end);
-
-// Context lanes (context_coder.cpp): see rans_avx2.cpp. Needs C % 32 == 0, codes < 16, i % 32 == 0.
-const std::uint8_t* decode_context_avx2(std::uint32_t* x, std::uint8_t* out, std::size_t& i, std::size_t n, std::size_t C,
-                                        const std::uint8_t* group_start, const std::uint8_t* cls, int A, int scale_bits,
-                                        const std::uint32_t* packed, const std::uint8_t* p, const std::uint8_t* end);
 
 [[noreturn]] void throw_truncated();
 
