@@ -108,6 +108,8 @@ std::int64_t groups_of(std::span<const std::int64_t> pieces, std::int64_t group_
 
 }  // namespace
 
+SymbolTransform default_transform(int bits) { return bits <= kContextMaxBits ? SymbolTransform::Context : SymbolTransform::Codes; }
+
 int symbol_alphabet(int bits, SymbolTransform transform) {
   return transform == SymbolTransform::TokenDelta ? (1 << (bits + 1)) - 1 : (1 << bits);
 }
@@ -136,12 +138,11 @@ std::vector<std::uint8_t> encode_stream(const QuantizedStream& stream, const Str
 }
 
 std::vector<std::uint8_t> encode_stream(const QuantizedStream& stream, const StreamCodecOptions& options, EncodedStreamSize& size) {
-  require(options.transform == SymbolTransform::Codes || options.transform == SymbolTransform::TokenDelta ||
-              options.transform == SymbolTransform::Context,
-          "stream codec: unknown symbol transform");
   const int bits = stream.bits();
-  require(options.transform != SymbolTransform::Context || bits <= kContextMaxBits,
-          "stream codec: the Context transform codes at most 4-bit codes");
+  const SymbolTransform transform = options.transform.value_or(default_transform(bits));
+  require(transform == SymbolTransform::Codes || transform == SymbolTransform::TokenDelta || transform == SymbolTransform::Context,
+          "stream codec: unknown symbol transform");
+  require(transform != SymbolTransform::Context || bits <= kContextMaxBits, "stream codec: the Context transform codes at most 4-bit codes");
   const auto dim = static_cast<std::uint64_t>(stream.slices() > 0 ? stream.dim() : 0);
   const auto slices = static_cast<std::uint64_t>(stream.slices());
   const auto tokens = static_cast<std::uint64_t>(stream.quantized_tokens());
@@ -154,7 +155,7 @@ std::vector<std::uint8_t> encode_stream(const QuantizedStream& stream, const Str
   std::vector<std::uint8_t> out;
   out.push_back(kStreamCodecVersion);
   out.push_back(static_cast<std::uint8_t>(bits));
-  out.push_back(static_cast<std::uint8_t>(options.transform));
+  out.push_back(static_cast<std::uint8_t>(transform));
   put_varint(out, dim);
   put_varint(out, slices);
   put_varint(out, static_cast<std::uint64_t>(stream.group_size()));
@@ -169,7 +170,7 @@ std::vector<std::uint8_t> encode_stream(const QuantizedStream& stream, const Str
     return out;
   }
 
-  if (options.transform == SymbolTransform::Context) {
+  if (transform == SymbolTransform::Context) {
     put_scales_and_minima(out, stream, groups * dim);
     size.metadata = out.size() - size.header;
     std::vector<std::span<const std::uint8_t>> codes(slices);
@@ -186,7 +187,7 @@ std::vector<std::uint8_t> encode_stream(const QuantizedStream& stream, const Str
     size.total = out.size();
     return out;
   }
-  const int alphabet = symbol_alphabet(bits, options.transform);
+  const int alphabet = symbol_alphabet(bits, transform);
   const int scale_bits = options.scale_bits != 0 ? options.scale_bits : table_scale_bits(alphabet);
   const std::size_t n = tokens, d = dim;
   std::vector<std::uint16_t> symbols;
@@ -198,7 +199,7 @@ std::vector<std::uint8_t> encode_stream(const QuantizedStream& stream, const Str
     require(codes.size() == n * d, "stream codec: internal error: code count disagrees with the stream");
     for (std::size_t c = 0; c < d; ++c) {
       const std::size_t at = symbols.size();
-      channel_symbols(codes.data() + c, d, pieces, bits, options.transform, symbols);
+      channel_symbols(codes.data() + c, d, pieces, bits, transform, symbols);
       tables.push_back(FrequencyTable::from_symbols(std::span(symbols).subspan(at, n), alphabet, scale_bits));
       tables.back().serialize_to(out);
     }

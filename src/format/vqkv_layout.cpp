@@ -1,5 +1,8 @@
 #include "vqkv_layout.hpp"
 
+#include "veloxquant/entropy/context_coder.hpp"
+#include "veloxquant/entropy/frequency_table.hpp"
+
 #include <xxhash.h>
 #if defined(__SSE2__)
 #include <emmintrin.h>
@@ -20,13 +23,13 @@ void write_config(ByteWriter& w, const LayerEntry& e) {
   w.u8(c.cachegen_per_channel ? 1 : 0);
   w.u32(static_cast<std::uint32_t>(c.cachegen_layer_groups));
   w.u8(static_cast<std::uint8_t>(c.cachegen_flush));
-  w.u8(kTransformCodes);
+  w.u8(e.transform);
   w.u8(static_cast<std::uint8_t>(e.scale_bits));
 }
 
 bool flag(ByteReader& r, const char* what) { return r.ranged(r.u8(what), 0, 1, what) == 1; }
 
-void read_config(ByteReader& r, LayerEntry& e) {
+void read_config(ByteReader& r, LayerEntry& e, std::uint16_t version) {
   KVCacheConfig& c = e.config;
   c.cachegen_bits = static_cast<int>(r.ranged(r.u8("bits"), 1, 8, "bits"));
   const auto resolved = r.ranged(r.u8("resolved bits"), 0, 8, "resolved bits");
@@ -38,9 +41,16 @@ void read_config(ByteReader& r, LayerEntry& e) {
   const auto flush = r.u8("flush mode");
   if (flush > 1) r.fail(fmt::format("unknown flush mode {} (0 = per_call, 1 = group_aligned)", flush));
   c.cachegen_flush = static_cast<FlushMode>(flush);
-  const auto transform = r.u8("symbol transform");
-  if (transform != kTransformCodes) r.fail(fmt::format("unknown symbol transform {} (this version reads 0 = codes)", transform));
+  e.transform = r.u8("symbol transform");
+  if (version == 1 && e.transform != kTransformCodes)
+    r.fail(fmt::format("unknown symbol transform {} (version 1 holds 0 = codes)", e.transform));
+  if (e.transform != kTransformCodes && e.transform != kTransformContext)
+    r.fail(fmt::format("unknown symbol transform {} (0 = codes, 2 = context)", e.transform));
+  if (e.transform == kTransformContext && c.effective_bits() > kContextMaxBits)
+    r.fail(fmt::format("the context transform holds codes of at most {} bits, not {}", kContextMaxBits, c.effective_bits()));
   e.scale_bits = static_cast<int>(r.ranged(r.u8("table precision"), 1, 15, "table precision"));
+  if (e.transform == kTransformContext && e.scale_bits != table_scale_bits(1 << c.effective_bits()))
+    r.fail(fmt::format("a context-coded layer's tables must have {} bits, not {}", table_scale_bits(1 << c.effective_bits()), e.scale_bits));
 }
 
 }  // namespace
@@ -70,7 +80,7 @@ std::vector<std::uint8_t> write_header(const Header& h) {
   std::vector<std::uint8_t> out;
   ByteWriter o(out);
   o.bytes(kMagic.data(), kMagic.size());
-  o.u16(kVersion);
+  o.u16(h.version);
   o.u16(0);
   o.u32(static_cast<std::uint32_t>(body.size()));
   o.bytes(body.data(), body.size());
@@ -83,7 +93,8 @@ Header read_header(std::span<const std::uint8_t> file, std::size_t& consumed) {
   const auto magic = p.take(kMagic.size(), "magic");
   if (!std::equal(magic.begin(), magic.end(), kMagic.begin())) p.fail("not a .vqkv file (wrong magic bytes)");
   const auto version = p.u16("version");
-  if (version != kVersion) p.fail(fmt::format("unsupported format version {} (this build reads version {})", version, kVersion));
+  if (version < kOldestVersion || version > kVersion)
+    p.fail(fmt::format("unsupported format version {} (this build reads versions {} to {})", version, kOldestVersion, kVersion));
   const auto flags = p.u16("flags");
   if (flags != 0) p.fail(fmt::format("unknown flags 0x{:04x} (this build knows none)", flags));
   const auto body_size = p.ranged(p.u32("header size"), 1, kMaxHeaderBody, "header size");
@@ -94,6 +105,7 @@ Header read_header(std::span<const std::uint8_t> file, std::size_t& consumed) {
 
   ByteReader r(body, "header");
   Header h;
+  h.version = version;
   const auto n_layers = r.ranged(r.u32("layer count"), 1, kMaxLayers, "layer count");
   const auto dtype = r.u8("dtype");
   if (dtype > 2) r.fail(fmt::format("unknown dtype {} (0 = float32, 1 = float16, 2 = bfloat16)", dtype));
@@ -121,7 +133,7 @@ Header read_header(std::span<const std::uint8_t> file, std::size_t& consumed) {
     e.offset = r.u64("layer offset");
     if (e.offset != 0 && e.offset != h.tokens)
       r.fail(fmt::format("layer {} holds {} tokens, the file {} (a layer holds all of them or none)", i, e.offset, h.tokens));
-    if (e.cls == CacheClass::CacheGen) read_config(r, e);
+    if (e.cls == CacheClass::CacheGen) read_config(r, e, version);
   }
   if (r.remaining() != 0) r.fail(fmt::format("{} unexpected bytes after the layer table", r.remaining()));
   return h;

@@ -23,7 +23,10 @@ namespace vq::vqkv {
 // 0x89 first (a byte with the high bit set catches 7-bit transfers), then the name, then CR LF and
 // 0x1A (catch newline conversion and stop a DOS `type`), as PNG does.
 inline constexpr std::array<std::uint8_t, 8> kMagic = {0x89, 'V', 'Q', 'K', 'V', 0x0D, 0x0A, 0x1A};
-inline constexpr std::uint16_t kVersion = 1;
+// Version 2 (this writer): a CacheGen side may be context-coded (transform 2). Version 1 files
+// (transform 0 only) are still read.
+inline constexpr std::uint16_t kVersion = 2;
+inline constexpr std::uint16_t kOldestVersion = 1;
 inline constexpr std::size_t kPrefixBytes = 16;       // magic, version, flags, header body size
 inline constexpr std::size_t kBlockHeaderBytes = 32;  // type, side, reserved, layer, begin, count, body size
 inline constexpr std::size_t kChecksumBytes = 8;
@@ -39,7 +42,10 @@ inline constexpr std::uint32_t kMaxMetadataEntries = 1u << 16;
 // Numbers written to files: never renumber.
 enum class BlockType : std::uint8_t { Tables = 1, Codes = 2, Rows = 3, End = 4 };
 enum class CacheClass : std::uint8_t { Plain = 0, CacheGen = 1 };
-inline constexpr std::uint8_t kTransformCodes = 0;  // the symbols are the codes (stream_codec.hpp)
+// A CacheGen layer's symbol transform (stream_codec.hpp's SymbolTransform numbers): per-channel
+// tables of the codes, or (version 2) the context coder.
+inline constexpr std::uint8_t kTransformCodes = 0;
+inline constexpr std::uint8_t kTransformContext = 2;
 
 std::uint64_t xxh64(std::span<const std::uint8_t> bytes);
 
@@ -113,10 +119,12 @@ struct LayerEntry {
   CacheClass cls = CacheClass::Plain;
   std::uint64_t offset = 0;  // 0 or Header::tokens
   KVCacheConfig config;      // CacheGen
+  std::uint8_t transform = kTransformCodes;  // CacheGen
   int scale_bits = 0;        // CacheGen: precision of its frequency tables
 };
 
 struct Header {
+  std::uint16_t version = kVersion;
   DType dtype = DType::F32;
   std::uint64_t tokens = 0;
   std::uint32_t batch = 0, heads = 0, key_dim = 0, value_dim = 0;  // all 0 when tokens == 0

@@ -7,6 +7,7 @@
 #include <fstream>
 
 #include "veloxquant/cache/cachegen_cache.hpp"
+#include "veloxquant/entropy/context_coder.hpp"
 #include "veloxquant/entropy/frequency_table.hpp"
 #include "veloxquant/format/vqkv.hpp"
 #include "veloxquant/quant/group_quant.hpp"
@@ -25,7 +26,9 @@ using vqkv::Group;
 // Everything read for one side of one layer.
 struct SideData {
   std::vector<std::uint64_t> pieces;
-  std::vector<FrequencyTable> tables;
+  std::vector<FrequencyTable> tables;       // transform codes
+  std::optional<ContextModel> model;        // transform context
+  std::optional<ContextDecoder> context;    // built for the first CODES block decoded
   QuantizedStreamParts parts;                       // CacheGen codes, scales, minima (when decoding)
   std::uint64_t decoded_groups = 0, row_tokens = 0;  // what was decoded (all of it unless a prefix load)
   std::vector<std::span<const std::uint8_t>> rows;  // ROWS bodies in token order (views of the file)
@@ -92,7 +95,7 @@ class FileReader {
 
   VqkvInfo info() const {
     VqkvInfo in;
-    in.version = vqkv::kVersion;
+    in.version = h_.version;
     in.dtype = h_.dtype;
     in.batch = h_.batch;
     in.heads = h_.heads;
@@ -170,7 +173,16 @@ class FileReader {
     const unsigned __int128 meta = static_cast<unsigned __int128>(n_groups) * slices() * d * 8;
     if (meta > file_.size() - pos_after) r.fail(fmt::format("{} groups need more bytes than the file holds", n_groups));
     sd.bytes.headers += r.pos();
-    if (sum > 0) {
+    if (sum > 0 && e.transform == vqkv::kTransformContext) {
+      std::size_t used = 0;
+      try {
+        sd.model = ContextModel::deserialize(body.subspan(r.pos()), e.config.effective_bits(), &used);
+      } catch (const FormatError& ex) {
+        r.fail(ex.what());
+      }
+      r.take(used, "context model");
+      sd.bytes.tables += used;
+    } else if (sum > 0) {
       const std::uint64_t n_tables = slices() * d;
       if (n_tables * 3 > r.remaining()) r.fail("truncated (frequency tables)");  // a table takes >= 3 bytes
       const int alphabet = 1 << e.config.effective_bits();
@@ -229,29 +241,48 @@ class FileReader {
     sd.bytes.scales_zeros += scales.size() + minima.size();
     sd.bytes.payload += r.remaining();
     const std::size_t count = b.token_count;
-    const unsigned __int128 n_symbols = static_cast<unsigned __int128>(count) * n_slices * d;
-    if (vq::rans_stream_symbols(body.subspan(r.pos())) != n_symbols)
-      r.fail("the rANS stream holds a different number of symbols than the block's tokens");
+    const std::size_t t0 = b.token_begin;
+    const auto payload = body.subspan(r.pos());
+    std::optional<ContextLayout> layout;
+    if (sd.model) {  // the context coder's payload: its unit count follows from the chunk's groups
+      layout = chunk_layout(b, p, d, sd, groups_[b.layer][b.side]);
+      if (context_payload_units(payload) != context_coded_units(*layout))
+        r.fail("the context payload holds a different number of units than the block's tokens");
+    } else {
+      const unsigned __int128 n_symbols = static_cast<unsigned __int128>(count) * n_slices * d;
+      if (vq::rans_stream_symbols(payload) != n_symbols) r.fail("the rANS stream holds a different number of symbols than the block's tokens");
+    }
     if (!decode_ || !keep) return;
     sd.decoded_groups += p.n_groups;
-    const std::size_t t0 = b.token_begin;
     for (std::size_t s = 0; s < n_slices; ++s) {
       append_floats(sd.parts.scales[s], scales.subspan(s * meta * 4, meta * 4), r, true);
       append_floats(sd.parts.minima[s], minima.subspan(s * meta * 4, meta * 4), r, false);
+      sd.parts.codes[s].resize((t0 + count) * d);
+    }
+    if (layout) {
+      if (!sd.context) sd.context.emplace(*sd.model, kernel_);
+      std::vector<std::span<std::uint8_t>> out;
+      for (std::size_t s = 0; s < n_slices; ++s) out.push_back(std::span(sd.parts.codes[s]).subspan(t0 * d, count * d));
+      sd.context->decode(payload, *layout, ContextSlicesOut(out));
+      return;
     }
     const std::size_t ld = count + vqkv::kSymbolPad;
     symbols_.resize(n_slices * d * ld);
     std::vector<RansDecodeSegment> segs(n_slices * d);
     for (std::size_t i = 0; i < segs.size(); ++i)
       segs[i] = {std::span<std::uint16_t>(symbols_).subspan(i * ld, count), &sd.tables[i]};
-    rans_decode(body.subspan(r.pos()), segs, kernel_);
-    for (std::size_t s = 0; s < n_slices; ++s) {
-      auto& codes = sd.parts.codes[s];
-      codes.resize((t0 + count) * d);
-      std::uint8_t* out = codes.data() + t0 * d;
-      const std::uint16_t* in = symbols_.data() + s * d * ld;
-      vqkv::symbols_to_codes(in, ld, count, d, out);
-    }
+    rans_decode(payload, segs, kernel_);
+    for (std::size_t s = 0; s < n_slices; ++s)
+      vqkv::symbols_to_codes(symbols_.data() + s * d * ld, ld, count, d, sd.parts.codes[s].data() + t0 * d);
+  }
+
+  // The context layout of a CODES block: its tokens, with a group start at each of its groups.
+  ContextLayout chunk_layout(const BlockHeader& b, const vqkv::PlannedBlock& p, std::size_t d, const SideData& sd,
+                             const std::vector<Group>& groups) const {
+    ContextLayout l{static_cast<std::size_t>(slices()), static_cast<std::size_t>(b.token_count), d, sd.model->bits(),
+                    std::vector<std::uint8_t>(static_cast<std::size_t>(b.token_count), 0)};
+    for (std::uint64_t g = p.group_begin; g < p.group_begin + p.n_groups; ++g) l.group_start[groups[g].start - b.token_begin] = 1;
+    return l;
   }
 
   static void append_floats(UninitVector<float>& out, std::span<const std::uint8_t> raw, const ByteReader& r, bool scale) {

@@ -1,8 +1,11 @@
 // Writing a .vqkv file: the header, then the blocks in the order BlockPlan gives (docs/format.md).
 #include <cstring>
 #include <functional>
+#include <optional>
 
 #include "veloxquant/cache/cachegen_cache.hpp"
+#include "veloxquant/cache/stream_codec.hpp"
+#include "veloxquant/entropy/context_coder.hpp"
 #include "veloxquant/entropy/frequency_table.hpp"
 #include "veloxquant/format/vqkv.hpp"
 #include "atomic_file.hpp"
@@ -23,7 +26,9 @@ using vqkv::Group;
 struct SideSource {
   const QuantizedStream* stream = nullptr;
   std::vector<std::uint64_t> pieces;
-  std::vector<FrequencyTable> tables;  // [slice * D + c]
+  std::vector<Group> groups;
+  std::vector<FrequencyTable> tables;     // transform codes: [slice * D + c]
+  std::optional<ContextEncoder> context;  // transform context: the side's model
 };
 
 struct LayerSource {
@@ -54,7 +59,13 @@ vqkv::Header make_header(const std::vector<std::shared_ptr<KVCache>>& caches, co
       src.cachegen = cg;
       e.cls = CacheClass::CacheGen;
       e.config = cg->config();
-      e.scale_bits = table_scale_bits(1 << cg->key_stream().bits());  // the file stores plain codes
+      const int bits = cg->key_stream().bits();
+      const SymbolTransform tr = options.transform.value_or(default_transform(bits));
+      require(tr == SymbolTransform::Codes || (tr == SymbolTransform::Context && bits <= kContextMaxBits),
+              fmt::format("save_prompt_cache: layer {}: a .vqkv file holds the codes or (up to 4 bits) the context coder, not transform {}", i,
+                          static_cast<int>(tr)));
+      e.transform = static_cast<std::uint8_t>(tr);
+      e.scale_bits = table_scale_bits(1 << bits);
       require(e.config.cachegen_group_size <= static_cast<int>(vqkv::kMaxGroupSize),
               fmt::format("save_prompt_cache: layer {}: group size {} is above the format's limit {}", i,
                           e.config.cachegen_group_size, vqkv::kMaxGroupSize));
@@ -92,11 +103,29 @@ vqkv::Header make_header(const std::vector<std::shared_ptr<KVCache>>& caches, co
   return h;
 }
 
-// The TABLES block of a CacheGen side: its pieces, then one table per (slice, channel) built from
-// the histogram of its codes over every closed token.
-void tables_block(std::vector<std::uint8_t>& body, SideSource& side, const vqkv::LayerEntry& e) {
+// The layout of a side's tokens [t0, t0 + count), which start at a group: its group starts.
+ContextLayout chunk_layout(const QuantizedStream& q, const std::vector<Group>& groups, std::uint64_t g0, std::uint64_t ng, std::size_t t0,
+                           std::size_t count) {
+  ContextLayout l{static_cast<std::size_t>(q.slices()), count, static_cast<std::size_t>(q.dim()), q.bits(), std::vector<std::uint8_t>(count, 0)};
+  for (std::uint64_t g = g0; g < g0 + ng; ++g) l.group_start[groups[g].start - t0] = 1;
+  return l;
+}
+
+// Per slice, the codes of tokens [t0, t0 + count).
+std::vector<std::span<const std::uint8_t>> slice_codes(const QuantizedStream& q, std::size_t t0, std::size_t count) {
+  const auto d = static_cast<std::size_t>(q.dim());
+  std::vector<std::span<const std::uint8_t>> out;
+  for (std::int64_t s = 0; s < q.slices(); ++s) out.push_back(q.codes(s).subspan(t0 * d, count * d));
+  return out;
+}
+
+// The TABLES block of a CacheGen side: its pieces, then the models of its codes over every closed
+// token: one table per (slice, channel) (transform codes), or the context model (transform
+// context).
+void tables_block(std::vector<std::uint8_t>& body, SideSource& side, const vqkv::LayerEntry& e, RansKernel kernel) {
   const QuantizedStream& q = *side.stream;
   for (const auto t : q.segment_tokens()) side.pieces.push_back(static_cast<std::uint64_t>(t));
+  side.groups = vqkv::groups_of(side.pieces, static_cast<std::uint64_t>(e.config.cachegen_group_size));
   body.clear();
   ByteWriter w(body);
   w.u32(static_cast<std::uint32_t>(side.pieces.size()));
@@ -106,6 +135,14 @@ void tables_block(std::vector<std::uint8_t>& body, SideSource& side, const vqkv:
   }
   const auto n = static_cast<std::size_t>(q.quantized_tokens());
   if (n == 0) return;
+  if (e.transform == vqkv::kTransformContext) {
+    const auto codes = slice_codes(q, 0, n);
+    const ContextModel model =
+        ContextModel::build(ContextSlices(codes), chunk_layout(q, side.groups, 0, side.groups.size(), 0, n));
+    model.serialize_to(body);
+    side.context.emplace(model, kernel);
+    return;
+  }
   const auto d = static_cast<std::size_t>(q.dim());
   const std::size_t alphabet = std::size_t{1} << q.bits();
   std::vector<std::uint32_t> counts(d * alphabet);
@@ -136,6 +173,11 @@ void codes_block(std::vector<std::uint8_t>& body, std::vector<std::uint16_t>& sy
   const std::size_t meta = static_cast<std::size_t>(p.n_groups) * d, m0 = static_cast<std::size_t>(p.group_begin) * d;
   for (std::size_t s = 0; s < slices; ++s) w.bytes(q.scales(static_cast<std::int64_t>(s)).data() + m0, meta * 4);
   for (std::size_t s = 0; s < slices; ++s) w.bytes(q.minima(static_cast<std::int64_t>(s)).data() + m0, meta * 4);
+  if (side.context) {  // the context coder's payload of these tokens, with the side's model
+    const auto codes = slice_codes(q, t0, count);
+    side.context->encode(ContextSlices(codes), chunk_layout(q, side.groups, p.group_begin, p.n_groups, t0, count), body);
+    return;
+  }
   // Channel-major symbols: segment (slice, channel) holds its tokens in order.
   const std::size_t ld = count + vqkv::kSymbolPad;
   symbols.resize(slices * d * ld);
@@ -183,8 +225,8 @@ void write_all(const std::vector<std::shared_ptr<KVCache>>& caches, const Prompt
     for (int side = 0; side < 2; ++side) {
       SideSource& src = layers[l].sides[static_cast<std::size_t>(side)];
       src.stream = side == 0 ? &layers[l].cachegen->key_stream() : &layers[l].cachegen->value_stream();
-      tables_block(body, src, e);
-      groups[l][static_cast<std::size_t>(side)] = vqkv::groups_of(src.pieces, static_cast<std::uint64_t>(e.config.cachegen_group_size));
+      tables_block(body, src, e, options.kernel);
+      groups[l][static_cast<std::size_t>(side)] = src.groups;
       BlockHeader bh;
       bh.type = BlockType::Tables;
       bh.layer = static_cast<std::uint32_t>(l);

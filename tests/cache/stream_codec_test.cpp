@@ -52,7 +52,7 @@ void expect_round_trip(const vq::QuantizedStream& s, const vq::StreamCodecOption
   ASSERT_EQ(d.tokens, s.quantized_tokens());
   ASSERT_EQ(d.groups, s.n_groups());
   ASSERT_EQ(d.group_size, s.group_size());
-  ASSERT_EQ(d.transform, opt.transform);
+  ASSERT_EQ(d.transform, opt.transform.value_or(vq::default_transform(s.bits())));
   ASSERT_EQ(d.piece_tokens, s.segment_tokens());
   if (max_codes == 0) return;
   ASSERT_EQ(d.dim, s.dim());
@@ -177,10 +177,26 @@ TEST(StreamCodec, SizeIsCloseToEstimatePlusTablesPlusFloatMetadata) {
     const double ideal = bits / 8 + static_cast<double>(size.tables + size.metadata + size.header);
     EXPECT_LT(static_cast<double>(bytes.size()), ideal * 1.02) << "transform " << static_cast<int>(tr);
     EXPECT_GT(static_cast<double>(bytes.size()), ideal * 0.999);
-    // And the measured counter is this buffer (everything closed: no residual).
-    if (tr == vq::StreamCodecOptions{}.transform) {
-      EXPECT_EQ(cache.encoded_key_bytes(), bytes.size());
-    }
+  }
+}
+
+// The default (docs/benchmarks.md, "Choosing the symbol model"): the context coder up to 4 bits,
+// where it stores fewer bytes than per-channel tables; plain codes above. encoded_key_bytes
+// measures the default's buffer (everything closed here: no residual).
+TEST(StreamCodec, DefaultIsTheContextCoderUpToFourBits) {
+  for (const int bits : {1, 2, 3, 4, 5, 8}) {
+    const auto cp = make_cache(config(bits, 32, vq::FlushMode::GroupAligned), {1, 4, 1024, 32}, 12, {1024});
+    const auto& s = cp->key_stream();
+    const auto def = vq::encode_stream(s);
+    ASSERT_GE(def.size(), 3u);
+    const auto want = bits <= 4 ? SymbolTransform::Context : SymbolTransform::Codes;
+    EXPECT_EQ(vq::default_transform(bits), want);
+    EXPECT_EQ(def[2], static_cast<std::uint8_t>(want)) << "bits " << bits;  // the transform byte
+    EXPECT_EQ(cp->encoded_key_bytes(), def.size());
+    vq::StreamCodecOptions codes;
+    codes.transform = SymbolTransform::Codes;
+    if (bits <= 4) EXPECT_LT(def.size(), vq::encode_stream(s, codes).size()) << "bits " << bits;
+    EXPECT_EQ(vq::decode_stream(def, s.slices() * 1024 * 32).codes.size(), static_cast<std::size_t>(s.slices() * 1024 * 32));
   }
 }
 

@@ -1,6 +1,6 @@
 // Golden .vqkv files under tests/golden/: a small valid file whose bytes this build must write
-// exactly and read back exactly (a format change that alters them must bump the version), and
-// broken ones that must fail with a clear message. Regenerate (only on a deliberate change of the
+// exactly and read back exactly (a format change that alters them must bump the version), files of
+// earlier writers that must still load, and broken ones that must fail with a clear message. Regenerate (only on a deliberate change of the
 // format or of what the writer chooses, e.g. the table precision; keep a file of the old writer):
 //   VQ_WRITE_GOLDEN=1 ./build/tests/vq_tests --gtest_filter='VqkvGolden.*'
 #include <gtest/gtest.h>
@@ -42,36 +42,11 @@ std::vector<std::shared_ptr<vq::KVCache>> golden_caches() {
   return caches;
 }
 
-std::vector<std::uint8_t> golden_bytes() { return vq::serialize_prompt_cache(golden_caches(), {{"golden", "v1"}}, {.chunk_tokens = 8}); }
+std::vector<std::uint8_t> golden_bytes() { return vq::serialize_prompt_cache(golden_caches(), {{"golden", "v2"}}, {.chunk_tokens = 8}); }
 
-TEST(VqkvGolden, ValidFileIsWrittenAndReadExactly) {
-  const auto bytes = golden_bytes();
-  if (writing()) {
-    put("valid_v1.vqkv", bytes);
-    auto cut = bytes;
-    cut.resize(bytes.size() / 2);
-    put("truncated_v1.vqkv", cut);
-    auto flip = bytes;
-    flip[vqtest::block_offsets(bytes)[2] + 45] ^= 0x04;
-    put("bad_checksum_v1.vqkv", flip);
-    auto magic = bytes;
-    magic[1] = 'W';
-    put("bad_magic.vqkv", magic);
-    auto future = bytes;
-    future[8] = 2;
-    vqtest::fix_checksums(future);
-    put("future_version.vqkv", future);
-    auto order = bytes;  // the END block claims one block more than there are
-    vqtest::wr(order, vqtest::block_offsets(bytes).back() + 16, vqtest::rd64(bytes, vqtest::block_offsets(bytes).back() + 16) + 1, 8);
-    vqtest::fix_checksums(order);
-    put("bad_end_count_v1.vqkv", order);
-  }
-  const auto file = vq::read_file_bytes(golden("valid_v1.vqkv"));
-  EXPECT_EQ(file, bytes) << "this build writes different bytes than tests/golden/valid_v1.vqkv: a format change needs a new version";
-  const auto loaded = vq::load_prompt_cache(golden("valid_v1.vqkv"));
+void expect_golden_caches(const vq::PromptCache& loaded) {
   const auto live = golden_caches();
   ASSERT_EQ(loaded.caches.size(), live.size());
-  EXPECT_EQ(loaded.metadata.at("golden"), "v1");
   for (std::size_t l = 0; l < live.size(); ++l) {
     EXPECT_EQ(loaded.caches[l]->kind(), live[l]->kind());
     EXPECT_EQ(loaded.caches[l]->offset(), 20);
@@ -80,28 +55,58 @@ TEST(VqkvGolden, ValidFileIsWrittenAndReadExactly) {
   }
 }
 
-// A v1 file written by an earlier writer that gave 3- and 4-bit codes 11-bit tables (this one
-// gives them 10 bits, table_scale_bits): the format lets every file choose, so it must still load
-// into the same caches.
-TEST(VqkvGolden, FileWithElevenBitTablesStillLoads) {
-  const auto loaded = vq::load_prompt_cache(golden("valid_v1_tables11.vqkv"));
-  const auto live = golden_caches();
-  ASSERT_EQ(loaded.caches.size(), live.size());
-  EXPECT_NE(vq::read_file_bytes(golden("valid_v1_tables11.vqkv")), golden_bytes());
-  for (std::size_t l = 0; l < live.size(); ++l) {
-    EXPECT_EQ(loaded.caches[l]->offset(), 20);
-    EXPECT_TRUE(loaded.caches[l]->state().keys.bit_equal(live[l]->state().keys)) << l;
-    EXPECT_TRUE(loaded.caches[l]->state().values.bit_equal(live[l]->state().values)) << l;
+TEST(VqkvGolden, ValidFileIsWrittenAndReadExactly) {
+  const auto bytes = golden_bytes();
+  if (writing()) {
+    put("valid_v2.vqkv", bytes);
+    auto cut = bytes;
+    cut.resize(bytes.size() / 2);
+    put("truncated_v2.vqkv", cut);
+    auto flip = bytes;
+    flip[vqtest::block_offsets(bytes)[2] + 45] ^= 0x04;
+    put("bad_checksum_v2.vqkv", flip);
+    auto magic = bytes;
+    magic[1] = 'W';
+    put("bad_magic.vqkv", magic);
+    auto future = bytes;
+    future[8] = 3;
+    vqtest::fix_checksums(future);
+    put("future_version.vqkv", future);
+    auto order = bytes;  // the END block claims one block more than there are
+    vqtest::wr(order, vqtest::block_offsets(bytes).back() + 16, vqtest::rd64(bytes, vqtest::block_offsets(bytes).back() + 16) + 1, 8);
+    vqtest::fix_checksums(order);
+    put("bad_end_count_v2.vqkv", order);
+  }
+  const auto file = vq::read_file_bytes(golden("valid_v2.vqkv"));
+  EXPECT_EQ(file, bytes) << "this build writes different bytes than tests/golden/valid_v2.vqkv: a format change needs a new version";
+  const auto loaded = vq::load_prompt_cache(golden("valid_v2.vqkv"));
+  EXPECT_EQ(loaded.metadata.at("golden"), "v2");
+  expect_golden_caches(loaded);
+  EXPECT_EQ(vq::inspect_prompt_cache(file).version, 2);
+}
+
+// Files of earlier writers load into the same caches: version 1 (per-channel tables of the codes,
+// 10-bit for 3- and 4-bit codes), and version 1 with 11-bit tables (the format lets every file
+// choose its precision).
+TEST(VqkvGolden, VersionOneFilesStillLoad) {
+  for (const char* name : {"valid_v1.vqkv", "valid_v1_tables11.vqkv"}) {
+    SCOPED_TRACE(name);
+    const auto file = vq::read_file_bytes(golden(name));
+    EXPECT_NE(file, golden_bytes());
+    EXPECT_EQ(vq::inspect_prompt_cache(file).version, 1);
+    const auto loaded = vq::load_prompt_cache(golden(name));
+    EXPECT_EQ(loaded.metadata.at("golden"), "v1");
+    expect_golden_caches(loaded);
   }
 }
 
 TEST(VqkvGolden, BrokenFilesFailClearly) {
   for (const auto& [name, fragment] : std::vector<std::pair<std::string, std::string>>{
-           {"truncated_v1.vqkv", "truncated"},
-           {"bad_checksum_v1.vqkv", "checksum mismatch"},
+           {"truncated_v2.vqkv", "truncated"},
+           {"bad_checksum_v2.vqkv", "checksum mismatch"},
            {"bad_magic.vqkv", "not a .vqkv file"},
-           {"future_version.vqkv", "unsupported format version 2"},
-           {"bad_end_count_v1.vqkv", "END block"}}) {
+           {"future_version.vqkv", "unsupported format version 3"},
+           {"bad_end_count_v2.vqkv", "END block"}}) {
     SCOPED_TRACE(name);
     try {
       (void)vq::load_prompt_cache(golden(name));

@@ -212,6 +212,35 @@ TEST(Vqkv, InspectBreakdownSumsToTheFileSize) {
   EXPECT_GT(in.layers[0].keys.tables, 0u);
 }
 
+// Version 2 still writes (and reads) per-channel tables of the codes when asked, and the context
+// coder, its default up to 4 bits, makes smaller files; TokenDelta is not a file transform.
+TEST(Vqkv, PerChannelTablesOnRequestAndTheContextCoderByDefault) {
+  for (const int bits : {2, 4}) {
+    const auto k = vqtest::random_walk({1, 2, 300, 16}, 31, vq::DType::F16);
+    Caches live = {std::make_shared<vq::CacheGenKVCache>(cfg(bits, 32, vq::FlushMode::GroupAligned)),
+                   std::make_shared<vq::CacheGenKVCache>(cfg(bits, 9, vq::FlushMode::PerCall))};
+    for (auto& c : live) feed(*c, k, k, 0, 300, 37);
+    const auto ctx = vq::serialize_prompt_cache(live, {}, {.chunk_tokens = 100});
+    const auto codes = vq::serialize_prompt_cache(live, {}, {.chunk_tokens = 100, .transform = vq::SymbolTransform::Codes});
+    EXPECT_LT(ctx.size(), codes.size()) << "bits " << bits;
+    for (const auto* b : {&ctx, &codes}) {
+      const auto loaded = vq::deserialize_prompt_cache(*b);
+      for (std::size_t l = 0; l < live.size(); ++l) expect_same_cache(*live[l], *loaded.caches[l], "bits " + std::to_string(bits));
+      EXPECT_EQ(vq::inspect_prompt_cache(*b).version, 2);
+    }
+    // A prefix load of a context-coded file equals the saved caches trimmed.
+    const auto prefix = vq::deserialize_prompt_cache(ctx, {.max_tokens = 150});
+    for (std::size_t l = 0; l < live.size(); ++l) {
+      auto copy = vq::deserialize_prompt_cache(ctx).caches[l];
+      copy->trim(150);
+      expect_same_cache(*copy, *prefix.caches[l], "prefix");
+    }
+  }
+  Caches one = {std::make_shared<vq::CacheGenKVCache>()};
+  one[0]->update_and_fetch(vqtest::random_walk({1, 1, 40, 4}, 1), vqtest::random_walk({1, 1, 40, 4}, 2));
+  EXPECT_THROW(vq::serialize_prompt_cache(one, {}, {.transform = vq::SymbolTransform::TokenDelta}), vq::InvalidArgument);
+}
+
 TEST(Vqkv, RefusesClassesItCannotHoldAndDisagreeingLayers) {
   struct Other : vq::KVCache {
     std::string kind() const override { return "Other"; }
@@ -288,7 +317,9 @@ TEST(VqkvBroken, TableOfDeliberatelyBrokenFiles) {
   const std::vector<Mutation> table = {
       {"empty file", "truncated", [](auto& b) { b.clear(); }, false},
       {"wrong magic", "wrong magic", [](auto& b) { b[1] = 'X'; }, false},
-      {"future version", "unsupported format version 2", [](auto& b) { b[8] = 2; }},
+      {"future version", "unsupported format version 3", [](auto& b) { b[8] = 3; }},
+      {"version 0", "unsupported format version 0", [](auto& b) { b[8] = 0; }},
+      {"context transform in a version 1 file", "version 1 holds 0 = codes", [](auto& b) { b[8] = 1; }},
       {"unknown flags", "unknown flags", [](auto& b) { b[10] = 1; }},
       {"header size past the end", "truncated", [](auto& b) { wr(b, 12, 1u << 20, 4); }, false},
       {"header checksum", "checksum mismatch", [](auto& b) { b[30] ^= 1; }, false},
@@ -305,6 +336,9 @@ TEST(VqkvBroken, TableOfDeliberatelyBrokenFiles) {
       {"group size above the limit", "group size", [](auto& b) { wr(b, 74, 1u << 20, 4); }},
       {"unknown flush mode", "unknown flush mode", [](auto& b) { b[84] = 5; }},
       {"unknown transform", "unknown symbol transform", [](auto& b) { b[85] = 3; }},
+      {"context transform of 5-bit codes", "at most 4 bits", [](auto& b) { b[72] = 5; }},
+      {"context tables at 11 bits", "must have 10 bits", [](auto& b) { b[86] = 11; }},
+      {"context model with 0 classes", "class count 0", [&](auto& b) { b[blocks[0] + 32 + 8] = 0; }},
       {"block checksum", "checksum mismatch", [&](auto& b) { b[blocks[2] + 40] ^= 0x20; }, false},
       {"unknown block type", "unknown block type", [&](auto& b) { b[blocks[0]] = 9; }},
       {"block body past the end", "runs past the end", [&](auto& b) { wr(b, blocks[1] + 24, 1u << 30, 8); }, false},
@@ -344,7 +378,9 @@ TEST(VqkvBroken, EveryTruncationAndEveryBitFlipIsAClearError) {
 
 TEST(VqkvBroken, CorruptBodiesBehindValidChecksumsAreClearErrors) {
   // Random byte changes with the checksums recomputed reach the decoders behind them: any outcome
-  // but a FormatError or an exact, loadable cache is a failure (ASan checks the reads).
+  // but a FormatError or a loadable cache is a failure (ASan checks the reads). Changes to the
+  // exact rows (most of this file: a plain layer and a residual) or to a scale cannot be detected
+  // behind valid checksums; the rest mostly are (a lane that does not end in its start state).
   const auto good = sample_file();
   std::mt19937 rng(7);
   int errors = 0;
@@ -359,7 +395,7 @@ TEST(VqkvBroken, CorruptBodiesBehindValidChecksumsAreClearErrors) {
       ++errors;
     }
   }
-  EXPECT_GT(errors, 100);
+  EXPECT_GT(errors, 60);
 }
 
 }  // namespace

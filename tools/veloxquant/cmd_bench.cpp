@@ -384,11 +384,41 @@ int run_bench_codec(const BenchOptions& o) {
       for (std::size_t k = 0; k < h1.count(); ++k) h_o1 += h1.total_bits(k);
     }
   }
+  // The bound of the default coder's own model, and what that model costs: for the context coder
+  // (bits <= 4) the codes' empirical entropy given the classes its model chose per stream, and the
+  // model's serialised bytes; for per-channel tables the order-0 bound and the tables' bytes.
+  const vq::SymbolTransform def = vq::default_transform(o.bits);
+  double h_ctx = 0;
+  std::uint64_t default_tables = 0;
+  for (std::size_t i = 0; i < ns; ++i) {
+    const auto& s = streams[i];
+    if (def != vq::SymbolTransform::Context) {
+      vq::EncodedStreamSize size;
+      (void)vq::encode_stream(s, {}, size);
+      default_tables += size.tables;
+      continue;
+    }
+    const auto n = static_cast<std::size_t>(s.quantized_tokens()), d = static_cast<std::size_t>(s.dim());
+    const vq::ContextLayout layout{static_cast<std::size_t>(s.slices()), n, d, o.bits, vq::group_starts(s.segment_tokens(), s.group_size())};
+    std::vector<std::span<const std::uint8_t>> codes;
+    for (std::int64_t sl = 0; sl < s.slices(); ++sl) codes.push_back(s.codes(sl));
+    const vq::ContextModel model = vq::ContextModel::build(vq::ContextSlices(codes), layout);
+    default_tables += model.serialized_size();
+    const int A = 1 << o.bits;
+    vq::ChannelHistograms hk(static_cast<std::size_t>(model.classes()), 0, A);
+    for (const auto& c : codes)
+      for (std::size_t t = 0; t < n; ++t)
+        for (std::size_t ch = 0; ch < d; ++ch)
+          hk.add(static_cast<std::size_t>(model.class_of(layout.group_start[t] ? A : c[(t - 1) * d + ch])), c[t * d + ch]);
+    for (std::size_t k = 0; k < hk.count(); ++k) h_ctx += hk.total_bits(k);
+  }
   const auto to_bytes = [](double b) { return static_cast<std::uint64_t>(std::ceil(b / 8.0)); };
   const std::uint64_t shannon_codes = to_bytes(h_codes), shannon_delta = to_bytes(h_delta), shannon_o1 = to_bytes(h_o1);
+  const std::uint64_t shannon_context = to_bytes(h_ctx);
+  const std::uint64_t shannon_default = def == vq::SymbolTransform::Context ? shannon_context : shannon_codes;
 
   std::vector<CoderResult> results;
-  const auto vq_rans = [&](const std::string& name, vq::SymbolTransform tr) {
+  const auto vq_rans = [&](const std::string& name, vq::SymbolTransform tr) {  // the stream codec with this transform
     vq::StreamCodecOptions opt;
     opt.transform = tr;
     return measure(
@@ -403,8 +433,7 @@ int run_bench_codec(const BenchOptions& o) {
           return true;
         });
   };
-  const vq::StreamCodecOptions defaults;
-  results.push_back(vq_rans("veloxquant-rans", defaults.transform));
+  results.push_back(vq_rans("veloxquant-rans", vq::default_transform(o.bits)));
   results.push_back(vq_rans("veloxquant-rans-codes", vq::SymbolTransform::Codes));
   results.push_back(vq_rans("veloxquant-rans-delta", vq::SymbolTransform::TokenDelta));
   if (o.bits <= vq::kContextMaxBits) results.push_back(vq_rans("veloxquant-rans-context", vq::SymbolTransform::Context));
@@ -433,10 +462,13 @@ int run_bench_codec(const BenchOptions& o) {
     j["streams"] = ns;
     j["symbols"] = symbols;
     j["tokens_per_channel"] = src.tokens_per_channel;
-    j["shannon_bytes"] = std::min(shannon_codes, shannon_delta);
+    j["shannon_bytes"] = shannon_default;
+    j["default_model_table_bytes"] = default_tables;
+    j["default_vs_bound"] = static_cast<double>(results[0].bytes) / static_cast<double>(shannon_default + default_tables);
     j["shannon_codes_bytes"] = shannon_codes;
     j["shannon_delta_bytes"] = shannon_delta;
     j["shannon_order1_bytes"] = shannon_o1;
+    if (def == vq::SymbolTransform::Context) j["shannon_context_bytes"] = shannon_context;
     j["fixed_width_bytes"] = fixed;
     j["coders"] = nlohmann::json::array();
     for (const auto& r : results)
@@ -458,15 +490,20 @@ int run_bench_codec(const BenchOptions& o) {
                8.0 * static_cast<double>(shannon_delta) / static_cast<double>(symbols), shannon_o1,
                8.0 * static_cast<double>(shannon_o1) / static_cast<double>(symbols));
     fmt::print("fixed width (bit-packed): {} B\n", fixed);
+    fmt::print("default coder ({}): its model's bound {} B ({:.4f} bits/sym) + its tables {} B; coded / (bound + tables) = {:.4f}\n",
+               def == vq::SymbolTransform::Context ? "context model" : "per-channel order-0", shannon_default,
+               8.0 * static_cast<double>(shannon_default) / static_cast<double>(symbols), default_tables,
+               static_cast<double>(results[0].bytes) / static_cast<double>(shannon_default + default_tables));
     fmt::print("{:<24} {:>10} {:>7} {:>9} {:>10} {:>10} {:>10} {:>10} {:>6}\n", "coder", "bytes", "ratio", "bits/sym", "enc Msym/s",
                "dec Msym/s", "enc MB/s", "dec MB/s", "ok");
     for (const auto& r : results)
       fmt::print("{:<24} {:>10} {:>7.4f} {:>9.4f} {:>10.1f} {:>10.1f} {:>10.1f} {:>10.1f} {:>6}\n", r.name, r.bytes,
                  static_cast<double>(r.bytes) / static_cast<double>(fixed), 8.0 * static_cast<double>(r.bytes) / static_cast<double>(symbols),
                  msym / r.encode_s, msym / r.decode_s, fp16_mb / r.encode_s, fp16_mb / r.decode_s, r.roundtrip_ok ? "yes" : "NO");
-    fmt::print("(one call per stream = cache side; peers get codes channel-major; veloxquant-rans bytes exclude the float32 scales and\n"
-               " minima; MB/s = MB of fp16 K/V represented; order1: per-(channel, context) histograms + grouped rANS segments; order1-pooled: one set of context\n"
-               " histograms per stream, shared by its channels)\n");
+    fmt::print("(one call per stream = cache side; peers get codes channel-major; veloxquant-rans is the cache's default ({}); its bytes\n"
+               " exclude the float32 scales and minima; MB/s = MB of fp16 K/V represented; order1: per-(channel, context) histograms +\n"
+               " grouped rANS segments; order1-pooled: one set of context histograms per stream, shared by its channels)\n",
+               def == vq::SymbolTransform::Context ? "veloxquant-rans-context" : "veloxquant-rans-codes");
   }
   for (const auto& r : results)
     if (!r.roundtrip_ok) {

@@ -15,12 +15,12 @@
 //   its pieces: a table per one-token decode step would cost far more than it saves.
 // - Context (bits <= 4): the codes coded by the context coder (entropy/context_coder.hpp): tables
 //   per class of (previous code | group start), pooled over the side's channels, instead of one
-//   per channel. On stories260K it stores 6.9 % fewer bytes than Codes, on the synthetic K/V 20 %
-//   fewer (docs/benchmarks.md), and decodes faster than zstd -1 there. Opt-in for now: the .vqkv container stores
-//   per-channel tables, and its files must stay within 1 % of encoded_*_bytes.
-// - The default transform is Codes, chosen by measurement on stories260K's real K/V
-//   (docs/benchmarks.md, "Choosing the symbol model (issue 4)"): min/max groups leave the token
-//   delta no better than the codes there, and the delta's wider alphabet costs table bytes.
+//   per channel, and two codes per rANS step.
+// - The DEFAULT (StreamCodecOptions::transform unset, default_transform) is Context for codes of
+//   up to 4 bits and Codes above, chosen by measurement (docs/benchmarks.md, "Choosing the symbol
+//   model (issue 4)"): on stories260K's real K/V Context stores 7 % fewer bytes than Codes at 4 bits
+//   (8-13 % at 1-3 bits), on the synthetic K/V 20 % fewer; min/max groups leave the token delta no
+//   better than the codes, and its wider alphabet costs table bytes.
 // - Scales and minima are stored as raw float32, bit for bit: reconstruction uses them in float32,
 //   and decoding must be exact. That is 8 bytes per (group, channel, slice), twice what the
 //   reference's estimate bills (fp16, 4 bytes); the estimate (compressed_*_bytes) is unchanged.
@@ -48,6 +48,7 @@
 //   present justify.
 #pragma once
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <vector>
 
@@ -61,8 +62,11 @@ namespace vq {
 enum class SymbolTransform : std::uint8_t { Codes = 0, TokenDelta = 1, Context = 2 };
 inline constexpr std::uint8_t kStreamCodecVersion = 1;
 
+// The transform a side of `bits`-bit codes gets by default: Context up to 4 bits, else Codes.
+SymbolTransform default_transform(int bits);
+
 struct StreamCodecOptions {
-  SymbolTransform transform = SymbolTransform::Codes;  // see above for why
+  std::optional<SymbolTransform> transform;  // unset: default_transform(bits), see above for why
   int scale_bits = 0;  // table precision; 0: table_scale_bits(alphabet) (10 bits for raw 4-bit codes, else 11)
   RansKernel kernel = RansKernel::Auto;
 };

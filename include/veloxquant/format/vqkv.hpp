@@ -30,6 +30,7 @@
 
 #include "veloxquant/cache/config.hpp"
 #include "veloxquant/cache/kv_cache.hpp"
+#include "veloxquant/cache/stream_codec.hpp"
 #include "veloxquant/core/dtype.hpp"
 #include "veloxquant/entropy/rans.hpp"
 
@@ -46,6 +47,10 @@ struct VqkvSaveOptions {
   // heads (docs/format.md).
   std::int64_t chunk_tokens = 2048;
   RansKernel kernel = RansKernel::Auto;
+  // How CacheGen sides are coded: unset, as the caches' encoded_*_bytes count them (the stream
+  // codec's default: the context coder up to 4 bits, per-channel tables of the codes above);
+  // SymbolTransform::Codes forces per-channel tables. TokenDelta is refused.
+  std::optional<SymbolTransform> transform;
 };
 
 struct VqkvLoadOptions {
