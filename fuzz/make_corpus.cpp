@@ -91,8 +91,10 @@ int main(int argc, char** argv) {
   int m = 0;
   for (std::array<std::uint8_t, 4> h : {std::array<std::uint8_t, 4>{0, 40, 7, 3 | (7 << 2)}, {2, 63, 39, 1 | (31 << 2)}, {1, 20, 3, 0},
                                         {0, 0, 5, 3}, {0, 1, 1, 2}, {1, 33, 16, 3 | (3 << 2)},
-                                        // 32 and 2 x 16 channels: the AVX2 context-lane kernel
-                                        {0, 60, 31, 3 | (7 << 2)}, {1, 50, 15, 3 | (31 << 2)}}) {
+                                        // 32, 2 x 16 and 3 x 32 channels: the AVX2 kernels, with pair rows
+                                        // (even groups), single rows (odd groups) and the bits-back tail
+                                        {0, 60, 31, 3 | (7 << 2)}, {1, 50, 15, 3 | (31 << 2)}, {2, 63, 31, 3 | (8 << 2)},
+                                        {2, 61, 31, 2 | (15 << 2)}, {0, 63, 31, 0 | (31 << 2)}}) {
     const vq::ContextLayout l = vqfuzz::context_layout(h);
     std::mt19937 g(static_cast<unsigned>(m));
     std::vector<std::uint8_t> q(l.size());
@@ -134,6 +136,17 @@ int main(int argc, char** argv) {
       for (auto& c : caches) c->update_and_fetch(t, t);
     const auto b = vq::serialize_prompt_cache(caches, {{"i", std::to_string(f)}}, {.chunk_tokens = chunk});
     write_seeds(vk, f++, b, b.size() * 2 / 3);
+    if (tokens > 8) {  // the same caches with per-channel tables (version 2, transform 0)
+      const auto c = vq::serialize_prompt_cache(caches, {{"i", std::to_string(f)}}, {.chunk_tokens = chunk, .transform = vq::SymbolTransform::Codes});
+      write_seeds(vk, f++, c, c.size() * 2 / 3);
+    }
+  }
+  {  // 4-bit context coding of 32 channels a side: the AVX2 kernels behind the container
+    const auto t = normal(8, 80, 4, rng);
+    std::vector<std::shared_ptr<vq::KVCache>> caches = {std::make_shared<vq::CacheGenKVCache>()};
+    caches[0]->update_and_fetch(t, t);
+    const auto b = vq::serialize_prompt_cache(caches, {}, {.chunk_tokens = 64});
+    write_seeds(vk, f++, b, b.size() / 2);
   }
   // LMCache chunks (fuzz_lmcache_chunk): header byte = the shape (K channels - 1, V channels - 1 << 3,
   // 16 key bins << 6, 16 value bins << 7); K [1, 2, S, 4], V [1, 2, S, 2], chunk 16, 21 tokens

@@ -88,18 +88,28 @@ RawHistograms raw_histograms(ContextSlices codes, const ContextLayout& l) {
         const std::size_t chunk = std::min<std::size_t>(stop - j, (std::size_t{1} << 24) - pending);
         const std::uint8_t* cur = c + j;
         const std::uint8_t* prev = cur - D;
-        std::uint32_t o0 = 0, o1 = 0;
+        // 8 codes at a time: the index bytes prev | cur << 4 of 8 codes in one 64-bit word (a code
+        // >= 16 spills into its neighbour's index, still a byte: counted wrong, then refused).
+        std::uint64_t o = 0;
         std::size_t k = 0;
-        for (; k + 4 <= chunk; k += 4) {
-          o0 |= cur[k] | cur[k + 1];
-          o1 |= cur[k + 2] | cur[k + 3];
-          ++part[0][(prev[k] | cur[k] << 4) & 255];
-          ++part[1][(prev[k + 1] | cur[k + 1] << 4) & 255];
-          ++part[2][(prev[k + 2] | cur[k + 2] << 4) & 255];
-          ++part[3][(prev[k + 3] | cur[k + 3] << 4) & 255];
+        for (; k + 8 <= chunk; k += 8) {
+          std::uint64_t pv, cv;
+          std::memcpy(&pv, prev + k, 8);
+          std::memcpy(&cv, cur + k, 8);
+          o |= cv;
+          const std::uint64_t ix = pv | cv << 4;
+          ++part[0][ix & 255];
+          ++part[1][ix >> 8 & 255];
+          ++part[2][ix >> 16 & 255];
+          ++part[3][ix >> 24 & 255];
+          ++part[0][ix >> 32 & 255];
+          ++part[1][ix >> 40 & 255];
+          ++part[2][ix >> 48 & 255];
+          ++part[3][ix >> 56];
         }
-        for (; k < chunk; ++k) o0 |= cur[k], ++part[0][(prev[k] | cur[k] << 4) & 255];
-        any |= o0 | o1;
+        for (; k < chunk; ++k) o |= cur[k], ++part[0][(prev[k] | cur[k] << 4) & 255];
+        for (int b = 1; b < 8; ++b) o |= o >> (8 * b);
+        any |= static_cast<std::uint32_t>(o & 255);
         j += chunk;
         pending += chunk;
         if (pending >= (std::size_t{1} << 24)) fold();
