@@ -8,12 +8,15 @@
 #include <vector>
 
 #include <benchmark/benchmark.h>
+#include <emmintrin.h>
 
 #ifdef VQ_HAVE_ZSTD
 #include <zstd.h>
 #endif
 
+#include "veloxquant/cache/cachegen_cache.hpp"
 #include "veloxquant/entropy/context_coder.hpp"
+#include "veloxquant/synth/synthetic_kv.hpp"
 #include "veloxquant/entropy/rans.hpp"
 
 namespace {
@@ -235,7 +238,8 @@ void BM_SingleChannelBlock(benchmark::State& state) {
 BENCHMARK(BM_SingleChannelBlock)->Arg(4)->Arg(8)->Unit(benchmark::kMicrosecond);
 
 // The context coder (entropy/context_coder.hpp) on cache-like 4-bit codes: 8 slices x 4096 tokens x
-// D = 128, groups of 32, each channel an AR(1) walk (rho 0.9) restarted at every group start; zstd
+// D = 128, groups of 32, each channel an AR(1) walk (rho 0.9) run through every group (the quantizer,
+// not the data, restarts at a group start: the codes keep their level across it); zstd
 // -1 gets the same codes channel-major and bit-packed, in the same run (as `bench codec` feeds it).
 struct DriftCodes {
   vq::ContextLayout layout{8, 4096, 128, 4, {}};
@@ -282,17 +286,103 @@ void BM_ContextDecode(benchmark::State& state) {
 BENCHMARK(BM_ContextDecode)->Unit(benchmark::kMicrosecond);
 
 #ifdef VQ_HAVE_ZSTD
+// zstd -1 over codes [slice][token][D] fed channel-major and bit-packed (as `bench codec` feeds
+// it); with `unpack`, also back to one code per byte (SSE2, 32 codes per 16 packed bytes; still
+// channel-major: the cache's layout would need a transpose on top), the output the context decoder
+// delivers.
+void zstd1_context_codes(benchmark::State& state, const std::vector<std::uint8_t>& codes, const vq::ContextLayout& l, bool unpack) {
+  const std::size_t T = l.tokens, D = l.dim, n = codes.size();
+  std::vector<std::uint16_t> cm(n);
+  for (std::size_t s = 0; s < l.slices; ++s)
+    for (std::size_t t = 0; t < T; ++t)
+      for (std::size_t c = 0; c < D; ++c) cm[(s * D + c) * T + t] = codes[(s * T + t) * D + c];
+  const auto packed = pack(cm, 4);
+  if (!unpack) {
+    const std::size_t comp = zstd1_decompress_loop(state, packed, n);
+    state.counters["bits_per_symbol"] = static_cast<double>(comp) * 8.0 / static_cast<double>(n);
+    return;
+  }
+  std::vector<std::uint8_t> comp(ZSTD_compressBound(packed.size())), raw(packed.size()), out(n);
+  comp.resize(ZSTD_compress(comp.data(), comp.size(), packed.data(), packed.size(), 1));
+  ZSTD_DCtx* dctx = ZSTD_createDCtx();
+  const __m128i low = _mm_set1_epi8(15);
+  for (auto _ : state) {
+    benchmark::DoNotOptimize(ZSTD_decompressDCtx(dctx, raw.data(), raw.size(), comp.data(), comp.size()));
+    for (std::size_t i = 0; i + 16 <= raw.size(); i += 16) {
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(raw.data() + i));
+      const __m128i lo = _mm_and_si128(b, low), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out.data() + 2 * i), _mm_unpacklo_epi8(lo, hi));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out.data() + 2 * i + 16), _mm_unpackhi_epi8(lo, hi));
+    }
+    benchmark::ClobberMemory();
+  }
+  ZSTD_freeDCtx(dctx);
+  for (std::size_t i = 0; i < n; ++i)
+    if (out[i] != cm[i]) {
+      state.SkipWithError("zstd + unpack round trip failed");
+      break;
+    }
+  state.SetItemsProcessed(static_cast<std::int64_t>(state.iterations() * n));
+  state.counters["bits_per_symbol"] = static_cast<double>(comp.size()) * 8.0 / static_cast<double>(n);
+}
+
 void BM_ContextZstd1Decompress(benchmark::State& state) {
   const DriftCodes d;
-  const std::size_t T = d.layout.tokens, D = d.layout.dim;
-  std::vector<std::uint16_t> cm(d.codes.size());  // channel-major, as bench codec feeds the peers
-  for (std::size_t s = 0; s < d.layout.slices; ++s)
-    for (std::size_t t = 0; t < T; ++t)
-      for (std::size_t c = 0; c < D; ++c) cm[(s * D + c) * T + t] = d.codes[(s * T + t) * D + c];
-  const std::size_t comp = zstd1_decompress_loop(state, pack(cm, 4), d.codes.size());
-  state.counters["bits_per_symbol"] = static_cast<double>(comp) * 8.0 / static_cast<double>(d.codes.size());
+  zstd1_context_codes(state, d.codes, d.layout, state.range(0) != 0);
 }
-BENCHMARK(BM_ContextZstd1Decompress)->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_ContextZstd1Decompress)->Arg(0)->Arg(1)->Unit(benchmark::kMicrosecond);
+#endif
+
+// The cache's own codes: one side (arg 0 keys, 1 values) of a CacheGenKVCache (4 bits, group 32,
+// group_aligned) over the synthetic K/V, 1 x 8 heads x 4096 tokens x D = 128 (the synthetic K/V of
+// `bench codec`), as one layout of 8 slices.
+struct CacheCodes {
+  vq::ContextLayout layout{8, 4096, 128, 4, {}};
+  std::vector<std::uint8_t> codes;
+  explicit CacheCodes(int side) {
+    vq::SyntheticKVConfig sc;
+    sc.tokens = 4096;
+    const auto kv = vq::make_synthetic_kv(sc);
+    vq::CacheGenKVCache cache;
+    cache.update_and_fetch(kv.keys, kv.values);
+    const auto& st = side == 0 ? cache.key_stream() : cache.value_stream();
+    layout.group_start = vq::group_starts(st.segment_tokens(), st.group_size());
+    for (std::int64_t s = 0; s < st.slices(); ++s) codes.insert(codes.end(), st.codes(s).begin(), st.codes(s).end());
+  }
+};
+
+void BM_CacheCodesContextDecode(benchmark::State& state) {
+  const CacheCodes d(static_cast<int>(state.range(0)));
+  const auto b = vq::context_encode(d.codes, d.layout);
+  std::vector<std::uint8_t> out(d.codes.size());
+  for (auto _ : state) {
+    vq::context_decode(b, d.layout, out);
+    benchmark::DoNotOptimize(out.data());
+  }
+  if (out != d.codes) state.SkipWithError("round trip failed");
+  state.SetItemsProcessed(static_cast<std::int64_t>(state.iterations() * d.codes.size()));
+  state.counters["bits_per_symbol"] = static_cast<double>(b.size()) * 8.0 / static_cast<double>(d.codes.size());
+}
+BENCHMARK(BM_CacheCodesContextDecode)->Arg(0)->Arg(1)->Unit(benchmark::kMicrosecond);
+
+void BM_CacheCodesContextEncode(benchmark::State& state) {
+  const CacheCodes d(static_cast<int>(state.range(0)));
+  std::vector<std::uint8_t> b;
+  for (auto _ : state) {
+    b = vq::context_encode(d.codes, d.layout);
+    benchmark::DoNotOptimize(b.data());
+  }
+  state.SetItemsProcessed(static_cast<std::int64_t>(state.iterations() * d.codes.size()));
+}
+BENCHMARK(BM_CacheCodesContextEncode)->Arg(0)->Arg(1)->Unit(benchmark::kMicrosecond);
+
+#ifdef VQ_HAVE_ZSTD
+void BM_CacheCodesZstd1Decompress(benchmark::State& state) {
+  const CacheCodes d(static_cast<int>(state.range(0) % 2));
+  zstd1_context_codes(state, d.codes, d.layout, state.range(0) >= 2);
+}
+// 0, 1: keys, values; 2, 3: the same, unpacked to bytes.
+BENCHMARK(BM_CacheCodesZstd1Decompress)->DenseRange(0, 3)->Unit(benchmark::kMicrosecond);
 #endif
 
 }  // namespace

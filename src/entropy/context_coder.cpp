@@ -267,14 +267,16 @@ inline void store8(std::uint8_t* p, std::uint64_t v) { std::memcpy(p, &v, 8); }
 constexpr std::uint64_t kLowNibbles = 0x0f0f0f0f0f0f0f0full;
 
 // Returns the OR of every code read (the caller refuses codes >= 2^bits; units are garbage then).
+// Slice by slice, rows in order: a pair row reads two tokens' rows of codes, a single row one.
 std::uint8_t to_units(ContextSlices codes, const ContextLayout& l, const Rows& rows, std::uint8_t* units) {
   const std::size_t D = l.dim, C = l.slices * D;
   std::uint64_t any = 0;
-  for (std::size_t r = 0; r < rows.kind.size(); ++r)
-    for (std::size_t s = 0; s < l.slices; ++s) {
-      const std::uint8_t* a = codes[s].data() + rows.token[r] * D;
-      std::uint8_t* o = units + r * C + s * D;
-      const std::uint8_t* b = rows.kind[r] & kSingleRow ? a : a + D;
+  for (std::size_t s = 0; s < l.slices; ++s) {
+    const std::uint8_t* a = codes[s].data();
+    std::uint8_t* o = units + s * D;
+    for (std::size_t r = 0; r < rows.kind.size(); ++r, o += C) {
+      const bool single = rows.kind[r] & kSingleRow;
+      const std::uint8_t* b = single ? a : a + D;
       std::size_t d = 0;
       for (; d + 8 <= D; d += 8) {
         const std::uint64_t va = load8(a + d), vb = load8(b + d);
@@ -285,18 +287,20 @@ std::uint8_t to_units(ContextSlices codes, const ContextLayout& l, const Rows& r
         any |= a[d] | b[d];
         o[d] = static_cast<std::uint8_t>(a[d] | b[d] << 4);
       }
+      a = b + D;
     }
+  }
   for (int k = 1; k < 8; ++k) any |= any >> (8 * k);
   return static_cast<std::uint8_t>(any);
 }
 
 void from_units(const std::uint8_t* units, const ContextLayout& l, const Rows& rows, ContextSlicesOut codes) {
   const std::size_t D = l.dim, C = l.slices * D;
-  for (std::size_t r = 0; r < rows.kind.size(); ++r) {
-    const bool pair = !(rows.kind[r] & kSingleRow);
-    for (std::size_t s = 0; s < l.slices; ++s) {
-      const std::uint8_t* u = units + r * C + s * D;
-      std::uint8_t* a = codes[s].data() + rows.token[r] * D;
+  for (std::size_t s = 0; s < l.slices; ++s) {
+    std::uint8_t* a = codes[s].data();
+    const std::uint8_t* u = units + s * D;
+    for (std::size_t r = 0; r < rows.kind.size(); ++r, u += C) {
+      const bool pair = !(rows.kind[r] & kSingleRow);
       std::size_t d = 0;
       for (; d + 8 <= D; d += 8) {
         const std::uint64_t v = load8(u + d);
@@ -307,6 +311,7 @@ void from_units(const std::uint8_t* units, const ContextLayout& l, const Rows& r
         a[d] = u[d] & 15;
         if (pair) a[D + d] = u[d] >> 4;
       }
+      a += pair ? 2 * D : D;
     }
   }
 }

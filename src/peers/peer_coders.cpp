@@ -39,20 +39,36 @@ PeerCoder htscodecs_rans(int order) {
   return c;
 }
 
+// One compression and one decompression context per thread, kept between calls, as a program
+// coding many streams would (ZSTD_compress / ZSTD_decompress make and free one per call).
+struct ZstdContexts {
+  ZSTD_CCtx* c = ZSTD_createCCtx();
+  ZSTD_DCtx* d = ZSTD_createDCtx();
+  ~ZstdContexts() {
+    ZSTD_freeCCtx(c);
+    ZSTD_freeDCtx(d);
+  }
+};
+ZstdContexts& zstd_contexts() {
+  thread_local ZstdContexts z;
+  require(z.c != nullptr && z.d != nullptr, "zstd: cannot create a context");
+  return z;
+}
+
 PeerCoder zstd_coder(int level, int bits) {
   PeerCoder c;
   c.name = fmt::format("zstd-{}", level);
   c.encode = [level, bits](std::span<const std::uint8_t> codes) {
     const auto packed = pack_bits(codes, bits);
     std::vector<std::uint8_t> out(ZSTD_compressBound(packed.size()));
-    const std::size_t r = ZSTD_compress(out.data(), out.size(), packed.data(), packed.size(), level);
+    const std::size_t r = ZSTD_compressCCtx(zstd_contexts().c, out.data(), out.size(), packed.data(), packed.size(), level);
     if (ZSTD_isError(r)) throw Error(std::string("zstd: ") + ZSTD_getErrorName(r));
     out.resize(r);
     return out;
   };
   c.decode = [bits](std::span<const std::uint8_t> comp, std::size_t n) {
     std::vector<std::uint8_t> packed(packed_size(n, bits));
-    const std::size_t r = ZSTD_decompress(packed.data(), packed.size(), comp.data(), comp.size());
+    const std::size_t r = ZSTD_decompressDCtx(zstd_contexts().d, packed.data(), packed.size(), comp.data(), comp.size());
     if (ZSTD_isError(r) || r != packed.size()) throw FormatError("zstd: corrupt input");
     return unpack_bits(packed, n, bits);
   };

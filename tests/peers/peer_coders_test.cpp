@@ -12,7 +12,7 @@ namespace {
 TEST(BitPack, RoundTripsEveryWidthAndSize) {
   std::mt19937 rng(1);
   for (int bits = 1; bits <= 8; ++bits)
-    for (std::size_t n : {0u, 1u, 7u, 8u, 9u, 1000u}) {
+    for (std::size_t n : {0u, 1u, 7u, 8u, 9u, 31u, 32u, 33u, 64u, 65u, 1000u}) {
       std::vector<std::uint8_t> codes(n);
       for (auto& c : codes) c = static_cast<std::uint8_t>(rng() & ((1u << bits) - 1));
       const auto packed = vq::pack_bits(codes, bits);
@@ -22,6 +22,17 @@ TEST(BitPack, RoundTripsEveryWidthAndSize) {
   // hand case: 3-bit codes 5, 2, 7 -> bits 101 010 111 (LSB first) = 0b11010101, 0b1
   EXPECT_EQ(vq::pack_bits(std::vector<std::uint8_t>{5, 2, 7}, 3), (std::vector<std::uint8_t>{0xd5, 0x01}));
   EXPECT_THROW(vq::pack_bits(std::vector<std::uint8_t>{8}, 3), vq::InvalidArgument);
+  // 4 bits (the SIMD path, 32 codes per step): byte j = code 2j | code 2j + 1 << 4, and a code that
+  // does not fit is refused wherever it is.
+  std::vector<std::uint8_t> c4(70);
+  for (std::size_t i = 0; i < c4.size(); ++i) c4[i] = static_cast<std::uint8_t>((i * 7) % 16);
+  const auto p4 = vq::pack_bits(c4, 4);
+  for (std::size_t j = 0; j < p4.size(); ++j) ASSERT_EQ(p4[j], c4[2 * j] | c4[2 * j + 1] << 4) << j;
+  for (const std::size_t at : {3u, 40u, 69u}) {
+    auto bad = c4;
+    bad[at] = 16;
+    EXPECT_THROW(vq::pack_bits(bad, 4), vq::InvalidArgument) << at;
+  }
   EXPECT_THROW(vq::unpack_bits(std::vector<std::uint8_t>{1}, 3, 3), vq::FormatError);
 }
 
