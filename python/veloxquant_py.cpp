@@ -282,8 +282,9 @@ PYBIND11_MODULE(veloxquant, m) {
       .def_property_readonly("fp16_key_bytes", &vq::CacheGenKVCache::fp16_key_bytes)
       .def_property_readonly("fp16_value_bytes", &vq::CacheGenKVCache::fp16_value_bytes)
       .def_property_readonly("encoded_key_bytes", &vq::CacheGenKVCache::encoded_key_bytes,
-                             "Measured size of the rANS encoding of the closed key codes (header, tables, float32 scales "
-                             "and minima, payload) plus the residual at fp16.")
+                             "Measured size of the rANS encoding of the closed key codes (header, the coder's model: the "
+                             "context coder's up to 4 bits, per-channel tables above; float32 scales and minima; payload) "
+                             "plus the residual stored exactly at the input dtype's size.")
       .def_property_readonly("encoded_value_bytes", &vq::CacheGenKVCache::encoded_value_bytes,
                              "As encoded_key_bytes, for the values.")
       .def_property_readonly("entropy_savings", &vq::CacheGenKVCache::entropy_savings,

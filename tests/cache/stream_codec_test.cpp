@@ -195,7 +195,9 @@ TEST(StreamCodec, DefaultIsTheContextCoderUpToFourBits) {
     EXPECT_EQ(cp->encoded_key_bytes(), def.size());
     vq::StreamCodecOptions codes;
     codes.transform = SymbolTransform::Codes;
-    if (bits <= 4) EXPECT_LT(def.size(), vq::encode_stream(s, codes).size()) << "bits " << bits;
+    if (bits <= 4) {
+      EXPECT_LT(def.size(), vq::encode_stream(s, codes).size()) << "bits " << bits;
+    }
     EXPECT_EQ(vq::decode_stream(def, s.slices() * 1024 * 32).codes.size(), static_cast<std::size_t>(s.slices() * 1024 * 32));
   }
 }

@@ -66,7 +66,7 @@ inline constexpr std::uint8_t kStreamCodecVersion = 1;
 SymbolTransform default_transform(int bits);
 
 struct StreamCodecOptions {
-  std::optional<SymbolTransform> transform;  // unset: default_transform(bits), see above for why
+  std::optional<SymbolTransform> transform = std::nullopt;  // unset: default_transform(bits), see above for why
   int scale_bits = 0;  // table precision; 0: table_scale_bits(alphabet) (10 bits for raw 4-bit codes, else 11)
   RansKernel kernel = RansKernel::Auto;
 };

@@ -5,8 +5,9 @@
 // - A file is a header (magic, version, the model shape, every layer's cache class and full
 //   configuration, string metadata) with its own xxHash64, then blocks, each a fixed 32-byte block
 //   header, a body and an xxHash64 of both. Integers are little-endian and fixed-width.
-// - Blocks come in one fixed order, so a reader can stream them: the frequency tables of every
-//   CacheGen (layer, side) first; then token chunks (chunk k holds tokens [k*C, (k+1)*C) of every
+// - Blocks come in one fixed order, so a reader can stream them: the models of every CacheGen
+//   (layer, side) first (version 2 writes the context coder's model up to 4 bits, per-channel
+//   frequency tables above; version 1 files, tables only, still load); then token chunks (chunk k holds tokens [k*C, (k+1)*C) of every
 //   layer, K then V: a CacheGen layer's closed groups starting there, coded with rANS, with their
 //   float32 scales and minima; a plain layer's rows); then the CacheGen residuals (tokens not yet in
 //   a closed group, stored exactly); then an END block that counts the blocks before it.
@@ -17,7 +18,7 @@
 //   vq::FormatError with one clear sentence; they never read out of bounds and allocate only as
 //   the bytes present justify (the codes of a block at most group_size / 8 per byte of its
 //   scales and minima; see docs/format.md).
-// - Cache classes v1 holds: KVCache (plain, exact rows) and CacheGenKVCache. Saving any other
+// - Cache classes the format holds: KVCache (plain, exact rows) and CacheGenKVCache. Saving any other
 //   class throws InvalidArgument naming it.
 #pragma once
 #include <cstdint>
@@ -50,7 +51,7 @@ struct VqkvSaveOptions {
   // How CacheGen sides are coded: unset, as the caches' encoded_*_bytes count them (the stream
   // codec's default: the context coder up to 4 bits, per-channel tables of the codes above);
   // SymbolTransform::Codes forces per-channel tables. TokenDelta is refused.
-  std::optional<SymbolTransform> transform;
+  std::optional<SymbolTransform> transform = std::nullopt;
 };
 
 struct VqkvLoadOptions {
