@@ -324,14 +324,17 @@ std::size_t tail_units_per_lane(int bits, std::size_t total) {
   return total >= kLanes * (m + 1) ? m : 0;
 }
 
-// A stream's units: C per row, in all; per lane in the tail; rANS-coded (n').
+// A stream's rows and units: C per row, in all; per lane in the tail; rANS-coded (n').
 struct Plan {
+  Rows rows;
   std::size_t C = 0, total = 0, tail = 0, coded = 0;
 };
-Plan plan_of(const ContextLayout& l, const Rows& rows) {
+Plan plan_of(const ContextLayout& l, Rows rows) {
   Plan p;
+  p.rows = std::move(rows);
+  const Rows& r = p.rows;
   p.C = l.slices * l.dim;
-  p.total = p.C == 0 ? 0 : rows.kind.size() * p.C;
+  p.total = p.C == 0 ? 0 : r.kind.size() * p.C;
   p.tail = tail_units_per_lane(l.bits, p.total);
   p.coded = p.total - kLanes * p.tail;
   return p;
@@ -345,6 +348,13 @@ inline std::uint32_t tail_value(std::uint8_t unit, std::uint8_t kd, int bits, in
   }
   width = 2 * bits;
   return (unit & 15u) | static_cast<std::uint32_t>(unit >> 4) << bits;
+}
+
+// The layout, checked, and that its codes have the model's width.
+const ContextLayout& checked_layout(const ContextLayout& l, const ContextModel& m) {
+  check_layout(l);
+  require(l.bits == m.bits(), "context coder: the layout's codes have " + std::to_string(l.bits) + " bits, the model's " + std::to_string(m.bits()));
+  return l;
 }
 
 void fill_kernel_tables(KernelTables& k, const ContextModel& m, std::size_t C, const std::uint8_t* kind) {
@@ -711,12 +721,9 @@ ContextEncoder::ContextEncoder(ContextEncoder&&) noexcept = default;
 ContextEncoder& ContextEncoder::operator=(ContextEncoder&&) noexcept = default;
 
 void ContextEncoder::encode(ContextSlices codes, const ContextLayout& l, std::vector<std::uint8_t>& out) const {
-  check_layout(l);
-  require(l.bits == t_->model.bits(), "context coder: the layout's codes have " + std::to_string(l.bits) + " bits, the model's " +
-                                          std::to_string(t_->model.bits()));
-  check_slices(codes, l, "the codes");
-  const Rows rows = rows_of(l);
-  const Plan pl = plan_of(l, rows);
+  check_slices(codes, checked_layout(l, t_->model), "the codes");
+  const Plan pl = plan_of(l, rows_of(l));
+  const Rows& rows = pl.rows;
   const std::size_t C = pl.C, total = pl.total, L = kLanes, m = pl.tail, coded = pl.coded;
   auto& units = t_->units;
   units.resize(total);
@@ -782,12 +789,9 @@ ContextDecoder::ContextDecoder(ContextDecoder&&) noexcept = default;
 ContextDecoder& ContextDecoder::operator=(ContextDecoder&&) noexcept = default;
 
 void ContextDecoder::decode(std::span<const std::uint8_t> payload, const ContextLayout& l, ContextSlicesOut codes) const {
-  check_layout(l);
-  require(l.bits == t_->model.bits(), "context coder: the layout's codes have " + std::to_string(l.bits) + " bits, the model's " +
-                                          std::to_string(t_->model.bits()));
-  check_slices(codes, l, "the output");
-  const Rows rows = rows_of(l);
-  const Plan pl = plan_of(l, rows);
+  check_slices(codes, checked_layout(l, t_->model), "the output");
+  const Plan pl = plan_of(l, rows_of(l));
+  const Rows& rows = pl.rows;
   const std::size_t C = pl.C, total = pl.total, L = kLanes, m = pl.tail, coded = pl.coded;
   entropy_detail::ByteReader r(payload, "context coder");
   if (r.varint(total, "unit count") != coded) r.fail("the rANS stream holds the wrong number of units (expected " + std::to_string(coded) + ")");
