@@ -316,8 +316,8 @@ void from_units(const std::uint8_t* units, const ContextLayout& l, const Rows& r
   }
 }
 
-// Bits back: the last L * m units ride in the lanes' start states (state = 2^15 + v, v < 2^16);
-// lane j holds units n' + L q + j, q < m, at increasing bit offsets. Only when every lane codes at
+// Bits back: the last 32 m units ride in the lanes' start states (state = 2^15 + v, v < 2^16);
+// lane j holds units n' + 32 q + j, q < m, at increasing bit offsets. Only when every lane codes at
 // least one unit besides (its state is stored only then).
 std::size_t tail_units_per_lane(int bits, std::size_t total) {
   const std::size_t m = static_cast<std::size_t>(16 / (2 * bits));
