@@ -108,6 +108,24 @@ std::int64_t groups_of(std::span<const std::int64_t> pieces, std::int64_t group_
 
 }  // namespace
 
+std::vector<std::span<const std::uint8_t>> context_slices(const QuantizedStream& stream, std::size_t t0, std::size_t count) {
+  const auto d = static_cast<std::size_t>(stream.dim());
+  if (count == 0) count = static_cast<std::size_t>(stream.quantized_tokens()) - t0;
+  std::vector<std::span<const std::uint8_t>> out;
+  for (std::int64_t s = 0; s < stream.slices(); ++s) {
+    const auto c = stream.codes(s);
+    require(c.size() >= (t0 + count) * d, "stream codec: internal error: code count disagrees with the stream");
+    out.push_back(c.subspan(t0 * d, count * d));
+  }
+  return out;
+}
+
+ContextLayout context_layout(const QuantizedStream& stream) {
+  return {static_cast<std::size_t>(stream.slices()), static_cast<std::size_t>(stream.quantized_tokens()),
+          static_cast<std::size_t>(stream.slices() > 0 ? stream.dim() : 0), stream.bits(),
+          group_starts(stream.segment_tokens(), stream.group_size())};
+}
+
 SymbolTransform default_transform(int bits) { return bits <= kContextMaxBits ? SymbolTransform::Context : SymbolTransform::Codes; }
 
 int symbol_alphabet(int bits, SymbolTransform transform) {
@@ -173,14 +191,9 @@ std::vector<std::uint8_t> encode_stream(const QuantizedStream& stream, const Str
   if (transform == SymbolTransform::Context) {
     put_scales_and_minima(out, stream, groups * dim);
     size.metadata = out.size() - size.header;
-    std::vector<std::span<const std::uint8_t>> codes(slices);
-    for (std::uint64_t s = 0; s < slices; ++s) {
-      codes[s] = stream.codes(static_cast<std::int64_t>(s));
-      require(codes[s].size() == tokens * dim, "stream codec: internal error: code count disagrees with the stream");
-    }
-    const ContextLayout layout{slices, tokens, dim, bits, group_starts(pieces, stream.group_size())};
+    const auto codes = context_slices(stream);
     ContextCodedSize cs;
-    const auto block = context_encode(ContextSlices(codes), layout, &cs, options.kernel);
+    const auto block = context_encode(ContextSlices(codes), context_layout(stream), &cs, options.kernel);
     out.insert(out.end(), block.begin(), block.end());
     size.tables = cs.model + cs.tables;
     size.payload = cs.payload;

@@ -193,6 +193,13 @@ std::vector<Group> groups_of(std::span<const std::uint64_t> pieces, std::uint64_
   return out;
 }
 
+std::vector<std::uint8_t> block_group_starts(const std::vector<Group>& groups, std::uint64_t g0, std::uint64_t ng, std::uint64_t t0,
+                                             std::uint64_t count) {
+  std::vector<std::uint8_t> starts(static_cast<std::size_t>(count), 0);
+  for (std::uint64_t g = g0; g < g0 + ng; ++g) starts[static_cast<std::size_t>(groups[g].start - t0)] = 1;
+  return starts;
+}
+
 BlockPlan::BlockPlan(const Header& h, const std::vector<std::array<std::vector<Group>, 2>>& groups)
     : h_(h), groups_(groups), cursor_(h.layers.size(), {0, 0}) {
   n_chunks_ = (h.tokens + h.chunk_tokens - 1) / h.chunk_tokens;

@@ -163,6 +163,10 @@ struct Group {
 };
 // The groups of a side from its pieces (each piece restarts the grouping, as per_call does).
 std::vector<Group> groups_of(std::span<const std::uint64_t> pieces, std::uint64_t group_size);
+// Per token of [t0, t0 + count) (the tokens of groups [g0, g0 + ng), which start at t0): 1 where one
+// of those groups starts. A CODES block's group starts, as the context coder needs them.
+std::vector<std::uint8_t> block_group_starts(const std::vector<Group>& groups, std::uint64_t g0, std::uint64_t ng, std::uint64_t t0,
+                                             std::uint64_t count);
 
 // A block the plan expects after the TABLES blocks.
 struct PlannedBlock {

@@ -27,8 +27,7 @@ using vqkv::Group;
 struct SideData {
   std::vector<std::uint64_t> pieces;
   std::vector<FrequencyTable> tables;       // transform codes
-  std::optional<ContextModel> model;        // transform context
-  std::optional<ContextDecoder> context;    // built for the first CODES block decoded
+  std::optional<ContextDecoder> context;    // transform context: the side's model (its tables are built on first decode)
   QuantizedStreamParts parts;                       // CacheGen codes, scales, minima (when decoding)
   std::uint64_t decoded_groups = 0, row_tokens = 0;  // what was decoded (all of it unless a prefix load)
   std::vector<std::span<const std::uint8_t>> rows;  // ROWS bodies in token order (views of the file)
@@ -176,7 +175,7 @@ class FileReader {
     if (sum > 0 && e.transform == vqkv::kTransformContext) {
       std::size_t used = 0;
       try {
-        sd.model = ContextModel::deserialize(body.subspan(r.pos()), e.config.effective_bits(), &used);
+        sd.context.emplace(ContextModel::deserialize(body.subspan(r.pos()), e.config.effective_bits(), &used), kernel_);
       } catch (const FormatError& ex) {
         r.fail(ex.what());
       }
@@ -244,8 +243,9 @@ class FileReader {
     const std::size_t t0 = b.token_begin;
     const auto payload = body.subspan(r.pos());
     std::optional<ContextLayout> layout;
-    if (sd.model) {  // the context coder's payload: its unit count follows from the chunk's groups
-      layout = chunk_layout(b, p, d, sd, groups_[b.layer][b.side]);
+    if (sd.context) {  // the context coder's payload: its unit count follows from the chunk's groups
+      layout = ContextLayout{n_slices, count, d, h_.layers[b.layer].config.effective_bits(),
+                             vqkv::block_group_starts(groups_[b.layer][b.side], p.group_begin, p.n_groups, b.token_begin, count)};
       if (context_payload_units(payload) != context_coded_units(*layout))
         r.fail("the context payload holds a different number of units than the block's tokens");
     } else {
@@ -260,7 +260,6 @@ class FileReader {
       sd.parts.codes[s].resize((t0 + count) * d);
     }
     if (layout) {
-      if (!sd.context) sd.context.emplace(*sd.model, kernel_);
       std::vector<std::span<std::uint8_t>> out;
       for (std::size_t s = 0; s < n_slices; ++s) out.push_back(std::span(sd.parts.codes[s]).subspan(t0 * d, count * d));
       sd.context->decode(payload, *layout, ContextSlicesOut(out));
@@ -274,15 +273,6 @@ class FileReader {
     rans_decode(payload, segs, kernel_);
     for (std::size_t s = 0; s < n_slices; ++s)
       vqkv::symbols_to_codes(symbols_.data() + s * d * ld, ld, count, d, sd.parts.codes[s].data() + t0 * d);
-  }
-
-  // The context layout of a CODES block: its tokens, with a group start at each of its groups.
-  ContextLayout chunk_layout(const BlockHeader& b, const vqkv::PlannedBlock& p, std::size_t d, const SideData& sd,
-                             const std::vector<Group>& groups) const {
-    ContextLayout l{static_cast<std::size_t>(slices()), static_cast<std::size_t>(b.token_count), d, sd.model->bits(),
-                    std::vector<std::uint8_t>(static_cast<std::size_t>(b.token_count), 0)};
-    for (std::uint64_t g = p.group_begin; g < p.group_begin + p.n_groups; ++g) l.group_start[groups[g].start - b.token_begin] = 1;
-    return l;
   }
 
   static void append_floats(UninitVector<float>& out, std::span<const std::uint8_t> raw, const ByteReader& r, bool scale) {

@@ -103,20 +103,11 @@ vqkv::Header make_header(const std::vector<std::shared_ptr<KVCache>>& caches, co
   return h;
 }
 
-// The layout of a side's tokens [t0, t0 + count), which start at a group: its group starts.
+// The context layout of a side's tokens [t0, t0 + count), those of its groups [g0, g0 + ng).
 ContextLayout chunk_layout(const QuantizedStream& q, const std::vector<Group>& groups, std::uint64_t g0, std::uint64_t ng, std::size_t t0,
                            std::size_t count) {
-  ContextLayout l{static_cast<std::size_t>(q.slices()), count, static_cast<std::size_t>(q.dim()), q.bits(), std::vector<std::uint8_t>(count, 0)};
-  for (std::uint64_t g = g0; g < g0 + ng; ++g) l.group_start[groups[g].start - t0] = 1;
-  return l;
-}
-
-// Per slice, the codes of tokens [t0, t0 + count).
-std::vector<std::span<const std::uint8_t>> slice_codes(const QuantizedStream& q, std::size_t t0, std::size_t count) {
-  const auto d = static_cast<std::size_t>(q.dim());
-  std::vector<std::span<const std::uint8_t>> out;
-  for (std::int64_t s = 0; s < q.slices(); ++s) out.push_back(q.codes(s).subspan(t0 * d, count * d));
-  return out;
+  return {static_cast<std::size_t>(q.slices()), count, static_cast<std::size_t>(q.dim()), q.bits(),
+          vqkv::block_group_starts(groups, g0, ng, t0, count)};
 }
 
 // The TABLES block of a CacheGen side: its pieces, then the models of its codes over every closed
@@ -136,9 +127,8 @@ void tables_block(std::vector<std::uint8_t>& body, SideSource& side, const vqkv:
   const auto n = static_cast<std::size_t>(q.quantized_tokens());
   if (n == 0) return;
   if (e.transform == vqkv::kTransformContext) {
-    const auto codes = slice_codes(q, 0, n);
-    const ContextModel model =
-        ContextModel::build(ContextSlices(codes), chunk_layout(q, side.groups, 0, side.groups.size(), 0, n));
+    const auto codes = context_slices(q);
+    const ContextModel model = ContextModel::build(ContextSlices(codes), context_layout(q));
     model.serialize_to(body);
     side.context.emplace(model, kernel);
     return;
@@ -174,7 +164,7 @@ void codes_block(std::vector<std::uint8_t>& body, std::vector<std::uint16_t>& sy
   for (std::size_t s = 0; s < slices; ++s) w.bytes(q.scales(static_cast<std::int64_t>(s)).data() + m0, meta * 4);
   for (std::size_t s = 0; s < slices; ++s) w.bytes(q.minima(static_cast<std::int64_t>(s)).data() + m0, meta * 4);
   if (side.context) {  // the context coder's payload of these tokens, with the side's model
-    const auto codes = slice_codes(q, t0, count);
+    const auto codes = context_slices(q, t0, count);
     side.context->encode(ContextSlices(codes), chunk_layout(q, side.groups, p.group_begin, p.n_groups, t0, count), body);
     return;
   }

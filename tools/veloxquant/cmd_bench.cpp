@@ -399,9 +399,8 @@ int run_bench_codec(const BenchOptions& o) {
       continue;
     }
     const auto n = static_cast<std::size_t>(s.quantized_tokens()), d = static_cast<std::size_t>(s.dim());
-    const vq::ContextLayout layout{static_cast<std::size_t>(s.slices()), n, d, o.bits, vq::group_starts(s.segment_tokens(), s.group_size())};
-    std::vector<std::span<const std::uint8_t>> codes;
-    for (std::int64_t sl = 0; sl < s.slices(); ++sl) codes.push_back(s.codes(sl));
+    const vq::ContextLayout layout = vq::context_layout(s);
+    const auto codes = vq::context_slices(s);
     const vq::ContextModel model = vq::ContextModel::build(vq::ContextSlices(codes), layout);
     default_tables += model.serialized_size();
     const int A = 1 << o.bits;

@@ -53,6 +53,7 @@
 #include <vector>
 
 #include "veloxquant/cache/quantized_stream.hpp"
+#include "veloxquant/entropy/context_coder.hpp"
 #include "veloxquant/entropy/frequency_table.hpp"
 #include "veloxquant/entropy/rans.hpp"
 
@@ -116,6 +117,12 @@ std::vector<std::uint8_t> encode_stream(const QuantizedStream& stream, const Str
 // Throws FormatError on any malformed, truncated, trailing or inconsistent input, or when the
 // buffer holds more than max_codes codes (slices * tokens * dim).
 DecodedStream decode_stream(std::span<const std::uint8_t> bytes, std::uint64_t max_codes, RansKernel kernel = RansKernel::Auto);
+
+// The context coder's view of a stream's tokens [t0, t0 + count) (count 0: to the last closed
+// token; t0 must start a group): per slice, those tokens' codes, and their layout (group starts
+// from the stream's pieces). What the Context transform, the .vqkv writer and `bench codec` code.
+std::vector<std::span<const std::uint8_t>> context_slices(const QuantizedStream& stream, std::size_t t0 = 0, std::size_t count = 0);
+ContextLayout context_layout(const QuantizedStream& stream);
 
 // Symbols of one channel (n tokens at codes[c], codes[c + stride], ...), as the codec models them:
 // the piece boundaries restart the delta. Appends to `out`. Exposed for benchmarks and tests.
