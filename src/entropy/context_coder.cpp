@@ -11,6 +11,7 @@
 #include <cstring>
 #include <limits>
 #include <string>
+#include <type_traits>
 
 #include "byte_io.hpp"
 #include "context_kernels.hpp"
@@ -44,17 +45,12 @@ void check_slices(std::span<const Span> codes, const ContextLayout& l, const cha
                                               " codes, the layout needs " + std::to_string(l.tokens * l.dim));
 }
 
-std::vector<std::span<const std::uint8_t>> split(std::span<const std::uint8_t> flat, const ContextLayout& l) {
-  require(flat.size() == l.size(), "context coder: code count " + std::to_string(flat.size()) + " disagrees with the layout (" +
-                                       std::to_string(l.size()) + ")");
-  std::vector<std::span<const std::uint8_t>> s(l.slices);
-  for (std::size_t i = 0; i < l.slices; ++i) s[i] = flat.subspan(i * l.tokens * l.dim, l.tokens * l.dim);
-  return s;
-}
-std::vector<std::span<std::uint8_t>> split(std::span<std::uint8_t> flat, const ContextLayout& l) {
-  require(flat.size() == l.size(), "context coder: output size " + std::to_string(flat.size()) + " disagrees with the layout (" +
-                                       std::to_string(l.size()) + ")");
-  std::vector<std::span<std::uint8_t>> s(l.slices);
+// One span per slice of a flat [slice][token][dim] buffer (codes in, or the output).
+template <typename T>
+std::vector<std::span<T>> split(std::span<T> flat, const ContextLayout& l) {
+  require(flat.size() == l.size(), std::string("context coder: ") + (std::is_const_v<T> ? "code count " : "output size ") +
+                                       std::to_string(flat.size()) + " disagrees with the layout (" + std::to_string(l.size()) + ")");
+  std::vector<std::span<T>> s(l.slices);
   for (std::size_t i = 0; i < l.slices; ++i) s[i] = flat.subspan(i * l.tokens * l.dim, l.tokens * l.dim);
   return s;
 }
