@@ -19,7 +19,7 @@
 // - The DEFAULT (StreamCodecOptions::transform unset, default_transform) is Context for codes of
 //   up to 4 bits and Codes above, chosen by measurement (docs/benchmarks.md, "Choosing the symbol
 //   model (issue 4)"): on stories260K's real K/V Context stores 7 % fewer bytes than Codes at 4 bits
-//   (8-13 % at 1-3 bits), on the synthetic K/V 20 % fewer; min/max groups leave the token delta no
+//   (7.6-13 % at 1-3 bits), on the synthetic K/V 20 % fewer; min/max groups leave the token delta no
 //   better than the codes, and its wider alphabet costs table bytes.
 // - Scales and minima are stored as raw float32, bit for bit: reconstruction uses them in float32,
 //   and decoding must be exact. That is 8 bytes per (group, channel, slice), twice what the
