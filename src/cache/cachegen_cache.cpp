@@ -76,8 +76,8 @@ CacheGenState CacheGenKVCache::full_state() const {
 void CacheGenKVCache::from_full_state(CacheGenState s) {
   s.config.validate();
   require(s.offset >= 0 && s.keys.dim(2) == s.offset && s.values.dim(2) == s.offset,
-          fmt::format("CacheGen state is inconsistent: offset {} but keys hold {} and values {} tokens", s.offset, s.keys.dim(2),
-                      s.values.dim(2)));
+          "CacheGen state is inconsistent: offset {} but keys hold {} and values {} tokens", s.offset, s.keys.dim(2),
+                      s.values.dim(2));
   if (s.offset > 0) {
     require(s.key_stream.slices() == s.keys.dim(0) * s.keys.dim(1) && s.key_stream.dim() == s.keys.dim(3) &&
                 s.value_stream.slices() == s.values.dim(0) * s.values.dim(1) && s.value_stream.dim() == s.values.dim(3),

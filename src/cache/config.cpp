@@ -21,14 +21,14 @@ FlushMode flush_mode_from_name(std::string_view name) {
 }
 
 void KVCacheConfig::validate() const {
-  require(cachegen_bits >= 1 && cachegen_bits <= 8, fmt::format("cachegen_bits must be in 1..8, got {}", cachegen_bits));
-  require(cachegen_group_size >= 1, fmt::format("cachegen_group_size must be >= 1, got {}", cachegen_group_size));
-  require(cachegen_layer_groups >= 1, fmt::format("cachegen_layer_groups must be >= 1, got {}", cachegen_layer_groups));
+  require(cachegen_bits >= 1 && cachegen_bits <= 8, "cachegen_bits must be in 1..8, got {}", cachegen_bits);
+  require(cachegen_group_size >= 1, "cachegen_group_size must be >= 1, got {}", cachegen_group_size);
+  require(cachegen_layer_groups >= 1, "cachegen_layer_groups must be >= 1, got {}", cachegen_layer_groups);
   if (cachegen_resolved_bits)
     require(*cachegen_resolved_bits >= 1 && *cachegen_resolved_bits <= 8,
-            fmt::format("cachegen_resolved_bits must be in 1..8, got {}", *cachegen_resolved_bits));
+            "cachegen_resolved_bits must be in 1..8, got {}", *cachegen_resolved_bits);
   require(cachegen_flush == FlushMode::PerCall || cachegen_flush == FlushMode::GroupAligned,
-          fmt::format("cachegen_flush has unknown value {}", static_cast<int>(cachegen_flush)));
+          "cachegen_flush has unknown value {}", static_cast<int>(cachegen_flush));
 }
 
 std::string KVCacheConfig::to_string() const {

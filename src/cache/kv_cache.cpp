@@ -110,7 +110,7 @@ void KVCache::refeed_state(const KVState& state, const std::function<void()>& fo
 }
 
 std::int64_t KVCache::trim(std::int64_t n) {
-  require(n >= 0, fmt::format("trim: n must be >= 0, got {}", n));
+  require(n >= 0, "trim: n must be >= 0, got {}", n);
   n = std::min(n, offset_);
   offset_ -= n;
   return n;

@@ -47,7 +47,7 @@ Tensor Tensor::uninitialized(const Shape4& shape, DType dtype) {
 Tensor Tensor::from_f32(const Shape4& shape, std::span<const float> values, DType dtype) {
   Tensor t = zeros(shape, dtype);
   require(static_cast<std::int64_t>(values.size()) == t.numel(),
-          fmt::format("from_f32: {} values given for shape {} ({} elements)", values.size(), shape_string(shape), t.numel()));
+          "from_f32: {} values given for shape {} ({} elements)", values.size(), shape_string(shape), t.numel());
   vq::from_f32(values.data(), t.base_, dtype, values.size());
   return t;
 }
@@ -125,7 +125,7 @@ std::byte* Tensor::row(std::int64_t b, std::int64_t h, std::int64_t s) {
 
 float Tensor::at(std::int64_t b, std::int64_t h, std::int64_t s, std::int64_t d) const {
   require(b >= 0 && b < shape_[0] && h >= 0 && h < shape_[1] && s >= 0 && s < shape_[2] && d >= 0 && d < shape_[3],
-          fmt::format("at({}, {}, {}, {}) out of range for shape {}", b, h, s, d, shape_string(shape_)));
+          "at({}, {}, {}, {}) out of range for shape {}", b, h, s, d, shape_string(shape_));
   float v;
   vq::to_f32(row(b, h, s) + d * static_cast<std::int64_t>(dtype_size(dtype_)), dtype_, &v, 1);
   return v;
@@ -133,7 +133,7 @@ float Tensor::at(std::int64_t b, std::int64_t h, std::int64_t s, std::int64_t d)
 
 void Tensor::set(std::int64_t b, std::int64_t h, std::int64_t s, std::int64_t d, float value) {
   require(b >= 0 && b < shape_[0] && h >= 0 && h < shape_[1] && s >= 0 && s < shape_[2] && d >= 0 && d < shape_[3],
-          fmt::format("set({}, {}, {}, {}) out of range for shape {}", b, h, s, d, shape_string(shape_)));
+          "set({}, {}, {}, {}) out of range for shape {}", b, h, s, d, shape_string(shape_));
   vq::from_f32(&value, row(b, h, s) + d * static_cast<std::int64_t>(dtype_size(dtype_)), dtype_, 1);
 }
 

@@ -43,7 +43,7 @@ double symbol_entropy_bits(std::span<const std::int16_t> symbols) {
 
 double estimated_code_bits(std::span<const std::int16_t> symbols, int n_tokens, int dim, int bits, bool per_channel) {
   require(n_tokens >= 0 && dim >= 1 && symbols.size() == static_cast<std::size_t>(n_tokens) * static_cast<std::size_t>(dim),
-          fmt::format("estimated_code_bits: {} symbols given for a [{}, {}] slice", symbols.size(), n_tokens, dim));
+          "estimated_code_bits: {} symbols given for a [{}, {}] slice", symbols.size(), n_tokens, dim);
   const double n = static_cast<double>(n_tokens);
   if (!per_channel) return std::min(symbol_entropy_bits(symbols), static_cast<double>(bits)) * n * dim;
   double total = 0.0;

@@ -23,13 +23,13 @@ EvalProtocol eval_protocol_from_name(const std::string& name) {
 const char* eval_protocol_name(EvalProtocol p) { return p == EvalProtocol::Stream ? "stream" : "reuse"; }
 
 void EvalOptions::validate(int seq_len) const {
-  require(window >= 2 && window <= seq_len, fmt::format("--window must be in 2..{} (the model's seq_len), got {}", seq_len, window));
-  require(chunk >= 1, fmt::format("--chunk must be >= 1, got {}", chunk));
-  require(max_tokens >= 0, fmt::format("--max-tokens must be >= 0, got {}", max_tokens));
+  require(window >= 2 && window <= seq_len, "--window must be in 2..{} (the model's seq_len), got {}", seq_len, window);
+  require(chunk >= 1, "--chunk must be >= 1, got {}", chunk);
+  require(max_tokens >= 0, "--max-tokens must be >= 0, got {}", max_tokens);
   if (protocol == EvalProtocol::Reuse)
-    require(ctx >= 1 && ctx < window, fmt::format("reuse needs 1 <= --ctx < --window, got ctx {} and window {}", ctx, window));
+    require(ctx >= 1 && ctx < window, "reuse needs 1 <= --ctx < --window, got ctx {} and window {}", ctx, window);
   else
-    require(ctx >= 0, fmt::format("--ctx must be >= 0, got {}", ctx));
+    require(ctx >= 0, "--ctx must be >= 0, got {}", ctx);
 }
 
 void CacheBits::add(const CacheBits& o) {
@@ -155,7 +155,7 @@ std::vector<MethodResult> evaluate(Transformer& model, const std::vector<int>& t
   const int vocab = model.config().vocab_size;
   const int text_per_window = o.window - 1;  // window = BOS + text tokens
   require(static_cast<std::int64_t>(tokens.size()) >= text_per_window,
-          fmt::format("the text holds {} tokens, fewer than one window of {}", tokens.size(), o.window));
+          "the text holds {} tokens, fewer than one window of {}", tokens.size(), o.window);
   const std::int64_t scored_per_window = o.protocol == EvalProtocol::Stream ? o.window - 1 : o.window - o.ctx;
   std::int64_t n_windows = static_cast<std::int64_t>(tokens.size()) / text_per_window;
   if (o.max_tokens > 0) n_windows = std::min<std::int64_t>(n_windows, (o.max_tokens + scored_per_window - 1) / scored_per_window);

@@ -406,7 +406,7 @@ class FileReader {
 }  // namespace
 
 PromptCache deserialize_prompt_cache(std::span<const std::uint8_t> bytes, const VqkvLoadOptions& options) {
-  require(!options.max_tokens || *options.max_tokens >= 0, fmt::format("max_tokens must be >= 0, got {}", options.max_tokens.value_or(0)));
+  require(!options.max_tokens || *options.max_tokens >= 0, "max_tokens must be >= 0, got {}", options.max_tokens.value_or(0));
   FileReader r(bytes, true, options.kernel, options.max_tokens);
   r.run();
   return r.caches();

@@ -41,9 +41,9 @@ struct LayerSource {
 vqkv::Header make_header(const std::vector<std::shared_ptr<KVCache>>& caches, const PromptMetadata& metadata,
                          const VqkvSaveOptions& options, std::vector<LayerSource>& layers) {
   require(!caches.empty(), "save_prompt_cache: no caches to save");
-  require(caches.size() <= vqkv::kMaxLayers, fmt::format("save_prompt_cache: {} layers is more than the format's {}", caches.size(), vqkv::kMaxLayers));
+  require(caches.size() <= vqkv::kMaxLayers, "save_prompt_cache: {} layers is more than the format's {}", caches.size(), vqkv::kMaxLayers);
   require(options.chunk_tokens >= 1 && options.chunk_tokens <= 0xffffffffLL,
-          fmt::format("save_prompt_cache: chunk_tokens {} is out of range 1..4294967295", options.chunk_tokens));
+          "save_prompt_cache: chunk_tokens {} is out of range 1..4294967295", options.chunk_tokens);
   vqkv::Header h;
   h.chunk_tokens = static_cast<std::uint32_t>(options.chunk_tokens);
   h.metadata = metadata;
@@ -51,7 +51,7 @@ vqkv::Header make_header(const std::vector<std::shared_ptr<KVCache>>& caches, co
   bool shaped = false;
   for (std::size_t i = 0; i < caches.size(); ++i) {
     const KVCache* c = caches[i].get();
-    require(c != nullptr, fmt::format("save_prompt_cache: layer {} has no cache", i));
+    require(c != nullptr, "save_prompt_cache: layer {} has no cache", i);
     LayerSource& src = layers[i];
     src.cache = c;
     vqkv::LayerEntry e;
@@ -62,13 +62,13 @@ vqkv::Header make_header(const std::vector<std::shared_ptr<KVCache>>& caches, co
       const int bits = cg->key_stream().bits();
       const SymbolTransform tr = options.transform.value_or(default_transform(bits));
       require(tr == SymbolTransform::Codes || (tr == SymbolTransform::Context && bits <= kContextMaxBits),
-              fmt::format("save_prompt_cache: layer {}: a .vqkv file holds the codes or (up to 4 bits) the context coder, not transform {}", i,
-                          static_cast<int>(tr)));
+              "save_prompt_cache: layer {}: a .vqkv file holds the codes or (up to 4 bits) the context coder, not transform {}", i,
+                          static_cast<int>(tr));
       e.transform = static_cast<std::uint8_t>(tr);
       e.scale_bits = table_scale_bits(1 << bits);
       require(e.config.cachegen_group_size <= static_cast<int>(vqkv::kMaxGroupSize),
-              fmt::format("save_prompt_cache: layer {}: group size {} is above the format's limit {}", i,
-                          e.config.cachegen_group_size, vqkv::kMaxGroupSize));
+              "save_prompt_cache: layer {}: group size {} is above the format's limit {}", i,
+                          e.config.cachegen_group_size, vqkv::kMaxGroupSize);
     } else if (c->kind() == "KVCache") {
       e.cls = CacheClass::Plain;
     } else {
@@ -83,7 +83,7 @@ vqkv::Header make_header(const std::vector<std::shared_ptr<KVCache>>& caches, co
       if (!shaped) {
         require(e.offset <= vqkv::kMaxTokens && k.dim(0) <= vqkv::kMaxBatch && k.dim(1) <= vqkv::kMaxHeads &&
                     k.dim(3) <= vqkv::kMaxDim && v.dim(3) <= vqkv::kMaxDim,
-                fmt::format("save_prompt_cache: shape {} is beyond the format's limits", shape_string(k.shape())));
+                "save_prompt_cache: shape {} is beyond the format's limits", shape_string(k.shape()));
         h.tokens = e.offset;
         h.dtype = k.dtype();
         h.batch = static_cast<std::uint32_t>(k.dim(0));
@@ -94,9 +94,9 @@ vqkv::Header make_header(const std::vector<std::shared_ptr<KVCache>>& caches, co
       }
       require(e.offset == h.tokens && k.dtype() == h.dtype && k.dim(0) == h.batch && k.dim(1) == h.heads && k.dim(3) == h.key_dim &&
                   v.dim(3) == h.value_dim,
-              fmt::format("save_prompt_cache: layer {} ({} tokens, keys {} {}) disagrees with the first non-empty layer "
+              "save_prompt_cache: layer {} ({} tokens, keys {} {}) disagrees with the first non-empty layer "
                           "({} tokens, {}): a file holds the caches of one sequence",
-                          i, e.offset, shape_string(k.shape()), dtype_name(k.dtype()), h.tokens, dtype_name(h.dtype)));
+                          i, e.offset, shape_string(k.shape()), dtype_name(k.dtype()), h.tokens, dtype_name(h.dtype));
     }
     h.layers.push_back(e);
   }

@@ -42,7 +42,7 @@ CachegenPaperProfile profile_cachegen_paper(Transformer& model, const std::vecto
   CachegenPaperProfiler profiler(config, n_layers);
   for (const auto& seq : sequences) {
     require(!seq.empty() && static_cast<int>(seq.size()) <= model.config().seq_len,
-            fmt::format("cachegen_paper profile: a sequence of {} tokens does not fit the model's seq_len {}", seq.size(), model.config().seq_len));
+            "cachegen_paper profile: a sequence of {} tokens does not fit the model's seq_len {}", seq.size(), model.config().seq_len);
     auto caches = make_fp32_caches(model);
     model.forward(seq, caches);
     for (int l = 0; l < n_layers; ++l) {
@@ -54,7 +54,7 @@ CachegenPaperProfile profile_cachegen_paper(Transformer& model, const std::vecto
 }
 
 std::vector<std::vector<int>> profile_windows(const std::vector<int>& tokens, int window, std::int64_t skip, std::int64_t max_tokens) {
-  require(window >= 2, fmt::format("profile: the window must be >= 2 tokens, got {}", window));
+  require(window >= 2, "profile: the window must be >= 2 tokens, got {}", window);
   require(skip >= 0 && max_tokens >= 0, "profile: skip and max_tokens must be >= 0");
   std::vector<std::vector<int>> out;
   const auto n = static_cast<std::int64_t>(tokens.size());

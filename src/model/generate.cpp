@@ -15,7 +15,7 @@ Sampler::Sampler(int vocab_size, SamplerConfig config)
     : vocab_size_(vocab_size), config_(config), state_(config.seed), probindex_(static_cast<std::size_t>(vocab_size)) {
   require(vocab_size >= 1, "sampler needs a vocabulary of at least one token");
   require(std::isfinite(config.temperature) && config.temperature >= 0.0f,
-          fmt::format("temperature must be a finite number >= 0, got {}", config.temperature));
+          "temperature must be a finite number >= 0, got {}", config.temperature);
   require(config.temperature == 0.0f || config.seed != 0, "sampling needs a nonzero seed");
 }
 
@@ -95,17 +95,17 @@ bool printable_piece(std::string_view piece) {
 GenerateResult generate(Transformer& model, const Tokenizer& tokenizer, std::vector<std::shared_ptr<KVCache>>& caches,
                         std::string_view prompt, const GenerateConfig& config, const std::function<void(std::string_view)>& on_piece) {
   const ModelConfig& mc = model.config();
-  require(config.steps >= 1, fmt::format("steps must be >= 1, got {}", config.steps));
-  require(tokenizer.vocab_size() == mc.vocab_size, fmt::format("the tokenizer has {} tokens but the model's vocabulary has {}",
-                                                               tokenizer.vocab_size(), mc.vocab_size));
+  require(config.steps >= 1, "steps must be >= 1, got {}", config.steps);
+  require(tokenizer.vocab_size() == mc.vocab_size, "the tokenizer has {} tokens but the model's vocabulary has {}",
+                                                               tokenizer.vocab_size(), mc.vocab_size);
   for (const auto& c : caches) require(c && c->offset() == 0, "generate needs empty caches");
   const int steps = std::min(config.steps, mc.seq_len);
 
   GenerateResult r;
   r.tokens = tokenizer.encode(prompt, /*bos=*/true, /*eos=*/false);
   require(static_cast<int>(r.tokens.size()) <= steps,
-          fmt::format("the prompt is {} tokens (with BOS) but only {} steps are allowed: raise --steps (at most seq_len {})",
-                      r.tokens.size(), steps, mc.seq_len));
+          "the prompt is {} tokens (with BOS) but only {} steps are allowed: raise --steps (at most seq_len {})",
+                      r.tokens.size(), steps, mc.seq_len);
   r.prompt_tokens = static_cast<int>(r.tokens.size());
   Sampler sampler(mc.vocab_size, config.sampler);
   auto emit = [&](int prev, int next) {

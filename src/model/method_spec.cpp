@@ -177,7 +177,7 @@ std::string MethodSpec::to_string() const {
 
 std::pair<Tensor, Tensor> Fp16KVCache::update_and_fetch(const Tensor& keys, const Tensor& values) {
   require(keys.dtype() == DType::F32 && values.dtype() == DType::F32,
-          fmt::format("Fp16KVCache takes float32 keys and values, got {} and {}", dtype_name(keys.dtype()), dtype_name(values.dtype())));
+          "Fp16KVCache takes float32 keys and values, got {} and {}", dtype_name(keys.dtype()), dtype_name(values.dtype()));
   // f32 -> f16 -> f32 rounds each element to float16 precision (half to even) exactly once.
   auto round_trip = [](const Tensor& t) { return t.to(DType::F16).to(DType::F32); };
   return KVCache::update_and_fetch(round_trip(keys), round_trip(values));

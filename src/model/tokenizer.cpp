@@ -92,7 +92,7 @@ Tokenizer Tokenizer::load(const std::string& path, std::optional<int> vocab_size
 }
 
 const std::string& Tokenizer::piece(int id) const {
-  require(id >= 0 && id < vocab_size(), fmt::format("token id {} is outside the vocabulary 0..{}", id, vocab_size() - 1));
+  require(id >= 0 && id < vocab_size(), "token id {} is outside the vocabulary 0..{}", id, vocab_size() - 1);
   return vocab_[static_cast<std::size_t>(id)];
 }
 

@@ -145,7 +145,7 @@ std::vector<std::uint8_t> CachegenPaperKVCache::encode_chunk(std::int64_t b, std
 }
 
 std::vector<std::uint8_t> CachegenPaperKVCache::encode_chunk(const Chunk& chunk, const CachegenPaperProfile& profile, int layer) {
-  require(layer >= 0 && layer < profile.n_layers(), fmt::format("cachegen_paper encode: no layer {} in the profile", layer));
+  require(layer >= 0 && layer < profile.n_layers(), "cachegen_paper encode: no layer {} in the profile", layer);
   require(chunk.tokens >= 1, "cachegen_paper encode: a chunk holds at least one token");
   const auto T = static_cast<std::size_t>(chunk.tokens);
   ChunkView v{chunk.tokens, {}, {}};
@@ -161,7 +161,7 @@ std::vector<std::uint8_t> CachegenPaperKVCache::encode_chunk(const Chunk& chunk,
 
 CachegenPaperKVCache::Chunk CachegenPaperKVCache::decode_chunk(std::span<const std::uint8_t> bytes, const CachegenPaperProfile& profile,
                                                                int layer, std::int64_t max_tokens) {
-  require(layer >= 0 && layer < profile.n_layers(), fmt::format("cachegen_paper decode: no layer {} in the profile", layer));
+  require(layer >= 0 && layer < profile.n_layers(), "cachegen_paper decode: no layer {} in the profile", layer);
   require(max_tokens >= 1, "cachegen_paper decode: max_tokens must be >= 1");
   ByteReader r(bytes, "cachegen_paper chunk");
   Chunk out;
@@ -185,7 +185,7 @@ CachegenPaperKVCache::Chunk CachegenPaperKVCache::decode_chunk(std::span<const s
 
 std::vector<float> CachegenPaperKVCache::dequantize_chunk(const Chunk& chunk, int kv, const CachegenPaperProfile& profile, int layer) {
   require(kv == 0 || kv == 1, "cachegen_paper: kv must be 0 (K) or 1 (V)");
-  require(layer >= 0 && layer < profile.n_layers(), fmt::format("cachegen_paper: no layer {} in the profile", layer));
+  require(layer >= 0 && layer < profile.n_layers(), "cachegen_paper: no layer {} in the profile", layer);
   const auto& tb = profile.layers[static_cast<std::size_t>(layer)][kv];
   const std::int64_t C = tb.channels, T = chunk.tokens, G = profile.group;
   require(chunk.codes[kv].size() == static_cast<std::size_t>(C * T) && chunk.scales[kv].size() == static_cast<std::size_t>(T),

@@ -76,7 +76,7 @@ void CachegenPaperConfig::validate() const {
 
 double CachegenPaperConfig::bin_for_layer(int layer, int n_layers) const {
   require(n_layers >= 1 && layer >= 0 && layer < n_layers,
-          fmt::format("cachegen_paper: layer {} is not an attention layer of a {}-layer model", layer, n_layers));
+          "cachegen_paper: layer {} is not an attention layer of a {}-layer model", layer, n_layers);
   return bins[static_cast<std::size_t>(std::min(2, 3 * layer / n_layers))];
 }
 
@@ -183,14 +183,14 @@ void CachegenPaperProfile::check_matches(const CachegenPaperConfig& config, int 
 
 CachegenPaperProfiler::CachegenPaperProfiler(CachegenPaperConfig config, int n_layers) : config_(std::move(config)) {
   config_.validate();
-  require(n_layers >= 1 && n_layers <= kMaxLayers, fmt::format("cachegen_paper profiler: n_layers must be in 1..{}, got {}", kMaxLayers, n_layers));
+  require(n_layers >= 1 && n_layers <= kMaxLayers, "cachegen_paper profiler: n_layers must be in 1..{}, got {}", kMaxLayers, n_layers);
   profile_.group = config_.group;
   profile_.bins = config_.bins;
   profile_.layers.resize(static_cast<std::size_t>(n_layers));
 }
 
 void CachegenPaperProfiler::add(int layer, const Tensor& keys, const Tensor& values) {
-  require(layer >= 0 && layer < profile_.n_layers(), fmt::format("cachegen_paper profiler: no layer {}", layer));
+  require(layer >= 0 && layer < profile_.n_layers(), "cachegen_paper profiler: no layer {}", layer);
   require(keys.dim(0) == values.dim(0) && keys.dim(1) == values.dim(1) && keys.dim(2) == values.dim(2),
           "cachegen_paper profiler: keys and values must agree in batch, heads and tokens");
   check_tensor(keys, "keys");
@@ -202,13 +202,13 @@ void CachegenPaperProfiler::add(int layer, const Tensor& keys, const Tensor& val
     const std::int64_t C = t.dim(1) * t.dim(3);
     auto& tb = profile_.layers[static_cast<std::size_t>(layer)][kv];
     if (tb.channels == 0) {
-      require(C >= 1 && C <= kMaxChannels, fmt::format("cachegen_paper profiler: {} channels per token is out of range", C));
+      require(C >= 1 && C <= kMaxChannels, "cachegen_paper profiler: {} channels per token is out of range", C);
       tb.channels = C;
       tb.delta_max_q = mq;
       tb.anchor_counts.assign(static_cast<std::size_t>(C), std::vector<std::uint32_t>(kCachegenAnchorAlphabet));
       tb.delta_counts.assign(static_cast<std::size_t>(C), std::vector<std::uint32_t>(static_cast<std::size_t>(2 * mq + 1)));
     }
-    require(tb.channels == C, fmt::format("cachegen_paper profiler: layer {} has {} channels, earlier {}", layer, C, tb.channels));
+    require(tb.channels == C, "cachegen_paper profiler: layer {} has {} channels, earlier {}", layer, C, tb.channels);
     std::vector<float> x(static_cast<std::size_t>(C)), recon(static_cast<std::size_t>(C)), anchor(static_cast<std::size_t>(C));
     std::vector<std::uint16_t> sym(static_cast<std::size_t>(C));
     for (std::int64_t b = 0; b < t.dim(0); ++b)
@@ -230,7 +230,7 @@ void CachegenPaperProfiler::add(int layer, const Tensor& keys, const Tensor& val
 CachegenPaperProfile CachegenPaperProfiler::finish() const {
   for (int l = 0; l < profile_.n_layers(); ++l)
     require(profile_.layers[static_cast<std::size_t>(l)][0].channels > 0,
-            fmt::format("cachegen_paper profiler: layer {} was never fed", l));
+            "cachegen_paper profiler: layer {} was never fed", l);
   CachegenPaperProfile p = profile_;
   p.build_tables();
   return p;

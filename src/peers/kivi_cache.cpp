@@ -95,7 +95,7 @@ std::pair<Tensor, Tensor> KiviKVCache::update_and_fetch(const Tensor& keys, cons
 }
 
 std::int64_t KiviKVCache::trim(std::int64_t n) {
-  require(n >= 0, fmt::format("trim: n must be >= 0, got {}", n));
+  require(n >= 0, "trim: n must be >= 0, got {}", n);
   if (n == 0 || offset_ == 0) return 0;
   throw InvalidArgument("kivi: the cache is not trimmable (its quantized tokens cannot be restored to full precision)");
 }

@@ -82,7 +82,7 @@ void LmcacheConfig::validate() const {
 
 LmcacheBins lmcache_bins(int layer, int n_layers, bool scaled) {
   require(n_layers >= 1 && layer >= 0 && layer < n_layers,
-          fmt::format("lmcache: layer {} is not an attention layer of a {}-layer model", layer, n_layers));
+          "lmcache: layer {} is not an attention layer of a {}-layer model", layer, n_layers);
   // LMCache's table is written for 32 layers: 32 bins below layer 10 (K) and layer 2 (V).
   if (scaled) return {32 * layer < 10 * n_layers ? 32 : 16, 32 * layer < 2 * n_layers ? 32 : 16};
   if (n_layers < 10) return {32, 32};
@@ -139,7 +139,7 @@ std::vector<std::uint8_t> LmcacheKVCache::encode_chunk(const Chunk& chunk, const
     require(chunk.scales[kv].size() == T && !codes.empty() && codes.size() % T == 0,
             "lmcache encode: a chunk needs one scale and C >= 1 codes per token");
     require(std::all_of(codes.begin(), codes.end(), [&](std::uint16_t q) { return q < alphabet; }),
-            fmt::format("lmcache encode: a code is outside the alphabet of {} bins", kv == 0 ? bins.key : bins.value));
+            "lmcache encode: a code is outside the alphabet of {} bins", kv == 0 ? bins.key : bins.value);
     v.channels[kv] = static_cast<std::int64_t>(codes.size() / T);
     v.codes[kv] = codes;
     v.scales[kv] = chunk.scales[kv];

@@ -101,7 +101,7 @@ PeerCoder lz4_coder(int bits) {
 }  // namespace
 
 std::vector<PeerCoder> peer_coders(int bits) {
-  require(bits >= 1 && bits <= 8, fmt::format("peer_coders: bits must be in 1..8, got {}", bits));
+  require(bits >= 1 && bits <= 8, "peer_coders: bits must be in 1..8, got {}", bits);
   return {htscodecs_rans(0), htscodecs_rans(1), zstd_coder(1, bits), zstd_coder(3, bits), zstd_coder(19, bits), lz4_coder(bits)};
 }
 

@@ -52,14 +52,14 @@ std::size_t TokenCodeKVCache::nbytes() const {
 }
 
 std::span<const std::uint16_t> TokenCodeKVCache::codes(std::int64_t b, int kv) const {
-  require(kv == 0 || kv == 1, fmt::format("{}: kv must be 0 (K) or 1 (V)", name_));
-  require(b >= 0 && b < static_cast<std::int64_t>(codes_[kv].size()), fmt::format("{}: no sequence {}", name_, b));
+  require(kv == 0 || kv == 1, "{}: kv must be 0 (K) or 1 (V)", name_);
+  require(b >= 0 && b < static_cast<std::int64_t>(codes_[kv].size()), "{}: no sequence {}", name_, b);
   return codes_[kv][static_cast<std::size_t>(b)];
 }
 
 std::span<const std::uint16_t> TokenCodeKVCache::scales(std::int64_t b, int kv) const {
-  require(kv == 0 || kv == 1, fmt::format("{}: kv must be 0 (K) or 1 (V)", name_));
-  require(b >= 0 && b < static_cast<std::int64_t>(scales_[kv].size()), fmt::format("{}: no sequence {}", name_, b));
+  require(kv == 0 || kv == 1, "{}: kv must be 0 (K) or 1 (V)", name_);
+  require(b >= 0 && b < static_cast<std::int64_t>(scales_[kv].size()), "{}: no sequence {}", name_, b);
   return scales_[kv][static_cast<std::size_t>(b)];
 }
 
@@ -69,7 +69,7 @@ std::int64_t TokenCodeKVCache::channels(int kv) const {
 }
 
 std::pair<std::int64_t, std::int64_t> TokenCodeKVCache::chunk_range(std::int64_t c) const {
-  require(c >= 0 && c < chunks(), fmt::format("{}: chunk {} does not exist ({} chunks)", name_, c, chunks()));
+  require(c >= 0 && c < chunks(), "{}: chunk {} does not exist ({} chunks)", name_, c, chunks());
   const std::int64_t t0 = c * chunk_;
   return {t0, std::min<std::int64_t>(chunk_, offset_ - t0)};
 }

@@ -17,8 +17,8 @@ const char* const kRangeOverflow = "cannot quantize: a group's range overflows f
 }  // namespace
 
 void check_quant_params(int bits, int group_size) {
-  require(bits >= 1 && bits <= 8, fmt::format("bits must be in 1..8, got {}", bits));
-  require(group_size >= 1, fmt::format("group_size must be >= 1, got {}", group_size));
+  require(bits >= 1 && bits <= 8, "bits must be in 1..8, got {}", bits);
+  require(group_size >= 1, "group_size must be >= 1, got {}", group_size);
 }
 
 VQ_KERNEL bool all_finite(const float* x, std::size_t n) {
@@ -87,9 +87,9 @@ VQ_KERNEL void dequant_group(const std::uint8_t* __restrict codes, int n_rows, i
 
 GroupQuantized quantize_to_codes(std::span<const float> x, int n_tokens, int dim, int bits, int group_size) {
   check_quant_params(bits, group_size);
-  require(n_tokens >= 0 && dim >= 1, fmt::format("quantize_to_codes: bad slice shape [{}, {}]", n_tokens, dim));
+  require(n_tokens >= 0 && dim >= 1, "quantize_to_codes: bad slice shape [{}, {}]", n_tokens, dim);
   require(x.size() == static_cast<std::size_t>(n_tokens) * static_cast<std::size_t>(dim),
-          fmt::format("quantize_to_codes: {} values given for a [{}, {}] slice", x.size(), n_tokens, dim));
+          "quantize_to_codes: {} values given for a [{}, {}] slice", x.size(), n_tokens, dim);
   require(all_finite(x.data(), x.size()), "cannot quantize NaN or Inf values");
   GroupQuantized q;
   q.n_tokens = n_tokens;
@@ -113,7 +113,7 @@ GroupQuantized quantize_to_codes(std::span<const float> x, int n_tokens, int dim
 
 void dequant_codes(const GroupQuantized& q, std::span<float> out) {
   require(out.size() == static_cast<std::size_t>(q.n_tokens) * static_cast<std::size_t>(q.dim),
-          fmt::format("dequant_codes: output holds {} values, need {}", out.size(), q.n_tokens * q.dim));
+          "dequant_codes: output holds {} values, need {}", out.size(), q.n_tokens * q.dim);
   const int ng = q.n_groups();
   for (int g = 0; g < ng; ++g) {
     const int r0 = g * q.group_size;

@@ -10,8 +10,8 @@
 namespace vq {
 
 std::vector<int> layer_group_bits(int n_layers, int base_bits, int n_groups) {
-  require(n_groups >= 1, fmt::format("layer_group_bits: n_groups must be >= 1, got {}", n_groups));
-  require(base_bits >= 1 && base_bits <= 8, fmt::format("layer_group_bits: base_bits must be in 1..8, got {}", base_bits));
+  require(n_groups >= 1, "layer_group_bits: n_groups must be >= 1, got {}", n_groups);
+  require(base_bits >= 1 && base_bits <= 8, "layer_group_bits: base_bits must be in 1..8, got {}", base_bits);
   if (n_layers <= 0) return {};
   n_groups = std::min(n_groups, n_layers);
   std::vector<int> bounds(static_cast<std::size_t>(n_groups) + 1);

@@ -12,8 +12,8 @@ namespace vq {
 
 SyntheticKV make_synthetic_kv(const SyntheticKVConfig& cfg) {
   require(cfg.batch >= 1 && cfg.heads >= 1 && cfg.tokens >= 0 && cfg.head_dim >= 2,
-          fmt::format("synthetic KV: bad shape [{}, {}, {}, {}]", cfg.batch, cfg.heads, cfg.tokens, cfg.head_dim));
-  require(cfg.head_dim % 2 == 0, fmt::format("synthetic KV: head_dim must be even for RoPE, got {}", cfg.head_dim));
+          "synthetic KV: bad shape [{}, {}, {}, {}]", cfg.batch, cfg.heads, cfg.tokens, cfg.head_dim);
+  require(cfg.head_dim % 2 == 0, "synthetic KV: head_dim must be even for RoPE, got {}", cfg.head_dim);
   require(cfg.outlier_channels >= 0 && cfg.outlier_channels <= cfg.head_dim, "synthetic KV: bad outlier channel count");
   const std::int64_t B = cfg.batch, H = cfg.heads, S = cfg.tokens, D = cfg.head_dim;
   std::vector<float> k(static_cast<std::size_t>(B * H * S * D)), v(k.size());

@@ -16,7 +16,7 @@ namespace vq {
 std::size_t packed_size(std::size_t n_codes, int bits) { return (n_codes * static_cast<std::size_t>(bits) + 7) / 8; }
 
 std::vector<std::uint8_t> pack_bits(std::span<const std::uint8_t> codes, int bits) {
-  require(bits >= 1 && bits <= 8, fmt::format("pack_bits: bits must be in 1..8, got {}", bits));
+  require(bits >= 1 && bits <= 8, "pack_bits: bits must be in 1..8, got {}", bits);
   std::vector<std::uint8_t> out(packed_size(codes.size(), bits), 0);
   if (bits == 8) {
     std::copy(codes.begin(), codes.end(), out.begin());
@@ -58,7 +58,7 @@ std::vector<std::uint8_t> pack_bits(std::span<const std::uint8_t> codes, int bit
 }
 
 std::vector<std::uint8_t> unpack_bits(std::span<const std::uint8_t> packed, std::size_t n_codes, int bits) {
-  require(bits >= 1 && bits <= 8, fmt::format("unpack_bits: bits must be in 1..8, got {}", bits));
+  require(bits >= 1 && bits <= 8, "unpack_bits: bits must be in 1..8, got {}", bits);
   if (packed.size() < packed_size(n_codes, bits))
     throw FormatError(fmt::format("unpack_bits: {} bytes hold fewer than {} codes of {} bits", packed.size(), n_codes, bits));
   std::vector<std::uint8_t> out(n_codes);

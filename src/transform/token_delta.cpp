@@ -8,7 +8,7 @@ namespace vq {
 
 std::vector<std::int16_t> token_delta(std::span<const std::uint8_t> codes, int n_tokens, int dim) {
   require(n_tokens >= 0 && dim >= 1 && codes.size() == static_cast<std::size_t>(n_tokens) * static_cast<std::size_t>(dim),
-          fmt::format("token_delta: {} codes given for a [{}, {}] matrix", codes.size(), n_tokens, dim));
+          "token_delta: {} codes given for a [{}, {}] matrix", codes.size(), n_tokens, dim);
   std::vector<std::int16_t> out(codes.size());
   for (int c = 0; c < dim && n_tokens > 0; ++c) out[static_cast<std::size_t>(c)] = codes[static_cast<std::size_t>(c)];
   for (std::size_t i = static_cast<std::size_t>(dim); i < codes.size(); ++i)
@@ -18,7 +18,7 @@ std::vector<std::int16_t> token_delta(std::span<const std::uint8_t> codes, int n
 
 std::vector<std::uint8_t> token_undelta(std::span<const std::int16_t> deltas, int n_tokens, int dim) {
   require(n_tokens >= 0 && dim >= 1 && deltas.size() == static_cast<std::size_t>(n_tokens) * static_cast<std::size_t>(dim),
-          fmt::format("token_undelta: {} deltas given for a [{}, {}] matrix", deltas.size(), n_tokens, dim));
+          "token_undelta: {} deltas given for a [{}, {}] matrix", deltas.size(), n_tokens, dim);
   std::vector<std::uint8_t> out(deltas.size());
   std::vector<int> acc(static_cast<std::size_t>(dim), 0);
   for (std::size_t i = 0; i < deltas.size(); ++i) {

@@ -37,7 +37,7 @@ void sym_sqrt(const std::vector<double>& m, int n, std::vector<double>& root, st
 // Sylvester Hadamard of order n (a power of two) times random signs, scaled to be orthonormal:
 // fwd = H D / sqrt(n), inv = fwd^T. The seed is fixed: the decoder must rebuild the same signs.
 void hadamard_block(int n, std::uint64_t seed, std::vector<double>& fwd, std::vector<double>& inv) {
-  require(n > 0 && (n & (n - 1)) == 0, fmt::format("vq: basis=hadamard needs a power-of-two row or head size, got {}", n));
+  require(n > 0 && (n & (n - 1)) == 0, "vq: basis=hadamard needs a power-of-two row or head size, got {}", n);
   std::mt19937_64 rng(seed);
   std::vector<double> sign(sz(n));
   for (auto& s : sign) s = (rng() & 1) ? -1.0 : 1.0;
@@ -158,7 +158,7 @@ std::vector<double> symmetric_eigen(std::vector<double> a, int n, std::vector<do
 }
 
 VqLayerModel make_vq_identity_layer(int kv_heads, int head_dim) {
-  require(kv_heads > 0 && head_dim > 0, fmt::format("vq: bad layer shape {} heads x {}", kv_heads, head_dim));
+  require(kv_heads > 0 && head_dim > 0, "vq: bad layer shape {} heads x {}", kv_heads, head_dim);
   VqLayerModel m;
   m.kv_heads = kv_heads;
   m.head_dim = head_dim;
@@ -169,7 +169,7 @@ VqLayerModel make_vq_identity_layer(int kv_heads, int head_dim) {
 VqLayerModel make_vq_layer_model(const VqLayerWeights& w, const VqBasisOptions& o) {
   const int H = w.n_kv_heads, D = w.head_dim, n = H * D;
   require(H > 0 && D > 0 && w.n_heads > 0 && w.n_heads % H == 0 && w.dim > 0 && D % 2 == 0,
-          fmt::format("vq: bad layer shape (dim {}, {} query heads, {} KV heads, head dim {})", w.dim, w.n_heads, H, D));
+          "vq: bad layer shape (dim {}, {} query heads, {} KV heads, head dim {})", w.dim, w.n_heads, H, D);
   require(w.wq.size() == sz(w.n_heads) * sz(D) * sz(w.dim) && w.wk.size() == sz(n) * sz(w.dim) && w.wv.size() == sz(n) * sz(w.dim) &&
               w.wo.size() == sz(w.dim) * sz(w.n_heads) * sz(D) && w.rms_att.size() == sz(w.dim),
           "vq: layer weights do not match the layer shape");

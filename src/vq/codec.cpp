@@ -67,19 +67,19 @@ CoefModel model_of(const VqSideCodes& s, std::int64_t rows, int c) {
 void check_side(const VqSideCodes& s, std::int64_t rows, const char* name) {
   require(s.n >= 1 && s.n <= 65536 && s.offset.size() == sz(s.n) && s.codes.size() == sz(rows) * sz(s.n) &&
               (s.shift.empty() || s.shift.size() == sz(s.n)),
-          fmt::format("vq_encode: {} side has inconsistent sizes (n {}, {} offsets, {} shifts, {} codes for {} rows)", name, s.n,
-                      s.offset.size(), s.shift.size(), s.codes.size(), rows));
-  require(std::isfinite(s.step) && s.step > 0.0f, fmt::format("vq_encode: {} step must be finite and > 0", name));
+          "vq_encode: {} side has inconsistent sizes (n {}, {} offsets, {} shifts, {} codes for {} rows)", name, s.n,
+                      s.offset.size(), s.shift.size(), s.codes.size(), rows);
+  require(std::isfinite(s.step) && s.step > 0.0f, "vq_encode: {} step must be finite and > 0", name);
   for (const auto m : s.offset)
-    require(m >= -kVqMaxOffset && m <= kVqMaxOffset, fmt::format("vq_encode: {} offset {} is outside +-{}", name, m, kVqMaxOffset));
+    require(m >= -kVqMaxOffset && m <= kVqMaxOffset, "vq_encode: {} offset {} is outside +-{}", name, m, kVqMaxOffset);
   for (int c = 0; c < s.n; ++c) {
     const int shift = s.shift.empty() ? 0 : s.shift[sz(c)];
-    require(shift <= kVqMaxShift, fmt::format("vq_encode: {} shift {} exceeds {}", name, shift, kVqMaxShift));
+    require(shift <= kVqMaxShift, "vq_encode: {} shift {} exceeds {}", name, shift, kVqMaxShift);
     for (std::int64_t r = 0; r < rows; ++r) {
       const int q = s.codes[sz(r) * sz(s.n) + sz(c)];
       require(std::abs(hi_of(q, shift)) <= kVqMaxCode,
-              fmt::format("vq_encode: {} code {} of coefficient {} is outside -{}..{} (shift {})", name, q, c, kVqMaxCode << shift,
-                          ((kVqMaxCode + 1) << shift) - 1, shift));
+              "vq_encode: {} code {} of coefficient {} is outside -{}..{} (shift {})", name, q, c, kVqMaxCode << shift,
+                          ((kVqMaxCode + 1) << shift) - 1, shift);
     }
   }
 }
@@ -149,7 +149,7 @@ FrequencyTable low_table(int shift) {
 }  // namespace
 
 FrequencyTable vq_table(int amax, std::uint8_t param) {
-  require(amax >= 0 && amax <= kVqMaxCode, fmt::format("vq_table: amax {} outside 0..{}", amax, kVqMaxCode));
+  require(amax >= 0 && amax <= kVqMaxCode, "vq_table: amax {} outside 0..{}", amax, kVqMaxCode);
   const bool laplace = (param & 0x80) != 0;
   // sigma = 2^((i - 48) / 8): an exact power of two times 2^(j/8), j = 0..7, from a table of
   // correctly rounded constants (no libm pow, so every platform agrees).

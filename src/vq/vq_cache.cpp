@@ -91,11 +91,11 @@ float water_fill_step(const std::vector<double>& sigma, double bits) {
 void VqConfig::validate() const {
   // 10: above it the widest coefficients of stories260K would need more than the coder's +-32640
   // steps, and 10 bits already match float16's quality there.
-  require(bits > 0 && bits <= 10, fmt::format("vq: bits={} must be in (0, 10]", bits));
-  require(calib >= 1, fmt::format("vq: calib={} must be >= 1", calib));
-  require(residual >= 0, fmt::format("vq: residual={} must be >= 0", residual));
+  require(bits > 0 && bits <= 10, "vq: bits={} must be in (0, 10]", bits);
+  require(calib >= 1, "vq: calib={} must be >= 1", calib);
+  require(residual >= 0, "vq: residual={} must be >= 0", residual);
   require(bits + k_offset > 0 && bits + v_offset > 0 && bits + k_offset <= 10 && bits + v_offset <= 10,
-          fmt::format("vq: bits {} with the layer's offsets K {:+} V {:+} leaves a side outside (0, 10]", bits, k_offset, v_offset));
+          "vq: bits {} with the layer's offsets K {:+} V {:+} leaves a side outside (0, 10]", bits, k_offset, v_offset);
 }
 
 VqKVCache::VqKVCache(VqConfig config, std::shared_ptr<const VqLayerModel> layer)
@@ -122,8 +122,8 @@ std::pair<Tensor, Tensor> VqKVCache::update_and_fetch(const Tensor& keys, const 
   if (identity_from_data_ && offset_ == 0) layer_.reset();  // an empty cache takes the new chunk's shape
   if (layer_) {
     require(H == layer_->kv_heads && H * keys.dim(3) == layer_->k.n && H * values.dim(3) == layer_->v.n,
-            fmt::format("vq: the layer model expects {} heads of K dim {} and V dim {}, got {} heads of {} and {}", layer_->kv_heads,
-                        layer_->k.n / layer_->kv_heads, layer_->v.n / layer_->kv_heads, H, keys.dim(3), values.dim(3)));
+            "vq: the layer model expects {} heads of K dim {} and V dim {}, got {} heads of {} and {}", layer_->kv_heads,
+                        layer_->k.n / layer_->kv_heads, layer_->v.n / layer_->kv_heads, H, keys.dim(3), values.dim(3));
     require(layer_->rope_freq.empty() || static_cast<std::int64_t>(layer_->rope_freq.size()) * 2 == keys.dim(3),
             "vq: the layer model's RoPE pairs do not match the key head dim");
   } else {

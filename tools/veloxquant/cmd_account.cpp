@@ -29,15 +29,15 @@ int run_account(const AccountOptions& o) {
   cfg.cachegen_per_channel = !o.pooled;
   cfg.cachegen_flush = vq::flush_mode_from_name(o.flush);
   cfg.validate();
-  vq::require(o.chunk >= 0, fmt::format("--chunk must be >= 1, got {}", o.chunk));
+  vq::require(o.chunk >= 0, "--chunk must be >= 1, got {}", o.chunk);
 
   const vq::Tensor k = vq::read_npy(o.keys);
   const vq::Tensor v = vq::read_npy(o.values);
   vq::require(k.dim(0) == v.dim(0) && k.dim(1) == v.dim(1) && k.dim(2) == v.dim(2),
-              fmt::format("{} has shape {} but {} has shape {}: B, H and S must agree", o.keys, vq::shape_string(k.shape()),
-                          o.values, vq::shape_string(v.shape())));
-  vq::require(k.dtype() == v.dtype(), fmt::format("{} is {} but {} is {}", o.keys, vq::dtype_name(k.dtype()), o.values,
-                                                  vq::dtype_name(v.dtype())));
+              "{} has shape {} but {} has shape {}: B, H and S must agree", o.keys, vq::shape_string(k.shape()),
+                          o.values, vq::shape_string(v.shape()));
+  vq::require(k.dtype() == v.dtype(), "{} is {} but {} is {}", o.keys, vq::dtype_name(k.dtype()), o.values,
+                                                  vq::dtype_name(v.dtype()));
 
   vq::CacheGenKVCache cache(cfg);
   const std::int64_t S = k.dim(2);

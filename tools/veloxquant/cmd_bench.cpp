@@ -72,7 +72,7 @@ vq::KVCacheConfig bench_config(int bits) {
 
 Source from_tensors(const vq::Tensor& k, const vq::Tensor& v, int bits, std::string name) {
   vq::require(k.dim(0) == v.dim(0) && k.dim(1) == v.dim(1) && k.dim(2) == v.dim(2) && k.dtype() == v.dtype(),
-              fmt::format("keys {} and values {} must agree in B, H, S and dtype", vq::shape_string(k.shape()), vq::shape_string(v.shape())));
+              "keys {} and values {} must agree in B, H, S and dtype", vq::shape_string(k.shape()), vq::shape_string(v.shape()));
   vq::CacheGenKVCache cache(bench_config(bits));
   cache.update_and_fetch(k, v);
   Source src{std::move(name), {}, cache.key_stream().quantized_tokens()};
@@ -108,7 +108,7 @@ Source from_model(const BenchOptions& o) {
   const std::vector<int> tokens = tok.encode(text, /*bos=*/false);
   const int per_window = window - 1;  // BOS + per_window text tokens fill the model's context
   const int n_windows = std::min<int>(o.windows, static_cast<int>(tokens.size() / static_cast<std::size_t>(per_window)));
-  vq::require(n_windows >= 1, fmt::format("{}: too little text for one {}-token window", text_path, window));
+  vq::require(n_windows >= 1, "{}: too little text for one {}-token window", text_path, window);
   vq::MethodSpec spec;
   spec.kind = vq::MethodSpec::Kind::CacheGen;
   spec.cachegen = bench_config(o.bits);
@@ -333,8 +333,8 @@ CoderResult measure(const std::string& name, std::size_t n_streams,
 }
 
 int run_bench_codec(const BenchOptions& o) {
-  vq::require(o.bits >= 1 && o.bits <= 8, fmt::format("--bits must be 1..8, got {}", o.bits));
-  vq::require(o.windows >= 1, fmt::format("--windows must be >= 1, got {}", o.windows));
+  vq::require(o.bits >= 1 && o.bits <= 8, "--bits must be 1..8, got {}", o.bits);
+  vq::require(o.windows >= 1, "--windows must be >= 1, got {}", o.windows);
   const int n_sources = (!o.keys.empty() || !o.values.empty()) + !o.model.empty() + o.synthetic;
   vq::require(n_sources == 1, "give exactly one source: --keys K.npy --values V.npy, --model M, or --synthetic");
   Source src;

@@ -31,7 +31,7 @@ struct GenerateOptions {
 int run_generate(const GenerateOptions& o) {
   auto opt = [](const std::string& s) { return s.empty() ? std::nullopt : std::optional<std::filesystem::path>(s); };
   const vq::ModelFiles files = vq::resolve_model_files(opt(o.model), opt(o.tokenizer));
-  vq::require(o.steps >= 1, fmt::format("--steps must be >= 1, got {}", o.steps));
+  vq::require(o.steps >= 1, "--steps must be >= 1, got {}", o.steps);
   vq::Transformer model(vq::Checkpoint::load(files.model.string()));
   const vq::Tokenizer tok = vq::Tokenizer::load(files.tokenizer.string(), model.config().vocab_size);
   auto caches = vq::make_caches(o.method, model);

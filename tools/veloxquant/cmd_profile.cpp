@@ -46,9 +46,9 @@ double mean_bits(const std::vector<std::vector<std::uint32_t>>& counts, const st
 int run_profile(const ProfileCliOptions& o) {
   const vq::MethodSpec spec = vq::MethodSpec::parse(o.method);
   vq::require(spec.kind == vq::MethodSpec::Kind::CachegenPaper,
-              fmt::format("--method must be a cachegen_paper spec (it sets group and bins), got '{}'", o.method));
-  vq::require(o.tokens >= 1, fmt::format("--tokens must be >= 1, got {}", o.tokens));
-  vq::require(o.skip >= 0, fmt::format("--skip must be >= 0, got {}", o.skip));
+              "--method must be a cachegen_paper spec (it sets group and bins), got '{}'", o.method);
+  vq::require(o.tokens >= 1, "--tokens must be >= 1, got {}", o.tokens);
+  vq::require(o.skip >= 0, "--skip must be >= 0, got {}", o.skip);
   if (!o.model.empty() && !std::filesystem::is_regular_file(o.model))
     throw vq::IoError(fmt::format("{}: cannot open model (no such file)", o.model));
   // A tokenizer not given explicitly is looked for beside an explicit model first (as eval does).
@@ -61,7 +61,7 @@ int run_profile(const ProfileCliOptions& o) {
   vq::Transformer model(vq::Checkpoint::load(files.model.string()));
   const vq::Tokenizer tok = vq::Tokenizer::load(files.tokenizer.string(), model.config().vocab_size);
   vq::require(o.window >= 2 && o.window <= model.config().seq_len,
-              fmt::format("--window must be in 2..{} (the model's seq_len), got {}", model.config().seq_len, o.window));
+              "--window must be in 2..{} (the model's seq_len), got {}", model.config().seq_len, o.window);
 
   std::string text_path = o.text;
   if (text_path.empty()) {
@@ -83,7 +83,7 @@ int run_profile(const ProfileCliOptions& o) {
   }
   const std::vector<int> tokens = tok.encode(text, /*bos=*/false);
   vq::require(static_cast<std::int64_t>(tokens.size()) > o.skip,
-              fmt::format("{} holds {} tokens, not more than --skip {}", text_path, tokens.size(), o.skip));
+              "{} holds {} tokens, not more than --skip {}", text_path, tokens.size(), o.skip);
   const auto windows = vq::profile_windows(tokens, o.window, o.skip, o.tokens);
   const vq::CachegenPaperProfile profile = vq::profile_cachegen_paper(model, windows, spec.cachegen_paper);
   profile.save(o.out);

@@ -77,7 +77,7 @@ int run_rd(RdOptions o) {
   eval.ctx = o.ctx;
   eval.window = o.window;
   eval.chunk = o.chunk;
-  vq::require(o.windows >= 1, fmt::format("--windows must be >= 1, got {}", o.windows));
+  vq::require(o.windows >= 1, "--windows must be >= 1, got {}", o.windows);
   const std::vector<std::string> items =
       o.methods.empty() ? rd::default_families() : vq::split_method_list(o.methods);
   const std::vector<std::string> methods = rd::expand_methods(items);
@@ -111,7 +111,7 @@ int run_rd(RdOptions o) {
   const std::string text = read_text(text_path, static_cast<std::size_t>(o.windows) * static_cast<std::size_t>(eval.window) * 16);
   const std::vector<int> tokens = tok.encode(text, /*bos=*/false);
   const std::int64_t available = static_cast<std::int64_t>(tokens.size()) / (eval.window - 1);
-  vq::require(available >= 1, fmt::format("{}: the text holds {} tokens, fewer than one window of {}", text_path, tokens.size(), eval.window));
+  vq::require(available >= 1, "{}: the text holds {} tokens, fewer than one window of {}", text_path, tokens.size(), eval.window);
   const std::int64_t n_windows = std::min<std::int64_t>(available, o.windows);
   if (n_windows < o.windows)
     fmt::print(stderr, "rd: warning: the text holds only {} windows of {} tokens; scoring {} instead of {}\n", available, eval.window,

@@ -48,7 +48,7 @@ vq::MethodSpec method_of(const CompressOptions& o) {
     spec.cachegen.validate();
   }
   vq::require(spec.kind == vq::MethodSpec::Kind::CacheGen || spec.kind == vq::MethodSpec::Kind::Fp32,
-              fmt::format("--method {}: a .vqkv file holds cachegen or fp32 caches", o.method));
+              "--method {}: a .vqkv file holds cachegen or fp32 caches", o.method);
   return spec;
 }
 
@@ -65,7 +65,7 @@ void feed(vq::KVCache& cache, const vq::Tensor& k, const vq::Tensor& v, std::int
 int run_compress(const CompressOptions& o) {
   const int sources = (!o.keys.empty() || !o.values.empty()) + !o.kv.empty() + (o.ctx > 0 || !o.model.empty() || !o.text.empty());
   vq::require(sources == 1, "give exactly one input: --keys K.npy --values V.npy, --kv FILE.safetensors, or --model/--text with --ctx N");
-  vq::require(o.chunk >= 0, fmt::format("--chunk must be >= 1, got {}", o.chunk));
+  vq::require(o.chunk >= 0, "--chunk must be >= 1, got {}", o.chunk);
   const vq::MethodSpec spec = method_of(o);
   vq::PromptMetadata meta{{"method", spec.to_string()}, {"writer", "veloxquant 0.1.0"}};
   std::vector<std::shared_ptr<vq::KVCache>> caches;
@@ -82,10 +82,10 @@ int run_compress(const CompressOptions& o) {
     vq::require(!o.keys.empty() && !o.values.empty(), "--keys and --values go together");
     vq::KVPair p{vq::read_npy(o.keys), vq::read_npy(o.values)};
     vq::require(p.keys.dim(0) == p.values.dim(0) && p.keys.dim(1) == p.values.dim(1) && p.keys.dim(2) == p.values.dim(2),
-                fmt::format("{} has shape {} but {} has shape {}: B, H and S must agree", o.keys, vq::shape_string(p.keys.shape()), o.values,
-                            vq::shape_string(p.values.shape())));
+                "{} has shape {} but {} has shape {}: B, H and S must agree", o.keys, vq::shape_string(p.keys.shape()), o.values,
+                            vq::shape_string(p.values.shape()));
     vq::require(p.keys.dtype() == p.values.dtype(),
-                fmt::format("{} is {} but {} is {}", o.keys, vq::dtype_name(p.keys.dtype()), o.values, vq::dtype_name(p.values.dtype())));
+                "{} is {} but {} is {}", o.keys, vq::dtype_name(p.keys.dtype()), o.values, vq::dtype_name(p.values.dtype()));
     meta["source"] = fmt::format("{} {}", std::filesystem::path(o.keys).filename().string(), std::filesystem::path(o.values).filename().string());
     feed_layers({p});
   } else if (!o.kv.empty()) {
@@ -98,11 +98,11 @@ int run_compress(const CompressOptions& o) {
                                                          o.tokenizer.empty() ? std::nullopt : std::optional<std::filesystem::path>(o.tokenizer));
     vq::Transformer model(vq::Checkpoint::load(files.model.string()));
     const vq::Tokenizer tok = vq::Tokenizer::load(files.tokenizer.string(), model.config().vocab_size);
-    vq::require(o.ctx <= model.config().seq_len, fmt::format("--ctx {} is longer than the model's context ({})", o.ctx, model.config().seq_len));
+    vq::require(o.ctx <= model.config().seq_len, "--ctx {} is longer than the model's context ({})", o.ctx, model.config().seq_len);
     const std::string text_path = text_path_or_default(o.text);
     const std::string text = read_text(text_path, static_cast<std::size_t>(o.ctx) * 64);  // plenty for ctx tokens
     std::vector<int> tokens = tok.encode(text, /*bos=*/true);
-    vq::require(static_cast<int>(tokens.size()) >= o.ctx, fmt::format("{} holds only {} tokens, fewer than --ctx {}", text_path, tokens.size(), o.ctx));
+    vq::require(static_cast<int>(tokens.size()) >= o.ctx, "{} holds only {} tokens, fewer than --ctx {}", text_path, tokens.size(), o.ctx);
     tokens.resize(static_cast<std::size_t>(o.ctx));
     caches = vq::make_caches(spec, model);
     const std::size_t step = o.chunk > 0 ? static_cast<std::size_t>(o.chunk) : tokens.size();
@@ -143,9 +143,9 @@ int run_decompress(const DecompressOptions& o) {
   const vq::PromptCache pc = vq::load_prompt_cache(o.in);
   if (npy) {
     const int n = static_cast<int>(pc.caches.size());
-    vq::require(o.layer >= 0 || n == 1, fmt::format("{} holds {} layers: choose one with --layer I, or write them all with -o OUT.safetensors", o.in, n));
+    vq::require(o.layer >= 0 || n == 1, "{} holds {} layers: choose one with --layer I, or write them all with -o OUT.safetensors", o.in, n);
     const int l = o.layer >= 0 ? o.layer : 0;
-    vq::require(l < n, fmt::format("--layer {} is out of range (the file holds layers 0..{})", l, n - 1));
+    vq::require(l < n, "--layer {} is out of range (the file holds layers 0..{})", l, n - 1);
     const vq::KVState st = pc.caches[static_cast<std::size_t>(l)]->state();
     vq::write_npy(o.keys_out, st.keys.contiguous());
     vq::write_npy(o.values_out, st.values.contiguous());

@@ -2,6 +2,9 @@
 #pragma once
 #include <stdexcept>
 #include <string>
+#include <utility>
+
+#include <fmt/format.h>
 
 namespace vq {
 
@@ -31,5 +34,17 @@ class IoError : public Error {
 
 // Throw InvalidArgument with `message` unless `condition` holds.
 void require(bool condition, const std::string& message);
+
+[[noreturn]] void throw_invalid_argument(const std::string& message);
+
+// Throw InvalidArgument with fmt::format(format, args...) unless `condition` holds. The message is
+// formatted only when the check fails: a passing check costs one branch, so checks may sit in hot
+// loops (require(ok, "code {} of row {}", q, r) instead of require(ok, fmt::format(...))).
+template <typename... Args>
+  requires(sizeof...(Args) > 0)
+inline void require(bool condition, fmt::format_string<Args...> format, Args&&... args) {
+  if (!condition) [[unlikely]]
+    throw_invalid_argument(fmt::format(format, std::forward<Args>(args)...));
+}
 
 }  // namespace vq
