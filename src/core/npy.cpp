@@ -1,14 +1,13 @@
 #include "veloxquant/core/npy.hpp"
 
-#include <cerrno>
-#include <cstdio>
 #include <cstring>
-#include <fstream>
 #include <regex>
 
 #include <fmt/format.h>
 
+#include "veloxquant/core/atomic_file.hpp"
 #include "veloxquant/core/error.hpp"
+#include "veloxquant/core/input_file.hpp"
 
 namespace vq {
 
@@ -46,11 +45,8 @@ std::string header_value(const std::string& header, const std::string& key, cons
 }  // namespace
 
 Tensor read_npy(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw IoError(fmt::format("{}: cannot open: {}", path, std::strerror(errno)));
-  in.seekg(0, std::ios::end);
-  const auto file_size = static_cast<std::uint64_t>(in.tellg());
-  in.seekg(0);
+  InputFile in(path);
+  const std::uint64_t file_size = in.size();
 
   char pre[8];
   if (file_size < 10 || !in.read(pre, 8)) bad(path, "file is too short");
@@ -73,7 +69,7 @@ Tensor read_npy(const std::string& path) {
   }
   if (header_len > 1 << 20 || prefix + header_len > file_size) bad(path, "header length points past the end of the file");
   std::string header(header_len, '\0');
-  if (!in.read(header.data(), static_cast<std::streamsize>(header_len))) bad(path, "truncated header");
+  if (!in.read(header.data(), static_cast<std::size_t>(header_len))) bad(path, "truncated header");
 
   const std::string descr = header_value(header, "descr", path);
   DType dtype;
@@ -107,7 +103,7 @@ Tensor read_npy(const std::string& path) {
                           static_cast<unsigned long long>(expect), data_bytes));
 
   Tensor t = Tensor::zeros(shape, dtype);
-  if (data_bytes > 0 && !in.read(reinterpret_cast<char*>(t.row(0, 0, 0)), static_cast<std::streamsize>(data_bytes)))
+  if (data_bytes > 0 && !in.read(t.row(0, 0, 0), static_cast<std::size_t>(data_bytes)))
     bad(path, "truncated data");
   return t;
 }
@@ -128,29 +124,16 @@ void write_npy(const std::string& path, const Tensor& tensor) {
   header.append((64 - total % 64) % 64, ' ');
   header += '\n';
 
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    if (!out) throw IoError(fmt::format("{}: cannot write: {}", path, std::strerror(errno)));
-    out.write(kMagic, 6);
-    const char ver[2] = {1, 0};
-    out.write(ver, 2);
-    const unsigned char len[2] = {static_cast<unsigned char>(header.size() & 0xff), static_cast<unsigned char>(header.size() >> 8)};
-    out.write(reinterpret_cast<const char*>(len), 2);
-    out.write(header.data(), static_cast<std::streamsize>(header.size()));
-    const Tensor c = tensor.contiguous();
-    if (!c.empty()) out.write(reinterpret_cast<const char*>(c.row(0, 0, 0)), static_cast<std::streamsize>(c.nbytes()));
-    out.flush();
-    if (!out) {
-      std::remove(tmp.c_str());
-      throw IoError(fmt::format("{}: write failed: {}", path, std::strerror(errno)));
-    }
-  }
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
-    const std::string err = std::strerror(errno);
-    std::remove(tmp.c_str());
-    throw IoError(fmt::format("{}: cannot rename temporary file: {}", path, err));
-  }
+  AtomicFile out(path);
+  out.write(std::string_view(kMagic, 6));
+  const char ver[2] = {1, 0};
+  out.write(std::string_view(ver, 2));
+  const char len[2] = {static_cast<char>(header.size() & 0xff), static_cast<char>(header.size() >> 8)};
+  out.write(std::string_view(len, 2));
+  out.write(header);
+  const Tensor c = tensor.contiguous();
+  if (!c.empty()) out.write({reinterpret_cast<const std::uint8_t*>(c.row(0, 0, 0)), c.nbytes()});
+  out.commit();
 }
 
 }  // namespace vq

@@ -8,7 +8,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
-#include "atomic_file.hpp"
+#include "veloxquant/core/atomic_file.hpp"
 #include "veloxquant/core/error.hpp"
 #include "veloxquant/format/vqkv.hpp"
 
@@ -99,7 +99,7 @@ void write_safetensors(const std::string& path, const std::map<std::string, Tens
   json.append((8 - json.size() % 8) % 8, ' ');  // data starts 8-byte aligned, as the reference writer does
   std::vector<std::uint8_t> prefix(8);
   for (int i = 0; i < 8; ++i) prefix[static_cast<std::size_t>(i)] = static_cast<std::uint8_t>(static_cast<std::uint64_t>(json.size()) >> (8 * i));
-  format_detail::AtomicFile out(path);
+  AtomicFile out(path);
   out.write(prefix);
   out.write({reinterpret_cast<const std::uint8_t*>(json.data()), json.size()});
   for (const auto& [name, t] : tensors) {

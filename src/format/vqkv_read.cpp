@@ -7,6 +7,7 @@
 #include <fstream>
 
 #include "veloxquant/cache/cachegen_cache.hpp"
+#include "veloxquant/core/input_file.hpp"
 #include "veloxquant/entropy/context_coder.hpp"
 #include "veloxquant/entropy/frequency_table.hpp"
 #include "veloxquant/format/vqkv.hpp"
@@ -418,16 +419,7 @@ VqkvInfo inspect_prompt_cache(std::span<const std::uint8_t> bytes) {
   return r.info();
 }
 
-std::vector<std::uint8_t> read_file_bytes(const std::string& path) {
-  std::ifstream in(path, std::ios::binary | std::ios::ate);
-  if (!in) throw IoError(fmt::format("cannot open {}", path));
-  const std::streamoff size = in.tellg();
-  if (size < 0) throw IoError(fmt::format("cannot read {}", path));
-  std::vector<std::uint8_t> out(static_cast<std::size_t>(size));
-  in.seekg(0);
-  if (size > 0 && !in.read(reinterpret_cast<char*>(out.data()), size)) throw IoError(fmt::format("cannot read {}", path));
-  return out;
-}
+std::vector<std::uint8_t> read_file_bytes(const std::string& path) { return read_input_file(path); }
 
 PromptCache load_prompt_cache(const std::string& path, const VqkvLoadOptions& options) {
   const auto bytes = read_file_bytes(path);

@@ -4,11 +4,11 @@
 #include <optional>
 
 #include "veloxquant/cache/cachegen_cache.hpp"
+#include "veloxquant/core/atomic_file.hpp"
 #include "veloxquant/cache/stream_codec.hpp"
 #include "veloxquant/entropy/context_coder.hpp"
 #include "veloxquant/entropy/frequency_table.hpp"
 #include "veloxquant/format/vqkv.hpp"
-#include "atomic_file.hpp"
 #include "vqkv_layout.hpp"
 
 namespace vq {
@@ -265,7 +265,7 @@ std::vector<std::uint8_t> serialize_prompt_cache(const std::vector<std::shared_p
 
 void save_prompt_cache(const std::string& path, const std::vector<std::shared_ptr<KVCache>>& caches, const PromptMetadata& metadata,
                        const VqkvSaveOptions& options) {
-  format_detail::AtomicFile out(path);
+  AtomicFile out(path);
   write_all(caches, metadata, options, [&](std::span<const std::uint8_t> b) { out.write(b); });
   out.commit();
 }

@@ -10,6 +10,7 @@
 #include <fmt/format.h>
 
 #include "veloxquant/core/error.hpp"
+#include "veloxquant/core/input_file.hpp"
 #include "veloxquant/model/generate.hpp"
 #include "veloxquant/model/transformer.hpp"
 
@@ -102,9 +103,8 @@ std::shared_ptr<const CachegenPaperProfile> cachegen_paper_profile_for(const Cac
   const std::lock_guard<std::mutex> lock(mu);
   std::string key;
   if (!config.profile.empty()) {
+    const auto size = InputFile(config.profile, "cachegen_paper profile").size();  // a missing file, a FIFO, a directory: said so
     std::error_code ec;
-    const auto size = std::filesystem::file_size(config.profile, ec);
-    if (ec) throw IoError(fmt::format("{}: cannot open cachegen_paper profile ({})", config.profile, ec.message()));
     const auto mtime = std::filesystem::last_write_time(config.profile, ec).time_since_epoch().count();
     key = fmt::format("file\n{}\n{}\n{}", config.profile, size, mtime);
   } else {

@@ -9,6 +9,7 @@
 #include <fmt/core.h>
 
 #include "veloxquant/core/error.hpp"
+#include "veloxquant/core/input_file.hpp"
 
 namespace vq {
 
@@ -193,14 +194,9 @@ Checkpoint Checkpoint::parse(std::span<const std::byte> bytes, const std::string
 }
 
 Checkpoint Checkpoint::load(const std::string& path) {
-  std::ifstream in(path, std::ios::binary | std::ios::ate);
-  if (!in) throw IoError(fmt::format("cannot open checkpoint {}: {}", path, std::strerror(errno)));
-  const std::streamoff size = in.tellg();
-  if (size < 0) throw IoError(fmt::format("cannot read checkpoint {}", path));
-  std::vector<std::byte> bytes(static_cast<std::size_t>(size));
-  in.seekg(0);
-  if (size > 0 && !in.read(reinterpret_cast<char*>(bytes.data()), size))
-    throw IoError(fmt::format("cannot read checkpoint {}: read failed", path));
+  InputFile in(path, "checkpoint");
+  std::vector<std::byte> bytes(static_cast<std::size_t>(in.size()));
+  if (!in.read(bytes.data(), bytes.size())) throw IoError(fmt::format("cannot read checkpoint {}: it shrank while being read", path));
   return parse(bytes, path);
 }
 

@@ -10,6 +10,7 @@
 #include <fmt/core.h>
 
 #include "veloxquant/core/error.hpp"
+#include "veloxquant/core/input_file.hpp"
 
 namespace vq {
 
@@ -83,12 +84,7 @@ Tokenizer Tokenizer::parse(std::string_view bytes, std::optional<int> vocab_size
 }
 
 Tokenizer Tokenizer::load(const std::string& path, std::optional<int> vocab_size) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw IoError(fmt::format("cannot open tokenizer {}: {}", path, std::strerror(errno)));
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  if (in.bad()) throw IoError(fmt::format("cannot read tokenizer {}", path));
-  return parse(ss.str(), vocab_size, path);
+  return parse(read_input_text(path, "tokenizer"), vocab_size, path);
 }
 
 const std::string& Tokenizer::piece(int id) const {

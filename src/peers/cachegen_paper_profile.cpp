@@ -8,7 +8,9 @@
 
 #include <fmt/format.h>
 
+#include "veloxquant/core/atomic_file.hpp"
 #include "veloxquant/core/error.hpp"
+#include "veloxquant/core/input_file.hpp"
 #include "absmax_codes.hpp"
 #include "chunk_io.hpp"
 #include "peer_rows.hpp"
@@ -156,16 +158,11 @@ CachegenPaperProfile CachegenPaperProfile::parse(std::span<const std::uint8_t> b
 
 void CachegenPaperProfile::save(const std::string& path) const {
   const auto bytes = serialize();
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  if (!out) throw IoError(fmt::format("{}: cannot open for writing", path));
-  out.write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
-  if (!out) throw IoError(fmt::format("{}: write failed", path));
+  write_file_atomically(path, bytes);
 }
 
 CachegenPaperProfile CachegenPaperProfile::load(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw IoError(fmt::format("{}: cannot open cachegen_paper profile", path));
-  const std::vector<std::uint8_t> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const std::vector<std::uint8_t> bytes = read_input_file(path, "cachegen_paper profile");
   try {
     return parse(bytes);
   } catch (const FormatError& e) {
