@@ -125,7 +125,7 @@ TEST(RdCli, BadInputIsOneClearLineAndANonzeroExit) {
       {"--methods vq --windows 0", "--windows must be >= 1"},
       {"--methods vq --ctx 600", "reuse needs 1 <= --ctx < --window"},
       {"--methods vq --plot /nonexistent/dir/rd.svg", "no such directory"},
-      {"--methods vq --text /nonexistent.txt", "/nonexistent.txt: cannot open"},
+      {"--methods vq --text /nonexistent.txt", "cannot open text /nonexistent.txt"},
       {"--methods vq --windows", "--windows"},
   };
   for (const auto& c : cases) {

@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include "commands.hpp"
+#include "output_paths.hpp"
 #include "veloxquant/cache/cachegen_cache.hpp"
 #include "veloxquant/core/error.hpp"
 #include "veloxquant/core/npy.hpp"
@@ -31,6 +32,8 @@ int run_account(const AccountOptions& o) {
   cfg.validate();
   vq::require(o.chunk >= 0, "--chunk must be >= 1, got {}", o.chunk);
 
+  if (!o.recon_keys.empty() && !o.recon_values.empty())
+    require_distinct_outputs(o.recon_keys, "--recon-keys", o.recon_values, "--recon-values");
   const vq::Tensor k = vq::read_npy(o.keys);
   const vq::Tensor v = vq::read_npy(o.values);
   vq::require(k.dim(0) == v.dim(0) && k.dim(1) == v.dim(1) && k.dim(2) == v.dim(2),

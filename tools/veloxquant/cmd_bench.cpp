@@ -27,6 +27,7 @@
 #include "veloxquant/cache/cachegen_cache.hpp"
 #include "veloxquant/cache/stream_codec.hpp"
 #include "veloxquant/core/error.hpp"
+#include "veloxquant/core/input_file.hpp"
 #include "veloxquant/core/npy.hpp"
 #include "veloxquant/entropy/channel_histograms.hpp"
 #include "veloxquant/entropy/context_coder.hpp"
@@ -97,11 +98,7 @@ Source from_model(const BenchOptions& o) {
   const vq::ModelFiles files = vq::resolve_model_files(opt(o.model), opt(tok_path));
   vq::Transformer model(vq::Checkpoint::load(files.model.string()));
   const vq::Tokenizer tok = vq::Tokenizer::load(files.tokenizer.string(), model.config().vocab_size);
-  std::ifstream in(text_path, std::ios::binary);
-  if (!in) throw vq::IoError(fmt::format("{}: cannot open", text_path));
-  std::stringstream buf;
-  buf << in.rdbuf();
-  std::string text = buf.str();
+  std::string text = vq::read_input_text(text_path, "text");
   const int window = model.config().seq_len;
   const std::size_t want = static_cast<std::size_t>(o.windows) * static_cast<std::size_t>(window) * 16;
   if (text.size() > want) text.resize(want);

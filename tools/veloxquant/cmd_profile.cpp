@@ -11,6 +11,7 @@
 #include "commands.hpp"
 #include "model_options.hpp"
 #include "veloxquant/core/error.hpp"
+#include "veloxquant/core/input_file.hpp"
 #include "veloxquant/model/cachegen_profile.hpp"
 #include "veloxquant/model/checkpoint.hpp"
 #include "veloxquant/model/method_spec.hpp"
@@ -69,11 +70,7 @@ int run_profile(const ProfileCliOptions& o) {
     vq::require(std::filesystem::is_regular_file(beside), "--text is required (no tinystories_val.txt beside the model)");
     text_path = beside.string();
   }
-  std::ifstream in(text_path, std::ios::binary);
-  if (!in) throw vq::IoError(fmt::format("{}: cannot open", text_path));
-  std::stringstream buf;
-  buf << in.rdbuf();
-  std::string text = buf.str();
+  std::string text = vq::read_input_text(text_path, "text");
   // Tokenize only what the run uses (text runs about 4 bytes per token here; 8 is a margin), cut
   // at a paragraph break so no word is split.
   const std::size_t want = static_cast<std::size_t>(o.skip + o.tokens) * 8 + 4096;

@@ -16,6 +16,7 @@
 #include "commands.hpp"
 #include "model_options.hpp"
 #include "rd_report.hpp"
+#include "veloxquant/core/atomic_file.hpp"
 #include "veloxquant/core/error.hpp"
 #include "veloxquant/eval/evaluator.hpp"
 #include "veloxquant/model/checkpoint.hpp"
@@ -136,10 +137,7 @@ int run_rd(RdOptions o) {
   if (!o.plot.empty()) {
     const std::string title = fmt::format("{}: KL vs bits per element ({}, ctx {}, window {}, {} windows)", model_name, o.protocol, eval.ctx,
                                           eval.window, n_windows);
-    std::ofstream out(o.plot, std::ios::binary | std::ios::trunc);
-    out << rd::plot_svg(points, title);
-    out.close();
-    if (!out) throw vq::IoError(fmt::format("{}: cannot write the plot", o.plot));
+    vq::write_file_atomically(o.plot, rd::plot_svg(points, title));
   }
   if (o.json) {
     nlohmann::json j{{"model", model_name}, {"protocol", o.protocol}, {"results", nlohmann::json::array()}};

@@ -2,6 +2,7 @@
 #include <fmt/core.h>
 
 #include "commands.hpp"
+#include "output_paths.hpp"
 #include "veloxquant/core/npy.hpp"
 #include "veloxquant/synth/synthetic_kv.hpp"
 
@@ -22,6 +23,7 @@ Runner add_synth(CLI::App& app) {
   app.add_option("--seed", o->cfg.seed, "random seed")->capture_default_str();
   app.add_option("--dtype", o->dtype, "float16 or float32")->capture_default_str();
   return [o] {
+    require_distinct_outputs(o->keys, "--keys-out", o->values, "--values-out");
     o->cfg.dtype = vq::dtype_from_name(o->dtype);
     const auto kv = vq::make_synthetic_kv(o->cfg);
     vq::write_npy(o->keys, kv.keys);

@@ -12,6 +12,7 @@
 
 #include "commands.hpp"
 #include "model_options.hpp"
+#include "output_paths.hpp"
 #include "veloxquant/core/error.hpp"
 #include "veloxquant/core/npy.hpp"
 #include "veloxquant/format/safetensors.hpp"
@@ -140,6 +141,7 @@ int run_decompress(const DecompressOptions& o) {
   const bool npy = !o.keys_out.empty() || !o.values_out.empty();
   vq::require(npy != !o.out.empty(), "give either -o OUT.safetensors or --keys-out K.npy --values-out V.npy");
   vq::require(!npy || (!o.keys_out.empty() && !o.values_out.empty()), "--keys-out and --values-out go together");
+  if (npy) require_distinct_outputs(o.keys_out, "--keys-out", o.values_out, "--values-out");
   const vq::PromptCache pc = vq::load_prompt_cache(o.in);
   if (npy) {
     const int n = static_cast<int>(pc.caches.size());

@@ -8,9 +8,11 @@
 #include <fmt/core.h>
 
 #include "commands.hpp"
+#include "veloxquant/core/atomic_file.hpp"
 #include "veloxquant/core/error.hpp"
 
 int main(int argc, char** argv) {
+  vq::remove_temporaries_on_signals();  // an interrupted write leaves no temporary file behind
   CLI::App app{"veloxquant: CacheGen-style KV cache compression for LLM inference", "veloxquant"};
   app.require_subcommand(1);
   app.set_version_flag("--version", "veloxquant 0.1.0");

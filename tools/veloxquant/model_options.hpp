@@ -2,14 +2,13 @@
 // the text those subcommands read.
 #pragma once
 #include <filesystem>
-#include <fstream>
-#include <sstream>
 #include <string>
 
 #include <CLI/CLI.hpp>
 #include <fmt/core.h>
 
 #include "veloxquant/core/error.hpp"
+#include "veloxquant/core/input_file.hpp"
 #include "veloxquant/model/model_files.hpp"
 
 namespace vqcli {
@@ -37,11 +36,7 @@ inline std::string text_path_or_default(const std::string& path) {
 // The text of `path`, cut at the last paragraph break before max_bytes (0: all of it), so that a
 // short run tokenizes only what it needs. IoError when the file cannot be read.
 inline std::string read_text(const std::string& path, std::size_t max_bytes = 0) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw vq::IoError(fmt::format("{}: cannot open", path));
-  std::stringstream buf;
-  buf << in.rdbuf();
-  std::string text = buf.str();
+  std::string text = vq::read_input_text(path, "text");
   if (max_bytes > 0 && text.size() > max_bytes) {
     const auto cut = text.rfind("\n\n", max_bytes);
     text.resize(cut == std::string::npos ? max_bytes : cut);
