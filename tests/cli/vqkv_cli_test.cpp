@@ -3,6 +3,8 @@
 #include <filesystem>
 #include <fstream>
 #include <string>
+#include <tuple>
+#include <vector>
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
@@ -208,6 +210,28 @@ TEST(Safetensors, RoundTripAndBrokenFiles) {
   expect_error("size", "shape needs 16");
   write_with_header(R"({"a":{"dtype":"F32","shape":[1,1,1,2],"data_offsets":[0,8]},"b":{"dtype":"F32","shape":[1,1,1,2],"data_offsets":[4,12]}})", data);
   expect_error("overlap", "overlap");
+  // Shapes and offsets are non-negative integers as written (40.5 was read as 40, -1 as 2^64 - 1),
+  // and a zero dimension beside huge ones cannot make the strides overflow.
+  for (const auto& [shape, offsets, fragment] : std::vector<std::tuple<std::string, std::string, std::string>>{
+           {"[1,1,40.5,4]", "[0,640]", "shape [1,1,40.5,4] (entries must be non-negative integers)"},
+           {"[1,1,40.0,4]", "[0,640]", "entries must be non-negative integers"},
+           {"[1,1,4e1,4]", "[0,640]", "entries must be non-negative integers"},
+           {"[1,-1,40,4]", "[0,640]", "entries must be non-negative integers"},
+           {"[1,1,\"40\",4]", "[0,640]", "entries must be non-negative integers"},
+           {"[1,1,40,4]", "[0,640.0]", "data_offsets [0,640.0] (entries must be"},
+           {"[1,1,40,4]", "[-1,639]", "data_offsets [-1,639] (entries must be"},
+           {"[0,4294967296,4294967296,4294967296]", "[0,0]", "multiply past 2^63 bytes"},
+           {"[4294967296,4294967296,0,1]", "[0,0]", "multiply past 2^63 bytes"}}) {
+    write_with_header(R"({"a":{"dtype":"F32","shape":)" + shape + R"(,"data_offsets":)" + offsets + "}}", data);
+    expect_error(shape + " " + offsets, fragment);
+  }
+  write_with_header(R"({"a":{"dtype":"F32","shape":[1,1,0,4294967296],"data_offsets":[0,0]}})", data);
+  EXPECT_EQ(vq::read_safetensors(path).at("a").shape(), (vq::Shape4{1, 1, 0, std::int64_t{1} << 32}));
+  // Metadata that is not UTF-8 (a .vqkv holds bytes) is written with U+FFFD, not an exception.
+  vq::write_safetensors(path, {{"a", t.at("a")}}, {{"k", "ok \xff"}});
+  meta.clear();
+  (void)vq::read_safetensors(path, &meta);
+  EXPECT_EQ(meta.at("k"), "ok \xef\xbf\xbd");
   std::ofstream(path, std::ios::binary) << "abc";
   expect_error("short", "shorter");
   // KV naming.
