@@ -119,6 +119,30 @@ TEST_F(VqkvCli, InspectSumsToTheFileSize) {
   EXPECT_NE(text.out.find("sum to the file size"), std::string::npos);
 }
 
+// Metadata is whatever bytes a file holds: text output escapes control characters and invalid
+// UTF-8 (a raw ESC would drive the terminal), JSON output replaces invalid UTF-8 (it used to exit 3,
+// "internal error", on nlohmann's exception).
+TEST_F(VqkvCli, InspectEscapesMetadataItCannotPrintAsIs) {
+  auto cache = std::make_shared<vq::KVCache>();
+  cache->update_and_fetch(vqtest::random_walk({1, 1, 2, 4}, 3), vqtest::random_walk({1, 1, 2, 4}, 4));
+  vq::save_prompt_cache(p("meta.vqkv"), {cache}, {{"title\x1b]0;pwned\x07", "red \x1b[31m bytes \xff\xfe c1 \xc2\x9b tab\t nl\n back\\ \xc3\xa9"}});
+  const auto text = run("inspect " + p("meta.vqkv"));
+  ASSERT_EQ(text.code, 0) << text.err;
+  EXPECT_EQ(text.out.find('\x1b'), std::string::npos);
+  EXPECT_EQ(text.out.find('\x07'), std::string::npos);
+  EXPECT_EQ(text.out.find('\xff'), std::string::npos);
+  EXPECT_NE(text.out.find(R"(metadata: title\x1b]0;pwned\x07 = red \x1b[31m bytes \xff\xfe c1 \u009b tab\t nl\n back\\ )"
+                          "\xc3\xa9\n"),
+            std::string::npos)
+      << text.out;
+  const auto json = run("inspect " + p("meta.vqkv") + " --json");
+  ASSERT_EQ(json.code, 0) << json.err;
+  EXPECT_TRUE(std::all_of(json.out.begin(), json.out.end(), [](char c) { return c == '\n' || (c >= 0x20 && c < 0x7f); })) << json.out;
+  const auto j = nlohmann::json::parse(json.out);
+  EXPECT_EQ(j.at("metadata").at("title\x1b]0;pwned\x07").get<std::string>(),
+            "red \x1b[31m bytes \xef\xbf\xbd\xef\xbf\xbd c1 \xc2\x9b tab\t nl\n back\\ \xc3\xa9");
+}
+
 TEST_F(VqkvCli, CompressesARealModelRun) {
   if (!std::filesystem::exists(vqtest::model_path())) GTEST_SKIP() << "no model in " << vqtest::models_dir();
   auto r = run("compress --model " + vqtest::model_path() + " --tokenizer " + vqtest::tokenizer_path() + " --text " + vqtest::models_dir() +
