@@ -20,6 +20,7 @@
 #include "veloxquant/vq/vq_cache.hpp"
 #include "cachegen_paper_fuzz_profile.hpp"
 #include "context_fuzz_layout.hpp"
+#include "../tests/format/vqkv_test_util.hpp"
 
 namespace {
 
@@ -147,6 +148,26 @@ int main(int argc, char** argv) {
     caches[0]->update_and_fetch(t, t);
     const auto b = vq::serialize_prompt_cache(caches, {}, {.chunk_tokens = 64});
     write_seeds(vk, f++, b, b.size() / 2);
+  }
+  // Headers that claim more than the file holds (issue 13): 2^32 tokens in chunks of 1 with empty
+  // layers, or held by layers whose blocks are not there (a reader once walked every chunk of them
+  // for tens of seconds); and a valid file in chunks of 1 token whose CacheGen groups start in few
+  // of its chunks. Each must be refused or read in time proportional to its size.
+  constexpr std::uint64_t kHuge = std::uint64_t{1} << 32;
+  write(vk, "huge_tokens_empty_layers", vqtest::crafted_file({.tokens = kHuge, .chunk = 1, .layers = 4}));
+  write(vk, "huge_tokens_plain_layer", vqtest::crafted_file({.tokens = kHuge, .chunk = 1, .layers = 2, .cls = 0, .offset = kHuge}));
+  write(vk, "huge_tokens_no_closed_tokens", vqtest::crafted_file({.tokens = kHuge, .chunk = 1, .layers = 1, .cls = 1, .offset = kHuge}));
+  write(vk, "huge_tokens_16_cachegen_layers",
+        vqtest::crafted_file({.tokens = kHuge, .chunk = 1, .layers = 16, .cls = 1, .offset = kHuge, .group = 4096}));
+  write(vk, "small_tokens_no_closed_tokens", vqtest::crafted_file({.tokens = 3, .chunk = 1, .layers = 1, .cls = 1, .offset = 3}));
+  {
+    vq::KVCacheConfig cfg;
+    cfg.cachegen_group_size = 32;
+    cfg.cachegen_flush = vq::FlushMode::PerCall;
+    std::vector<std::shared_ptr<vq::KVCache>> caches = {std::make_shared<vq::CacheGenKVCache>(cfg), std::make_shared<vq::CacheGenKVCache>(cfg)};
+    const auto t = normal(1, 70, 2, rng);
+    for (auto& c : caches) c->update_and_fetch(t, t);
+    write(vk, "sparse_groups_chunks_of_1", vq::serialize_prompt_cache(caches, {}, {.chunk_tokens = 1}));
   }
   // LMCache chunks (fuzz_lmcache_chunk): header byte = the shape (K channels - 1, V channels - 1 << 3,
   // 16 key bins << 6, 16 value bins << 7); K [1, 2, S, 4], V [1, 2, S, 2], chunk 16, 21 tokens

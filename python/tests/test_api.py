@@ -1,4 +1,6 @@
 """The module's API surface: config, plain cache, builder, schedule, errors."""
+import pathlib
+
 import numpy as np
 import pytest
 import veloxquant as vq
@@ -186,3 +188,22 @@ def test_load_prompt_cache_errors(tmp_path):
     bad.write_bytes(b"not a cache at all")
     with pytest.raises(RuntimeError, match="vqkv"):
         vq.load_prompt_cache(str(bad))
+
+
+GOLDEN = pathlib.Path(__file__).resolve().parents[2] / "tests" / "golden"
+
+
+@pytest.mark.parametrize(
+    "name, match",
+    [
+        ("huge_tokens_empty_layers.vqkv", "every layer is empty"),
+        ("huge_tokens_no_closed_tokens.vqkv", "need at least"),
+    ],
+)
+def test_load_prompt_cache_refuses_headers_claiming_more_than_the_file_holds(name, match):
+    # ~100-byte files claiming 2^32 tokens in chunks of 1: the reader used to walk every
+    # (chunk, layer, side) position (holding the GIL for tens of seconds, then returning nothing).
+    path = GOLDEN / name
+    assert path.stat().st_size < 300
+    with pytest.raises(RuntimeError, match=match):
+        vq.load_prompt_cache(str(path))

@@ -1,6 +1,8 @@
 #include "veloxquant/core/npy.hpp"
 
 #include <cstring>
+#include <fstream>
+#include <limits>
 #include <regex>
 
 #include <fmt/format.h>
@@ -94,6 +96,12 @@ Tensor read_npy(const std::string& path) {
   }
   if (dims.size() != 4) bad(path, fmt::format("expected a rank-4 array [B, H, S, D], got rank {} shape {}", dims.size(), shape_text));
   const Shape4 shape{dims[0], dims[1], dims[2], dims[3]};
+  // The non-zero dimensions' product bounds every stride and byte count, also beside a zero
+  // dimension (where the data size says nothing): refuse it past 2^63 bytes.
+  unsigned __int128 nonzero = dtype_size(dtype);
+  for (const auto d : dims)
+    if (d > 0 && (nonzero *= static_cast<std::uint64_t>(d)) > static_cast<unsigned __int128>(std::numeric_limits<std::int64_t>::max()))
+      bad(path, fmt::format("shape {} multiplies past 2^63 bytes", shape_text));
 
   long double expect = dtype_size(dtype);
   for (auto d : dims) expect *= static_cast<long double>(d);

@@ -6,6 +6,7 @@
 #include <regex>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
 #include "veloxquant/core/atomic_file.hpp"
@@ -22,6 +23,18 @@ constexpr std::uint64_t kMaxHeader = 100u << 20;
 const char* st_dtype(DType d) { return d == DType::F32 ? "F32" : d == DType::F16 ? "F16" : "BF16"; }
 
 [[noreturn]] void bad(const std::string& path, const std::string& why) { throw FormatError(fmt::format("{}: not a valid safetensors file: {}", path, why)); }
+
+// A JSON array of non-negative integers, each exactly as written: nlohmann's get<> would turn 40.5
+// into 40 and -1 into 2^64 - 1.
+std::vector<std::uint64_t> unsigned_list(const std::string& path, const std::string& name, const char* field, const nlohmann::json& j) {
+  if (!j.is_array()) bad(path, fmt::format("tensor '{}' has a {} that is not a list", name, field));
+  std::vector<std::uint64_t> out;
+  for (const auto& v : j) {
+    if (!v.is_number_unsigned()) bad(path, fmt::format("tensor '{}' has {} {} (entries must be non-negative integers)", name, field, j.dump()));
+    out.push_back(v.get<std::uint64_t>());
+  }
+  return out;
+}
 
 }  // namespace
 
@@ -58,20 +71,27 @@ std::map<std::string, Tensor> read_safetensors(const std::string& path, std::map
       else if (dt == "F16") dtype = DType::F16;
       else if (dt == "BF16") dtype = DType::BF16;
       else bad(path, fmt::format("tensor '{}' has dtype {} (KV tensors are F32, F16 or BF16)", name, dt));
-      const auto shape = info.at("shape").get<std::vector<std::int64_t>>();
+      const auto shape = unsigned_list(path, name, "shape", info.at("shape"));
       if (shape.size() != 4) bad(path, fmt::format("tensor '{}' has rank {} (KV tensors are [B, H, S, D])", name, shape.size()));
-      unsigned __int128 bytes = dtype_size(dtype);
+      // Each dimension is bounded, and so is the product of the non-zero ones (what strides and
+      // byte counts multiply, also beside a zero dimension), so neither can overflow.
+      unsigned __int128 bytes = dtype_size(dtype), nonzero = dtype_size(dtype);
       for (const auto d : shape) {
-        if (d < 0 || d > (std::int64_t{1} << 32)) bad(path, fmt::format("tensor '{}' has a dimension of {}", name, d));
-        bytes *= static_cast<std::uint64_t>(d);
+        if (d > (std::uint64_t{1} << 32)) bad(path, fmt::format("tensor '{}' has a dimension of {}", name, d));
+        bytes *= d;
+        if (d > 0) nonzero *= d;
+        if (nonzero > static_cast<unsigned __int128>(std::numeric_limits<std::int64_t>::max()))
+          bad(path, fmt::format("tensor '{}' has shape [{}]: its dimensions multiply past 2^63 bytes", name, fmt::join(shape, ", ")));
       }
-      const auto offs = info.at("data_offsets").get<std::vector<std::uint64_t>>();
+      const auto offs = unsigned_list(path, name, "data_offsets", info.at("data_offsets"));
       if (offs.size() != 2 || offs[0] > offs[1] || offs[1] > data_size)
         bad(path, fmt::format("tensor '{}' has data offsets outside the {} bytes of data", name, data_size));
       if (bytes != offs[1] - offs[0])
         bad(path, fmt::format("tensor '{}' holds {} bytes but its shape needs {}", name, offs[1] - offs[0], static_cast<std::uint64_t>(bytes)));
       spans.emplace_back(offs[0], offs[1]);
-      Tensor t = Tensor::uninitialized({shape[0], shape[1], shape[2], shape[3]}, dtype);
+      Tensor t = Tensor::uninitialized({static_cast<std::int64_t>(shape[0]), static_cast<std::int64_t>(shape[1]),
+                                        static_cast<std::int64_t>(shape[2]), static_cast<std::int64_t>(shape[3])},
+                                       dtype);
       if (t.nbytes()) std::memcpy(t.row(0, 0, 0), data + offs[0], t.nbytes());
       out.emplace(name, std::move(t));
     } catch (const nlohmann::json::exception& e) {
@@ -95,7 +115,9 @@ void write_safetensors(const std::string& path, const std::map<std::string, Tens
                     {"data_offsets", {at, at + t.nbytes()}}};
     at += t.nbytes();
   }
-  std::string json = header.dump();
+  // The header is JSON, whose strings are Unicode: metadata bytes that are not UTF-8 (a .vqkv's
+  // metadata is bytes) become U+FFFD rather than an exception from dump().
+  std::string json = header.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
   json.append((8 - json.size() % 8) % 8, ' ');  // data starts 8-byte aligned, as the reference writer does
   std::vector<std::uint8_t> prefix(8);
   for (int i = 0; i < 8; ++i) prefix[static_cast<std::size_t>(i)] = static_cast<std::uint8_t>(static_cast<std::uint64_t>(json.size()) >> (8 * i));

@@ -136,6 +136,10 @@ Header read_header(std::span<const std::uint8_t> file, std::size_t& consumed) {
     if (e.cls == CacheClass::CacheGen) read_config(r, e, version);
   }
   if (r.remaining() != 0) r.fail(fmt::format("{} unexpected bytes after the layer table", r.remaining()));
+  // The writer takes T and the shape from the non-empty layers: a header claiming tokens that no
+  // layer holds describes nothing (and would report a shape with no data behind it).
+  if (h.tokens > 0 && std::none_of(h.layers.begin(), h.layers.end(), [](const LayerEntry& e) { return e.offset > 0; }))
+    r.fail(fmt::format("token count {} but every layer is empty (the non-empty layers hold all the tokens)", h.tokens));
   return h;
 }
 
@@ -183,14 +187,24 @@ BlockHeader read_block(std::span<const std::uint8_t> file, std::size_t& pos, std
   return b;
 }
 
-std::vector<Group> groups_of(std::span<const std::uint64_t> pieces, std::uint64_t group_size) {
+std::vector<Group> groups_of(std::span<const std::uint64_t> pieces, std::uint64_t group_size, std::uint64_t limit) {
   std::vector<Group> out;
   std::uint64_t start = 0;
   for (const std::uint64_t p : pieces) {
-    for (std::uint64_t g = 0; g < p; g += group_size) out.push_back({start + g, std::min(group_size, p - g)});
+    for (std::uint64_t g = 0; g < p && start + g < limit; g += group_size) out.push_back({start + g, std::min(group_size, p - g)});
     start += p;
   }
   return out;
+}
+
+std::uint64_t count_groups(std::span<const std::uint64_t> pieces, std::uint64_t group_size, std::uint64_t limit) {
+  std::uint64_t n = 0, start = 0;
+  for (const std::uint64_t p : pieces) {
+    if (start >= limit) break;
+    n += (std::min(p, limit - start) + group_size - 1) / group_size;  // groups start at start + k * group_size
+    start += p;
+  }
+  return n;
 }
 
 std::vector<std::uint8_t> block_group_starts(const std::vector<Group>& groups, std::uint64_t g0, std::uint64_t ng, std::uint64_t t0,
@@ -200,37 +214,64 @@ std::vector<std::uint8_t> block_group_starts(const std::vector<Group>& groups, s
   return starts;
 }
 
+unsigned __int128 min_block_bytes(const Header& h, std::uint64_t prefix) {
+  using u128 = unsigned __int128;
+  constexpr std::uint64_t block = kBlockHeaderBytes + kChecksumBytes;
+  const std::uint64_t p = std::min(prefix, h.tokens);
+  u128 need = p == h.tokens ? block : 0;  // END, read by a whole load only
+  const std::uint64_t chunks = (p + h.chunk_tokens - 1) / h.chunk_tokens;
+  const std::uint64_t covered = std::min<std::uint64_t>(h.tokens, chunks * h.chunk_tokens);  // whole chunks, as read
+  for (const LayerEntry& e : h.layers) {
+    if (e.offset == 0) continue;
+    for (int side = 0; side < 2; ++side) {
+      const u128 slice_bytes = u128{h.slices()} * h.dim(side) * dtype_size(h.dtype);  // one token of one side, raw
+      if (e.cls == CacheClass::Plain) {
+        need += u128{chunks} * block + u128{covered} * slice_bytes;
+      } else {
+        const auto g = static_cast<std::uint64_t>(e.config.cachegen_group_size);
+        need += block + 4 + u128{(p + g - 1) / g} * slice_bytes;  // TABLES with its piece count, then >= one token's rows per group
+      }
+    }
+  }
+  return need;
+}
+
 BlockPlan::BlockPlan(const Header& h, const std::vector<std::array<std::vector<Group>, 2>>& groups)
     : h_(h), groups_(groups), cursor_(h.layers.size(), {0, 0}) {
   n_chunks_ = (h.tokens + h.chunk_tokens - 1) / h.chunk_tokens;
+  for (std::size_t l = 0; l < h.layers.size(); ++l) {
+    if (h.layers[l].offset == 0) continue;
+    for (int side = 0; side < 2; ++side) {
+      const auto& g = groups_[l][static_cast<std::size_t>(side)];
+      if (h.layers[l].cls == CacheClass::Plain && n_chunks_ > 0) due_.emplace(0, l, side);
+      if (h.layers[l].cls == CacheClass::CacheGen && !g.empty()) due_.emplace(g.front().start / h.chunk_tokens, l, side);
+    }
+  }
 }
 
-void BlockPlan::advance() {
-  if (++side_ < 2) return;
-  side_ = 0;
-  if (++layer_ < h_.layers.size()) return;
-  layer_ = 0;
-  if (phase_ == 0 && ++chunk_ < n_chunks_) return;
-  ++phase_;
+std::optional<std::uint64_t> BlockPlan::next_chunk(std::uint64_t chunk, std::size_t layer, int side) const {
+  if (h_.layers[layer].cls == CacheClass::Plain) return chunk + 1 < n_chunks_ ? std::optional(chunk + 1) : std::nullopt;
+  const auto& g = groups_[layer][static_cast<std::size_t>(side)];
+  const std::size_t c = cursor_[layer][static_cast<std::size_t>(side)];
+  return c < g.size() ? std::optional(g[c].start / h_.chunk_tokens) : std::nullopt;
 }
 
-// Chunk `chunk_` of (layer_, side_): the CacheGen groups starting in it, or a plain layer's rows.
-std::optional<PlannedBlock> BlockPlan::chunk_block() {
-  const LayerEntry& e = h_.layers[layer_];
-  if (e.offset == 0) return std::nullopt;
-  const std::uint64_t begin = chunk_ * h_.chunk_tokens, end = std::min<std::uint64_t>(begin + h_.chunk_tokens, e.offset);
+// Chunk `chunk` of (layer, side), which holds a block: the CacheGen groups starting in it, or a
+// plain layer's rows.
+PlannedBlock BlockPlan::chunk_block(std::uint64_t chunk, std::size_t layer, int side) {
+  const LayerEntry& e = h_.layers[layer];
+  const std::uint64_t begin = chunk * h_.chunk_tokens, end = std::min<std::uint64_t>(begin + h_.chunk_tokens, e.offset);
   PlannedBlock p;
-  p.header.layer = static_cast<std::uint32_t>(layer_);
-  p.header.side = static_cast<std::uint8_t>(side_);
+  p.header.layer = static_cast<std::uint32_t>(layer);
+  p.header.side = static_cast<std::uint8_t>(side);
   if (e.cls == CacheClass::Plain) {
     p.header.type = BlockType::Rows;
     p.header.token_begin = begin;
     p.header.token_count = end - begin;
     return p;
   }
-  const auto& g = groups_[layer_][static_cast<std::size_t>(side_)];
-  std::size_t& c = cursor_[layer_][static_cast<std::size_t>(side_)];
-  if (c >= g.size() || g[c].start >= begin + h_.chunk_tokens) return std::nullopt;
+  const auto& g = groups_[layer][static_cast<std::size_t>(side)];
+  std::size_t& c = cursor_[layer][static_cast<std::size_t>(side)];
   p.header.type = BlockType::Codes;
   p.group_begin = c;
   p.header.token_begin = g[c].start;
@@ -255,16 +296,32 @@ std::optional<PlannedBlock> BlockPlan::residual_block() {
 }
 
 std::optional<PlannedBlock> BlockPlan::next() {
-  if (phase_ == 0 && n_chunks_ == 0) phase_ = 1;
-  while (phase_ < 2) {
-    std::optional<PlannedBlock> p = phase_ == 0 ? chunk_block() : residual_block();
-    advance();
+  if (phase_ == 0) {
+    if (!due_.empty()) {
+      ++steps_;
+      const auto [chunk, layer, side] = due_.top();
+      due_.pop();
+      PlannedBlock p = chunk_block(chunk, layer, side);
+      if (const auto n = next_chunk(chunk, layer, side)) due_.emplace(*n, layer, side);
+      ++emitted_;
+      return p;
+    }
+    phase_ = 1;
+  }
+  while (phase_ == 1 && layer_ < h_.layers.size()) {
+    ++steps_;
+    std::optional<PlannedBlock> p = residual_block();
+    if (++side_ == 2) {
+      side_ = 0;
+      ++layer_;
+    }
     if (p) {
       ++emitted_;
       return p;
     }
   }
-  if (phase_ == 2) {
+  if (phase_ <= 2) {
+    ++steps_;
     phase_ = 3;
     PlannedBlock p;
     p.header.type = BlockType::End;

@@ -6,9 +6,12 @@
 #include <array>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <optional>
+#include <queue>
 #include <span>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include <fmt/format.h>
@@ -161,8 +164,12 @@ BlockHeader read_block(std::span<const std::uint8_t> file, std::size_t& pos, std
 struct Group {
   std::uint64_t start = 0, n = 0;
 };
-// The groups of a side from its pieces (each piece restarts the grouping, as per_call does).
-std::vector<Group> groups_of(std::span<const std::uint64_t> pieces, std::uint64_t group_size);
+// The groups of a side from its pieces (each piece restarts the grouping, as per_call does), those
+// starting before `limit`; count_groups counts them without building the list.
+std::vector<Group> groups_of(std::span<const std::uint64_t> pieces, std::uint64_t group_size,
+                             std::uint64_t limit = std::numeric_limits<std::uint64_t>::max());
+std::uint64_t count_groups(std::span<const std::uint64_t> pieces, std::uint64_t group_size,
+                           std::uint64_t limit = std::numeric_limits<std::uint64_t>::max());
 // Per token of [t0, t0 + count) (the tokens of groups [g0, g0 + ng), which start at t0): 1 where one
 // of those groups starts. A CODES block's group starts, as the context coder needs them.
 std::vector<std::uint8_t> block_group_starts(const std::vector<Group>& groups, std::uint64_t g0, std::uint64_t ng, std::uint64_t t0,
@@ -174,27 +181,45 @@ struct PlannedBlock {
   std::uint64_t group_begin = 0, n_groups = 0;  // Codes
 };
 
+// The fewest bytes the blocks after the header section can take if the header is true, for a load
+// of the first `prefix` tokens (prefix = h.tokens: the whole file, END included): the TABLES block
+// of every non-empty CacheGen side; a plain side's rows (dtype bytes per slice and channel) and 40
+// bytes per chunk; and for a CacheGen side at least dtype bytes per (slice, channel) for every
+// group_size tokens, since each token lies in a group (8 bytes of scale and minimum per slice and
+// channel) or in the residual (dtype bytes). A reader refuses a header whose bound exceeds the bytes
+// it has before it reads on: the header's token count, shape and chunk size are then bounded by the
+// file's size, and so is all the work that follows (docs/format.md, "Cost").
+unsigned __int128 min_block_bytes(const Header& h, std::uint64_t prefix);
+
 // The order of the blocks after the TABLES blocks, computed from the header and the groups of
 // every CacheGen side (groups[layer][side], empty for plain layers). Lazy: next() yields one block
-// at a time, so an absurd header costs nothing until its blocks fail to appear.
+// at a time, so an absurd header costs nothing until its blocks fail to appear. It visits only
+// positions that hold a block (a CacheGen side has one only in the chunks where one of its groups
+// starts): a call costs O(log sides) whatever the chunk count, and the residual phase O(layers).
 class BlockPlan {
  public:
   BlockPlan(const Header& h, const std::vector<std::array<std::vector<Group>, 2>>& groups);
   std::optional<PlannedBlock> next();
   std::uint64_t emitted() const { return emitted_; }
+  // Positions looked at so far (chunk blocks, residual candidates, END): what the plan has cost.
+  std::uint64_t steps() const { return steps_; }
 
  private:
+  // (chunk, layer, side) of the next block of each side that has one more, smallest first.
+  using Position = std::tuple<std::uint64_t, std::size_t, int>;
   const Header& h_;
   const std::vector<std::array<std::vector<Group>, 2>>& groups_;
   std::vector<std::array<std::size_t, 2>> cursor_;  // next group per (layer, side)
-  std::uint64_t chunk_ = 0, n_chunks_ = 0;
+  std::priority_queue<Position, std::vector<Position>, std::greater<>> due_;
+  std::uint64_t n_chunks_ = 0;
   std::size_t layer_ = 0;
   int side_ = 0;
   int phase_ = 0;  // 0 chunks, 1 residuals, 2 end, 3 done
-  std::uint64_t emitted_ = 0;
-  std::optional<PlannedBlock> chunk_block();
+  std::uint64_t emitted_ = 0, steps_ = 0;
+  PlannedBlock chunk_block(std::uint64_t chunk, std::size_t layer, int side);
   std::optional<PlannedBlock> residual_block();
-  void advance();
+  // The chunk of the side's next block after `chunk` (its next group's), if it has one.
+  std::optional<std::uint64_t> next_chunk(std::uint64_t chunk, std::size_t layer, int side) const;
 };
 
 // Codes [tokens][D] (uint8) <-> channel-major symbols [D][tokens] (uint16), both ways. Callers pad

@@ -1,6 +1,7 @@
 // Reading a .vqkv file: verify the header, the TABLES blocks, then every block against the plan
 // (vqkv_layout.hpp), decode, and rebuild the caches. inspect_prompt_cache runs the same walk
 // without decoding the rANS payloads.
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <optional>
@@ -27,6 +28,7 @@ using vqkv::Group;
 // Everything read for one side of one layer.
 struct SideData {
   std::vector<std::uint64_t> pieces;
+  std::uint64_t closed = 0;                 // tokens in closed groups (the pieces' sum)
   std::vector<FrequencyTable> tables;       // transform codes
   std::optional<ContextDecoder> context;    // transform context: the side's model (its tables are built on first decode)
   QuantizedStreamParts parts;                       // CacheGen codes, scales, minima (when decoding)
@@ -45,6 +47,8 @@ class FileReader {
     h_ = vqkv::read_header(file_, pos);
     file_bytes_.headers += pos - vqkv::kChecksumBytes;
     file_bytes_.checksums += vqkv::kChecksumBytes;
+    prefix_ = max_tokens_ ? std::min<std::uint64_t>(h_.tokens, static_cast<std::uint64_t>(*max_tokens_)) : h_.tokens;
+    check_size_bound(pos);
     sides_.resize(h_.layers.size());
     groups_.resize(h_.layers.size());
     std::uint64_t n_blocks = 0;
@@ -58,13 +62,11 @@ class FileReader {
         want.side = static_cast<std::uint8_t>(side);
         std::span<const std::uint8_t> body;
         const BlockHeader got = next_block(pos, want, body);
-        read_tables(got, body, e, sides_[l][static_cast<std::size_t>(side)], pos);
-        groups_[l][static_cast<std::size_t>(side)] =
-            vqkv::groups_of(sides_[l][static_cast<std::size_t>(side)].pieces, static_cast<std::uint64_t>(e.config.cachegen_group_size));
+        read_tables(got, body, e, sides_[l][static_cast<std::size_t>(side)]);
         ++n_blocks;
       }
     }
-    prefix_ = max_tokens_ ? std::min<std::uint64_t>(h_.tokens, static_cast<std::uint64_t>(*max_tokens_)) : h_.tokens;
+    build_groups(file_.size() - pos);
     const std::uint64_t n_read = blocks_to_read();
     vqkv::BlockPlan plan(h_, groups_);
     for (std::uint64_t i = 0; auto p = plan.next(); ++i) {
@@ -133,6 +135,38 @@ class FileReader {
     throw FormatError(fmt::format("vqkv: {}: {}", vqkv::describe(b), why));
   }
 
+  // Refuse a header that claims more than the file can hold before reading on (vqkv_layout.hpp's
+  // min_block_bytes): what follows then costs O(file size + output size).
+  void check_size_bound(std::size_t pos) const {
+    const unsigned __int128 need = vqkv::min_block_bytes(h_, prefix_);
+    const std::uint64_t left = file_.size() - pos;
+    if (need <= left) return;
+    const auto shown = static_cast<std::uint64_t>(std::min<unsigned __int128>(need, std::numeric_limits<std::uint64_t>::max()));
+    const auto layers = std::count_if(h_.layers.begin(), h_.layers.end(), [](const vqkv::LayerEntry& e) { return e.offset > 0; });
+    const std::string what = prefix_ == h_.tokens ? fmt::format("{} tokens", h_.tokens) : fmt::format("the first {} of {} tokens", prefix_, h_.tokens);
+    throw FormatError(fmt::format("vqkv: header: {} of [B {}, H {}, D_k {} / D_v {}] {} in {} non-empty layers need at least {} bytes of "
+                                  "blocks, the file has {} after its header (a corrupt header or a truncated file)",
+                                  what, h_.batch, h_.heads, h_.key_dim, h_.value_dim, dtype_name(h_.dtype), layers, shown, left));
+  }
+
+  // What differs between a block found and the one expected, in one sentence: the two blocks when
+  // they are different blocks, else the field that is wrong (describe() prints every END block
+  // alike, so "found the END block where the END block belongs" said nothing).
+  static std::string mismatch(const BlockHeader& got, const BlockHeader& want) {
+    if (got.type == BlockType::End && want.type == BlockType::End) {
+      if (got.layer != 0 || got.side != 0 || got.token_begin != 0)
+        return fmt::format("the END block has layer {}, side {}, first token {} (all must be 0)", got.layer, got.side, got.token_begin);
+      return fmt::format("the END block counts {} blocks before it, the file has {} (blocks missing or added)", got.token_count,
+                         want.token_count);
+    }
+    if (got.type == want.type && got.layer == want.layer && got.side == want.side) {
+      if (want.type == BlockType::Tables) return fmt::format("the {} starts at token {}, not 0", vqkv::describe(got), got.token_begin);
+      return fmt::format("the {} should cover tokens {}..{} (its range disagrees with the header and the groups)", vqkv::describe(got),
+                         want.token_begin, want.token_begin + want.token_count);
+    }
+    return fmt::format("found the {} where the {} belongs (blocks out of order or missing)", vqkv::describe(got), vqkv::describe(want));
+  }
+
   // The next block, which must be the one `want` describes (type, layer, side, tokens; token
   // counts of TABLES blocks are checked by read_tables).
   BlockHeader next_block(std::size_t& pos, const BlockHeader& want, std::span<const std::uint8_t>& body) {
@@ -141,37 +175,31 @@ class FileReader {
     const bool tables = want.type == BlockType::Tables;
     if (got.type != want.type || got.layer != want.layer || got.side != want.side || got.token_begin != want.token_begin ||
         (!tables && got.token_count != want.token_count))
-      throw FormatError(fmt::format("vqkv: found the {} where the {} belongs (blocks out of order or missing)", vqkv::describe(got),
-                                    vqkv::describe(want)));
+      throw FormatError(fmt::format("vqkv: {}", mismatch(got, want)));
     return got;
   }
 
   std::uint64_t slices() const { return h_.slices(); }
 
-  void read_tables(const BlockHeader& b, std::span<const std::uint8_t> body, const vqkv::LayerEntry& e, SideData& sd,
-                   std::size_t pos_after) {
+  void read_tables(const BlockHeader& b, std::span<const std::uint8_t> body, const vqkv::LayerEntry& e, SideData& sd) {
     sd.bytes.headers += vqkv::kBlockHeaderBytes;
     sd.bytes.checksums += vqkv::kChecksumBytes;
     ByteReader r(body, vqkv::describe(b));
     if (b.token_count > e.offset) r.fail(fmt::format("{} closed tokens in a layer of {}", b.token_count, e.offset));
     const std::uint32_t n_pieces = r.u32("piece count");
     if (std::uint64_t{n_pieces} * 4 > r.remaining()) r.fail("truncated (piece list)");
-    std::uint64_t sum = 0, n_groups = 0;
+    std::uint64_t sum = 0;
     const auto g = static_cast<std::uint64_t>(e.config.cachegen_group_size);
     for (std::uint32_t i = 0; i < n_pieces; ++i) {
       const std::uint64_t t = r.ranged(r.u32("piece tokens"), 1, b.token_count - sum, "piece tokens");
       sum += t;
-      n_groups += (t + g - 1) / g;
       sd.pieces.push_back(t);
     }
     if (sum != b.token_count) r.fail(fmt::format("pieces hold {} tokens, the block says {}", sum, b.token_count));
+    sd.closed = sum;
     if (e.config.cachegen_flush == FlushMode::GroupAligned && (n_pieces > 1 || sum % g != 0))
       r.fail("a group_aligned side must be one piece of whole groups");
-    // Every group costs 8 bytes per (slice, channel) of scale and minimum in the CODES blocks to
-    // come: refuse a count the rest of the file cannot hold before building the group list.
     const std::uint64_t d = h_.dim(b.side);
-    const unsigned __int128 meta = static_cast<unsigned __int128>(n_groups) * slices() * d * 8;
-    if (meta > file_.size() - pos_after) r.fail(fmt::format("{} groups need more bytes than the file holds", n_groups));
     sd.bytes.headers += r.pos();
     if (sum > 0 && e.transform == vqkv::kTransformContext) {
       std::size_t used = 0;
@@ -199,12 +227,48 @@ class FileReader {
       sd.bytes.tables += r.pos() - t0;
     }
     if (r.remaining() != 0) r.fail(fmt::format("{} unexpected bytes after the tables", r.remaining()));
-    if (decode_) {
-      sd.parts.piece_tokens.assign(sd.pieces.begin(), sd.pieces.end());
-      sd.parts.codes.resize(slices());
-      sd.parts.scales.resize(slices());
-      sd.parts.minima.resize(slices());
+    // The per-slice vectors come later (slice_parts), when decoded data justifies them: a side
+    // with no groups has nothing here to bound the slice count by.
+    if (decode_) sd.parts.piece_tokens.assign(sd.pieces.begin(), sd.pieces.end());
+  }
+
+  // The group lists of every CacheGen side, once all TABLES blocks are read (`left`: the bytes after
+  // them). Every group costs 8 bytes per (slice, channel) of scale and minimum in the CODES blocks to
+  // come: all sides' groups together must fit in what is left before any list is built. A prefix
+  // load that needs no residual reads only the chunks covering the prefix, so it builds (and
+  // bounds) only the groups starting in them: a file cut after those chunks holds no more.
+  void build_groups(std::uint64_t left) {
+    std::uint64_t limit = std::numeric_limits<std::uint64_t>::max();
+    if (prefix_ < h_.tokens) {
+      bool residual = false;  // a residual block the prefix needs: the load reads every chunk
+      for (std::size_t l = 0; l < h_.layers.size(); ++l)
+        for (const SideData& sd : sides_[l])
+          if (h_.layers[l].cls == CacheClass::CacheGen && h_.layers[l].offset > 0 && prefix_ > sd.closed) residual = true;
+      if (!residual) limit = (prefix_ + h_.chunk_tokens - 1) / h_.chunk_tokens * h_.chunk_tokens;
     }
+    unsigned __int128 meta = 0;
+    for (std::size_t l = 0; l < h_.layers.size(); ++l) {
+      const vqkv::LayerEntry& e = h_.layers[l];
+      if (e.cls != CacheClass::CacheGen || e.offset == 0) continue;
+      const auto g = static_cast<std::uint64_t>(e.config.cachegen_group_size);
+      for (int side = 0; side < 2; ++side) {
+        const SideData& sd = sides_[l][static_cast<std::size_t>(side)];
+        const std::uint64_t n = vqkv::count_groups(sd.pieces, g, limit);
+        meta += static_cast<unsigned __int128>(n) * slices() * h_.dim(side) * 8;
+        if (meta > left)
+          throw FormatError(fmt::format("vqkv: layer {} {}: {} groups need more bytes of scales and minima than the file holds", l,
+                                        vqkv::side_name(side), n));
+        groups_[l][static_cast<std::size_t>(side)] = vqkv::groups_of(sd.pieces, g, limit);
+      }
+    }
+  }
+
+  // A side's per-slice codes, scales and minima, allocated once data of every slice was read.
+  void slice_parts(SideData& sd) const {
+    if (!sd.parts.codes.empty()) return;
+    sd.parts.codes.resize(slices());
+    sd.parts.scales.resize(slices());
+    sd.parts.minima.resize(slices());
   }
 
   // Whether a load of prefix_ tokens needs this block's contents.
@@ -254,6 +318,7 @@ class FileReader {
       if (vq::rans_stream_symbols(payload) != n_symbols) r.fail("the rANS stream holds a different number of symbols than the block's tokens");
     }
     if (!decode_ || !keep) return;
+    slice_parts(sd);
     sd.decoded_groups += p.n_groups;
     for (std::size_t s = 0; s < n_slices; ++s) {
       append_floats(sd.parts.scales[s], scales.subspan(s * meta * 4, meta * 4), r, true);
@@ -305,8 +370,7 @@ class FileReader {
   void keep_decoded_groups(std::size_t l, int side) {
     SideData& sd = sides_[l][static_cast<std::size_t>(side)];
     auto& groups = groups_[l][static_cast<std::size_t>(side)];
-    if (sd.decoded_groups == groups.size()) return;
-    groups.resize(sd.decoded_groups);
+    groups.resize(sd.decoded_groups);  // (the list may already end early: build_groups' limit)
     std::uint64_t left = vqkv::quantized_tokens(groups);
     auto& pieces = sd.parts.piece_tokens;
     std::size_t i = 0;
@@ -379,6 +443,8 @@ class FileReader {
     if (decoded_tokens(l, 1) != decoded_tokens(l, 0)) throw FormatError(fmt::format("vqkv: layer {}: keys and values cover different tokens", l));
     st.keys = dense_side(l, 0);
     st.values = dense_side(l, 1);
+    slice_parts(sides_[l][0]);  // the tokens decoded (> 0 here) hold bytes of every slice
+    slice_parts(sides_[l][1]);
     const int bits = e.config.effective_bits();
     try {
       st.key_stream = QuantizedStream::from_parts(h_.batch, h_.heads, static_cast<int>(h_.key_dim), bits, e.config,

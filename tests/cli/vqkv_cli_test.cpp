@@ -3,6 +3,8 @@
 #include <filesystem>
 #include <fstream>
 #include <string>
+#include <tuple>
+#include <vector>
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
@@ -117,6 +119,30 @@ TEST_F(VqkvCli, InspectSumsToTheFileSize) {
   EXPECT_NE(text.out.find("sum to the file size"), std::string::npos);
 }
 
+// Metadata is whatever bytes a file holds: text output escapes control characters and invalid
+// UTF-8 (a raw ESC would drive the terminal), JSON output replaces invalid UTF-8 (it used to exit 3,
+// "internal error", on nlohmann's exception).
+TEST_F(VqkvCli, InspectEscapesMetadataItCannotPrintAsIs) {
+  auto cache = std::make_shared<vq::KVCache>();
+  cache->update_and_fetch(vqtest::random_walk({1, 1, 2, 4}, 3), vqtest::random_walk({1, 1, 2, 4}, 4));
+  vq::save_prompt_cache(p("meta.vqkv"), {cache}, {{"title\x1b]0;pwned\x07", "red \x1b[31m bytes \xff\xfe c1 \xc2\x9b tab\t nl\n back\\ \xc3\xa9"}});
+  const auto text = run("inspect " + p("meta.vqkv"));
+  ASSERT_EQ(text.code, 0) << text.err;
+  EXPECT_EQ(text.out.find('\x1b'), std::string::npos);
+  EXPECT_EQ(text.out.find('\x07'), std::string::npos);
+  EXPECT_EQ(text.out.find('\xff'), std::string::npos);
+  EXPECT_NE(text.out.find(R"(metadata: title\x1b]0;pwned\x07 = red \x1b[31m bytes \xff\xfe c1 \u009b tab\t nl\n back\\ )"
+                          "\xc3\xa9\n"),
+            std::string::npos)
+      << text.out;
+  const auto json = run("inspect " + p("meta.vqkv") + " --json");
+  ASSERT_EQ(json.code, 0) << json.err;
+  EXPECT_TRUE(std::all_of(json.out.begin(), json.out.end(), [](char c) { return c == '\n' || (c >= 0x20 && c < 0x7f); })) << json.out;
+  const auto j = nlohmann::json::parse(json.out);
+  EXPECT_EQ(j.at("metadata").at("title\x1b]0;pwned\x07").get<std::string>(),
+            "red \x1b[31m bytes \xef\xbf\xbd\xef\xbf\xbd c1 \xc2\x9b tab\t nl\n back\\ \xc3\xa9");
+}
+
 TEST_F(VqkvCli, CompressesARealModelRun) {
   if (!std::filesystem::exists(vqtest::model_path())) GTEST_SKIP() << "no model in " << vqtest::models_dir();
   auto r = run("compress --model " + vqtest::model_path() + " --tokenizer " + vqtest::tokenizer_path() + " --text " + vqtest::models_dir() +
@@ -208,6 +234,28 @@ TEST(Safetensors, RoundTripAndBrokenFiles) {
   expect_error("size", "shape needs 16");
   write_with_header(R"({"a":{"dtype":"F32","shape":[1,1,1,2],"data_offsets":[0,8]},"b":{"dtype":"F32","shape":[1,1,1,2],"data_offsets":[4,12]}})", data);
   expect_error("overlap", "overlap");
+  // Shapes and offsets are non-negative integers as written (40.5 was read as 40, -1 as 2^64 - 1),
+  // and a zero dimension beside huge ones cannot make the strides overflow.
+  for (const auto& [shape, offsets, fragment] : std::vector<std::tuple<std::string, std::string, std::string>>{
+           {"[1,1,40.5,4]", "[0,640]", "shape [1,1,40.5,4] (entries must be non-negative integers)"},
+           {"[1,1,40.0,4]", "[0,640]", "entries must be non-negative integers"},
+           {"[1,1,4e1,4]", "[0,640]", "entries must be non-negative integers"},
+           {"[1,-1,40,4]", "[0,640]", "entries must be non-negative integers"},
+           {"[1,1,\"40\",4]", "[0,640]", "entries must be non-negative integers"},
+           {"[1,1,40,4]", "[0,640.0]", "data_offsets [0,640.0] (entries must be"},
+           {"[1,1,40,4]", "[-1,639]", "data_offsets [-1,639] (entries must be"},
+           {"[0,4294967296,4294967296,4294967296]", "[0,0]", "multiply past 2^63 bytes"},
+           {"[4294967296,4294967296,0,1]", "[0,0]", "multiply past 2^63 bytes"}}) {
+    write_with_header(R"({"a":{"dtype":"F32","shape":)" + shape + R"(,"data_offsets":)" + offsets + "}}", data);
+    expect_error(shape + " " + offsets, fragment);
+  }
+  write_with_header(R"({"a":{"dtype":"F32","shape":[1,1,0,4294967296],"data_offsets":[0,0]}})", data);
+  EXPECT_EQ(vq::read_safetensors(path).at("a").shape(), (vq::Shape4{1, 1, 0, std::int64_t{1} << 32}));
+  // Metadata that is not UTF-8 (a .vqkv holds bytes) is written with U+FFFD, not an exception.
+  vq::write_safetensors(path, {{"a", t.at("a")}}, {{"k", "ok \xff"}});
+  meta.clear();
+  (void)vq::read_safetensors(path, &meta);
+  EXPECT_EQ(meta.at("k"), "ok \xef\xbf\xbd");
   std::ofstream(path, std::ios::binary) << "abc";
   expect_error("short", "shorter");
   // KV naming.

@@ -1,6 +1,9 @@
 #include "veloxquant/core/npy.hpp"
 
 #include <fstream>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include <gtest/gtest.h>
 
@@ -84,6 +87,41 @@ TEST(Npy, RejectsBadFiles) {
   EXPECT_THROW(vq::read_npy(path("absurd.npy")), vq::FormatError);
   spit(path("garbage.npy"), replace("(1, 2, 3, 4)", "(1, 2, x, 4)"));
   EXPECT_THROW(vq::read_npy(path("garbage.npy")), vq::FormatError);
+}
+
+// A version 1.0 .npy with this shape text and data bytes.
+std::string npy_with_shape(const std::string& shape, std::size_t data_bytes) {
+  std::string header = "{'descr': '<f4', 'fortran_order': False, 'shape': " + shape + ", }";
+  header.append((64 - (10 + header.size() + 1) % 64) % 64, ' ');
+  header += '\n';
+  std::string out = "\x93NUMPY";
+  out += '\x01';
+  out += '\x00';
+  out += static_cast<char>(header.size() & 0xff);
+  out += static_cast<char>(header.size() >> 8);
+  return out + header + std::string(data_bytes, '\0');
+}
+
+// Shapes are non-negative integers whose non-zero product fits: a zero dimension beside huge ones
+// holds no data, so the data size cannot catch it, and its strides would overflow.
+TEST(Npy, RefusesShapesThatAreNotSmallNonNegativeIntegers) {
+  spit(path("ok.npy"), npy_with_shape("(1, 2, 0, 4)", 0));
+  EXPECT_EQ(vq::read_npy(path("ok.npy")).shape(), (vq::Shape4{1, 2, 0, 4}));
+  for (const auto& [shape, fragment] : std::vector<std::pair<std::string, std::string>>{
+           {"(0, 999999999999, 999999999999, 999999999999)", "multiplies past 2^63 bytes"},
+           {"(1, 4294967296, 0, 4294967296)", "multiplies past 2^63 bytes"},
+           {"(1, 2, 1.5, 4)", "cannot parse shape"},
+           {"(1, 2, -3, 4)", "cannot parse shape"},
+           {"(1, 2, 1e3, 4)", "cannot parse shape"}}) {
+    SCOPED_TRACE(shape);
+    spit(path("shape.npy"), npy_with_shape(shape, 0));
+    try {
+      (void)vq::read_npy(path("shape.npy"));
+      ADD_FAILURE() << "no error";
+    } catch (const vq::FormatError& e) {
+      EXPECT_NE(std::string(e.what()).find(fragment), std::string::npos) << e.what();
+    }
+  }
 }
 
 TEST(Npy, RefusesBf16) {

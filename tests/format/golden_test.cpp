@@ -76,6 +76,11 @@ TEST(VqkvGolden, ValidFileIsWrittenAndReadExactly) {
     vqtest::wr(order, vqtest::block_offsets(bytes).back() + 16, vqtest::rd64(bytes, vqtest::block_offsets(bytes).back() + 16) + 1, 8);
     vqtest::fix_checksums(order);
     put("bad_end_count_v2.vqkv", order);
+    // ~100-byte headers claiming 2^32 tokens in chunks of 1 (issue 13): readers once walked every
+    // (chunk, layer, side) position of them; the Python and CLI tests load these too.
+    put("huge_tokens_empty_layers.vqkv", vqtest::crafted_file({.tokens = std::uint64_t{1} << 32, .chunk = 1, .layers = 4}));
+    put("huge_tokens_no_closed_tokens.vqkv",
+        vqtest::crafted_file({.tokens = std::uint64_t{1} << 32, .chunk = 1, .layers = 1, .cls = 1, .offset = std::uint64_t{1} << 32}));
   }
   const auto file = vq::read_file_bytes(golden("valid_v2.vqkv"));
   EXPECT_EQ(file, bytes) << "this build writes different bytes than tests/golden/valid_v2.vqkv: a format change needs a new version";
@@ -106,7 +111,9 @@ TEST(VqkvGolden, BrokenFilesFailClearly) {
            {"bad_checksum_v2.vqkv", "checksum mismatch"},
            {"bad_magic.vqkv", "not a .vqkv file"},
            {"future_version.vqkv", "unsupported format version 3"},
-           {"bad_end_count_v2.vqkv", "END block"}}) {
+           {"bad_end_count_v2.vqkv", "the END block counts 21 blocks before it, the file has 20"},
+           {"huge_tokens_empty_layers.vqkv", "token count 4294967296 but every layer is empty"},
+           {"huge_tokens_no_closed_tokens.vqkv", "need at least"}}) {
     SCOPED_TRACE(name);
     try {
       (void)vq::load_prompt_cache(golden(name));

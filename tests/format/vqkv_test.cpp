@@ -350,7 +350,11 @@ TEST(VqkvBroken, TableOfDeliberatelyBrokenFiles) {
          b = x;
        }},
       {"missing END block", "truncated file", [&](auto& b) { b.resize(blocks.back()); }, false},
-      {"wrong END count", "belongs", [&](auto& b) { wr(b, blocks.back() + 16, 99, 8); }},
+      {"wrong END count", "the END block counts 99 blocks before it, the file has", [&](auto& b) { wr(b, blocks.back() + 16, 99, 8); }},
+      {"END with a layer", "the END block has layer 3", [&](auto& b) { wr(b, blocks.back() + 4, 3, 4); }},
+      {"TABLES not at token 0", "starts at token 5, not 0", [&](auto& b) { wr(b, blocks[0] + 8, 5, 8); }},
+      {"CODES block with the wrong range", "should cover tokens 0..64", [&](auto& b) { wr(b, blocks[2] + 16, 31, 8); }},
+      {"header shape beyond the file", "need at least", [](auto& b) { wr(b, 29, 4096, 4); }},
       {"trailing bytes", "unexpected bytes after the END block", [](auto& b) { b.push_back(0); }},
       {"piece count past the body", "truncated", [&](auto& b) { wr(b, blocks[0] + 32, 1u << 20, 4); }},
       {"pieces disagree with tokens", "piece tokens", [&](auto& b) { wr(b, blocks[0] + 36, 100, 4); }},
@@ -361,6 +365,40 @@ TEST(VqkvBroken, TableOfDeliberatelyBrokenFiles) {
     if (m.fix) fix_checksums(b);
     expect_format_error(b, m.fragment, m.what);
   }
+}
+
+// Tiny files with valid checksums whose headers claim what they cannot hold: 2^32 tokens in chunks
+// of 1 with every layer empty, or held by layers whose blocks are not there. The reader used to walk
+// every (chunk, layer, side) position looking for blocks (2^32 x layers x 2: tens of seconds, hours
+// at 4096 layers) and then accepted the first file, reporting 2^32 tokens of nothing. A header is
+// now checked against the bytes that follow it before any block is read (docs/format.md, "Cost").
+TEST(VqkvBroken, HeadersClaimingMoreThanTheFileHoldsAreRefusedBeforeReading) {
+  constexpr std::uint64_t kHuge = std::uint64_t{1} << 32;
+  const struct {
+    const char* what;
+    CraftedFile file;
+    const char* fragment;
+  } cases[] = {
+      {"empty layers", {.tokens = kHuge, .chunk = 1, .layers = 4096}, "every layer is empty"},
+      {"one empty layer", {.tokens = 5, .chunk = 1, .layers = 1}, "every layer is empty"},
+      {"plain layer without rows", {.tokens = kHuge, .chunk = 1, .layers = 1, .cls = 0, .offset = kHuge}, "need at least"},
+      {"CacheGen layer with no closed tokens", {.tokens = kHuge, .chunk = 1, .layers = 1, .cls = 1, .offset = kHuge}, "need at least"},
+      {"4096 CacheGen layers with no closed tokens", {.tokens = kHuge, .chunk = 1, .layers = 4096, .cls = 1, .offset = kHuge, .group = 4096},
+       "need at least"},
+      {"a little more than the file holds", {.tokens = 2, .chunk = 1, .layers = 1, .cls = 1, .offset = 2}, "need at least"},
+  };
+  for (const auto& c : cases) {
+    const auto b = crafted_file(c.file);
+    SCOPED_TRACE(fmt::format("{} ({} bytes)", c.what, b.size()));
+    expect_format_error(b, c.fragment, c.what);
+    // A prefix load checks what the prefix needs: refused by the bound or at the first missing block.
+    EXPECT_THROW((void)vq::deserialize_prompt_cache(b, {.max_tokens = 1}), vq::FormatError);
+  }
+  // A prefix of 0 tokens needs only the TABLES blocks: a cut file loads as empty caches.
+  const auto none = vq::deserialize_prompt_cache(crafted_file({.tokens = kHuge, .chunk = 1, .layers = 2, .cls = 1, .offset = kHuge}),
+                                                 {.max_tokens = 0});
+  ASSERT_EQ(none.caches.size(), 2u);
+  EXPECT_EQ(none.caches[0]->offset(), 0);
 }
 
 TEST(VqkvBroken, EveryTruncationAndEveryBitFlipIsAClearError) {

@@ -13,6 +13,7 @@
 #include "commands.hpp"
 #include "model_options.hpp"
 #include "output_paths.hpp"
+#include "printable.hpp"
 #include "veloxquant/core/error.hpp"
 #include "veloxquant/core/npy.hpp"
 #include "veloxquant/format/safetensors.hpp"
@@ -124,7 +125,7 @@ int run_compress(const CompressOptions& o) {
     nlohmann::json j{{"path", o.out},           {"bytes", bytes},   {"layers", caches.size()},
                      {"tokens", caches[0]->offset()}, {"method", spec.to_string()}, {"fp16_bytes", input_fp16_bytes},
                      {"bits_per_element", bits}, {"seconds", secs}};
-    fmt::print("{}\n", j.dump());
+    fmt::print("{}\n", j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace));  // a path need not be UTF-8
   } else {
     fmt::print("wrote {}: {} bytes, {} layers x {} tokens, {}; {:.3f} bits/element ({:.2f}x smaller than fp16); {:.2f} s\n", o.out, bytes,
                caches.size(), caches[0]->offset(), spec.to_string(), bits, bits > 0 ? 16.0 / bits : 0.0, secs);
@@ -202,13 +203,15 @@ int run_inspect(const std::string& path, bool json) {
                              {"quantized_keys", l.quantized_keys}, {"quantized_values", l.quantized_values},
                              {"keys", bytes_json(l.keys, elements(l, 0))}, {"values", bytes_json(l.values, elements(l, 1))}});
     }
-    fmt::print("{}\n", j.dump(2));
+    // Metadata is bytes: invalid UTF-8 becomes U+FFFD (JSON strings are Unicode; dump() would throw),
+    // and everything but printable ASCII is a \u escape (C1 controls would reach a terminal raw).
+    fmt::print("{}\n", j.dump(2, ' ', true, nlohmann::json::error_handler_t::replace));
     return 0;
   }
   fmt::print("{}: .vqkv version {}, {} bytes\n", path, in.version, in.file_bytes);
   fmt::print("shape: {} layers x [B {}, H {}, S {}, D_k {} / D_v {}] {}, chunks of {} tokens\n", in.layers.size(), in.batch, in.heads,
              in.tokens, in.key_dim, in.value_dim, vq::dtype_name(in.dtype), in.chunk_tokens);
-  for (const auto& [k, v] : in.metadata) fmt::print("metadata: {} = {}\n", k, v);
+  for (const auto& [k, v] : in.metadata) fmt::print("metadata: {} = {}\n", printable(k), printable(v));  // no raw terminal escapes
   fmt::print("{:<6} {:<7} {:>10} {:>9} {:>12} {:>9} {:>8} {:>9} {:>11} {:>9} {:>8}\n", "layer", "side", "payload", "tables", "scales+zeros",
              "residual", "headers", "checksums", "total", "bits/elem", "vs fp16");
   auto row = [](const std::string& layer, const char* side, const vq::VqkvBytes& b, double el) {

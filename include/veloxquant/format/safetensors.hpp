@@ -23,9 +23,11 @@ struct KVPair {
 };
 
 // Every tensor of the file by name, and its __metadata__. Throws IoError (unreadable) or
-// FormatError (malformed header, unknown dtype, a rank other than 4, offsets outside the data or
-// overlapping, sizes that disagree with the shape).
+// FormatError (malformed header, unknown dtype, a rank other than 4, a shape or offset that is not a
+// non-negative integer, dimensions above 2^32 or whose non-zero ones multiply past 2^63 bytes,
+// offsets outside the data or overlapping, sizes that disagree with the shape).
 std::map<std::string, Tensor> read_safetensors(const std::string& path, std::map<std::string, std::string>* metadata = nullptr);
+// Metadata bytes that are not UTF-8 are written as U+FFFD (the header is JSON).
 void write_safetensors(const std::string& path, const std::map<std::string, Tensor>& tensors,
                        const std::map<std::string, std::string>& metadata = {});
 
