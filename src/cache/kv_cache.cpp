@@ -36,6 +36,8 @@ void KVCache::check_chunk(const Tensor& keys, const Tensor& values) const {
     throw InvalidArgument(fmt::format("keys are {} but values are {}", dtype_name(keys.dtype()), dtype_name(values.dtype())));
   if (k[0] < 1 || k[1] < 1 || k[3] < 1 || v[3] < 1)
     throw InvalidArgument(fmt::format("keys {} / values {}: batch, heads and head dim must be >= 1", shape_string(k), shape_string(v)));
+  if (k[3] > kMaxHeadDim || v[3] > kMaxHeadDim)
+    throw InvalidArgument(fmt::format("keys {} / values {}: head dim must be at most {}", shape_string(k), shape_string(v), kMaxHeadDim));
   if (offset_ > 0) {
     const auto& ck = keys_buf_.shape();
     const auto& cv = values_buf_.shape();

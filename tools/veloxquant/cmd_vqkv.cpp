@@ -72,6 +72,10 @@ int run_compress(const CompressOptions& o) {
   double input_fp16_bytes = 0;
   const auto t0 = Clock::now();
   auto feed_layers = [&](const std::vector<vq::KVPair>& layers) {
+    for (const auto& l : layers)  // before the head dim is narrowed to int to describe the model
+      vq::require(l.keys.dim(3) <= vq::kMaxHeadDim && l.values.dim(3) <= vq::kMaxHeadDim,
+                  "keys {} / values {}: head dim must be at most {}", vq::shape_string(l.keys.shape()),
+                  vq::shape_string(l.values.shape()), vq::kMaxHeadDim);
     caches = vq::make_caches(spec, vq::ModelDescription::uniform(static_cast<int>(layers.size()), static_cast<int>(layers[0].keys.dim(3))));
     for (std::size_t i = 0; i < layers.size(); ++i) {
       feed(*caches[i], layers[i].keys, layers[i].values, o.chunk);

@@ -23,6 +23,10 @@ struct CacheBytes {
   double fixed_bytes = 0, estimated_bytes = 0;
 };
 
+// The largest head dim (D) a cache accepts: far past any model's (64..256), and small enough that
+// per-channel arithmetic stays in int.
+inline constexpr std::int64_t kMaxHeadDim = std::int64_t{1} << 16;
+
 struct KVState {
   Tensor keys;    // [B, H, offset, D_k]
   Tensor values;  // [B, H, offset, D_v]
