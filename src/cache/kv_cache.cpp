@@ -55,7 +55,9 @@ void KVCache::reserve(std::int64_t tokens, const Tensor& keys, const Tensor& val
                            values_buf_.dim(3) == values.dim(3);
   if (same_layout && keys_buf_.dim(2) >= tokens) return;
   std::int64_t cap = same_layout ? std::max(tokens, keys_buf_.dim(2) * 2) : tokens;
-  cap = (cap + kStep - 1) / kStep * kStep;
+  // Round to whole steps only past the first step, so that a few tokens (or a very wide slice of
+  // B * H * D) never reserve a step's worth: capacity stays below twice what growth requires.
+  if (cap >= kStep) cap = (cap + kStep - 1) / kStep * kStep;
   Tensor nk = Tensor::uninitialized({keys.dim(0), keys.dim(1), cap, keys.dim(3)}, keys.dtype());
   Tensor nv = Tensor::uninitialized({values.dim(0), values.dim(1), cap, values.dim(3)}, values.dtype());
   if (same_layout && offset_ > 0) {

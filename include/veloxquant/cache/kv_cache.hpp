@@ -5,7 +5,8 @@
 // The returned tensors are views of the cache's own buffer (no copy). They stay valid as long as
 // you hold them, but their contents are only guaranteed until the next call that changes the
 // cache (update_and_fetch, trim, from_state), which may write into the same buffer.
-// The buffer grows geometrically, so appending a token costs amortised O(1).
+// The buffer grows geometrically, so appending a token costs amortised O(1), and never holds
+// more than about twice the tokens it was given: memory follows the data held.
 #pragma once
 #include <cstdint>
 #include <functional>
