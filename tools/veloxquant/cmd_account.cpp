@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include "commands.hpp"
+#include "numeric_options.hpp"
 #include "veloxquant/cache/cachegen_cache.hpp"
 #include "veloxquant/core/error.hpp"
 #include "veloxquant/core/npy.hpp"
@@ -29,7 +30,6 @@ int run_account(const AccountOptions& o) {
   cfg.cachegen_per_channel = !o.pooled;
   cfg.cachegen_flush = vq::flush_mode_from_name(o.flush);
   cfg.validate();
-  vq::require(o.chunk >= 0, "--chunk must be >= 1, got {}", o.chunk);
 
   const vq::Tensor k = vq::read_npy(o.keys);
   const vq::Tensor v = vq::read_npy(o.values);
@@ -88,12 +88,12 @@ Runner add_account(CLI::App& app) {
   auto o = std::make_shared<AccountOptions>();
   app.add_option("--keys", o->keys, "keys .npy, float32 or float16 [B, H, S, D]")->required();
   app.add_option("--values", o->values, "values .npy, float32 or float16 [B, H, S, D]")->required();
-  app.add_option("--bits", o->bits, "bits per code, 1..8")->capture_default_str();
-  app.add_option("--group-size", o->group_size, "tokens per quantization group")->capture_default_str();
+  app.add_option("--bits", o->bits, "bits per code, 1..8")->capture_default_str()->transform(integer_in(1, 8));
+  app.add_option("--group-size", o->group_size, "tokens per quantization group")->capture_default_str()->transform(integer_in(1, std::numeric_limits<int>::max()));
   app.add_flag("--no-delta", o->no_delta, "estimate entropy of raw codes instead of token deltas");
   app.add_flag("--pooled", o->pooled, "one entropy estimate over all channels instead of per channel");
   app.add_option("--flush", o->flush, "per_call (the reference) or group_aligned")->capture_default_str();
-  app.add_option("--chunk", o->chunk, "tokens per update_and_fetch call (default: all at once)");
+  app.add_option("--chunk", o->chunk, "tokens per update_and_fetch call (default: all at once)")->transform(integer_in(0, kMaxCount));
   app.add_option("--recon-keys", o->recon_keys, "write the keys the last update_and_fetch returned (.npy)");
   app.add_option("--recon-values", o->recon_values, "write the values the last update_and_fetch returned (.npy)");
   app.add_flag("--json", o->json, "print one JSON object");
