@@ -274,7 +274,11 @@ PYBIND11_MODULE(veloxquant, m) {
       "A KVCache that group-quantizes what it stores and accounts its bytes as CacheGen does (entropy of the token-delta "
       "code stream). Fetch returns dense arrays; like the reference, it has no `bits` attribute.")
       .def(py::init<vq::KVCacheConfig>(), "config"_a = vq::KVCacheConfig{})
-      .def_property_readonly("config", &vq::CacheGenKVCache::config, "A copy of the cache's configuration.")
+      // Returned by value: binding the member function (a const reference) would hand Python a live
+      // handle whose field edits reach the cache unvalidated, mid-stream.
+      .def_property_readonly(
+          "config", [](const vq::CacheGenKVCache& c) { return c.config(); },
+          "A copy of the cache's configuration: editing it does not change the cache (build a new cache with it).")
       .def_property_readonly("compressed_key_bytes", &vq::CacheGenKVCache::compressed_key_bytes)
       .def_property_readonly("compressed_value_bytes", &vq::CacheGenKVCache::compressed_value_bytes)
       .def_property_readonly("fixed_width_key_bytes", &vq::CacheGenKVCache::fixed_width_key_bytes)

@@ -207,3 +207,47 @@ def test_load_prompt_cache_refuses_headers_claiming_more_than_the_file_holds(nam
     assert path.stat().st_size < 300
     with pytest.raises(RuntimeError, match=match):
         vq.load_prompt_cache(str(path))
+
+
+def test_cache_config_is_a_copy_edits_never_reach_the_cache():
+    cache = vq.CacheGenKVCache(vq.KVCacheConfig(cachegen_group_size=4))
+    cfg = cache.config
+    cfg.cachegen_group_size = 0  # invalid: would reach the cache unvalidated through a live handle
+    cache.config.cachegen_resolved_bits = 200
+    assert cache.config.cachegen_group_size == 4 and cache.config.cachegen_resolved_bits is None
+    assert cfg.cachegen_group_size == 0  # the copy itself is an ordinary, editable config
+    with pytest.raises(ValueError, match="cachegen_group_size"):
+        vq.CacheGenKVCache(cfg)
+
+
+def test_config_edit_mid_stream_leaves_a_file_that_loads(tmp_path):
+    rng = np.random.default_rng(5)
+    k = rng.standard_normal((1, 2, 10, 8)).astype(np.float16)
+    cache = vq.CacheGenKVCache(vq.KVCacheConfig(cachegen_group_size=4))
+    cache.update_and_fetch(k, k)
+    cache.config.cachegen_group_size = 3  # once changed the group size of a stream with closed groups
+    cache.update_and_fetch(k, k)
+    path = str(tmp_path / "edited.vqkv")
+    vq.save_prompt_cache(path, [cache])
+    (loaded,) = vq.load_prompt_cache(path)
+    assert loaded.config == cache.config and loaded.config.cachegen_group_size == 4
+    np.testing.assert_array_equal(loaded.state[0], cache.state[0])
+
+
+def test_huge_dimensions_beside_a_zero_are_refused():
+    # numpy allows an empty array whose other dimensions multiply to 2^42; a tensor may not (2^40),
+    # so nothing is ever sized by them (this once asked for a histogram per 2^42 channels).
+    k = np.lib.stride_tricks.as_strided(np.zeros(1, np.float16), shape=(1, 1 << 21, 0, 1 << 21), strides=(0, 0, 0, 2))
+    with pytest.raises(ValueError, match="too large"):
+        vq.CacheGenKVCache().update_and_fetch(k, k)
+
+
+def test_memory_follows_the_data():
+    empty = np.zeros((1, 1024, 0, 1024), np.float16)
+    cache = vq.CacheGenKVCache()
+    cache.update_and_fetch(empty, empty)
+    assert cache.nbytes <= 64 * 1024
+    one = np.ones((1, 64, 1, 256), np.float16)
+    cache = vq.CacheGenKVCache()
+    cache.update_and_fetch(one, one)
+    assert cache.nbytes <= 4 * 2 * one.nbytes + 64 * 1024

@@ -36,6 +36,8 @@ void KVCache::check_chunk(const Tensor& keys, const Tensor& values) const {
     throw InvalidArgument(fmt::format("keys are {} but values are {}", dtype_name(keys.dtype()), dtype_name(values.dtype())));
   if (k[0] < 1 || k[1] < 1 || k[3] < 1 || v[3] < 1)
     throw InvalidArgument(fmt::format("keys {} / values {}: batch, heads and head dim must be >= 1", shape_string(k), shape_string(v)));
+  if (k[3] > kMaxHeadDim || v[3] > kMaxHeadDim)
+    throw InvalidArgument(fmt::format("keys {} / values {}: head dim must be at most {}", shape_string(k), shape_string(v), kMaxHeadDim));
   if (offset_ > 0) {
     const auto& ck = keys_buf_.shape();
     const auto& cv = values_buf_.shape();
@@ -53,7 +55,9 @@ void KVCache::reserve(std::int64_t tokens, const Tensor& keys, const Tensor& val
                            values_buf_.dim(3) == values.dim(3);
   if (same_layout && keys_buf_.dim(2) >= tokens) return;
   std::int64_t cap = same_layout ? std::max(tokens, keys_buf_.dim(2) * 2) : tokens;
-  cap = (cap + kStep - 1) / kStep * kStep;
+  // Round to whole steps only past the first step, so that a few tokens (or a very wide slice of
+  // B * H * D) never reserve a step's worth: capacity stays below twice what growth requires.
+  if (cap >= kStep) cap = (cap + kStep - 1) / kStep * kStep;
   Tensor nk = Tensor::uninitialized({keys.dim(0), keys.dim(1), cap, keys.dim(3)}, keys.dtype());
   Tensor nv = Tensor::uninitialized({values.dim(0), values.dim(1), cap, values.dim(3)}, values.dtype());
   if (same_layout && offset_ > 0) {

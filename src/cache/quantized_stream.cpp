@@ -21,21 +21,23 @@ QuantizedStream::QuantizedStream(std::int64_t batch, std::int64_t heads, int dim
       per_channel_(config.cachegen_per_channel),
       flush_(config.cachegen_flush) {
   check_quant_params(bits, group_size_);
-  const auto n = static_cast<std::size_t>(batch * heads);
+  // Per-slice vectors and histograms are allocated when the first tokens arrive (allocate_slices,
+  // sync_histograms): a stream of a wide, empty input costs nothing per (slice, channel).
+}
+
+void QuantizedStream::allocate_slices() {
+  if (!codes_.empty()) return;
+  const auto n = static_cast<std::size_t>(slices());
   codes_.resize(n);
   scales_.resize(n);
   mins_.resize(n);
-  if (flush_ == FlushMode::GroupAligned) {
-    const int levels = (1 << bits) - 1;
-    const int lo = use_delta_ ? -levels : 0;
-    hist_ = ChannelHistograms(per_channel_ ? n * static_cast<std::size_t>(dim) : n, lo, levels - lo + 1);
-  }
 }
 
 QuantizedStream QuantizedStream::from_parts(std::int64_t batch, std::int64_t heads, int dim, int bits, const KVCacheConfig& config,
                                             QuantizedStreamParts parts) {
   QuantizedStream q(batch, heads, dim, bits, config);
   const auto n_slices = static_cast<std::size_t>(batch * heads);
+  q.allocate_slices();
   require(parts.codes.size() == n_slices && parts.scales.size() == n_slices && parts.minima.size() == n_slices,
           "quantized stream parts: slice count disagrees with the shape");
   std::int64_t tokens = 0, groups = 0;
@@ -93,9 +95,19 @@ std::vector<std::int64_t> QuantizedStream::segment_tokens() const {
   return out;
 }
 
-std::span<const std::uint8_t> QuantizedStream::codes(std::int64_t slice) const { return codes_.at(static_cast<std::size_t>(slice)); }
-std::span<const float> QuantizedStream::scales(std::int64_t slice) const { return scales_.at(static_cast<std::size_t>(slice)); }
-std::span<const float> QuantizedStream::minima(std::int64_t slice) const { return mins_.at(static_cast<std::size_t>(slice)); }
+// A stream that never received tokens holds no per-slice vectors: each slice is empty.
+std::span<const std::uint8_t> QuantizedStream::codes(std::int64_t slice) const {
+  require(slice >= 0 && slice < slices(), "codes: slice {} out of range", slice);
+  return codes_.empty() ? std::span<const std::uint8_t>() : std::span<const std::uint8_t>(codes_[static_cast<std::size_t>(slice)]);
+}
+std::span<const float> QuantizedStream::scales(std::int64_t slice) const {
+  require(slice >= 0 && slice < slices(), "scales: slice {} out of range", slice);
+  return scales_.empty() ? std::span<const float>() : std::span<const float>(scales_[static_cast<std::size_t>(slice)]);
+}
+std::span<const float> QuantizedStream::minima(std::int64_t slice) const {
+  require(slice >= 0 && slice < slices(), "minima: slice {} out of range", slice);
+  return mins_.empty() ? std::span<const float>() : std::span<const float>(mins_[static_cast<std::size_t>(slice)]);
+}
 
 QuantStatus QuantizedStream::quantize_rows(Tensor& dense, const Tensor& input, std::int64_t begin, std::int64_t slice,
                                            std::int64_t row0, int n_rows, std::int64_t group_index, int n_groups) {
@@ -218,10 +230,10 @@ void QuantizedStream::undo_last_ingest(Tensor& dense) {
     segments_.pop_back();
   }
   const auto d = static_cast<std::size_t>(dim_);
-  for (std::int64_t s = 0; s < slices(); ++s) {
-    codes_[static_cast<std::size_t>(s)].resize(static_cast<std::size_t>(undo_.quantized) * d);
-    scales_[static_cast<std::size_t>(s)].resize(static_cast<std::size_t>(undo_.groups) * d);
-    mins_[static_cast<std::size_t>(s)].resize(static_cast<std::size_t>(undo_.groups) * d);
+  for (std::size_t s = 0; s < codes_.size(); ++s) {
+    codes_[s].resize(static_cast<std::size_t>(undo_.quantized) * d);
+    scales_[s].resize(static_cast<std::size_t>(undo_.groups) * d);
+    mins_[s].resize(static_cast<std::size_t>(undo_.groups) * d);
   }
   quantized_ = undo_.quantized;
   accounted_ = std::min(accounted_, quantized_);
@@ -231,9 +243,13 @@ void QuantizedStream::undo_last_ingest(Tensor& dense) {
 
 QuantStatus QuantizedStream::ingest(Tensor& dense, const Tensor& input, std::int64_t begin) {
   const std::int64_t end = begin + input.dim(2);
+  if (end <= begin) {  // nothing to quantize or copy (and no pass over the slices of an empty input)
+    undo_ = Undo{quantized_, n_groups(), 0, 0, false, {}};
+    return QuantStatus::Ok;
+  }
+  allocate_slices();
   if (flush_ == FlushMode::PerCall) {
     save_undo(dense, begin, begin);  // a segment only writes rows at or after begin
-    if (end <= begin) return QuantStatus::Ok;  // the reference quantizes nothing for an empty call
     Segment seg;
     seg.start = begin;
     seg.n_tokens = end - begin;
@@ -293,6 +309,7 @@ QuantStatus QuantizedStream::ingest(Tensor& dense, const Tensor& input, std::int
 
 void QuantizedStream::trim_to(std::int64_t new_end) {
   require(new_end >= 0, "trim_to: negative end");
+  if (quantized_ == 0) return;  // no codes (perhaps no per-slice vectors) to roll back
   const auto d = static_cast<std::size_t>(dim_);
   if (flush_ == FlushMode::PerCall) {
     while (!segments_.empty() && segments_.back().start >= new_end) {
@@ -333,6 +350,12 @@ void QuantizedStream::trim_to(std::int64_t new_end) {
 
 void QuantizedStream::sync_histograms() const {
   if (flush_ != FlushMode::GroupAligned || accounted_ == quantized_) return;
+  if (hist_.count() == 0) {  // first use: histograms exist only for a stream with codes
+    const int levels = (1 << bits_) - 1;
+    const int lo = use_delta_ ? -levels : 0;
+    const auto n = static_cast<std::size_t>(slices());
+    hist_ = ChannelHistograms(per_channel_ ? n * static_cast<std::size_t>(dim_) : n, lo, levels - lo + 1);
+  }
   for (std::int64_t s = 0; s < slices(); ++s) add_symbols(s, accounted_, quantized_ - accounted_);
   accounted_ = quantized_;
 }
@@ -341,10 +364,39 @@ std::uint64_t QuantizedStream::compressed_bytes(std::int64_t offset) const {
   const std::uint64_t residual = static_cast<std::uint64_t>(offset - quantized_) * static_cast<std::uint64_t>(slices()) *
                                  static_cast<std::uint64_t>(dim_) * 2;
   if (flush_ == FlushMode::PerCall) return seg_compressed_ + residual;
-  sync_histograms();
+  if (quantized_ == 0) return residual;
   const std::uint64_t meta = static_cast<std::uint64_t>(n_groups()) * static_cast<std::uint64_t>(dim_) * kGroupMetaBytesPerChannel;
   std::uint64_t total = 0;
   const auto d = static_cast<std::size_t>(dim_);
+  const int levels = (1 << bits_) - 1;
+  const int lo = use_delta_ ? -levels : 0, alphabet = levels - lo + 1;
+  if (per_channel_ && quantized_ < alphabet && hist_.count() == 0) {
+    // Fewer tokens per channel than the alphabet has symbols: a histogram per (slice, channel)
+    // (4 bytes per symbol, 2 KiB at 8 bits) would dwarf the codes it counts, so count each
+    // channel's few symbols afresh, O(codes), in one reused buffer.
+    std::vector<std::uint32_t> counts(static_cast<std::size_t>(alphabet), 0);
+    const auto n = static_cast<std::size_t>(quantized_);
+    for (std::int64_t s = 0; s < slices(); ++s) {
+      const std::uint8_t* codes = codes_[static_cast<std::size_t>(s)].data();
+      auto symbol = [&](std::size_t t, std::size_t c) {
+        return static_cast<std::size_t>(codes[t * d + c] - ((use_delta_ && t > 0) ? codes[(t - 1) * d + c] : 0) - lo);
+      };
+      double bits = 0.0;
+      for (std::size_t c = 0; c < d; ++c) {
+        for (std::size_t t = 0; t < n; ++t) ++counts[symbol(t, c)];
+        double sum_xlogx = 0.0;
+        for (std::size_t t = 0; t < n; ++t)  // each distinct symbol once, clearing the buffer behind it
+          if (std::uint32_t& k = counts[symbol(t, c)]; k != 0) {
+            sum_xlogx += xlog2x(k);
+            k = 0;
+          }
+        bits += ChannelHistograms::capped_bits_of(n, sum_xlogx, bits_);
+      }
+      total += code_bits_to_bytes(bits) + meta;
+    }
+    return total + residual;
+  }
+  sync_histograms();
   for (std::int64_t s = 0; s < slices(); ++s) {
     double bits = 0.0;
     if (per_channel_) {
@@ -365,7 +417,8 @@ std::uint64_t QuantizedStream::fixed_width_bytes(std::int64_t offset) const {
 }
 
 std::size_t QuantizedStream::memory_bytes() const {
-  std::size_t total = 0;
+  std::size_t total = codes_.capacity() * sizeof(codes_[0]) + (scales_.capacity() + mins_.capacity()) * sizeof(scales_[0]) +
+                      hist_.memory_bytes() + undo_.rows.capacity();
   for (std::size_t s = 0; s < codes_.size(); ++s)
     total += codes_[s].capacity() + (scales_[s].capacity() + mins_[s].capacity()) * sizeof(float);
   return total;

@@ -14,16 +14,29 @@ std::string shape_string(const Shape4& s) { return fmt::format("[{}, {}, {}, {}]
 namespace {
 Shape4 contiguous_strides(const Shape4& s) { return {s[1] * s[2] * s[3], s[2] * s[3], s[3], 1}; }
 
-void check_shape(const Shape4& shape) {
+void check_shape(const Shape4& shape) { (void)checked_numel(shape); }
+}  // namespace
+
+std::int64_t checked_numel(const Shape4& shape) {
   // Called for every new tensor (every decode step): messages are formatted only on failure.
   for (auto d : shape)
     if (d < 0) throw InvalidArgument("tensor shape " + shape_string(shape) + " has a negative dimension");
-  // Guard the element count against overflow: 2^40 elements is far beyond any KV cache.
-  long double n = 1;
-  for (auto d : shape) n *= static_cast<long double>(d);
-  if (n > static_cast<long double>(1LL << 40)) throw InvalidArgument("tensor shape " + shape_string(shape) + " is too large");
+  // Bound the product of the nonzero dimensions by 2^40 (far beyond any KV cache): then every
+  // partial product (strides, numel()) fits in int64 even when another dimension is 0, and no
+  // dimension is absurd beside an empty one ([1, 2^40, 2^40, 0] is refused, not 0 elements).
+  std::int64_t nonzero = 1;
+  bool empty = false;
+  for (auto d : shape) {
+    if (d == 0) {
+      empty = true;
+      continue;
+    }
+    if (nonzero > kMaxElements / d)
+      throw InvalidArgument("tensor shape " + shape_string(shape) + " is too large (its nonzero dimensions multiply to more than 2^40)");
+    nonzero *= d;
+  }
+  return empty ? 0 : nonzero;
 }
-}  // namespace
 
 Tensor Tensor::zeros(const Shape4& shape, DType dtype) {
   Tensor t = uninitialized(shape, dtype);

@@ -66,17 +66,24 @@ void ChannelHistograms::remove(std::size_t hist, int symbol) {
   if (totals_[hist] == 0) sum_xlogx_[hist] = 0.0;  // drop accumulated rounding noise
 }
 
-double ChannelHistograms::total_bits(std::size_t hist) const {
-  const std::uint64_t n = totals_[hist];
+namespace {
+double total_bits_of(std::uint64_t n, double sum_xlogx) {
   if (n == 0) return 0.0;
-  const double bits = xlog2x(n) - sum_xlogx_[hist];
+  const double bits = xlog2x(n) - sum_xlogx;
   // Any histogram with two or more distinct symbols has N*H >= 1 bit, so a smaller result is
   // rounding noise of a single-symbol histogram, whose entropy is exactly 0.
   return bits < 0.5 ? 0.0 : bits;
 }
+}  // namespace
+
+double ChannelHistograms::total_bits(std::size_t hist) const { return total_bits_of(totals_[hist], sum_xlogx_[hist]); }
 
 double ChannelHistograms::capped_bits(std::size_t hist, double cap_bits) const {
-  return std::min(total_bits(hist), cap_bits * static_cast<double>(totals_[hist]));
+  return capped_bits_of(totals_[hist], sum_xlogx_[hist], cap_bits);
+}
+
+double ChannelHistograms::capped_bits_of(std::uint64_t n, double sum_xlogx, double cap_bits) {
+  return std::min(total_bits_of(n, sum_xlogx), cap_bits * static_cast<double>(n));
 }
 
 std::uint32_t ChannelHistograms::symbol_count(std::size_t hist, int symbol) const {

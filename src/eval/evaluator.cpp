@@ -158,7 +158,10 @@ std::vector<MethodResult> evaluate(Transformer& model, const std::vector<int>& t
           "the text holds {} tokens, fewer than one window of {}", tokens.size(), o.window);
   const std::int64_t scored_per_window = o.protocol == EvalProtocol::Stream ? o.window - 1 : o.window - o.ctx;
   std::int64_t n_windows = static_cast<std::int64_t>(tokens.size()) / text_per_window;
-  if (o.max_tokens > 0) n_windows = std::min<std::int64_t>(n_windows, (o.max_tokens + scored_per_window - 1) / scored_per_window);
+  // Windows needed for max_tokens, rounded up without forming max_tokens + scored_per_window - 1
+  // (which overflows near INT64_MAX).
+  if (o.max_tokens > 0)
+    n_windows = std::min<std::int64_t>(n_windows, o.max_tokens / scored_per_window + (o.max_tokens % scored_per_window != 0));
 
   std::vector<Accum> acc(methods.size());
   Accum ref;
@@ -205,6 +208,10 @@ std::vector<MethodResult> evaluate(Transformer& model, const std::vector<int>& t
     r.bits_per_element_fixed = acc[m].bits.fixed_bits();
     r.bits_per_element_estimated = acc[m].bits.estimated_bits();
     r.bits_per_element_coded = acc[m].bits.coded_bits();
+    // A score that is not a number is a failed run, never a result.
+    require(std::isfinite(r.ppl) && std::isfinite(r.kl) && std::isfinite(r.top1) && std::isfinite(ppl_ref),
+            "{}: the scores are not finite (ppl {}, reference ppl {}, KL {}, top-1 {} over {} tokens)", r.method, r.ppl, ppl_ref, r.kl,
+            r.top1, r.tokens);
     out.push_back(r);
   }
   return out;

@@ -17,6 +17,8 @@ Sampler::Sampler(int vocab_size, SamplerConfig config)
   require(std::isfinite(config.temperature) && config.temperature >= 0.0f,
           "temperature must be a finite number >= 0, got {}", config.temperature);
   require(config.temperature == 0.0f || config.seed != 0, "sampling needs a nonzero seed");
+  // NaN fails every comparison, so it would neither disable top-p nor cut anything (only <unk>).
+  require(std::isfinite(config.topp), "topp must be a finite number, got {}", config.topp);
 }
 
 // run.c's random_u32 (xorshift*) and random_f32.

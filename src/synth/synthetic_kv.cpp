@@ -16,6 +16,7 @@ SyntheticKV make_synthetic_kv(const SyntheticKVConfig& cfg) {
   require(cfg.head_dim % 2 == 0, "synthetic KV: head_dim must be even for RoPE, got {}", cfg.head_dim);
   require(cfg.outlier_channels >= 0 && cfg.outlier_channels <= cfg.head_dim, "synthetic KV: bad outlier channel count");
   const std::int64_t B = cfg.batch, H = cfg.heads, S = cfg.tokens, D = cfg.head_dim;
+  (void)checked_numel({B, H, S, D});  // before sizing the buffers by B * H * S * D
   std::vector<float> k(static_cast<std::size_t>(B * H * S * D)), v(k.size());
   std::mt19937_64 rng(cfg.seed);
   std::normal_distribution<float> normal(0.0f, 1.0f);

@@ -172,6 +172,35 @@ TEST(CacheGen, GroupAlignedCountersMatchTheFormulasOnTheClosedStream) {
   }
 }
 
+// Below as many tokens as the alphabet has symbols (511 at 8 bits) the counters count the codes
+// afresh instead of keeping a histogram per (slice, channel); both ways give the formula's bytes,
+// and the switch between them (trim back below included) changes nothing.
+TEST(CacheGen, FewTokensAtEightBitsAreCountedWithoutHistograms) {
+  for (bool channel : {true, false}) {
+    auto cfg = aligned(8, 4);
+    cfg.cachegen_per_channel = channel;
+    vq::CacheGenKVCache cache(cfg);
+    auto k = vqtest::random_walk({1, 2, 600, 8}, 31);
+    std::int64_t fed = 0;
+    auto check = [&](std::int64_t tokens) {
+      std::uint64_t want = 0;
+      for (std::int64_t h = 0; h < 2; ++h) {
+        auto q = vq::quantize_to_codes(vqtest::slice_f32(k.slice(2, 0, tokens), 0, h), static_cast<int>(tokens), 8, 8, 4);
+        want += vq::entropy_coded_bytes(vq::token_delta(q.codes, static_cast<int>(tokens), 8), static_cast<int>(tokens), 8, 8,
+                                        static_cast<int>(tokens / 4), channel);
+      }
+      EXPECT_NEAR(static_cast<double>(cache.compressed_key_bytes()), static_cast<double>(want), 4.0) << tokens << " " << channel;
+    };
+    for (const std::int64_t upto : {4, 8, 100, 508, 512, 600}) {
+      cache.update_and_fetch(k.slice(2, fed, upto), k.slice(2, fed, upto));
+      fed = upto;
+      check(upto);
+    }
+    cache.trim(200);  // 400 tokens: below the alphabet again, histograms already there
+    check(400);
+  }
+}
+
 TEST(CacheGen, DecodeStepsAreQuantizedAndNeverBilledAWholeGroup) {
   vq::CacheGenKVCache cache(aligned());
   auto k = vqtest::random_walk({1, 2, 64, 16}, 4);

@@ -23,9 +23,9 @@ TEST(KVCache, AppendsAndFetchesEverything) {
 
 TEST(KVCache, FetchIsAViewNotACopy) {
   vq::KVCache cache;
-  auto k = vqtest::random_uniform({1, 2, 3, 4}, 1, vq::DType::F16);
-  auto [a, av] = cache.update_and_fetch(k, k);
-  auto [b, bv] = cache.update_and_fetch(k, k);  // within capacity: the same buffer
+  auto k = vqtest::random_uniform({1, 2, 300, 4}, 1, vq::DType::F16);
+  auto [a, av] = cache.update_and_fetch(k, k);  // past one step: capacity rounds up to 512 tokens
+  auto [b, bv] = cache.update_and_fetch(k.slice(2, 0, 3), k.slice(2, 0, 3));  // within capacity: the same buffer
   EXPECT_TRUE(a.shares_storage_with(b));
   EXPECT_TRUE(cache.state().keys.shares_storage_with(b));
   EXPECT_EQ(b.dtype(), vq::DType::F16);

@@ -89,7 +89,7 @@ TEST_F(AccountCli, BadInputGetsOneLineAndNonzeroExit) {
       {"account --keys " + p("k.npy") + " --values " + p("f32.npy"), "float16"},
       {"account" + kv + " --bits 9", "bits"},
       {"account" + kv + " --bits 0", "bits"},
-      {"account" + kv + " --group-size 0", "group_size"},
+      {"account" + kv + " --group-size 0", "--group-size"},
       {"account" + kv + " --flush sometimes", "flush mode"},
       {"account" + kv + " --chunk -3", "chunk"},
       {"account" + kv + " --bits four", "bits"},

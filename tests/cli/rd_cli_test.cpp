@@ -122,7 +122,7 @@ TEST(RdCli, BadInputIsOneClearLineAndANonzeroExit) {
       {"--methods nosuch --windows 1", "unknown method 'nosuch'"},
       {"--methods 'vq:bits=99' --windows 1", "bits=99"},
       {"--methods vq --protocol sideways", "unknown protocol 'sideways'"},
-      {"--methods vq --windows 0", "--windows must be >= 1"},
+      {"--methods vq --windows 0", "--windows: must be an integer in 1..1048576"},
       {"--methods vq --ctx 600", "reuse needs 1 <= --ctx < --window"},
       {"--methods vq --plot /nonexistent/dir/rd.svg", "no such directory"},
       {"--methods vq --text /nonexistent.txt", "cannot open text /nonexistent.txt"},

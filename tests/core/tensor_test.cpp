@@ -19,6 +19,25 @@ TEST(Tensor, ZerosAndShape) {
   EXPECT_THROW(vq::Tensor::zeros({1, -1, 3, 4}, vq::DType::F32), vq::InvalidArgument);
 }
 
+// A zero dimension beside huge ones once passed the element-count check (the product is 0) and
+// then overflowed int64 computing strides and numel() (UBSan in tensor.cpp and tensor.hpp).
+TEST(Tensor, HugeDimensionsBesideAZeroAreRefusedWithoutOverflow) {
+  constexpr std::int64_t big = std::int64_t{1} << 40;
+  EXPECT_THROW(vq::Tensor::zeros({1, big, big, 0}, vq::DType::F32), vq::InvalidArgument);
+  EXPECT_THROW(vq::Tensor::zeros({0, std::int64_t{1} << 62, std::int64_t{1} << 62, 4}, vq::DType::F16), vq::InvalidArgument);
+  EXPECT_THROW(vq::checked_numel({big, 2, 0, 1}), vq::InvalidArgument);
+  std::int64_t x = 0;
+  EXPECT_THROW(vq::Tensor::wrap(&x, {1, big, 0, big}, vq::DType::F32), vq::InvalidArgument);
+  // Up to the limit, a zero dimension still makes an empty tensor.
+  auto t = vq::Tensor::zeros({1, 1, 0, big}, vq::DType::F32);
+  EXPECT_EQ(t.numel(), 0);
+  EXPECT_EQ(t.nbytes(), 0u);
+  EXPECT_EQ(vq::checked_numel({1, 4096, 0, 4096}), 0);
+  EXPECT_EQ(vq::checked_numel({2, 3, 4, 5}), 120);
+  EXPECT_EQ(vq::checked_numel({1, 1, 1, big}), big);
+  EXPECT_THROW(vq::checked_numel({1, 1, 2, big}), vq::InvalidArgument);
+}
+
 TEST(Tensor, FromF32ChecksCount) {
   std::vector<float> v(5);
   EXPECT_THROW(vq::Tensor::from_f32({1, 1, 2, 3}, v), vq::InvalidArgument);

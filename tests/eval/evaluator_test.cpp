@@ -1,7 +1,9 @@
 #include "veloxquant/eval/evaluator.hpp"
 
 #include <array>
+#include <cmath>
 #include <cstdio>
+#include <limits>
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
@@ -89,6 +91,25 @@ TEST(Evaluator, RejectsBadOptions) {
   EXPECT_THROW(vq::evaluate(model, tokens, {"cachegen:colour=red"}, o), vq::InvalidArgument);
   EXPECT_THROW(vq::evaluate(model, std::vector<int>(10, 5), {"fp16"}, o), vq::InvalidArgument);
   EXPECT_THROW(vq::eval_protocol_from_name("batch"), vq::InvalidArgument);
+}
+
+// max_tokens near INT64_MAX once overflowed rounding up to whole windows: 0 windows, NaN scores.
+// Any max_tokens beyond the text means the whole text.
+TEST(Evaluator, HugeMaxTokensScoresTheWholeText) {
+  vq::Transformer model(vq::Checkpoint::load(model_path()));
+  const auto tokens = validation_tokens(3000);
+  vq::EvalOptions o;
+  o.window = 64;
+  o.chunk = 16;
+  const std::int64_t whole = static_cast<std::int64_t>(tokens.size()) / 63 * 63;
+  for (const std::int64_t max_tokens : {std::numeric_limits<std::int64_t>::max(), std::numeric_limits<std::int64_t>::max() - 807,
+                                        std::int64_t{0}}) {
+    o.max_tokens = max_tokens;
+    const auto r = vq::evaluate(model, tokens, {"fp16"}, o);
+    ASSERT_EQ(r.size(), 1u);
+    EXPECT_EQ(r[0].tokens, whole) << max_tokens;
+    EXPECT_TRUE(std::isfinite(r[0].ppl)) << max_tokens;
+  }
 }
 
 TEST(Evaluator, SyntheticFallbackReportsBits) {

@@ -3,6 +3,7 @@
 #include "veloxquant/model/transformer.hpp"
 
 #include <cmath>
+#include <limits>
 
 #include <gtest/gtest.h>
 
@@ -67,6 +68,27 @@ TEST(Transformer, DescriptionAndConfig) {
 
 // run.c with its default 256 steps (BOS + 255 forwards... i.e. 256 positions) prints exactly the
 // sample in stories260K.md; the text stops mid-story because of the step limit.
+// topp = NaN fails every comparison: it neither disabled top-p nor cut anything, and generation
+// printed only <unk>. Non-finite settings are refused when the sampler is made.
+TEST(Sampler, RefusesNonFiniteSettings) {
+  const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+  for (const float topp : {nan, inf, -inf}) {
+    vq::SamplerConfig c;
+    c.seed = 1;
+    c.topp = topp;
+    EXPECT_THROW(vq::Sampler(16, c), vq::InvalidArgument) << topp;
+  }
+  vq::SamplerConfig c;
+  c.seed = 1;
+  c.temperature = nan;
+  EXPECT_THROW(vq::Sampler(16, c), vq::InvalidArgument);
+  for (const float topp : {-2.0f, 0.0f, 0.5f, 1.0f, 7.0f}) {  // finite: every value has a meaning
+    c.temperature = 1.0f;
+    c.topp = topp;
+    EXPECT_NO_THROW(vq::Sampler(16, c)) << topp;
+  }
+}
+
 TEST(Transformer, GreedySampleMatchesLlama2c) {
   const std::string want = vqtest::expected_greedy_sample();
   ASSERT_GT(want.size(), 500u);

@@ -8,6 +8,7 @@
 
 #include "commands.hpp"
 #include "output_paths.hpp"
+#include "numeric_options.hpp"
 #include "veloxquant/cache/cachegen_cache.hpp"
 #include "veloxquant/core/error.hpp"
 #include "veloxquant/core/npy.hpp"
@@ -30,7 +31,6 @@ int run_account(const AccountOptions& o) {
   cfg.cachegen_per_channel = !o.pooled;
   cfg.cachegen_flush = vq::flush_mode_from_name(o.flush);
   cfg.validate();
-  vq::require(o.chunk >= 0, "--chunk must be >= 1, got {}", o.chunk);
 
   if (!o.recon_keys.empty() && !o.recon_values.empty())
     require_distinct_outputs(o.recon_keys, "--recon-keys", o.recon_values, "--recon-values");
@@ -91,12 +91,12 @@ Runner add_account(CLI::App& app) {
   auto o = std::make_shared<AccountOptions>();
   app.add_option("--keys", o->keys, "keys .npy, float32 or float16 [B, H, S, D]")->required();
   app.add_option("--values", o->values, "values .npy, float32 or float16 [B, H, S, D]")->required();
-  app.add_option("--bits", o->bits, "bits per code, 1..8")->capture_default_str();
-  app.add_option("--group-size", o->group_size, "tokens per quantization group")->capture_default_str();
+  app.add_option("--bits", o->bits, "bits per code, 1..8")->capture_default_str()->transform(integer_in(1, 8));
+  app.add_option("--group-size", o->group_size, "tokens per quantization group")->capture_default_str()->transform(integer_in(1, std::numeric_limits<int>::max()));
   app.add_flag("--no-delta", o->no_delta, "estimate entropy of raw codes instead of token deltas");
   app.add_flag("--pooled", o->pooled, "one entropy estimate over all channels instead of per channel");
   app.add_option("--flush", o->flush, "per_call (the reference) or group_aligned")->capture_default_str();
-  app.add_option("--chunk", o->chunk, "tokens per update_and_fetch call (default: all at once)");
+  app.add_option("--chunk", o->chunk, "tokens per update_and_fetch call (default: all at once)")->transform(integer_in(0, kMaxCount));
   app.add_option("--recon-keys", o->recon_keys, "write the keys the last update_and_fetch returned (.npy)");
   app.add_option("--recon-values", o->recon_values, "write the values the last update_and_fetch returned (.npy)");
   app.add_flag("--json", o->json, "print one JSON object");

@@ -24,6 +24,7 @@
 #include <nlohmann/json.hpp>
 
 #include "commands.hpp"
+#include "numeric_options.hpp"
 #include "veloxquant/cache/cachegen_cache.hpp"
 #include "veloxquant/cache/stream_codec.hpp"
 #include "veloxquant/core/error.hpp"
@@ -330,8 +331,6 @@ CoderResult measure(const std::string& name, std::size_t n_streams,
 }
 
 int run_bench_codec(const BenchOptions& o) {
-  vq::require(o.bits >= 1 && o.bits <= 8, "--bits must be 1..8, got {}", o.bits);
-  vq::require(o.windows >= 1, "--windows must be >= 1, got {}", o.windows);
   const int n_sources = (!o.keys.empty() || !o.values.empty()) + !o.model.empty() + o.synthetic;
   vq::require(n_sources == 1, "give exactly one source: --keys K.npy --values V.npy, --model M, or --synthetic");
   Source src;
@@ -528,9 +527,11 @@ Runner add_bench(CLI::App& app) {
   codec->add_option("--model", o->model, "llama2.c checkpoint: codes of every layer's K and V over --windows context-length windows");
   codec->add_option("--tokenizer", o->tokenizer, "llama2.c tokenizer (default: tok512.bin beside the model)");
   codec->add_option("--text", o->text, "text to run (default: tinystories_val.txt beside the model)");
-  codec->add_option("--windows", o->windows, "model: windows of seq_len tokens, each a fresh set of caches")->capture_default_str();
+  codec->add_option("--windows", o->windows, "model: windows of seq_len tokens, each a fresh set of caches")
+      ->capture_default_str()
+      ->transform(integer_in(1, 1 << 20));
   codec->add_flag("--synthetic", o->synthetic, "synthetic LLM-like K/V (8 heads x 4096 tokens x D=128)");
-  codec->add_option("--bits", o->bits, "bits per code, 1..8")->capture_default_str();
+  codec->add_option("--bits", o->bits, "bits per code, 1..8")->capture_default_str()->transform(integer_in(1, 8));
   codec->add_flag("--json", o->json, "print one JSON object");
   return [o] { return run_bench_codec(*o); };
 }

@@ -13,6 +13,7 @@
 
 #include "commands.hpp"
 #include "model_options.hpp"
+#include "numeric_options.hpp"
 #include "veloxquant/core/error.hpp"
 #include "veloxquant/eval/evaluator.hpp"
 #include "veloxquant/model/checkpoint.hpp"
@@ -142,10 +143,12 @@ Runner add_eval(CLI::App& app) {
   app.add_option("--methods", o->methods, "methods to score, e.g. 'fp16,cachegen:bits=4,group=32;cachegen:flush=per_call'")
       ->capture_default_str();
   app.add_option("--protocol", o->protocol, "stream or reuse")->capture_default_str();
-  app.add_option("--ctx", o->eval.ctx, "stream: tokens prefilled per window; reuse: context tokens")->capture_default_str();
-  app.add_option("--window", o->eval.window, "tokens per window, BOS included")->capture_default_str();
-  app.add_option("--chunk", o->eval.chunk, "prefill chunk size")->capture_default_str();
-  app.add_option("--max-tokens", o->eval.max_tokens, "tokens scored per method (0: the whole text)")->capture_default_str();
+  app.add_option("--ctx", o->eval.ctx, "stream: tokens prefilled per window; reuse: context tokens")
+      ->capture_default_str()
+      ->transform(integer_in(0, std::numeric_limits<int>::max()));
+  app.add_option("--window", o->eval.window, "tokens per window, BOS included")->capture_default_str()->transform(integer_in(2, std::numeric_limits<int>::max()));
+  app.add_option("--chunk", o->eval.chunk, "prefill chunk size")->capture_default_str()->transform(integer_in(1, std::numeric_limits<int>::max()));
+  app.add_option("--max-tokens", o->eval.max_tokens, "tokens scored per method (0: the whole text)")->capture_default_str()->transform(integer_in(0, kMaxCount));
   app.add_flag("--json", o->json, "print JSON");
   return [o] { return run_eval(*o); };
 }

@@ -9,6 +9,7 @@
 
 #include "commands.hpp"
 #include "model_options.hpp"
+#include "numeric_options.hpp"
 #include "veloxquant/core/error.hpp"
 #include "veloxquant/model/checkpoint.hpp"
 #include "veloxquant/model/generate.hpp"
@@ -31,7 +32,6 @@ struct GenerateOptions {
 int run_generate(const GenerateOptions& o) {
   auto opt = [](const std::string& s) { return s.empty() ? std::nullopt : std::optional<std::filesystem::path>(s); };
   const vq::ModelFiles files = vq::resolve_model_files(opt(o.model), opt(o.tokenizer));
-  vq::require(o.steps >= 1, "--steps must be >= 1, got {}", o.steps);
   vq::Transformer model(vq::Checkpoint::load(files.model.string()));
   const vq::Tokenizer tok = vq::Tokenizer::load(files.tokenizer.string(), model.config().vocab_size);
   auto caches = vq::make_caches(o.method, model);
@@ -61,10 +61,14 @@ Runner add_generate(CLI::App& app) {
   auto o = std::make_shared<GenerateOptions>();
   add_model_options(app, o->model, o->tokenizer);
   app.add_option("--prompt", o->prompt, "text to start from (after BOS)");
-  app.add_option("--steps", o->steps, "positions to run including BOS, as run.c (clamped to seq_len)")->capture_default_str();
-  app.add_option("--temperature", o->temperature, "0 = greedy argmax")->capture_default_str();
-  app.add_option("--topp", o->topp, "nucleus sampling mass; <= 0 or >= 1 samples the full distribution")->capture_default_str();
-  app.add_option("--seed", o->seed, "random seed for sampling (0 = from the clock, as run.c)")->capture_default_str();
+  app.add_option("--steps", o->steps, "positions to run including BOS, as run.c (clamped to seq_len)")
+      ->capture_default_str()
+      ->transform(integer_in(1, std::numeric_limits<int>::max()));
+  app.add_option("--temperature", o->temperature, "0 = greedy argmax")->capture_default_str()->transform(finite_at_least(0.0));
+  app.add_option("--topp", o->topp, "nucleus sampling mass; <= 0 or >= 1 samples the full distribution")
+      ->capture_default_str()
+      ->transform(any_finite());
+  app.add_option("--seed", o->seed, "random seed for sampling (0 = from the clock, as run.c)")->capture_default_str()->transform(any_uint64());
   app.add_option("--method", o->method,
                  "KV cache: fp32, fp16, cachegen[:bits=N,group=G,flush=per_call|group_aligned,delta=0|1,schedule=on|off]")
       ->capture_default_str();

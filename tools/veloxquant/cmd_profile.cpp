@@ -10,6 +10,7 @@
 
 #include "commands.hpp"
 #include "model_options.hpp"
+#include "numeric_options.hpp"
 #include "veloxquant/core/error.hpp"
 #include "veloxquant/core/input_file.hpp"
 #include "veloxquant/model/cachegen_profile.hpp"
@@ -48,8 +49,6 @@ int run_profile(const ProfileCliOptions& o) {
   const vq::MethodSpec spec = vq::MethodSpec::parse(o.method);
   vq::require(spec.kind == vq::MethodSpec::Kind::CachegenPaper,
               "--method must be a cachegen_paper spec (it sets group and bins), got '{}'", o.method);
-  vq::require(o.tokens >= 1, "--tokens must be >= 1, got {}", o.tokens);
-  vq::require(o.skip >= 0, "--skip must be >= 0, got {}", o.skip);
   if (!o.model.empty() && !std::filesystem::is_regular_file(o.model))
     throw vq::IoError(fmt::format("{}: cannot open model (no such file)", o.model));
   // A tokenizer not given explicitly is looked for beside an explicit model first (as eval does).
@@ -108,9 +107,13 @@ Runner add_profile(CLI::App& app) {
   add_model_options(app, o->model, o->tokenizer);
   app.add_option("--text", o->text, "text to profile (default: tinystories_val.txt beside the model)");
   app.add_option("-o,--out", o->out, "profile file to write")->capture_default_str();
-  app.add_option("--tokens", o->tokens, "text tokens to profile")->capture_default_str();
-  app.add_option("--skip", o->skip, "text tokens to skip first (keep evaluated text out of the profile)")->capture_default_str();
-  app.add_option("--window", o->window, "tokens per forward pass, BOS included (as eval's windows)")->capture_default_str();
+  app.add_option("--tokens", o->tokens, "text tokens to profile")->capture_default_str()->transform(integer_in(1, kMaxCount));
+  app.add_option("--skip", o->skip, "text tokens to skip first (keep evaluated text out of the profile)")
+      ->capture_default_str()
+      ->transform(integer_in(0, kMaxCount));
+  app.add_option("--window", o->window, "tokens per forward pass, BOS included (as eval's windows)")
+      ->capture_default_str()
+      ->transform(integer_in(2, std::numeric_limits<int>::max()));
   app.add_option("--method", o->method, "cachegen_paper spec whose group and bins to profile for")->capture_default_str();
   return [o] { return run_profile(*o); };
 }

@@ -15,6 +15,7 @@
 
 #include "commands.hpp"
 #include "model_options.hpp"
+#include "numeric_options.hpp"
 #include "rd_report.hpp"
 #include "veloxquant/core/atomic_file.hpp"
 #include "veloxquant/core/error.hpp"
@@ -78,7 +79,6 @@ int run_rd(RdOptions o) {
   eval.ctx = o.ctx;
   eval.window = o.window;
   eval.chunk = o.chunk;
-  vq::require(o.windows >= 1, "--windows must be >= 1, got {}", o.windows);
   const std::vector<std::string> items =
       o.methods.empty() ? rd::default_families() : vq::split_method_list(o.methods);
   const std::vector<std::string> methods = rd::expand_methods(items);
@@ -168,10 +168,12 @@ Runner add_rd(CLI::App& app) {
                  "families (expanded to their usual settings: " + join(rd::default_families(), ", ") +
                      ") and/or full specs run as given, e.g. 'kivi,vq:bits=2;cachegen:bits=4,schedule=off' (default: every family)");
   app.add_option("--protocol", o->protocol, "reuse or stream (see `eval`)")->capture_default_str();
-  app.add_option("--ctx", o->ctx, "reuse: context tokens; stream: tokens prefilled per window")->capture_default_str();
-  app.add_option("--window", o->window, "tokens per window, BOS included")->capture_default_str();
-  app.add_option("--chunk", o->chunk, "prefill chunk size")->capture_default_str();
-  app.add_option("--windows", o->windows, "windows scored (fewer if the text is shorter)")->capture_default_str();
+  app.add_option("--ctx", o->ctx, "reuse: context tokens; stream: tokens prefilled per window")
+      ->capture_default_str()
+      ->transform(integer_in(0, std::numeric_limits<int>::max()));
+  app.add_option("--window", o->window, "tokens per window, BOS included")->capture_default_str()->transform(integer_in(2, std::numeric_limits<int>::max()));
+  app.add_option("--chunk", o->chunk, "prefill chunk size")->capture_default_str()->transform(integer_in(1, std::numeric_limits<int>::max()));
+  app.add_option("--windows", o->windows, "windows scored (fewer if the text is shorter)")->capture_default_str()->transform(integer_in(1, 1 << 20));
   app.add_flag("--json", o->json, "print JSON: {model, protocol, results: [{method, bits_per_element, delta_ppl_pct, kl, top1, pareto}]}");
   app.add_option("--plot", o->plot, "write the rate-distortion curves (KL against bits) as an SVG file");
   return [o] { return run_rd(*o); };

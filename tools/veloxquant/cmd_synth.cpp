@@ -3,6 +3,7 @@
 
 #include "commands.hpp"
 #include "output_paths.hpp"
+#include "numeric_options.hpp"
 #include "veloxquant/core/npy.hpp"
 #include "veloxquant/synth/synthetic_kv.hpp"
 
@@ -16,11 +17,11 @@ Runner add_synth(CLI::App& app) {
   auto o = std::make_shared<Options>();
   app.add_option("--keys-out", o->keys, "output keys .npy")->required();
   app.add_option("--values-out", o->values, "output values .npy")->required();
-  app.add_option("--batch", o->cfg.batch, "batch size")->capture_default_str();
-  app.add_option("--heads", o->cfg.heads, "KV heads")->capture_default_str();
-  app.add_option("--tokens", o->cfg.tokens, "tokens")->capture_default_str();
-  app.add_option("--head-dim", o->cfg.head_dim, "head dim (even)")->capture_default_str();
-  app.add_option("--seed", o->cfg.seed, "random seed")->capture_default_str();
+  app.add_option("--batch", o->cfg.batch, "batch size")->capture_default_str()->transform(integer_in(1, kMaxCount));
+  app.add_option("--heads", o->cfg.heads, "KV heads")->capture_default_str()->transform(integer_in(1, kMaxCount));
+  app.add_option("--tokens", o->cfg.tokens, "tokens")->capture_default_str()->transform(integer_in(0, kMaxCount));
+  app.add_option("--head-dim", o->cfg.head_dim, "head dim (even)")->capture_default_str()->transform(integer_in(2, kMaxCount));
+  app.add_option("--seed", o->cfg.seed, "random seed")->capture_default_str()->transform(any_uint64());
   app.add_option("--dtype", o->dtype, "float16 or float32")->capture_default_str();
   return [o] {
     require_distinct_outputs(o->keys, "--keys-out", o->values, "--values-out");

@@ -14,6 +14,7 @@
 #include "model_options.hpp"
 #include "output_paths.hpp"
 #include "printable.hpp"
+#include "numeric_options.hpp"
 #include "veloxquant/core/error.hpp"
 #include "veloxquant/core/npy.hpp"
 #include "veloxquant/format/safetensors.hpp"
@@ -67,13 +68,16 @@ void feed(vq::KVCache& cache, const vq::Tensor& k, const vq::Tensor& v, std::int
 int run_compress(const CompressOptions& o) {
   const int sources = (!o.keys.empty() || !o.values.empty()) + !o.kv.empty() + (o.ctx > 0 || !o.model.empty() || !o.text.empty());
   vq::require(sources == 1, "give exactly one input: --keys K.npy --values V.npy, --kv FILE.safetensors, or --model/--text with --ctx N");
-  vq::require(o.chunk >= 0, "--chunk must be >= 1, got {}", o.chunk);
   const vq::MethodSpec spec = method_of(o);
   vq::PromptMetadata meta{{"method", spec.to_string()}, {"writer", "veloxquant 0.1.0"}};
   std::vector<std::shared_ptr<vq::KVCache>> caches;
   double input_fp16_bytes = 0;
   const auto t0 = Clock::now();
   auto feed_layers = [&](const std::vector<vq::KVPair>& layers) {
+    for (const auto& l : layers)  // before the head dim is narrowed to int to describe the model
+      vq::require(l.keys.dim(3) <= vq::kMaxHeadDim && l.values.dim(3) <= vq::kMaxHeadDim,
+                  "keys {} / values {}: head dim must be at most {}", vq::shape_string(l.keys.shape()),
+                  vq::shape_string(l.values.shape()), vq::kMaxHeadDim);
     caches = vq::make_caches(spec, vq::ModelDescription::uniform(static_cast<int>(layers.size()), static_cast<int>(layers[0].keys.dim(3))));
     for (std::size_t i = 0; i < layers.size(); ++i) {
       feed(*caches[i], layers[i].keys, layers[i].values, o.chunk);
@@ -241,13 +245,13 @@ Runner add_compress(CLI::App& app) {
   app.add_option("--kv", o->kv, "safetensors with layers.{i}.keys / layers.{i}.values [B, H, S, D]")->check(CLI::ExistingFile);
   add_model_options(app, o->model, o->tokenizer);
   app.add_option("--text", o->text, "text to run through the model (default: tinystories_val.txt beside the model)");
-  app.add_option("--ctx", o->ctx, "tokens of the text (BOS first) to prefill through the model")->check(CLI::PositiveNumber);
+  app.add_option("--ctx", o->ctx, "tokens of the text (BOS first) to prefill through the model")->transform(integer_in(1, std::numeric_limits<int>::max()));
   app.add_option("--method", o->method, "cache method spec: cachegen[:bits=..,group=..,flush=..,schedule=..] or fp32 (default: cachegen)");
-  app.add_option("--bits", o->bits, "cachegen base bits (overrides the spec)")->check(CLI::Range(1, 8));
-  app.add_option("--group-size", o->group_size, "cachegen tokens per group (overrides the spec)")->check(CLI::PositiveNumber);
+  app.add_option("--bits", o->bits, "cachegen base bits (overrides the spec)")->transform(integer_in(1, 8));
+  app.add_option("--group-size", o->group_size, "cachegen tokens per group (overrides the spec)")->transform(integer_in(1, std::numeric_limits<int>::max()));
   app.add_option("--flush", o->flush, "cachegen flush mode: per_call | group_aligned (overrides the spec)");
-  app.add_option("--chunk", o->chunk, "tokens per update_and_fetch call (default: all at once)");
-  app.add_option("--chunk-tokens", o->chunk_tokens, "tokens per block of the file (default 2048)")->check(CLI::PositiveNumber);
+  app.add_option("--chunk", o->chunk, "tokens per update_and_fetch call (default: all at once)")->transform(integer_in(0, kMaxCount));
+  app.add_option("--chunk-tokens", o->chunk_tokens, "tokens per block of the file (default 2048)")->transform(integer_in(1, kMaxCount));
   app.add_option("-o,--output", o->out, "output .vqkv file")->required();
   app.add_flag("--json", o->json, "print one JSON object");
   return [o] { return run_compress(*o); };
@@ -259,7 +263,7 @@ Runner add_decompress(CLI::App& app) {
   app.add_option("-o,--output", o->out, "output safetensors (layers.{i}.keys / layers.{i}.values)");
   app.add_option("--keys-out", o->keys_out, "output keys .npy (one layer)");
   app.add_option("--values-out", o->values_out, "output values .npy (one layer)");
-  app.add_option("--layer", o->layer, "layer to write as .npy (required when the file holds several)")->check(CLI::NonNegativeNumber);
+  app.add_option("--layer", o->layer, "layer to write as .npy (required when the file holds several)")->transform(integer_in(0, std::numeric_limits<int>::max()));
   return [o] { return run_decompress(*o); };
 }
 

@@ -62,8 +62,12 @@ int main(int argc, char** argv) {
   } catch (const vq::Error& e) {
     fmt::print(stderr, "veloxquant: error: {}\n", e.what());
     return 1;
-  } catch (const std::bad_alloc&) {
+  } catch (const std::bad_alloc&) {  // std::bad_array_new_length included
     fmt::print(stderr, "veloxquant: error: out of memory\n");
+    return 1;
+  } catch (const std::length_error& e) {
+    // A size no container can hold: the input or the options ask for it, the tool is not at fault.
+    fmt::print(stderr, "veloxquant: error: the input or options ask for a buffer larger than memory can address ({})\n", e.what());
     return 1;
   } catch (const std::exception& e) {
     fmt::print(stderr, "veloxquant: internal error: {}\n", e.what());

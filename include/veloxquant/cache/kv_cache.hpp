@@ -5,7 +5,8 @@
 // The returned tensors are views of the cache's own buffer (no copy). They stay valid as long as
 // you hold them, but their contents are only guaranteed until the next call that changes the
 // cache (update_and_fetch, trim, from_state), which may write into the same buffer.
-// The buffer grows geometrically, so appending a token costs amortised O(1).
+// The buffer grows geometrically, so appending a token costs amortised O(1), and never holds
+// more than about twice the tokens it was given: memory follows the data held.
 #pragma once
 #include <cstdint>
 #include <functional>
@@ -22,6 +23,10 @@ namespace vq {
 struct CacheBytes {
   double fixed_bytes = 0, estimated_bytes = 0;
 };
+
+// The largest head dim (D) a cache accepts: far past any model's (64..256), and small enough that
+// per-channel arithmetic stays in int.
+inline constexpr std::int64_t kMaxHeadDim = std::int64_t{1} << 16;
 
 struct KVState {
   Tensor keys;    // [B, H, offset, D_k]

@@ -11,7 +11,10 @@
 //                entropy of the closed stream is kept incrementally per (slice, channel), and
 //                lazily: symbols of newly closed groups enter the histograms when a byte counter
 //                is next read, so update_and_fetch never pays for an estimate nobody reads, and
-//                a read after a decode step costs O(new tokens). Not thread-safe (as the cache).
+//                a read after a decode step costs O(new tokens). Until the stream holds as many
+//                tokens as the symbol alphabet (2^(bits+1) - 1 with deltas), a read counts the
+//                few codes afresh instead, so no histogram outweighs the codes it would count.
+//                Not thread-safe (as the cache).
 #pragma once
 #include <cstdint>
 #include <span>
@@ -79,7 +82,10 @@ class QuantizedStream {
   std::span<const std::uint8_t> codes(std::int64_t slice) const;
   std::span<const float> scales(std::int64_t slice) const;
   std::span<const float> minima(std::int64_t slice) const;
-  // Bytes of memory held (codes, scales, minima, histograms).
+  // Bytes of memory held (codes, scales, minima, histograms, the undo copy). Proportional to the
+  // tokens held: nothing per (slice, channel) is allocated before a token arrives, and histograms
+  // (group_aligned, 4 bytes per alphabet symbol per (slice, channel)) only once each channel holds
+  // at least as many codes as the alphabet has symbols.
   std::size_t memory_bytes() const;
 
  private:
@@ -99,7 +105,9 @@ class QuantizedStream {
   std::vector<std::int16_t> symbols_of(std::int64_t slice, std::int64_t row0, std::int64_t n_rows) const;
   void add_symbols(std::int64_t slice, std::int64_t row0, std::int64_t n_rows) const;
   void remove_symbols(std::int64_t slice, std::int64_t row0, std::int64_t n_rows) const;
-  // Bring the histograms up to quantized_ (group_aligned).
+  // The per-slice vectors, on the first ingest of tokens.
+  void allocate_slices();
+  // Bring the histograms up to quantized_ (group_aligned); creates them on first use.
   void sync_histograms() const;
 
   std::int64_t batch_ = 0, heads_ = 0;

@@ -18,13 +18,23 @@ namespace vq {
 
 using Shape4 = std::array<std::int64_t, 4>;
 
+// The most elements a tensor may have; tensors are refused (InvalidArgument) when the product of
+// their NONZERO dimensions exceeds it, so no product of dimensions of a valid shape overflows.
+inline constexpr std::int64_t kMaxElements = std::int64_t{1} << 40;
+
 std::string shape_string(const Shape4& shape);  // "[1, 8, 32, 128]"
+
+// The element count of `shape`, computed without overflow. Throws InvalidArgument on a negative
+// dimension or when the nonzero dimensions multiply to more than kMaxElements. Check a shape
+// with this before sizing anything by it.
+std::int64_t checked_numel(const Shape4& shape);
 
 class Tensor {
  public:
   Tensor() = default;  // an empty tensor: shape [0, 0, 0, 0], no storage
 
-  // A new contiguous tensor filled with zeros. Throws InvalidArgument on a negative dimension.
+  // A new contiguous tensor filled with zeros. Throws InvalidArgument on a negative dimension or a
+  // shape whose nonzero dimensions multiply to more than kMaxElements (wrap() checks the same).
   static Tensor zeros(const Shape4& shape, DType dtype);
   // A new contiguous tensor whose contents are unspecified (for buffers about to be overwritten).
   static Tensor uninitialized(const Shape4& shape, DType dtype);

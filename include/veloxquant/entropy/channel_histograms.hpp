@@ -35,7 +35,14 @@ class ChannelHistograms {
   double total_bits(std::size_t hist) const;
   // min(H, cap_bits) * N: the reference's capped estimate of code bits.
   double capped_bits(std::size_t hist, double cap_bits) const;
+  // The same estimate for a histogram held elsewhere: N symbols whose counts c_i give
+  // sum_xlogx = sum_i c_i log2 c_i.
+  static double capped_bits_of(std::uint64_t n, double sum_xlogx, double cap_bits);
   std::size_t count() const { return totals_.size(); }
+  // Bytes of memory held.
+  std::size_t memory_bytes() const {
+    return counts_.capacity() * sizeof(std::uint32_t) + totals_.capacity() * sizeof(std::uint64_t) + sum_xlogx_.capacity() * sizeof(double);
+  }
   std::uint32_t symbol_count(std::size_t hist, int symbol) const;
 
  private:

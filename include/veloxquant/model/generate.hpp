@@ -18,7 +18,7 @@ namespace vq {
 // (nucleus) sampling when 0 < topp < 1, else plain multinomial; coins from run.c's xorshift RNG.
 struct SamplerConfig {
   float temperature = 1.0f;   // 0 = greedy
-  float topp = 0.9f;          // nucleus mass; <= 0 or >= 1 disables top-p
+  float topp = 0.9f;          // nucleus mass; <= 0 or >= 1 disables top-p; must be finite
   std::uint64_t seed = 1;     // run.c's rng_state; must be nonzero for sampling
 };
 
