@@ -35,7 +35,8 @@ std::int64_t tile_tokens(std::int64_t d) {
   return std::clamp<std::int64_t>(static_cast<std::int64_t>(kAttentionTileBytes / 4) / std::max<std::int64_t>(d, 1), 16, 256);
 }
 
-// Eight partial sums: the compiler keeps them in vector registers (no reassociation needed).
+// Eight partial sums: vectorised over the eight lanes, never reassociated, so every build (and the
+// AVX2 clone below) computes the same roundings.
 inline float dot(const float* a, const float* b, std::int64_t n) {
   float s[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   std::int64_t i = 0;
@@ -44,6 +45,34 @@ inline float dot(const float* a, const float* b, std::int64_t n) {
   float r = ((s[0] + s[4]) + (s[1] + s[5])) + ((s[2] + s[6]) + (s[3] + s[7]));
   for (; i < n; ++i) r += a[i] * b[i];
   return r;
+}
+
+// One query row against the first `visible` tokens of a tile: the online-softmax step. m, l and
+// acc[Dv] are the row's running max, sum and accumulator; s is scratch for `visible` scores.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+__attribute__((target_clones("avx2", "default")))
+#endif
+void row_tile(const float* __restrict q, const float* __restrict K, const float* __restrict V, std::int64_t visible, std::int64_t Dk,
+              std::int64_t Dv, float scale, float* __restrict s, float& m, float& l, float* __restrict acc) {
+  float mx = m;
+  for (std::int64_t j = 0; j < visible; ++j) {
+    s[j] = scale * dot(q, K + j * Dk, Dk);
+    mx = std::max(mx, s[j]);
+  }
+  if (mx > m) {  // rescale what came before to the new max (exp(-inf) = 0 on the first tile)
+    const float c = std::exp(m - mx);
+    l *= c;
+    for (std::int64_t d = 0; d < Dv; ++d) acc[d] *= c;
+    m = mx;
+  }
+  float sum = 0.0f;
+  for (std::int64_t j = 0; j < visible; ++j) {
+    const float p = std::exp(s[j] - mx);
+    sum += p;
+    const float* __restrict vj = V + j * Dv;
+    for (std::int64_t d = 0; d < Dv; ++d) acc[d] += p * vj[d];
+  }
+  l += sum;
 }
 
 }  // namespace
@@ -77,27 +106,7 @@ Tensor attend_tiled(const KVCache& cache, const Tensor& queries, float scale) {
           const std::int64_t i = r % Sq, last = T - Sq + i;  // the last token query i sees
           const std::int64_t visible = std::min(n, last - t0 + 1);
           if (visible <= 0) continue;
-          const float* qr = q.data() + r * Dk;
-          float mx = m[U(r)];
-          for (std::int64_t j = 0; j < visible; ++j) {
-            s[U(j)] = scale * dot(qr, K + j * Dk, Dk);
-            mx = std::max(mx, s[U(j)]);
-          }
-          float* a = acc.data() + r * Dv;
-          if (mx > m[U(r)]) {  // rescale what came before to the new max (exp(-inf) = 0 on the first tile)
-            const float c = std::exp(m[U(r)] - mx);
-            l[U(r)] *= c;
-            for (std::int64_t d = 0; d < Dv; ++d) a[d] *= c;
-            m[U(r)] = mx;
-          }
-          float sum = 0.0f;
-          for (std::int64_t j = 0; j < visible; ++j) {
-            const float p = std::exp(s[U(j)] - mx);
-            sum += p;
-            const float* vj = V + j * Dv;
-            for (std::int64_t d = 0; d < Dv; ++d) a[d] += p * vj[d];
-          }
-          l[U(r)] += sum;
+          row_tile(q.data() + r * Dk, K, V, visible, Dk, Dv, scale, s.data(), m[U(r)], l[U(r)], acc.data() + r * Dv);
         }
       }
       for (std::int64_t g = 0; g < G; ++g)

@@ -85,7 +85,7 @@ const float* GgmlBlockCache<Traits>::read_tile(const std::vector<Block>& blocks,
     const Block* row = blocks.data() + ((t0 + i) * B + b) * nblk;
     float* o = out + i * D;
     if (aligned) {
-      for (std::int64_t j = 0; j < D / QK; ++j) Traits::dequantize(row[start / QK + j], o + j * QK);
+      Traits::dequantize_row(row + start / QK, D / QK, o);
       continue;
     }
     for (std::int64_t pos = start; pos < start + D;) {  // a head that shares blocks with others

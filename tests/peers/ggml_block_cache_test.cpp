@@ -31,14 +31,17 @@ void* operator new(std::size_t n) {
   if (g_counting) g_live += static_cast<long long>(malloc_usable_size(p));
   return p;
 }
-void operator delete(void* p) noexcept {
+namespace {
+void release(void* p) noexcept {
   if (p && g_counting) g_live -= static_cast<long long>(malloc_usable_size(p));
   std::free(p);
 }
-void operator delete(void* p, std::size_t) noexcept { operator delete(p); }
+}  // namespace
+void operator delete(void* p) noexcept { release(p); }
+void operator delete(void* p, std::size_t) noexcept { release(p); }
 void* operator new[](std::size_t n) { return operator new(n); }
-void operator delete[](void* p) noexcept { operator delete(p); }
-void operator delete[](void* p, std::size_t) noexcept { operator delete(p); }
+void operator delete[](void* p) noexcept { release(p); }
+void operator delete[](void* p, std::size_t) noexcept { release(p); }
 
 namespace {
 
