@@ -1,6 +1,7 @@
 // GgmlBlockCache as a resident cache: it holds only its blocks (nbytes() is exactly what it has
 // allocated, measured by counting this test binary's heap allocations), materialises dense K/V
-// only on request, and its attention tiles are read from the blocks.
+// only on request, and its attention tiles are read from the blocks. The fp8 cache, resident the
+// same way, is measured here too (the heap counter lives in this file).
 #include "veloxquant/peers/ggml_block_cache.hpp"
 
 #include <malloc.h>
@@ -14,6 +15,7 @@
 #include <gtest/gtest.h>
 
 #include "veloxquant/cache/attention.hpp"
+#include "veloxquant/peers/fp8_cache.hpp"
 #include "../support/test_util.hpp"
 
 // --- counting the heap --------------------------------------------------------------------------
@@ -85,6 +87,26 @@ TEST(GgmlBlockCacheResident, NbytesIsExactlyWhatItAllocated) {
   expect_nbytes_is_what_it_allocated<vq::Q4_0KVCache>(false);
   expect_nbytes_is_what_it_allocated<vq::Q4_1KVCache>(false);
   expect_nbytes_is_what_it_allocated<vq::Q4_0KVCache>(true);
+}
+
+TEST(Fp8CacheResident, NbytesIsExactlyWhatItAllocated) {
+  const Tensor k = vqtest::random_walk({2, 8, 300, 64}, 1), v = vqtest::random_walk({2, 8, 300, 64}, 2);
+  long long live = 0;
+  std::size_t nbytes = 0;
+  {
+    LiveBytes count;
+    auto* c = new vq::Fp8KVCache;
+    for (std::int64_t s = 0; s < 300; s += 50) (void)c->update_and_fetch(k.slice(2, s, s + 50), v.slice(2, s, s + 50));
+    (void)c->attend(vqtest::random_uniform({2, 16, 1, 64}, 3), 0.125f);
+    live = count.now() - static_cast<long long>(malloc_usable_size(c));
+    nbytes = c->nbytes();
+    EXPECT_EQ(nbytes, c->key_codes().capacity() + c->value_codes().capacity() +
+                          4 * (c->key_scales().capacity() + c->value_scales().capacity()) + 8 * c->call_starts().capacity());
+    delete c;
+  }
+  EXPECT_GE(live, static_cast<long long>(nbytes));
+  EXPECT_LE(live, static_cast<long long>(nbytes) + 256) << "the cache holds memory nbytes() does not count";
+  EXPECT_LT(nbytes, (k.nbytes() + v.nbytes()) / 2);  // ~1 byte per element (plus spare capacity) against float32's 4
 }
 
 TEST(GgmlBlockCacheResident, FetchIsAFreshDenseCopyNotHeldByTheCache) {
