@@ -29,6 +29,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include "veloxquant/cache/attention.hpp"
 #include "veloxquant/cache/builder.hpp"
 #include "veloxquant/cache/cachegen_cache.hpp"
 #include "veloxquant/format/vqkv.hpp"
@@ -135,6 +136,13 @@ py::tuple update_and_fetch(vq::KVCache& cache, const py::handle keys, const py::
   const vq::Tensor v = to_tensor(values, "values", keep_v);
   auto [ok, ov] = cache.update_and_fetch(k, v);
   return py::make_tuple(to_numpy(ok, copy), to_numpy(ov, copy));
+}
+
+py::array attend(const vq::KVCache& cache, const py::handle queries, double scale) {
+  py::array keep;
+  const vq::Tensor q = to_tensor(queries, "queries", keep);
+  // attend computes in float32: a scale that float32 cannot hold (1e300 -> inf) is refused as non-finite.
+  return to_numpy(cache.attend(q, static_cast<float>(scale)), true);
 }
 
 py::tuple get_state(const vq::KVCache& cache) {
@@ -262,6 +270,11 @@ PYBIND11_MODULE(veloxquant, m) {
            "Append keys/values [B, H, S, D] (float16 or float32) and return the whole cache (keys, values), "
            "[B, H, offset, D], in the input dtype. copy=True (default): fresh arrays. copy=False: read-only views of the "
            "cache's buffer, valid until the next update_and_fetch/trim/state assignment on this cache.")
+      .def("attend", &attend, "queries"_a, "scale"_a,
+           "softmax(scale * Q K^T) V over the cache for queries [B, Hq, Sq, D] (float32, or the cache's dtype): causal (the "
+           "last Sq cached tokens are the queries' own: query i sees tokens 0 .. offset - Sq + i), grouped-query (Hq a "
+           "multiple of the cache's KV heads). Returns a new float32 array [B, Hq, Sq, D_v]. Reads the cache a tile at a time; "
+           "the cache is not changed. ValueError on bad queries or a non-finite scale.")
       .def_property_readonly("offset", &vq::KVCache::offset, "Tokens held.")
       .def_property("state", &get_state, &set_state, "(keys, values) up to offset, as copies. Assigning replaces the contents.")
       .def("is_trimmable", &vq::KVCache::is_trimmable)

@@ -5,6 +5,7 @@
 
 #include <fmt/format.h>
 
+#include "veloxquant/cache/attention.hpp"
 #include "veloxquant/core/error.hpp"
 
 namespace vq {
@@ -118,6 +119,31 @@ std::int64_t KVCache::trim(std::int64_t n) {
   n = std::min(n, offset_);
   offset_ -= n;
   return n;
+}
+
+Tensor KVCache::attend(const Tensor& queries, float scale) const { return attend_tiled(*this, queries, scale); }
+
+namespace {
+const float* dense_tile(const Tensor& buf, std::int64_t b, std::int64_t h, std::int64_t t0, std::int64_t n, float* scratch) {
+  const std::int64_t D = buf.dim(3);
+  const auto Ds = static_cast<std::size_t>(D);
+  if (buf.strides()[2] != D) {  // rows not adjacent (a subclass's own buffer): one at a time
+    for (std::int64_t i = 0; i < n; ++i) to_f32(buf.row(b, h, t0 + i), buf.dtype(), scratch + i * D, Ds);
+    return scratch;
+  }
+  // A (b, h)'s rows are adjacent: float32 is read in place, other dtypes converted in one call.
+  if (buf.dtype() == DType::F32) return reinterpret_cast<const float*>(buf.row(b, h, t0));
+  to_f32(buf.row(b, h, t0), buf.dtype(), scratch, static_cast<std::size_t>(n) * Ds);
+  return scratch;
+}
+}  // namespace
+
+const float* KVCache::read_key_tile(std::int64_t b, std::int64_t h, std::int64_t t0, std::int64_t n, float* scratch) const {
+  return dense_tile(keys_buf_, b, h, t0, n, scratch);
+}
+
+const float* KVCache::read_value_tile(std::int64_t b, std::int64_t h, std::int64_t t0, std::int64_t n, float* scratch) const {
+  return dense_tile(values_buf_, b, h, t0, n, scratch);
 }
 
 std::size_t KVCache::nbytes() const { return keys_buf_.nbytes() + values_buf_.nbytes(); }

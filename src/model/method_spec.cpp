@@ -55,7 +55,7 @@ namespace {
 
 constexpr const char* kValidMethods =
     "fp32, fp16, cachegen[:bits=N,group=G,flush=per_call|group_aligned,delta=0|1,schedule=on|off], "
-    "kivi[:bits=2|4,group=G,residual=R], q8_0, q4_0, q4_1, fp8, lmcache[:chunk=N,schedule=scaled|native], "
+    "kivi[:bits=2|4,group=G,residual=R], q8_0[:rotate=0|1], q4_0[:rotate=0|1], q4_1[:rotate=0|1], fp8, lmcache[:chunk=N,schedule=scaled|native], "
     "cachegen_paper[:bin1=B,bin2=B,bin3=B,group=G,chunk=N,profile=PATH,profile_tokens=N], "
     "vq[:bits=B,calib=N,residual=N,alloc=flat|K0/V0/...,basis=weights|hadamard|identity,shape=on|off,rope=on|off]";
 
@@ -67,12 +67,21 @@ MethodSpec MethodSpec::parse(const std::string& spec) {
   const std::string name = spec.substr(0, colon);
   const std::string args = has_colon ? spec.substr(colon + 1) : std::string();
   MethodSpec m;
-  static const std::pair<const char*, Kind> kPlain[] = {{"fp32", Kind::Fp32}, {"fp16", Kind::Fp16}, {"q8_0", Kind::Q8_0},
-                                                        {"q4_0", Kind::Q4_0}, {"q4_1", Kind::Q4_1}, {"fp8", Kind::Fp8}};
+  static const std::pair<const char*, Kind> kPlain[] = {{"fp32", Kind::Fp32}, {"fp16", Kind::Fp16}, {"fp8", Kind::Fp8}};
   for (const auto& [n, k] : kPlain) {
     if (name != n) continue;
     if (has_colon) throw InvalidArgument(fmt::format("method '{}': {} takes no options (remove ':{}')", spec, name, args));
     m.kind = k;
+    return m;
+  }
+  static const std::pair<const char*, Kind> kBlocks[] = {{"q8_0", Kind::Q8_0}, {"q4_0", Kind::Q4_0}, {"q4_1", Kind::Q4_1}};
+  for (const auto& [n, k] : kBlocks) {
+    if (name != n) continue;
+    m.kind = k;
+    detail::for_each_option(spec, args, has_colon, "rotate", [&](const std::string& key, const std::string& value) {
+      if (key != "rotate") throw InvalidArgument(fmt::format("method '{}': unknown key '{}' for {}; valid keys are rotate", spec, key, name));
+      m.rotate = parse_bool(key, value, spec, "1", "0");
+    });
     return m;
   }
   if (name == "kivi") {
@@ -157,9 +166,9 @@ std::string MethodSpec::to_string() const {
   switch (kind) {
     case Kind::Fp32: return "fp32";
     case Kind::Fp16: return "fp16";
-    case Kind::Q8_0: return "q8_0";
-    case Kind::Q4_0: return "q4_0";
-    case Kind::Q4_1: return "q4_1";
+    case Kind::Q8_0: return rotate ? "q8_0:rotate=1" : "q8_0";
+    case Kind::Q4_0: return rotate ? "q4_0:rotate=1" : "q4_0";
+    case Kind::Q4_1: return rotate ? "q4_1:rotate=1" : "q4_1";
     case Kind::Fp8: return "fp8";
     case Kind::Kivi: return fmt::format("kivi:bits={},group={},residual={}", kivi.bits, kivi.group, kivi.residual);
     case Kind::Lmcache: return fmt::format("lmcache:chunk={},schedule={}", lmcache.chunk, lmcache.scaled ? "scaled" : "native");
@@ -214,11 +223,11 @@ std::vector<std::shared_ptr<KVCache>> build_caches(const MethodSpec& spec, const
     else if (spec.kind == MethodSpec::Kind::Kivi)
       caches.push_back(std::make_shared<KiviKVCache>(spec.kivi));
     else if (spec.kind == MethodSpec::Kind::Q8_0)
-      caches.push_back(std::make_shared<Q8_0KVCache>());
+      caches.push_back(std::make_shared<Q8_0KVCache>(spec.rotate));
     else if (spec.kind == MethodSpec::Kind::Q4_0)
-      caches.push_back(std::make_shared<Q4_0KVCache>());
+      caches.push_back(std::make_shared<Q4_0KVCache>(spec.rotate));
     else if (spec.kind == MethodSpec::Kind::Q4_1)
-      caches.push_back(std::make_shared<Q4_1KVCache>());
+      caches.push_back(std::make_shared<Q4_1KVCache>(spec.rotate));
     else if (spec.kind == MethodSpec::Kind::Fp8)
       caches.push_back(std::make_shared<Fp8KVCache>());
     else if (spec.kind == MethodSpec::Kind::Lmcache)

@@ -1,6 +1,7 @@
 #include "veloxquant/peers/fp8_cache.hpp"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <limits>
 
@@ -41,10 +42,10 @@ float e4m3_to_f32(std::uint8_t code) {
 namespace {
 
 // Encode one call's tensor: per (b, h) scale over its tokens; codes appended token-major, scales
-// appended [b][h]; recon gets the decoded values in t's dtype.
-void encode_chunk(const Tensor& t, std::vector<std::uint8_t>& codes, std::vector<float>& scales, Tensor& recon) {
+// appended [b][h].
+void encode_chunk(const Tensor& t, std::vector<std::uint8_t>& codes, std::vector<float>& scales) {
   const std::int64_t B = t.dim(0), H = t.dim(1), S = t.dim(2), D = t.dim(3);
-  std::vector<float> x(static_cast<std::size_t>(S * D)), y(static_cast<std::size_t>(D));
+  std::vector<float> x(static_cast<std::size_t>(S * D));
   std::vector<float> sc(static_cast<std::size_t>(B * H));
   const std::size_t base = codes.size();
   codes.resize(base + static_cast<std::size_t>(B * H * S * D));
@@ -58,14 +59,55 @@ void encode_chunk(const Tensor& t, std::vector<std::uint8_t>& codes, std::vector
       sc[static_cast<std::size_t>(b * H + h)] = scale;
       for (std::int64_t s = 0; s < S; ++s) {
         std::uint8_t* out = codes.data() + base + static_cast<std::size_t>(((s * B + b) * H + h) * D);
-        for (std::int64_t d = 0; d < D; ++d) {
-          out[d] = fp8::e4m3_from_f32(x[static_cast<std::size_t>(s * D + d)] / scale);
-          y[static_cast<std::size_t>(d)] = fp8::e4m3_to_f32(out[d]) * scale;
-        }
-        from_f32(y.data(), recon.row(b, h, s), recon.dtype(), static_cast<std::size_t>(D));
+        for (std::int64_t d = 0; d < D; ++d) out[d] = fp8::e4m3_from_f32(x[static_cast<std::size_t>(s * D + d)] / scale);
       }
     }
   scales.insert(scales.end(), sc.begin(), sc.end());
+}
+
+// The layout a resident cache keeps in keys_buf_ / values_buf_: shape and dtype, no storage.
+Tensor layout_of(const Tensor& t) { return Tensor::wrap(nullptr, {t.dim(0), t.dim(1), 0, t.dim(3)}, t.dtype()); }
+
+// Tokens [t0, t0 + n) of (b, h) decoded to float32 (code * its call's scale), as the dense
+// reconstruction held them before: rounded through the input dtype when that is not float32.
+void decode_rows(const std::vector<std::uint8_t>& codes, const std::vector<float>& scales, const std::vector<std::int64_t>& call_starts,
+                 const Tensor& layout, std::int64_t b, std::int64_t h, std::int64_t t0, std::int64_t n, float* out) {
+  // e4m3_to_f32 of every code, once (attention's inner loop would otherwise call ldexp per element).
+  static const std::array<float, 256> kDecode = [] {
+    std::array<float, 256> t{};
+    for (int c = 0; c < 256; ++c) t[static_cast<std::size_t>(c)] = fp8::e4m3_to_f32(static_cast<std::uint8_t>(c));
+    return t;
+  }();
+  const std::int64_t B = layout.dim(0), H = layout.dim(1), D = layout.dim(3);
+  auto call = std::upper_bound(call_starts.begin(), call_starts.end(), t0) - call_starts.begin() - 1;
+  for (std::int64_t i = 0; i < n; ++i) {
+    const std::int64_t t = t0 + i;
+    while (call + 1 < static_cast<std::ptrdiff_t>(call_starts.size()) && call_starts[static_cast<std::size_t>(call + 1)] <= t) ++call;
+    const float scale = scales[static_cast<std::size_t>((call * B + b) * H + h)];
+    const std::uint8_t* c = codes.data() + ((t * B + b) * H + h) * D;
+    for (std::int64_t d = 0; d < D; ++d) out[i * D + d] = kDecode[c[d]] * scale;
+  }
+  if (layout.dtype() != DType::F32) {
+    std::uint16_t half[256];
+    for (std::int64_t i = 0; i < n * D; i += 256) {
+      const auto m = static_cast<std::size_t>(std::min<std::int64_t>(256, n * D - i));
+      from_f32(out + i, half, layout.dtype(), m);
+      to_f32(half, layout.dtype(), out + i, m);
+    }
+  }
+}
+
+Tensor decode_all(const std::vector<std::uint8_t>& codes, const std::vector<float>& scales, const std::vector<std::int64_t>& call_starts,
+                  const Tensor& layout, std::int64_t offset) {
+  const std::int64_t B = layout.dim(0), H = layout.dim(1), D = layout.dim(3);
+  Tensor t = Tensor::uninitialized({B, H, offset, D}, layout.dtype());
+  std::vector<float> y(static_cast<std::size_t>(offset * D));
+  for (std::int64_t b = 0; b < B; ++b)
+    for (std::int64_t h = 0; h < H; ++h) {
+      decode_rows(codes, scales, call_starts, layout, b, h, 0, offset, y.data());
+      for (std::int64_t s = 0; s < offset; ++s) from_f32(y.data() + s * D, t.row(b, h, s), t.dtype(), static_cast<std::size_t>(D));
+    }
+  return t;
 }
 
 }  // namespace
@@ -75,13 +117,31 @@ std::pair<Tensor, Tensor> Fp8KVCache::update_and_fetch(const Tensor& keys, const
   require(keys.all_finite() && values.all_finite(), "fp8: keys and values must be finite (no NaN or Inf)");
   if (offset_ == 0) {
     key_codes_.clear(), value_codes_.clear(), key_scales_.clear(), value_scales_.clear(), call_starts_.clear();
+    keys_buf_ = layout_of(keys);
+    values_buf_ = layout_of(values);
   }
-  Tensor rk = Tensor::uninitialized(keys.shape(), keys.dtype()), rv = Tensor::uninitialized(values.shape(), values.dtype());
-  encode_chunk(keys, key_codes_, key_scales_, rk);  // checks are done: nothing below throws
-  encode_chunk(values, value_codes_, value_scales_, rv);
+  encode_chunk(keys, key_codes_, key_scales_);  // checks are done: nothing below throws
+  encode_chunk(values, value_codes_, value_scales_);
   call_starts_.push_back(offset_);
-  append(rk, rv);
-  return {keys_buf_.slice(2, 0, offset_), values_buf_.slice(2, 0, offset_)};
+  offset_ += keys.dim(2);
+  const KVState s = state();
+  return {s.keys, s.values};
+}
+
+KVState Fp8KVCache::state() const {
+  if (offset_ == 0) return {};
+  return {decode_all(key_codes_, key_scales_, call_starts_, keys_buf_, offset_),
+          decode_all(value_codes_, value_scales_, call_starts_, values_buf_, offset_)};
+}
+
+const float* Fp8KVCache::read_key_tile(std::int64_t b, std::int64_t h, std::int64_t t0, std::int64_t n, float* scratch) const {
+  decode_rows(key_codes_, key_scales_, call_starts_, keys_buf_, b, h, t0, n, scratch);
+  return scratch;
+}
+
+const float* Fp8KVCache::read_value_tile(std::int64_t b, std::int64_t h, std::int64_t t0, std::int64_t n, float* scratch) const {
+  decode_rows(value_codes_, value_scales_, call_starts_, values_buf_, b, h, t0, n, scratch);
+  return scratch;
 }
 
 std::int64_t Fp8KVCache::trim(std::int64_t n) {
@@ -104,7 +164,7 @@ void Fp8KVCache::from_state(const KVState& state) {
 }
 
 std::size_t Fp8KVCache::nbytes() const {
-  return KVCache::nbytes() + key_codes_.capacity() + value_codes_.capacity() +
+  return key_codes_.capacity() + value_codes_.capacity() +
          (key_scales_.capacity() + value_scales_.capacity()) * sizeof(float) + call_starts_.capacity() * sizeof(std::int64_t);
 }
 

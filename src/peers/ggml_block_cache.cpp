@@ -1,5 +1,7 @@
 #include "veloxquant/peers/ggml_block_cache.hpp"
 
+#include <algorithm>
+
 #include <fmt/format.h>
 
 #include "peer_rows.hpp"
@@ -9,30 +11,33 @@ namespace vq {
 
 namespace {
 
-// Quantize every token row of `t` into blocks (token-major, appended to `blocks`) and write their
-// dequantization to `recon` (same shape and dtype as t).
+// Quantize every token row of `t` into blocks (token-major, appended to `blocks`), each head's
+// D values rotated first when `rot` is set.
 template <class Traits>
-void quantize_rows(const Tensor& t, std::vector<typename Traits::block>& blocks, Tensor& recon) {
-  const std::int64_t B = t.dim(0), S = t.dim(2), row = t.dim(1) * t.dim(3), nblk = row / ggml::QK;
-  std::vector<float> x(static_cast<std::size_t>(row)), y(static_cast<std::size_t>(row));
+void quantize_rows(const Tensor& t, const std::optional<HeadRotation>& rot, std::vector<typename Traits::block>& blocks) {
+  const std::int64_t B = t.dim(0), H = t.dim(1), S = t.dim(2), D = t.dim(3), row = H * D, nblk = row / ggml::QK;
+  std::vector<float> x(static_cast<std::size_t>(row));
   for (std::int64_t s = 0; s < S; ++s)
     for (std::int64_t b = 0; b < B; ++b) {
       peers_detail::gather_token(t, b, s, x.data());
+      if (rot)
+        for (std::int64_t h = 0; h < H; ++h) rot->rotate(x.data() + h * D);
       for (std::int64_t j = 0; j < nblk; ++j) {
         typename Traits::block blk{};
         Traits::quantize(x.data() + j * ggml::QK, blk);
-        Traits::dequantize(blk, y.data() + j * ggml::QK);
         blocks.push_back(blk);
       }
-      peers_detail::scatter_token(recon, b, s, y.data());
     }
 }
+
+// The layout a resident cache keeps in keys_buf_ / values_buf_: shape and dtype, no storage.
+Tensor layout_of(const Tensor& t) { return Tensor::wrap(nullptr, {t.dim(0), t.dim(1), 0, t.dim(3)}, t.dtype()); }
 
 }  // namespace
 
 template <class Traits>
 std::string GgmlBlockCache<Traits>::kind() const {
-  return fmt::format("GgmlBlockCache<{}>", Traits::name);
+  return fmt::format("GgmlBlockCache<{}{}>", Traits::name, rotate_ ? ":rotate=1" : "");
 }
 
 template <class Traits>
@@ -40,26 +45,111 @@ std::pair<Tensor, Tensor> GgmlBlockCache<Traits>::update_and_fetch(const Tensor&
   check_chunk(keys, values);
   for (const Tensor* t : {&keys, &values}) {
     const std::int64_t row = t->dim(1) * t->dim(3);
-    if (row % ggml::QK != 0)
-      throw InvalidArgument(fmt::format("{}: a token's row of H*D = {}*{} = {} values is not a multiple of the block size {}",
-                                        Traits::name, t->dim(1), t->dim(3), row, ggml::QK));
-    if (!t->all_finite()) throw InvalidArgument(fmt::format("{}: keys and values must be finite (no NaN or Inf)", Traits::name));
+    require(row % ggml::QK == 0, "{}: a token's row of H*D = {}*{} = {} values is not a multiple of the block size {}", Traits::name,
+            t->dim(1), t->dim(3), row, ggml::QK);
+    require(t->all_finite(), "{}: keys and values must be finite (no NaN or Inf)", Traits::name);
   }
   // Everything is computed before the cache changes, so a throw leaves it as it was.
+  std::optional<HeadRotation> kr, vr;
+  if (rotate_) kr.emplace(keys.dim(3)), vr.emplace(values.dim(3));
   std::vector<Block> kb, vb;
   kb.reserve(static_cast<std::size_t>(keys.dim(0) * keys.dim(2) * keys.dim(1) * keys.dim(3) / ggml::QK));
   vb.reserve(static_cast<std::size_t>(values.dim(0) * values.dim(2) * values.dim(1) * values.dim(3) / ggml::QK));
-  Tensor rk = Tensor::uninitialized(keys.shape(), keys.dtype()), rv = Tensor::uninitialized(values.shape(), values.dtype());
-  quantize_rows<Traits>(keys, kb, rk);
-  quantize_rows<Traits>(values, vb, rv);
+  quantize_rows<Traits>(keys, kr, kb);
+  quantize_rows<Traits>(values, vr, vb);
   if (offset_ == 0) {
     key_blocks_.clear();
     value_blocks_.clear();
+    keys_buf_ = layout_of(keys);
+    values_buf_ = layout_of(values);
+    key_rotation_ = std::move(kr);
+    value_rotation_ = std::move(vr);
   }
   key_blocks_.insert(key_blocks_.end(), kb.begin(), kb.end());
   value_blocks_.insert(value_blocks_.end(), vb.begin(), vb.end());
-  append(rk, rv);
-  return {keys_buf_.slice(2, 0, offset_), values_buf_.slice(2, 0, offset_)};
+  offset_ += keys.dim(2);
+  const KVState s = state();
+  return {s.keys, s.values};
+}
+
+template <class Traits>
+const float* GgmlBlockCache<Traits>::read_tile(const std::vector<Block>& blocks, const Tensor& layout,
+                                               const std::optional<HeadRotation>& rot, std::int64_t b, std::int64_t h, std::int64_t t0,
+                                               std::int64_t n, float* out) const {
+  // Tiles stay in the rotated space (map_query / unmap_output undo it once per query).
+  constexpr std::int64_t QK = ggml::QK;
+  const std::int64_t B = layout.dim(0), D = layout.dim(3), nblk = layout.dim(1) * D / QK, start = h * D;
+  const bool aligned = start % QK == 0 && D % QK == 0;
+  float tmp[QK];
+  for (std::int64_t i = 0; i < n; ++i) {
+    const Block* row = blocks.data() + ((t0 + i) * B + b) * nblk;
+    float* o = out + i * D;
+    if (aligned) {
+      Traits::dequantize_row(row + start / QK, D / QK, o);
+      continue;
+    }
+    for (std::int64_t pos = start; pos < start + D;) {  // a head that shares blocks with others
+      const std::int64_t off = pos % QK, cnt = std::min(QK - off, start + D - pos);
+      Traits::dequantize(row[pos / QK], tmp);
+      std::copy(tmp + off, tmp + off + cnt, o + (pos - start));
+      pos += cnt;
+    }
+  }
+  if (layout.dtype() != DType::F32 && !rot) {
+    // state() holds the input dtype: round through it so that attention reads exactly state()'s
+    // values. (A rotated cache's tiles are rotated rows, which state() never holds: they stay
+    // float32, within the input dtype's rounding of state().)
+    std::uint16_t half[256];
+    for (std::int64_t i = 0; i < n * D; i += 256) {
+      const auto m = static_cast<std::size_t>(std::min<std::int64_t>(256, n * D - i));
+      from_f32(out + i, half, layout.dtype(), m);
+      to_f32(half, layout.dtype(), out + i, m);
+    }
+  }
+  return out;
+}
+
+template <class Traits>
+const float* GgmlBlockCache<Traits>::read_key_tile(std::int64_t b, std::int64_t h, std::int64_t t0, std::int64_t n, float* scratch) const {
+  return read_tile(key_blocks_, keys_buf_, key_rotation_, b, h, t0, n, scratch);
+}
+
+template <class Traits>
+const float* GgmlBlockCache<Traits>::read_value_tile(std::int64_t b, std::int64_t h, std::int64_t t0, std::int64_t n, float* scratch) const {
+  return read_tile(value_blocks_, values_buf_, value_rotation_, b, h, t0, n, scratch);
+}
+
+template <class Traits>
+void GgmlBlockCache<Traits>::map_query(float* q) const {
+  if (key_rotation_) key_rotation_->rotate(q);
+}
+
+template <class Traits>
+void GgmlBlockCache<Traits>::unmap_output(float* out) const {
+  if (value_rotation_) value_rotation_->unrotate(out);
+}
+
+template <class Traits>
+Tensor GgmlBlockCache<Traits>::dequantize_all(const std::vector<Block>& blocks, const Tensor& layout,
+                                              const std::optional<HeadRotation>& rot) const {
+  const std::int64_t B = layout.dim(0), H = layout.dim(1), D = layout.dim(3), row = H * D, nblk = row / ggml::QK;
+  Tensor t = Tensor::uninitialized({B, H, offset_, D}, layout.dtype());
+  std::vector<float> y(static_cast<std::size_t>(row));
+  for (std::int64_t s = 0; s < offset_; ++s)
+    for (std::int64_t b = 0; b < B; ++b) {
+      const Block* blk = blocks.data() + (s * B + b) * nblk;
+      for (std::int64_t j = 0; j < nblk; ++j) Traits::dequantize(blk[j], y.data() + j * ggml::QK);
+      if (rot)
+        for (std::int64_t h = 0; h < H; ++h) rot->unrotate(y.data() + h * D);
+      peers_detail::scatter_token(t, b, s, y.data());
+    }
+  return t;
+}
+
+template <class Traits>
+KVState GgmlBlockCache<Traits>::state() const {
+  if (offset_ == 0) return {};
+  return {dequantize_all(key_blocks_, keys_buf_, key_rotation_), dequantize_all(value_blocks_, values_buf_, value_rotation_)};
 }
 
 template <class Traits>
@@ -69,7 +159,7 @@ std::int64_t GgmlBlockCache<Traits>::trim(std::int64_t n) {
     key_blocks_.clear();
     value_blocks_.clear();
   } else {
-    const auto per_token = [&](const Tensor& buf) { return buf.dim(0) * buf.dim(1) * buf.dim(3) / ggml::QK; };
+    const auto per_token = [&](const Tensor& layout) { return layout.dim(0) * layout.dim(1) * layout.dim(3) / ggml::QK; };
     key_blocks_.resize(static_cast<std::size_t>(offset_ * per_token(keys_buf_)));
     value_blocks_.resize(static_cast<std::size_t>(offset_ * per_token(values_buf_)));
   }
@@ -86,7 +176,8 @@ void GgmlBlockCache<Traits>::from_state(const KVState& state) {
 
 template <class Traits>
 std::size_t GgmlBlockCache<Traits>::nbytes() const {
-  return KVCache::nbytes() + (key_blocks_.capacity() + value_blocks_.capacity()) * sizeof(Block);
+  return (key_blocks_.capacity() + value_blocks_.capacity()) * sizeof(Block) + (key_rotation_ ? key_rotation_->nbytes() : 0) +
+         (value_rotation_ ? value_rotation_->nbytes() : 0);
 }
 
 template <class Traits>

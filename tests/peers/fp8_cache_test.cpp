@@ -2,6 +2,7 @@
 #include "veloxquant/peers/fp8_cache.hpp"
 
 #include <cmath>
+#include <vector>
 
 #include <gtest/gtest.h>
 
@@ -104,6 +105,31 @@ TEST(Fp8Cache, RelativeErrorBudgetAndNonFinite) {
   bad.set(0, 0, 0, 0, INFINITY);
   EXPECT_THROW(c.update_and_fetch(bad, bad), vq::InvalidArgument);
   EXPECT_EQ(c.offset(), 64);
+}
+
+// Resident: tiles are the codes decoded with their call's scale, exactly state()'s rows (float32
+// and float16 input, tiles that cross calls); trim and attend agree with a cache of the kept tokens.
+TEST(Fp8Cache, ResidentTilesEqualStateAcrossCalls) {
+  for (vq::DType dt : {vq::DType::F32, vq::DType::F16}) {
+    const vq::Tensor k = vqtest::random_walk({2, 2, 30, 16}, 31, dt), v = vqtest::random_walk({2, 2, 30, 8}, 32, dt);
+    vq::Fp8KVCache c;
+    c.update_and_fetch(k.slice(2, 0, 7), v.slice(2, 0, 7));
+    auto [fk, fv] = c.update_and_fetch(k.slice(2, 7, 30), v.slice(2, 7, 30));
+    const vq::KVState s = c.state();
+    EXPECT_TRUE(s.keys.bit_equal(fk));
+    EXPECT_TRUE(s.values.bit_equal(fv));
+    std::vector<float> tile(30 * 16);
+    for (std::int64_t b = 0; b < 2; ++b)
+      for (std::int64_t h = 0; h < 2; ++h) {
+        const float* kt = c.read_key_tile(b, h, 3, 20, tile.data());
+        for (std::int64_t i = 0; i < 20; ++i)
+          for (std::int64_t d = 0; d < 16; ++d) ASSERT_EQ(kt[i * 16 + d], s.keys.at(b, h, 3 + i, d));
+        const float* vt = c.read_value_tile(b, h, 3, 20, tile.data());
+        for (std::int64_t i = 0; i < 20; ++i)
+          for (std::int64_t d = 0; d < 8; ++d) ASSERT_EQ(vt[i * 8 + d], s.values.at(b, h, 3 + i, d));
+      }
+    EXPECT_LT(c.nbytes(), fk.nbytes());  // no dense copy held
+  }
 }
 
 }  // namespace

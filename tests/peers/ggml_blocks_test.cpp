@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <vector>
 
 #include <gtest/gtest.h>
 
@@ -227,7 +228,9 @@ TEST(GgmlBlockCache, StoresPackedBlocksAndReturnsTheirDequantization) {
   dequantize_block_q4_0_ref(b, y.data());
   for (int h = 0; h < 4; ++h)
     for (int d = 0; d < 8; ++d) EXPECT_EQ(fk.at(0, h, 3, d), y[static_cast<std::size_t>(h * 8 + d)]);
-  EXPECT_GE(c.nbytes(), 2 * 10 * 18u + fk.nbytes() + fv.nbytes());
+  // Resident: the blocks are all it holds (no dense copy beside them).
+  EXPECT_EQ(c.nbytes(), (c.key_blocks().capacity() + c.value_blocks().capacity()) * 18u);
+  EXPECT_LT(c.nbytes(), fk.nbytes());
 }
 
 TEST(GgmlBlockCache, ChunkingDoesNotMatterAndTrimDropsBlocks) {
@@ -275,6 +278,40 @@ TEST(GgmlBlockCache, RefusesRowsNotAMultipleOf32AndNonFinite) {
   EXPECT_THROW(c.update_and_fetch(bad, bad), vq::InvalidArgument);
   EXPECT_EQ(c.offset(), 0);
   EXPECT_TRUE(c.key_blocks().empty());
+}
+
+}  // namespace
+
+namespace {
+
+using namespace vq::ggml;
+
+// The row dequantizers (attention's tiles) give the reference's values, block for block.
+TEST(GgmlBlocks, RowDequantizersEqualTheReference) {
+  std::mt19937 rng(9);
+  std::normal_distribution<float> n(0.0f, 2.0f);
+  std::vector<float> x(7 * QK), row(7 * QK), ref(QK);
+  for (auto& v : x) v = n(rng);
+  block_q8_0 b8[7];
+  block_q4_0 b40[7];
+  block_q4_1 b41[7];
+  for (int i = 0; i < 7; ++i) {
+    quantize_block_q8_0_ref(x.data() + i * QK, b8[i]);
+    quantize_block_q4_0_ref(x.data() + i * QK, b40[i]);
+    quantize_block_q4_1_ref(x.data() + i * QK, b41[i]);
+  }
+  auto check = [&](auto dequant_ref, const auto* blocks) {
+    for (int i = 0; i < 7; ++i) {
+      dequant_ref(blocks[i], ref.data());
+      for (int j = 0; j < QK; ++j) ASSERT_EQ(row[static_cast<std::size_t>(i * QK + j)], ref[static_cast<std::size_t>(j)]) << i << " " << j;
+    }
+  };
+  dequantize_row_q8_0(b8, 7, row.data());
+  check(dequantize_block_q8_0_ref, b8);
+  dequantize_row_q4_0(b40, 7, row.data());
+  check(dequantize_block_q4_0_ref, b40);
+  dequantize_row_q4_1(b41, 7, row.data());
+  check(dequantize_block_q4_1_ref, b41);
 }
 
 }  // namespace

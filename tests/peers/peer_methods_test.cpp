@@ -32,7 +32,10 @@ TEST(PeerMethodSpecs, Parse) {
   EXPECT_EQ(m.kivi.group, 16);
   EXPECT_EQ(m.kivi.residual, 32);
   EXPECT_EQ(MethodSpec::parse(m.to_string()).to_string(), m.to_string());
-  for (const char* s : {"q8_0", "q4_0", "q4_1", "fp8"}) EXPECT_EQ(MethodSpec::parse(s).to_string(), s);
+  for (const char* s : {"q8_0", "q4_0", "q4_1", "fp8", "q8_0:rotate=1", "q4_0:rotate=1", "q4_1:rotate=1"})
+    EXPECT_EQ(MethodSpec::parse(s).to_string(), s);
+  EXPECT_TRUE(MethodSpec::parse("q4_0:rotate=1").rotate);
+  EXPECT_EQ(MethodSpec::parse("q4_0:rotate=0").to_string(), "q4_0");
 }
 
 TEST(PeerMethodSpecs, ErrorsNameTheProblem) {
@@ -42,10 +45,11 @@ TEST(PeerMethodSpecs, ErrorsNameTheProblem) {
   EXPECT_NE(vqtest::spec_error("kivi:residual=100").find("multiple of group=32"), std::string::npos);
   EXPECT_NE(vqtest::spec_error("kivi:group=x").find("group=x is not an integer"), std::string::npos);
   EXPECT_NE(vqtest::spec_error("kivi:bits").find("key=value"), std::string::npos);
-  EXPECT_NE(vqtest::spec_error("q4_0:bits=4").find("takes no options"), std::string::npos);
+  EXPECT_NE(vqtest::spec_error("q4_0:bits=4").find("unknown key 'bits' for q4_0; valid keys are rotate"), std::string::npos);
+  EXPECT_NE(vqtest::spec_error("q8_0:rotate=2").find("rotate=2 is not valid; use rotate=1 or rotate=0"), std::string::npos);
   EXPECT_NE(vqtest::spec_error("fp8:scale=token").find("takes no options"), std::string::npos);
   const std::string unknown_method = vqtest::spec_error("q5_0");
-  EXPECT_NE(unknown_method.find("kivi[:bits=2|4,group=G,residual=R], q8_0, q4_0, q4_1, fp8"), std::string::npos) << unknown_method;
+  EXPECT_NE(unknown_method.find("kivi[:bits=2|4,group=G,residual=R], q8_0[:rotate=0|1], q4_0[:rotate=0|1], q4_1[:rotate=0|1], fp8"), std::string::npos) << unknown_method;
 }
 
 TEST(PeerMethodSpecs, MakeCachesPerLayer) {
@@ -54,7 +58,8 @@ TEST(PeerMethodSpecs, MakeCachesPerLayer) {
   EXPECT_EQ(vq::make_caches("q4_0", t)[1]->kind(), "GgmlBlockCache<q4_0>");
   EXPECT_EQ(vq::make_caches("q4_1", t)[2]->kind(), "GgmlBlockCache<q4_1>");
   EXPECT_EQ(vq::make_caches("fp8", t)[3]->kind(), "Fp8KVCache");
-  for (const char* spec : {"q8_0", "q4_0", "q4_1", "fp8", "kivi"}) {  // an empty state empties the cache
+  EXPECT_EQ(vq::make_caches("q4_0:rotate=1", t)[1]->kind(), "GgmlBlockCache<q4_0:rotate=1>");
+  for (const char* spec : {"q8_0", "q4_0", "q4_1", "q4_0:rotate=1", "fp8", "kivi"}) {  // an empty state empties the cache
     auto c = vq::make_caches(spec, t)[0];
     c->update_and_fetch(vq::Tensor::zeros({1, 4, 3, 8}, vq::DType::F32), vq::Tensor::zeros({1, 4, 3, 8}, vq::DType::F32));
     c->from_state(vq::KVState{});

@@ -1,4 +1,4 @@
-// veloxquant bench codec: veloxquant's rANS against general-purpose coders on the same code streams.
+// veloxquant bench codec (bench attention: cmd_bench_attention.cpp): veloxquant's rANS against general-purpose coders on the same code streams.
 //
 // A "stream" is one side (K or V) of one CacheGenKVCache (group_aligned, no layer schedule, at
 // --bits): every coder compresses each stream separately (one call per stream) and the bytes are
@@ -23,6 +23,7 @@
 #include <fmt/core.h>
 #include <nlohmann/json.hpp>
 
+#include "bench_attention.hpp"
 #include "commands.hpp"
 #include "numeric_options.hpp"
 #include "veloxquant/cache/cachegen_cache.hpp"
@@ -533,7 +534,14 @@ Runner add_bench(CLI::App& app) {
   codec->add_flag("--synthetic", o->synthetic, "synthetic LLM-like K/V (8 heads x 4096 tokens x D=128)");
   codec->add_option("--bits", o->bits, "bits per code, 1..8")->capture_default_str()->transform(integer_in(1, 8));
   codec->add_flag("--json", o->json, "print one JSON object");
-  return [o] { return run_bench_codec(*o); };
+  auto a = std::make_shared<BenchAttentionOptions>();
+  CLI::App* attention = app.add_subcommand("attention", "one decode step of attention over each storage form (dense fp32/fp16, llama.cpp blocks, ...)");
+  attention->add_option("--context", a->contexts, "context lengths in tokens (repeatable)")->capture_default_str()->check(CLI::Range(1, 1 << 20));
+  attention->add_option("--methods", a->methods, "storage forms besides fp32 and fp16: method specs, ';'-separated or repeated")
+      ->delimiter(';')
+      ->capture_default_str();
+  attention->add_flag("--json", a->json, "print one JSON object: {memcpy_gb_s, rows: [{method, context, us_per_step, resident_bytes, speedup_vs_fp16}]}");
+  return [o, a, attention] { return attention->parsed() ? run_bench_attention(*a) : run_bench_codec(*o); };
 }
 
 }  // namespace vqcli

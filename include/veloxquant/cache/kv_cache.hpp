@@ -61,6 +61,33 @@ class KVCache {
   // Class name, as saved with a cache ("KVCache", "CacheGenKVCache").
   virtual std::string kind() const { return "KVCache"; }
 
+  // --- attention over the cache (cache/attention.hpp) ---------------------------------------
+  // softmax(scale * Q K^T) V for `queries` [B, Hq, Sq, D_k] (float32 or the cache's dtype), causal
+  // over the cache's tokens (the last Sq are the queries' own: query i sees tokens
+  // 0 .. offset - Sq + i), grouped-query (Hq a multiple of kv_heads(); query head q reads KV head
+  // q / (Hq / kv_heads())). Returns [B, Hq, Sq, D_v] float32. Never materialises the whole K or V:
+  // it reads tiles through read_key_tile / read_value_tile. Throws InvalidArgument on bad queries or
+  // a non-finite scale; the cache never changes.
+  Tensor attend(const Tensor& queries, float scale) const;
+  // The layout attention reads (0 while the cache is empty).
+  std::int64_t batch() const { return keys_buf_.dim(0); }
+  std::int64_t kv_heads() const { return keys_buf_.dim(1); }
+  std::int64_t key_dim() const { return keys_buf_.dim(3); }
+  std::int64_t value_dim() const { return values_buf_.dim(3); }
+  DType dtype() const { return keys_buf_.dtype(); }
+  // Tokens [t0, t0 + n) of batch b, KV head h as float32 rows, in the cache's attention space (see
+  // map_query): returns a pointer to n * key_dim() (value_dim()) contiguous floats. The pointer may
+  // be into the cache's own storage (valid until the cache changes) or into `scratch`, which must
+  // hold that many floats. Rows are what state() holds, converted to float32 (exactly). The
+  // default reads the dense buffers; resident caches override. The caller checks the range.
+  virtual const float* read_key_tile(std::int64_t b, std::int64_t h, std::int64_t t0, std::int64_t n, float* scratch) const;
+  virtual const float* read_value_tile(std::int64_t b, std::int64_t h, std::int64_t t0, std::int64_t n, float* scratch) const;
+  // A cache whose tiles are an orthogonal transform R of its rows (k' = R k, v' = R v) maps each
+  // query q -> R q once before scoring (q . k = Rq . Rk) and each output o' -> R^T o' once after.
+  // Defaults: identity. `q` has key_dim() floats, `out` value_dim().
+  virtual void map_query(float* /*q*/) const {}
+  virtual void unmap_output(float* /*out*/) const {}
+
  protected:
   // from_state for caches that quantize what they are fed: empties the buffers, calls `forget` to
   // drop the subclass's own contents, then feeds `state` (copied first: it may view our own

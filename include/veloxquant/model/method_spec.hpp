@@ -13,7 +13,9 @@
 //       bits=2|4 [2]         code width of keys and values
 //       group=N [32]         tokens per key group, channels per value group
 //       residual=N [128]     full-precision window, a multiple of group
-//   q8_0, q4_0, q4_1         llama.cpp's KV cache block formats (peers/ggml_block_cache.hpp)
+//   q8_0, q4_0, q4_1[:rotate=0|1]  llama.cpp's KV cache block formats (peers/ggml_block_cache.hpp);
+//       rotate=0|1 [0]       1: each head's K/V row rotated by a fixed signed Hadamard transform
+//                            before block quantization (peers/head_rotation.hpp, llama.cpp PR #21038)
 //   fp8                      e4m3 with a per-head scale per call (peers/fp8_cache.hpp)
 //   lmcache[:k=v,...]        LmcacheKVCache, LMCache's CacheGen codec (peers/lmcache_cache.hpp); keys [defaults]:
 //       chunk=N [256]        tokens per chunk (per-chunk tables shipped with it)
@@ -56,6 +58,7 @@ struct MethodSpec {
   Kind kind = Kind::Fp32;
   KVCacheConfig cachegen;   // used when kind == CacheGen (cachegen_bits = the base bits)
   bool schedule = true;     // CacheGen: layer-wise schedule via KVCacheBuilder
+  bool rotate = false;      // Q8_0/Q4_0/Q4_1: signed Hadamard rotation of each head's rows
   KiviConfig kivi;          // used when kind == Kivi
   LmcacheConfig lmcache;    // used when kind == Lmcache
   CachegenPaperConfig cachegen_paper;  // used when kind == CachegenPaper

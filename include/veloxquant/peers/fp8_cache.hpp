@@ -9,8 +9,11 @@
 // (s = 1 for an all-zero head), so every call is saturation-free: x ~= e4m3(x / s) * s. A
 // one-token decode step therefore pays a scale per head for that token. Results depend on how the
 // host chunks its calls (unlike q8_0/q4_x and KIVI).
-// Stored and billed: 1 byte per element + 4 bytes per scale (K and V each). nbytes() adds the
-// dense float buffer fetch returns.
+// Stored and billed: 1 byte per element + 4 bytes per scale (K and V each).
+// Resident: the cache holds the codes, the scales and the calls' first tokens, nothing else
+// (nbytes() = their vectors' capacity). attend decodes a tile of codes at a time;
+// update_and_fetch and state() decode everything into fresh dense tensors in the input dtype on
+// each call (O(offset) work, and a dense cache's bytes while the caller holds them).
 #pragma once
 #include <cstdint>
 #include <string>
@@ -29,11 +32,14 @@ float e4m3_to_f32(std::uint8_t code);  // exact; 0x7F / 0xFF -> NaN
 class Fp8KVCache : public KVCache {
  public:
   std::pair<Tensor, Tensor> update_and_fetch(const Tensor& keys, const Tensor& values) override;
+  KVState state() const override;  // decoded into fresh tensors in the input dtype
   std::int64_t trim(std::int64_t n) override;
   void from_state(const KVState& state) override;  // quantizes `state` as one chunk
   std::size_t nbytes() const override;
   CacheBytes stored_bytes() const override;
   std::string kind() const override { return "Fp8KVCache"; }
+  const float* read_key_tile(std::int64_t b, std::int64_t h, std::int64_t t0, std::int64_t n, float* scratch) const override;
+  const float* read_value_tile(std::int64_t b, std::int64_t h, std::int64_t t0, std::int64_t n, float* scratch) const override;
 
   // Codes token-major [token][batch][head][d]; scales [call][batch][head]; call_starts[i] = the
   // first token of call i.

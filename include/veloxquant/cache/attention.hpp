@@ -1,0 +1,46 @@
+// Attention over a cache: out = softmax(scale * Q K^T) V, causal, grouped-query, computed by the
+// cache's own storage a tile of tokens at a time (flash decoding).
+//
+// What a reader must know first:
+// - The loop knows nothing of codes. It asks the cache for a tile of float32 K rows and V rows
+//   (KVCache::read_key_tile / read_value_tile), scores the tile against every query that shares
+//   its KV head, and keeps per query row a running max m, a running sum l and an accumulator
+//   acc[Dv] (online softmax): after each tile, acc and l are rescaled by exp(m_old - m_new). Only
+//   one tile of each side lives at a time (kTileBytes of float32 per side: in L1/L2), never the
+//   whole K or V. A cache may store in a transformed space (a rotation): it maps the query once
+//   before the loop and the output once after it (KVCache::map_query / unmap_output).
+// - Causality: the queries are the cache's last Sq tokens. Query i (0-based) sees tokens
+//   0 .. offset - Sq + i, inclusive.
+// - Grouped-query: Hq = G * Hkv; query head q reads KV head q / G (llama.cpp, llama2.c and
+//   mlx_lm's order). Each K/V tile is read once per KV head for all its G * Sq query rows.
+// - Arithmetic is float32 (scores, exp, accumulation), so results agree with attend_ref (double)
+//   within float32 rounding, not bit for bit.
+//
+// Errors (InvalidArgument, the cache unchanged; attention never changes a cache): queries not
+// [B, Hq, Sq, D_k] with the cache's B and D_k, Hq not a positive multiple of the cache's KV heads,
+// Sq < 1 or Sq > offset, a dtype other than float32 or the cache's own, non-finite queries, or a
+// non-finite scale.
+#pragma once
+#include <cstddef>
+
+#include "veloxquant/core/tensor.hpp"
+
+namespace vq {
+
+class KVCache;
+
+// Float32 bytes of one side's tile: tokens per tile = clamp(kTileBytes / (4 * D), 16, 256).
+inline constexpr std::size_t kAttentionTileBytes = 16 * 1024;
+
+// Throws InvalidArgument naming the problem when `queries` or `scale` cannot attend over `cache`.
+void check_attention_queries(const KVCache& cache, const Tensor& queries, double scale);
+
+// The shared online-softmax loop (what KVCache::attend runs): [B, Hq, Sq, D_v] float32.
+Tensor attend_tiled(const KVCache& cache, const Tensor& queries, float scale);
+
+// The reference: plain softmax(scale Q K^T) V over cache.state() (the cache's reconstruction),
+// scores, softmax and weighted sum in double, with the same causal mask and head grouping and the
+// same errors. Slow (materialises K and V); for tests and checks.
+Tensor attend_ref(const KVCache& cache, const Tensor& queries, double scale);
+
+}  // namespace vq

@@ -1,0 +1,206 @@
+// GgmlBlockCache as a resident cache: it holds only its blocks (nbytes() is exactly what it has
+// allocated, measured by counting this test binary's heap allocations), materialises dense K/V
+// only on request, and its attention tiles are read from the blocks. The fp8 cache, resident the
+// same way, is measured here too (the heap counter lives in this file).
+#include "veloxquant/peers/ggml_block_cache.hpp"
+
+#include <malloc.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <new>
+
+#include <gtest/gtest.h>
+
+#include "veloxquant/cache/attention.hpp"
+#include "veloxquant/peers/fp8_cache.hpp"
+#include "../support/test_util.hpp"
+
+// --- counting the heap --------------------------------------------------------------------------
+// Replaces the global operator new/delete of the test binary (plain forms; the aligned ones keep
+// their defaults). Counting is off except inside a LiveBytes scope on this thread; the cost when off
+// is one thread-local check.
+namespace {
+thread_local bool g_counting = false;
+thread_local long long g_live = 0;
+}  // namespace
+
+void* operator new(std::size_t n) {
+  void* p = std::malloc(n ? n : 1);
+  if (!p) throw std::bad_alloc();
+  if (g_counting) g_live += static_cast<long long>(malloc_usable_size(p));
+  return p;
+}
+namespace {
+void release(void* p) noexcept {
+  if (p && g_counting) g_live -= static_cast<long long>(malloc_usable_size(p));
+  std::free(p);
+}
+}  // namespace
+void operator delete(void* p) noexcept { release(p); }
+void operator delete(void* p, std::size_t) noexcept { release(p); }
+void* operator new[](std::size_t n) { return operator new(n); }
+void operator delete[](void* p) noexcept { release(p); }
+void operator delete[](void* p, std::size_t) noexcept { release(p); }
+
+namespace {
+
+// Net heap bytes (usable sizes) allocated between construction and now on this thread.
+struct LiveBytes {
+  LiveBytes() { g_live = 0, g_counting = true; }
+  ~LiveBytes() { g_counting = false; }
+  long long now() const { return g_live; }
+};
+
+using vq::Tensor;
+
+template <class Cache>
+void expect_nbytes_is_what_it_allocated(bool rotate) {
+  const Tensor k = vqtest::random_walk({2, 8, 300, 64}, 1), v = vqtest::random_walk({2, 8, 300, 64}, 2);
+  long long live = 0;
+  std::size_t nbytes = 0, dense = 0;
+  {
+    LiveBytes count;
+    auto* c = new Cache(rotate);
+    for (std::int64_t s = 0; s < 300; s += 50) {
+      auto kv = c->update_and_fetch(k.slice(2, s, s + 50), v.slice(2, s, s + 50));  // decode-sized calls
+      dense = kv.first.nbytes() + kv.second.nbytes();
+    }  // the fetched dense tensors are the caller's: gone here
+    (void)c->attend(vqtest::random_uniform({2, 16, 1, 64}, 3), 0.125f);
+    live = count.now() - static_cast<long long>(malloc_usable_size(c));
+    nbytes = c->nbytes();
+    EXPECT_EQ(nbytes, (c->key_blocks().capacity() + c->value_blocks().capacity()) * sizeof(typename Cache::Block) +
+                          (rotate ? 2 * 64 * sizeof(float) : 0));  // the rotations' sign vectors
+    delete c;
+  }
+  // Everything the cache holds is its two block vectors and, rotated, the two sign vectors (malloc
+  // rounds each up by < 32 bytes), and the two layout tensors' control blocks (not counted).
+  EXPECT_GE(live, static_cast<long long>(nbytes));
+  EXPECT_LE(live, static_cast<long long>(nbytes) + 256) << "the cache holds memory nbytes() does not count";
+  EXPECT_LT(nbytes, dense / 2);  // 3.8x-7x smaller than the dense fp32 K/V it materialises, less spare capacity
+}
+
+TEST(GgmlBlockCacheResident, NbytesIsExactlyWhatItAllocated) {
+  expect_nbytes_is_what_it_allocated<vq::Q8_0KVCache>(false);
+  expect_nbytes_is_what_it_allocated<vq::Q4_0KVCache>(false);
+  expect_nbytes_is_what_it_allocated<vq::Q4_1KVCache>(false);
+  expect_nbytes_is_what_it_allocated<vq::Q4_0KVCache>(true);
+}
+
+TEST(Fp8CacheResident, NbytesIsExactlyWhatItAllocated) {
+  const Tensor k = vqtest::random_walk({2, 8, 300, 64}, 1), v = vqtest::random_walk({2, 8, 300, 64}, 2);
+  long long live = 0;
+  std::size_t nbytes = 0;
+  {
+    LiveBytes count;
+    auto* c = new vq::Fp8KVCache;
+    for (std::int64_t s = 0; s < 300; s += 50) (void)c->update_and_fetch(k.slice(2, s, s + 50), v.slice(2, s, s + 50));
+    (void)c->attend(vqtest::random_uniform({2, 16, 1, 64}, 3), 0.125f);
+    live = count.now() - static_cast<long long>(malloc_usable_size(c));
+    nbytes = c->nbytes();
+    EXPECT_EQ(nbytes, c->key_codes().capacity() + c->value_codes().capacity() +
+                          4 * (c->key_scales().capacity() + c->value_scales().capacity()) + 8 * c->call_starts().capacity());
+    delete c;
+  }
+  EXPECT_GE(live, static_cast<long long>(nbytes));
+  EXPECT_LE(live, static_cast<long long>(nbytes) + 256) << "the cache holds memory nbytes() does not count";
+  EXPECT_LT(nbytes, (k.nbytes() + v.nbytes()) / 2);  // ~1 byte per element (plus spare capacity) against float32's 4
+}
+
+TEST(GgmlBlockCacheResident, FetchIsAFreshDenseCopyNotHeldByTheCache) {
+  const Tensor k = vqtest::random_walk({1, 4, 40, 8}, 4), v = vqtest::random_walk({1, 4, 40, 8}, 5);
+  vq::Q4_0KVCache c;
+  auto [fk, fv] = c.update_and_fetch(k, v);
+  EXPECT_EQ(c.nbytes(), (c.key_blocks().capacity() + c.value_blocks().capacity()) * 18);
+  const vq::KVState s = c.state();
+  EXPECT_TRUE(s.keys.bit_equal(fk));
+  EXPECT_TRUE(s.values.bit_equal(fv));
+  EXPECT_FALSE(s.keys.shares_storage_with(fk));
+  fk.set(0, 0, 0, 0, 1234.0f);  // the caller's own copy
+  EXPECT_NE(c.state().keys.at(0, 0, 0, 0), 1234.0f);
+}
+
+// The tile reader returns exactly state()'s rows as float32, for every way a head meets the
+// blocks: D < 32 (a block spans heads), D = 48 (heads straddle blocks), D = 64 (aligned), and in
+// float16 (rounded as state() is).
+template <class Cache>
+void expect_tiles_equal_state(const vq::Shape4& shape, vq::DType dtype) {
+  SCOPED_TRACE(vq::shape_string(shape));
+  const Tensor k = vqtest::random_walk(shape, 6, dtype), v = vqtest::random_walk(shape, 7, dtype);
+  Cache c;
+  c.update_and_fetch(k, v);
+  const vq::KVState s = c.state();
+  const std::int64_t D = shape[3];
+  std::vector<float> scratch(static_cast<std::size_t>(shape[2] * D));
+  for (std::int64_t b = 0; b < shape[0]; ++b)
+    for (std::int64_t h = 0; h < shape[1]; ++h)
+      for (int side = 0; side < 2; ++side) {
+        const std::int64_t t0 = 3, n = shape[2] - 5;
+        const float* tile = side == 0 ? c.read_key_tile(b, h, t0, n, scratch.data()) : c.read_value_tile(b, h, t0, n, scratch.data());
+        const Tensor& want = side == 0 ? s.keys : s.values;
+        for (std::int64_t i = 0; i < n; ++i)
+          for (std::int64_t d = 0; d < D; ++d) ASSERT_EQ(tile[i * D + d], want.at(b, h, t0 + i, d)) << b << " " << h << " " << i << " " << d;
+      }
+}
+
+TEST(GgmlBlockCacheResident, TilesAreTheBlocksDequantized) {
+  expect_tiles_equal_state<vq::Q4_0KVCache>({2, 4, 20, 8}, vq::DType::F32);
+  expect_tiles_equal_state<vq::Q4_1KVCache>({1, 2, 20, 48}, vq::DType::F32);
+  expect_tiles_equal_state<vq::Q8_0KVCache>({2, 3, 20, 64}, vq::DType::F32);
+  expect_tiles_equal_state<vq::Q4_0KVCache>({1, 4, 20, 8}, vq::DType::F16);
+  expect_tiles_equal_state<vq::Q8_0KVCache>({1, 2, 20, 64}, vq::DType::F16);
+}
+
+TEST(GgmlBlockCacheResident, TrimAndFromStateStayExact) {
+  const Tensor k = vqtest::random_walk({2, 2, 30, 32}, 8), v = vqtest::random_walk({2, 2, 30, 64}, 9);
+  for (bool rotate : {false, true}) {
+    vq::Q4_0KVCache all(rotate), part(rotate);
+    all.update_and_fetch(k, v);
+    part.update_and_fetch(k.slice(2, 0, 20), v.slice(2, 0, 20));
+    EXPECT_EQ(all.trim(10), 10);
+    EXPECT_TRUE(all.state().keys.bit_equal(part.state().keys));
+    EXPECT_TRUE(all.state().values.bit_equal(part.state().values));
+    const Tensor q = vqtest::random_uniform({2, 4, 2, 32}, 10);
+    EXPECT_TRUE(all.attend(q, 0.2f).bit_equal(part.attend(q, 0.2f)));
+    vq::Q4_0KVCache copy(rotate);
+    copy.from_state(all.state());
+    EXPECT_EQ(copy.offset(), 20);
+    EXPECT_EQ(copy.stored_bytes().fixed_bytes, all.stored_bytes().fixed_bytes);
+    EXPECT_EQ(copy.rotate(), rotate);
+  }
+}
+
+// Rotation: the blocks hold R x per head; dequantization un-rotates; a row with one outlier
+// channel (what rotation is for) loses far less.
+TEST(GgmlBlockCacheResident, RotationSpreadsAnOutlierAndIsUndone) {
+  const std::int64_t D = 128;
+  std::vector<float> x(static_cast<std::size_t>(D * 16));
+  std::mt19937 rng(11);
+  std::normal_distribution<float> n(0.0f, 1.0f);
+  for (std::size_t i = 0; i < x.size(); ++i) x[i] = n(rng) + (i % D == 5 ? 40.0f : 0.0f);  // channel 5 is an outlier
+  const Tensor k = Tensor::from_f32({1, 1, 16, D}, x);
+  auto error = [&](bool rotate) {
+    vq::Q4_0KVCache c(rotate);
+    const auto [fk, fv] = c.update_and_fetch(k, k);
+    double e = 0;
+    for (std::int64_t t = 0; t < 16; ++t)
+      for (std::int64_t d = 0; d < D; ++d) e += std::pow(fk.at(0, 0, t, d) - k.at(0, 0, t, d), 2);
+    return e;
+  };
+  const double plain = error(false), rotated = error(true);
+  EXPECT_LT(rotated, plain / 4) << plain << " " << rotated;
+  vq::Q8_0KVCache r(true);
+  r.update_and_fetch(k, k);
+  EXPECT_EQ(r.kind(), "GgmlBlockCache<q8_0:rotate=1>");
+  for (std::int64_t d = 0; d < D; ++d) EXPECT_NEAR(r.state().keys.at(0, 0, 3, d), k.at(0, 0, 3, d), 0.05);
+  // The blocks are of the rotated row: block 0 of token 0 is q8_0 of the first 32 values of R k.
+  std::vector<float> row(x.begin(), x.begin() + D);
+  vq::HeadRotation(D).rotate(row.data());
+  vq::ggml::block_q8_0 b{};
+  vq::ggml::quantize_block_q8_0_ref(row.data(), b);
+  EXPECT_EQ(std::memcmp(&b, &r.key_blocks()[0], sizeof b), 0);
+}
+
+}  // namespace
