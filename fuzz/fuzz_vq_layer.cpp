@@ -1,7 +1,8 @@
 // libFuzzer target: vq_decode (vq/codec.hpp), our method's coded layer, on arbitrary bytes.
-// Checks: only vq::FormatError escapes; a decoded layer has consistent sizes, shifts <= 7 and codes
-// whose hi part is within +-255; it re-encodes without an error to bytes that decode to the same
-// codes and re-encode to themselves. (The input itself need not come back: the encoder picks its
+// Checks: only vq::FormatError escapes; the AVX2 and scalar reference kernels agree (both throw, or
+// both decode the same layer; both re-encode it to the same bytes); a decoded layer has consistent
+// sizes, shifts <= 7 and codes whose hi part is within +-255; it re-encodes without an error to
+// bytes that decode to the same codes and re-encode to themselves. (The input itself need not come back: the encoder picks its
 // own model parameters and shift layout.)
 #include <cstddef>
 #include <cstdint>
@@ -27,12 +28,22 @@ bool same(const vq::VqLayerCodes& a, const vq::VqLayerCodes& b) {
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
-  vq::VqLayerCodes lc;
+  const std::span<const std::uint8_t> bytes(data, size);
+  vq::VqLayerCodes lc, ref;
+  bool failed = false, ref_failed = false;
   try {
-    lc = vq::vq_decode(std::span<const std::uint8_t>(data, size), kMaxCodes);
+    lc = vq::vq_decode(bytes, kMaxCodes);
   } catch (const vq::FormatError&) {
-    return 0;
+    failed = true;
   }
+  try {
+    ref = vq::vq_decode(bytes, kMaxCodes, vq::RansKernel::Scalar);
+  } catch (const vq::FormatError&) {
+    ref_failed = true;
+  }
+  if (failed != ref_failed) std::abort();
+  if (failed) return 0;
+  if (!same(lc, ref)) std::abort();
   for (const vq::VqSideCodes* s : {&lc.k, &lc.v}) {
     const auto n = static_cast<std::size_t>(s->n);
     if (s->offset.size() != n || s->shift.size() != n || s->codes.size() != static_cast<std::size_t>(lc.rows()) * n) std::abort();
@@ -42,6 +53,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     }
   }
   const std::vector<std::uint8_t> again = vq::vq_encode(lc);  // must not throw
+  if (vq::vq_encode(lc, vq::RansKernel::Scalar) != again) std::abort();
   const auto back = vq::vq_decode(again, kMaxCodes);
   if (!same(back, lc)) std::abort();
   if (vq::vq_encode(back) != again) std::abort();

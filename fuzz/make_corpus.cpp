@@ -223,20 +223,23 @@ int main(int argc, char** argv) {
   write(pf, "bad_magic", bad_magic);
   write(pf, "empty", {});
   // vq layers (fuzz_vq_layer): caches of our method at low and high rates (the high one splits
-  // codes), with and without an exact window, one of batch 2; a cut and a flipped copy of each.
+  // codes), with and without an exact window, one of batch 2, and one of 64 tokens x 64
+  // coefficients whose stream is long enough for the AVX2 lane groups; a cut and a flipped copy of
+  // each. (v1_*: the same first four as version 1 streams, kept from before version 2.)
   const auto vl = root / "fuzz_vq_layer";
   std::mt19937 vrng(9);
   n = 0;
-  for (auto [bits, batch, residual] : {std::tuple{2.0, 1, 0}, {8.0, 1, 0}, {1.0, 2, 3}, {4.0, 1, 30}}) {
+  for (auto [bits, batch, residual, tokens, dim] :
+       {std::tuple{2.0, 1, 0, 20, 4}, {8.0, 1, 0, 20, 4}, {1.0, 2, 3, 20, 4}, {4.0, 1, 30, 20, 4}, {2.0, 1, 0, 64, 32}}) {
     vq::VqConfig vcfg;
     vcfg.bits = bits;
     vcfg.calib = 8;
     vcfg.residual = residual;
     vq::VqKVCache cache(vcfg);
-    std::vector<float> x(static_cast<std::size_t>(batch * 2 * 20 * 4));
+    std::vector<float> x(static_cast<std::size_t>(batch * 2 * tokens * dim));
     std::normal_distribution<float> nd;
     for (std::size_t i = 0; i < x.size(); ++i) x[i] = nd(vrng) * (i % 4 == 3 ? 500.0f : 1.0f);
-    const auto t = vq::Tensor::from_f32({batch, 2, 20, 4}, x);
+    const auto t = vq::Tensor::from_f32({batch, 2, tokens, dim}, x);
     cache.update_and_fetch(t, t);
     const auto b = cache.encode();
     write_seeds(vl, n++, b, b.size() * 2 / 3, b.size() / 2, 0x08);

@@ -39,15 +39,8 @@ struct DecodeKernelTables : KernelTables {
   const std::uint32_t* table[2] = {nullptr, nullptr};
 };
 
-// Encoder constants of a unit, rans_kernels.hpp's EncSym in 64 bits (one 4-lane gather for 4 lanes'
-// constants): the reciprocal in the low word; bias (13 bits: c, or c + M - 1 when f = 1),
-// M - f (13 bits) and the reciprocal's shift (6 bits) in the high word. 0 for a unit of frequency
-// 0 (every codable unit has a nonzero reciprocal).
-inline std::uint64_t pack_enc(const rans_detail::EncSym& e) {
-  return e.rcp_freq | static_cast<std::uint64_t>(e.bias | static_cast<std::uint32_t>(e.cmpl_freq) << 13 |
-                                                 static_cast<std::uint32_t>(e.rcp_shift) << 26)
-                          << 32;
-}
+// Encoder constants of a unit: rans_kernels.hpp's pack_enc (EncSym in 64 bits).
+using rans_detail::pack_enc;
 // Class k's pair entries at pair[k * 256 + unit], its single entries at single[k * 16 + code].
 struct EncodeKernelTables : KernelTables {
   const std::uint64_t* pair = nullptr;

@@ -23,6 +23,15 @@ struct EncSym {
   std::uint16_t cmpl_freq;  // M - freq
   std::uint16_t rcp_shift;  // shift - 1
 };
+// Encoder constants of a symbol, EncSym in 64 bits (one 4-lane gather for 4 lanes'
+// constants): the reciprocal in the low word; bias (13 bits: c, or c + M - 1 when f = 1),
+// M - f (13 bits) and the reciprocal's shift (6 bits) in the high word. 0 for a symbol of frequency
+// 0 (every codable unit has a nonzero reciprocal).
+inline std::uint64_t pack_enc(const EncSym& e) {
+  return e.rcp_freq | static_cast<std::uint64_t>(e.bias | static_cast<std::uint32_t>(e.cmpl_freq) << 13 |
+                                                 static_cast<std::uint32_t>(e.rcp_shift) << 26)
+                          << 32;
+}
 // The constants of a symbol of frequency f >= 1 and cumulative frequency c in a table of
 // 2^scale_bits; frequencies up to 2^12 take their reciprocal from a table built once.
 EncSym make_enc_sym(std::uint32_t f, std::uint32_t c, int scale_bits);

@@ -1,14 +1,19 @@
 #include "veloxquant/vq/codec.hpp"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
+#include <memory>
+#include <unordered_map>
 
 #include <fmt/format.h>
 
 #include "veloxquant/core/error.hpp"
 #include "veloxquant/entropy/rans.hpp"
 #include "../entropy/byte_io.hpp"
+#include "../entropy/rans_kernels.hpp"
+#include "codec_kernels.hpp"
 
 namespace vq {
 
@@ -44,25 +49,8 @@ double lower_tail(double x, double sigma, bool laplace) {
   return 0.5 * t * det_exp(poly);
 }
 
-// hi = floor(q / 2^shift): the part of a code the parametric model codes.
-int hi_of(int q, int shift) { return q >= 0 ? q >> shift : -((-q + (1 << shift) - 1) >> shift); }
-
-struct CoefModel {
-  int amax = 0;  // of the hi parts
-  std::uint8_t param = 0;
-};
-
-// amax and the best parameter of coefficient c of a side.
-CoefModel model_of(const VqSideCodes& s, std::int64_t rows, int c) {
-  const int shift = s.shift.empty() ? 0 : s.shift[sz(c)];
-  CoefModel m;
-  for (std::int64_t r = 0; r < rows; ++r) m.amax = std::max(m.amax, std::abs(hi_of(s.codes[sz(r) * sz(s.n) + sz(c)], shift)));
-  if (m.amax == 0) return m;
-  std::vector<std::uint32_t> hist(sz(2 * m.amax + 1), 0);
-  for (std::int64_t r = 0; r < rows; ++r) ++hist[sz(hi_of(s.codes[sz(r) * sz(s.n) + sz(c)], shift) + m.amax)];
-  m.param = vq_best_param(hist, m.amax);
-  return m;
-}
+// A split code's hi part, floor(q / 2^shift), is q >> shift (arithmetic), its low part
+// q - hi * 2^shift = q & (2^shift - 1).
 
 void check_side(const VqSideCodes& s, std::int64_t rows, const char* name) {
   require(s.n >= 1 && s.n <= 65536 && s.offset.size() == sz(s.n) && s.codes.size() == sz(rows) * sz(s.n) &&
@@ -72,15 +60,24 @@ void check_side(const VqSideCodes& s, std::int64_t rows, const char* name) {
   require(std::isfinite(s.step) && s.step > 0.0f, "vq_encode: {} step must be finite and > 0", name);
   for (const auto m : s.offset)
     require(m >= -kVqMaxOffset && m <= kVqMaxOffset, "vq_encode: {} offset {} is outside +-{}", name, m, kVqMaxOffset);
-  for (int c = 0; c < s.n; ++c) {
-    const int shift = s.shift.empty() ? 0 : s.shift[sz(c)];
-    require(shift <= kVqMaxShift, "vq_encode: {} shift {} exceeds {}", name, shift, kVqMaxShift);
-    for (std::int64_t r = 0; r < rows; ++r) {
-      const int q = s.codes[sz(r) * sz(s.n) + sz(c)];
-      require(std::abs(hi_of(q, shift)) <= kVqMaxCode,
-              "vq_encode: {} code {} of coefficient {} is outside -{}..{} (shift {})", name, q, c, kVqMaxCode << shift,
-                          ((kVqMaxCode + 1) << shift) - 1, shift);
-    }
+  for (int c = 0; c < static_cast<int>(s.shift.size()); ++c)
+    require(s.shift[sz(c)] <= kVqMaxShift, "vq_encode: {} shift {} exceeds {}", name, s.shift[sz(c)], kVqMaxShift);
+}
+
+// Every hi part within +-kVqMaxCode: a min / max over all of them (vectorised), then, only when
+// one is out, the search for the first for the message.
+void check_hi(const VqSideCodes& s, const std::int16_t* hi, std::size_t count, const char* name) {
+  std::int16_t lo = 0, up = 0;
+  for (std::size_t i = 0; i < count; ++i) {
+    lo = std::min(lo, hi[i]);
+    up = std::max(up, hi[i]);
+  }
+  if (lo >= -kVqMaxCode && up <= kVqMaxCode) [[likely]]
+    return;
+  for (std::size_t i = 0; i < count; ++i) {
+    const int c = static_cast<int>(i % sz(s.n)), shift = s.shift.empty() ? 0 : s.shift[sz(c)];
+    require(std::abs(hi[i]) <= kVqMaxCode, "vq_encode: {} code {} of coefficient {} is outside -{}..{} (shift {})", name,
+            s.codes[i], c, kVqMaxCode << shift, ((kVqMaxCode + 1) << shift) - 1, shift);
   }
 }
 
@@ -146,9 +143,8 @@ FrequencyTable low_table(int shift) {
   return FrequencyTable::from_frequencies(std::vector<std::uint32_t>(sz(1) << shift, 1u), shift);
 }
 
-}  // namespace
-
-FrequencyTable vq_table(int amax, std::uint8_t param) {
+// The frequencies of (amax, param)'s table (vq_table's, before the cumulative sums).
+std::vector<std::uint32_t> vq_frequencies(int amax, std::uint8_t param) {
   require(amax >= 0 && amax <= kVqMaxCode, "vq_table: amax {} outside 0..{}", amax, kVqMaxCode);
   const bool laplace = (param & 0x80) != 0;
   // sigma = 2^((i - 48) / 8): an exact power of two times 2^(j/8), j = 0..7, from a table of
@@ -192,15 +188,32 @@ FrequencyTable vq_table(int amax, std::uint8_t param) {
     --sum;
   }
   f[sz(amax)] += static_cast<std::uint32_t>(total - sum);
-  return FrequencyTable::from_frequencies(f, kVqScaleBits);
+  return f;
 }
 
-std::uint8_t vq_best_param(std::span<const std::uint32_t> hist, int amax) {
-  require(hist.size() == sz(2 * amax + 1), "vq_best_param: histogram size must be 2 * amax + 1");
+// log2(total / freq) of each symbol of (amax, param)'s table, what FrequencyTable::cost_bits sums
+// (same expression, so the same choices). Built once per (amax, param) per process, shared by all
+// threads, never freed: only encoders (valid data, amax <= 255) fill it, a few KiB an entry.
+const double* model_costs(int amax, std::uint8_t param) {
+  static std::atomic<const std::vector<double>*> cache[(kVqMaxCode + 1) * 256];
+  auto& slot = cache[sz(amax) * 256 + param];
+  if (const auto* c = slot.load(std::memory_order_acquire)) return c->data();
+  const auto f = vq_frequencies(amax, param);
+  auto made = std::make_unique<std::vector<double>>(f.size());
+  const double M = static_cast<double>(1u << kVqScaleBits);
+  for (std::size_t i = 0; i < f.size(); ++i) (*made)[i] = std::log2(M / static_cast<double>(f[i]));
+  const std::vector<double>* expected = nullptr;
+  if (slot.compare_exchange_strong(expected, made.get(), std::memory_order_acq_rel)) return made.release()->data();
+  return expected->data();
+}
+
+// vq_best_param without building tables: the candidates' costs from model_costs.
+std::uint8_t best_param(const std::uint32_t* hist, int amax) {
+  const int size = 2 * amax + 1;
   double n = 0, m2 = 0;
-  for (int i = 0; i < static_cast<int>(hist.size()); ++i) {
-    n += hist[sz(i)];
-    m2 += static_cast<double>(hist[sz(i)]) * (i - amax) * (i - amax);
+  for (int i = 0; i < size; ++i) {
+    n += hist[i];
+    m2 += static_cast<double>(hist[i]) * (i - amax) * (i - amax);
   }
   const double sigma = n > 0 ? std::sqrt(std::max(m2 / n, 1e-4)) : 1.0;
   const int i0 = static_cast<int>(std::lround(8.0 * std::log2(sigma))) + 48;
@@ -209,100 +222,284 @@ std::uint8_t vq_best_param(std::span<const std::uint32_t> hist, int amax) {
   for (int family = 0; family < 2; ++family)
     for (int i = std::max(0, i0 - 3); i <= std::min(127, i0 + 3); ++i) {
       const auto param = static_cast<std::uint8_t>(family << 7 | i);
-      const double cost = vq_table(amax, param).cost_bits(hist);
-      if (cost < best_cost) best_cost = cost, best = param;
+      const double* cost = model_costs(amax, param);
+      double bits = 0.0;
+      for (int k = 0; k < size; ++k)
+        if (hist[k]) bits += static_cast<double>(hist[k]) * cost[k];
+      if (bits < best_cost) best_cost = bits, best = param;
     }
   return best;
 }
 
-std::vector<std::uint8_t> vq_encode(const VqLayerCodes& lc) {
-  require(lc.batch >= 0 && lc.tokens >= 0, "vq_encode: negative batch or token count");
-  const std::int64_t rows = lc.rows();
-  check_side(lc.k, rows, "K");
-  check_side(lc.v, rows, "V");
-  std::vector<std::uint8_t> out;
-  out.push_back(1);
-  put_varint(out, static_cast<std::uint64_t>(lc.batch));
-  put_varint(out, static_cast<std::uint64_t>(lc.tokens));
-  put_varint(out, static_cast<std::uint64_t>(lc.k.n));
-  put_varint(out, static_cast<std::uint64_t>(lc.v.n));
+bool use_avx2(RansKernel k) {
+  if (k == RansKernel::Scalar) return false;
+  if (k == RansKernel::Avx2) require(rans_avx2_available(), "vq codec: the AVX2 kernel was requested but this CPU has no AVX2");
+  return rans_avx2_available();
+}
+
+bool has_shifts(const VqSideCodes& s) {
+  return std::any_of(s.shift.begin(), s.shift.end(), [](std::uint8_t v) { return v != 0; });
+}
+
+// amax and the best parameter of every coefficient of a side from its hi parts [rows, n]: one
+// row-major pass for the maxima, one for the histograms (all coefficients' in one array,
+// coefficient c's centred at hoff[c]).
+void side_models(const std::int16_t* hi, std::size_t n, std::size_t R, std::vector<int>& amax, std::vector<std::uint8_t>& param) {
+  std::vector<std::int16_t> mx(n, 0);  // |hi| <= 255 (check_hi)
+  for (std::size_t r = 0; r < R; ++r)
+    for (std::size_t c = 0; c < n; ++c) {
+      const std::int16_t v = hi[r * n + c];
+      mx[c] = std::max(mx[c], static_cast<std::int16_t>(v < 0 ? -v : v));
+    }
+  amax.assign(mx.begin(), mx.end());
+  param.assign(n, 0);
+  std::vector<std::int32_t> hoff(n);
+  std::size_t total = 0;
+  for (std::size_t c = 0; c < n; ++c) {
+    hoff[c] = static_cast<std::int32_t>(total) + amax[c];
+    total += sz(2 * amax[c] + 1);
+  }
+  std::vector<std::uint32_t> hist(total, 0);
+  for (std::size_t r = 0; r < R; ++r)
+    for (std::size_t c = 0; c < n; ++c) ++hist[static_cast<std::size_t>(hoff[c] + hi[r * n + c])];
+  for (std::size_t c = 0; c < n; ++c)
+    if (amax[c] > 0) param[c] = best_param(hist.data() + hoff[c] - amax[c], amax[c]);
+}
+
+// The distinct (amax, param) tables of one encode or decode call.
+struct CallTables {
   std::vector<FrequencyTable> tables;
-  tables.reserve(2 * sz(lc.k.n + lc.v.n));  // the segments point into it: no reallocation
-  std::vector<std::uint16_t> symbols;
-  symbols.reserve(2 * sz(rows) * sz(lc.k.n + lc.v.n));
-  std::vector<std::pair<std::size_t, std::size_t>> spans;  // (start, table index) per segment
-  for (const VqSideCodes* s : {&lc.k, &lc.v}) {
-    std::uint32_t step_bits;
-    std::memcpy(&step_bits, &s->step, 4);
-    for (int i = 0; i < 4; ++i) out.push_back(static_cast<std::uint8_t>(step_bits >> (8 * i)));
-    write_shifts(out, *s);
-    for (int c = 0; c < s->n; ++c) {
-      const int shift = s->shift.empty() ? 0 : s->shift[sz(c)];
-      const std::int64_t off = s->offset[sz(c)];
-      put_varint(out, off < 0 ? static_cast<std::uint64_t>(-2 * off - 1) : static_cast<std::uint64_t>(2 * off));  // zigzag
-      const CoefModel m = model_of(*s, rows, c);
-      put_varint(out, static_cast<std::uint64_t>(m.amax));
-      if (m.amax > 0) {
-        out.push_back(m.param);
-        spans.emplace_back(symbols.size(), tables.size());
-        tables.push_back(vq_table(m.amax, m.param));
-        for (std::int64_t r = 0; r < rows; ++r)
-          symbols.push_back(static_cast<std::uint16_t>(hi_of(s->codes[sz(r) * sz(s->n) + sz(c)], shift) + m.amax));
+  std::vector<int> amax;
+  std::unordered_map<std::uint32_t, int> index;
+  int get(int a, std::uint8_t param) {
+    const auto [it, fresh] = index.try_emplace(static_cast<std::uint32_t>(a) << 8 | param, static_cast<int>(tables.size()));
+    if (fresh) {
+      tables.push_back(vq_table(a, param));
+      amax.push_back(a);
+    }
+    return it->second;
+  }
+};
+
+// What the header says of a side: per coefficient amax and param.
+struct SideModel {
+  std::vector<int> amax;
+  std::vector<std::uint8_t> param;
+  // Derived: the coded columns (amax > 0) in order, their call table and amax; the split columns.
+  std::vector<int> cols, table, col_amax, low_cols;
+  void derive(const VqSideCodes& s, CallTables& t) {
+    for (int c = 0; c < s.n; ++c) {
+      if (amax[sz(c)] > 0) {
+        cols.push_back(c);
+        table.push_back(t.get(amax[sz(c)], param[sz(c)]));
+        col_amax.push_back(amax[sz(c)]);
       }
-      if (shift > 0) {
-        spans.emplace_back(symbols.size(), tables.size());
-        tables.push_back(low_table(shift));
-        for (std::int64_t r = 0; r < rows; ++r) {
-          const int q = s->codes[sz(r) * sz(s->n) + sz(c)];
-          symbols.push_back(static_cast<std::uint16_t>(q - hi_of(q, shift) * (1 << shift)));
+      if (!s.shift.empty() && s.shift[sz(c)] > 0) low_cols.push_back(c);
+    }
+  }
+  std::size_t m() const { return cols.size(); }
+};
+
+// Per-column offsets for j = 0 .. m + 31 (codec_kernels.hpp), from each column's value.
+std::vector<std::int32_t> wrapped(const std::vector<std::int32_t>& per_col) {
+  std::vector<std::int32_t> w(per_col.size() + 32);
+  for (std::size_t j = 0; j < w.size(); ++j) w[j] = per_col[j % per_col.size()];
+  return w;
+}
+
+constexpr std::uint32_t kL = rans_detail::kL;
+constexpr std::uint32_t kMask = (1u << kVqScaleBits) - 1;
+
+// The reference encoder step (rans.cpp's encode_scalar): x' = (x / f) * M + x % f + c.
+inline void enc_put(std::uint32_t& x, std::uint32_t f, std::uint32_t c, int s, std::uint16_t*& ptr) {
+  if (x >= (f << (31 - s))) {
+    *--ptr = static_cast<std::uint16_t>(x);
+    x >>= 16;
+  }
+  x = ((x / f) << s) + x % f + c;
+}
+
+inline void refill(std::uint32_t& x, const std::uint8_t*& p, const std::uint8_t* end) {
+  if (x < kL) {
+    if (end - p < 2) rans_detail::throw_truncated();
+    x = x << 16 | static_cast<std::uint32_t>(p[0]) | static_cast<std::uint32_t>(p[1]) << 8;
+    p += 2;
+  }
+}
+
+// The scalar reference over region symbols [i0, i1), backwards.
+std::uint16_t* encode_region_scalar(std::uint32_t* x, const std::int16_t* hi, std::size_t i0, std::size_t i1, std::size_t base,
+                                    const SideModel& sm, const CallTables& t, std::uint16_t* ptr) {
+  if (i1 <= i0) return ptr;
+  const std::size_t m = sm.m();
+  std::size_t j = (i1 - 1) % m;
+  for (std::size_t i = i1; i-- > i0;) {
+    const FrequencyTable& tb = t.tables[sz(sm.table[j])];
+    const int sym = hi[i] + sm.col_amax[j];
+    enc_put(x[(base + i) & 31], tb.freq(sym), tb.cum(sym), kVqScaleBits, ptr);
+    j = j == 0 ? m - 1 : j - 1;
+  }
+  return ptr;
+}
+
+// Decoder slot tables of a call: sym[table << 12 | slot] (scalar reference) or the packed entries
+// of codec_kernels.hpp (fast kernel; tables with amax <= 127 only). 16 KiB a table, so only up to
+// kMaxPoolTables distinct tables (a hostile header names up to 65,280): beyond, the reference
+// finds each symbol by a binary search over the cumulative frequencies instead.
+constexpr std::size_t kMaxPoolTables = 1024;
+struct DecodePools {
+  std::vector<std::uint16_t> sym;
+  std::vector<std::uint32_t> packed;
+  void build(const CallTables& t, bool fast) {
+    if (t.tables.size() > kMaxPoolTables) return;
+    const std::size_t M = sz(1) << kVqScaleBits;
+    if (fast)
+      packed.resize(t.tables.size() * M);
+    else
+      sym.resize(t.tables.size() * M);
+    for (std::size_t k = 0; k < t.tables.size(); ++k) {
+      const FrequencyTable& tb = t.tables[k];
+      const int a = t.amax[k];
+      if (fast && a > 127) continue;  // a side with such a table decodes with the reference
+      for (int s = 0; s < tb.alphabet_size(); ++s) {
+        const std::uint32_t f = tb.freq(s), c = tb.cum(s);
+        if (!fast) {
+          std::fill_n(sym.data() + k * M + c, f, static_cast<std::uint16_t>(s));
+          continue;
         }
+        const std::uint32_t e0 = (f - 1) | static_cast<std::uint32_t>(static_cast<std::uint8_t>(s - a)) << 24;
+        std::uint32_t* e = packed.data() + k * M + c;
+        for (std::uint32_t i = 0; i < f; ++i) e[i] = e0 | i << kVqScaleBits;
       }
     }
   }
-  std::vector<RansEncodeSegment> segments;
-  for (const auto& [start, t] : spans)
-    segments.push_back({std::span<const std::uint16_t>(symbols).subspan(start, sz(rows)), &tables[t]});
-  rans_encode_append(out, segments);
-  return out;
+};
+
+// The symbol whose range holds slot: the last s with cum(s) <= slot.
+int find_symbol(const FrequencyTable& t, std::uint32_t slot) {
+  int lo = 0, hi = t.alphabet_size() - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (t.cum(mid) <= slot)
+      lo = mid;
+    else
+      hi = mid - 1;
+  }
+  return lo;
 }
 
-VqLayerCodes vq_decode(std::span<const std::uint8_t> bytes, std::uint64_t max_codes) {
-  ByteReader r(bytes, "vq layer");
-  if (r.u8() != 1) r.fail("unknown version (expected 1)");
+// The scalar reference over region symbols [i0, i1) into hi (codes); sym: DecodePools::sym, or
+// null (search).
+const std::uint8_t* decode_region_scalar(std::uint32_t* x, std::int16_t* hi, std::size_t i0, std::size_t i1, std::size_t base,
+                                         const SideModel& sm, const CallTables& t, const std::uint16_t* sym, const std::uint8_t* p,
+                                         const std::uint8_t* end) {
+  if (i1 <= i0) return p;
+  const std::size_t m = sm.m();
+  std::size_t j = i0 % m;
+  for (std::size_t i = i0; i < i1; ++i) {
+    const std::size_t k = sz(sm.table[j]);
+    const FrequencyTable& tb = t.tables[k];
+    std::uint32_t& xi = x[(base + i) & 31];
+    const std::uint32_t slot = xi & kMask;
+    const int s = sym ? sym[(k << kVqScaleBits) + slot] : find_symbol(tb, slot);
+    xi = tb.freq(s) * (xi >> kVqScaleBits) + slot - tb.cum(s);
+    refill(xi, p, end);
+    hi[i] = static_cast<std::int16_t>(s - sm.col_amax[j]);
+    if (++j == m) j = 0;
+  }
+  return p;
+}
+
+// The fast kernel's scalar steps (heads and tails of a region), from the packed entries.
+const std::uint8_t* decode_region_packed(std::uint32_t* x, std::int16_t* hi, std::size_t i0, std::size_t i1, std::size_t base,
+                                         const vq_codec_detail::RegionTables& rt, const std::uint8_t* p, const std::uint8_t* end) {
+  if (i1 <= i0) return p;
+  std::size_t j = i0 % rt.m;
+  for (std::size_t i = i0; i < i1; ++i) {
+    std::uint32_t& xi = x[(base + i) & 31];
+    const std::uint32_t e = rt.dec_pool[sz(rt.dec_off[j]) + (xi & kMask)];
+    xi = ((e & kMask) + 1) * (xi >> kVqScaleBits) + ((e >> kVqScaleBits) & kMask);
+    refill(xi, p, end);
+    hi[i] = static_cast<std::int16_t>(static_cast<std::int32_t>(e) >> 24);
+    if (++j == rt.m) j = 0;
+  }
+  return p;
+}
+
+// Scratch for the encoder's words, kept per thread up to 16 MiB (as rans.cpp's).
+std::uint16_t* encode_scratch(std::size_t need, std::unique_ptr<std::uint16_t[]>& temp) {
+  thread_local std::unique_ptr<std::uint16_t[]> keep;
+  thread_local std::size_t kept = 0;
+  if (need <= kept) return keep.get();
+  if (need <= (sz(1) << 23)) {
+    keep.reset(new std::uint16_t[need]);
+    kept = need;
+    return keep.get();
+  }
+  temp.reset(new std::uint16_t[need]);
+  return temp.get();
+}
+
+// The parsed header of a layer (any version): shape, sides' quantizer and models.
+struct ParsedHeader {
   VqLayerCodes lc;
+  std::uint64_t rows = 0;
+  SideModel k, v;
+};
+
+ParsedHeader parse_header(ByteReader& r, std::uint64_t max_codes, CallTables& t) {
+  ParsedHeader h;
+  VqLayerCodes& lc = h.lc;
   lc.batch = static_cast<std::int64_t>(r.varint(1u << 20, "batch"));
   lc.tokens = static_cast<std::int64_t>(r.varint(1u << 30, "tokens"));
   lc.k.n = static_cast<int>(r.varint(65536, "n_k"));
   lc.v.n = static_cast<int>(r.varint(65536, "n_v"));
   if (lc.k.n == 0 || lc.v.n == 0) r.fail("a side has no coefficients");
-  const std::uint64_t rows = static_cast<std::uint64_t>(lc.batch) * static_cast<std::uint64_t>(lc.tokens);
-  if (rows > max_codes / static_cast<std::uint64_t>(lc.k.n + lc.v.n))
-    r.fail(fmt::format("{} rows of {} coefficients exceed the expected {} codes", rows, lc.k.n + lc.v.n, max_codes));
-  std::vector<FrequencyTable> tables;
-  tables.reserve(2 * sz(lc.k.n + lc.v.n));
+  h.rows = static_cast<std::uint64_t>(lc.batch) * static_cast<std::uint64_t>(lc.tokens);
+  if (h.rows > max_codes / static_cast<std::uint64_t>(lc.k.n + lc.v.n))
+    r.fail(fmt::format("{} rows of {} coefficients exceed the expected {} codes", h.rows, lc.k.n + lc.v.n, max_codes));
+  for (auto [s, sm] : {std::pair{&lc.k, &h.k}, std::pair{&lc.v, &h.v}}) {
+    const std::uint32_t step_bits = r.u32le();
+    std::memcpy(&s->step, &step_bits, 4);
+    if (!std::isfinite(s->step) || s->step <= 0.0f) r.fail("step is not a finite positive float32");
+    read_shifts(r, *s);
+    s->offset.resize(sz(s->n));
+    sm->amax.assign(sz(s->n), 0);
+    sm->param.assign(sz(s->n), 0);
+    for (int c = 0; c < s->n; ++c) {
+      const std::uint64_t z = r.varint(2 * static_cast<std::uint64_t>(kVqMaxOffset), "offset");
+      s->offset[sz(c)] = (z & 1) ? -static_cast<std::int32_t>((z + 1) / 2) : static_cast<std::int32_t>(z / 2);
+      sm->amax[sz(c)] = static_cast<int>(r.varint(kVqMaxCode, "amax"));
+      if (sm->amax[sz(c)] > 0) sm->param[sz(c)] = r.u8();
+    }
+    sm->derive(*s, t);
+  }
+  return h;
+}
+
+// Version 1: one rANS segment per coded column (hi parts), each followed by its low parts.
+void decode_v1(ByteReader& r, ParsedHeader& h, const CallTables& t, RansKernel kernel) {
+  const std::uint64_t rows = h.rows;
+  std::vector<FrequencyTable> lows;
+  lows.reserve(sz(h.lc.k.n + h.lc.v.n));
   struct Coded {
     VqSideCodes* side;
     int c, amax, shift;
     bool low;  // the segment of the low parts (else of the hi parts)
   };
   std::vector<Coded> coded;  // per segment
-  for (VqSideCodes* s : {&lc.k, &lc.v}) {
-    const std::uint32_t step_bits = r.u32le();
-    std::memcpy(&s->step, &step_bits, 4);
-    if (!std::isfinite(s->step) || s->step <= 0.0f) r.fail("step is not a finite positive float32");
-    read_shifts(r, *s);
-    s->offset.resize(sz(s->n));
+  std::vector<const FrequencyTable*> seg_table;
+  for (auto [s, sm] : {std::pair{&h.lc.k, &h.k}, std::pair{&h.lc.v, &h.v}}) {
     for (int c = 0; c < s->n; ++c) {
-      const int shift = s->shift[sz(c)];
-      const std::uint64_t z = r.varint(2 * static_cast<std::uint64_t>(kVqMaxOffset), "offset");
-      s->offset[sz(c)] = (z & 1) ? -static_cast<std::int32_t>((z + 1) / 2) : static_cast<std::int32_t>(z / 2);
-      const int amax = static_cast<int>(r.varint(kVqMaxCode, "amax"));
+      const int shift = s->shift[sz(c)], amax = sm->amax[sz(c)];
       if (amax > 0) {
-        tables.push_back(vq_table(amax, r.u8()));
+        const auto j = static_cast<std::size_t>(std::lower_bound(sm->cols.begin(), sm->cols.end(), c) - sm->cols.begin());
+        seg_table.push_back(&t.tables[sz(sm->table[j])]);
         coded.push_back({s, c, amax, shift, false});
       }
       if (shift > 0) {
-        tables.push_back(low_table(shift));
+        lows.push_back(low_table(shift));
+        seg_table.push_back(&lows.back());
         coded.push_back({s, c, amax, shift, true});
       }
     }
@@ -310,8 +507,8 @@ VqLayerCodes vq_decode(std::span<const std::uint8_t> bytes, std::uint64_t max_co
   }
   std::vector<std::uint16_t> symbols(coded.size() * rows);
   std::vector<RansDecodeSegment> segments;
-  for (std::size_t i = 0; i < coded.size(); ++i) segments.push_back({std::span<std::uint16_t>(symbols).subspan(i * rows, rows), &tables[i]});
-  rans_decode(r.rest(), segments);  // FormatError on a corrupt, short or long payload
+  for (std::size_t i = 0; i < coded.size(); ++i) segments.push_back({std::span<std::uint16_t>(symbols).subspan(i * rows, rows), seg_table[i]});
+  rans_decode(r.rest(), segments, kernel);  // FormatError on a corrupt, short or long payload
   // q = hi * 2^shift + low; hi segments come before their low segments, so hi is placed first.
   for (std::size_t i = 0; i < coded.size(); ++i) {
     const Coded& k = coded[i];
@@ -321,7 +518,223 @@ VqLayerCodes vq_decode(std::span<const std::uint8_t> bytes, std::uint64_t max_co
       q = static_cast<std::int16_t>(k.low ? q + sym : (sym - k.amax) * (1 << k.shift));
     }
   }
-  return lc;
+}
+
+}  // namespace
+
+FrequencyTable vq_table(int amax, std::uint8_t param) {
+  return FrequencyTable::from_frequencies(vq_frequencies(amax, param), kVqScaleBits);
+}
+
+std::uint8_t vq_best_param(std::span<const std::uint32_t> hist, int amax) {
+  require(amax >= 1 && amax <= kVqMaxCode && hist.size() == sz(2 * amax + 1),
+          "vq_best_param: histogram size must be 2 * amax + 1 with amax in 1..{}", kVqMaxCode);
+  return best_param(hist.data(), amax);
+}
+
+std::vector<std::uint8_t> vq_encode(const VqLayerCodes& lc, RansKernel kernel) {
+  const bool fast = use_avx2(kernel);
+  require(lc.batch >= 0 && lc.tokens >= 0, "vq_encode: negative batch or token count");
+  const std::int64_t rows = lc.rows();
+  check_side(lc.k, rows, "K");
+  check_side(lc.v, rows, "V");
+  const std::size_t R = sz(rows);
+  std::vector<std::uint8_t> out;
+  out.push_back(2);
+  put_varint(out, static_cast<std::uint64_t>(lc.batch));
+  put_varint(out, static_cast<std::uint64_t>(lc.tokens));
+  put_varint(out, static_cast<std::uint64_t>(lc.k.n));
+  put_varint(out, static_cast<std::uint64_t>(lc.v.n));
+  CallTables tables;
+  struct Side {
+    const VqSideCodes* s;
+    SideModel sm;
+    std::vector<std::int16_t> hi_buf;  // the region's codes when they are not the side's own
+    const std::int16_t* hi = nullptr;
+    std::vector<std::uint16_t> lows;  // [low column][row]
+    std::size_t base = 0;             // stream index of the region's first symbol
+  };
+  Side sides[2] = {{&lc.k, {}, {}, nullptr, {}, 0}, {&lc.v, {}, {}, nullptr, {}, 0}};
+  std::size_t n_total = 0;
+  for (Side& sd : sides) {
+    const VqSideCodes& s = *sd.s;
+    const std::size_t n = sz(s.n);
+    const bool shifted = has_shifts(s);
+    // The hi parts: the codes themselves, or floor(q / 2^shift) column by column.
+    const std::int16_t* his = s.codes.data();
+    std::vector<std::int16_t> his_buf;
+    if (shifted) {
+      his_buf.resize(R * n);
+      const std::uint8_t* sh = s.shift.data();
+      for (std::size_t r = 0; r < R; ++r)
+        for (std::size_t c = 0; c < n; ++c) his_buf[r * n + c] = static_cast<std::int16_t>(s.codes[r * n + c] >> sh[c]);
+      his = his_buf.data();
+    }
+    check_hi(s, his, R * n, sd.s == &lc.k ? "K" : "V");
+    std::uint32_t step_bits;
+    std::memcpy(&step_bits, &s.step, 4);
+    for (int i = 0; i < 4; ++i) out.push_back(static_cast<std::uint8_t>(step_bits >> (8 * i)));
+    write_shifts(out, s);
+    side_models(his, n, R, sd.sm.amax, sd.sm.param);
+    for (int c = 0; c < s.n; ++c) {
+      const std::int64_t off = s.offset[sz(c)];
+      put_varint(out, off < 0 ? static_cast<std::uint64_t>(-2 * off - 1) : static_cast<std::uint64_t>(2 * off));  // zigzag
+      put_varint(out, static_cast<std::uint64_t>(sd.sm.amax[sz(c)]));
+      if (sd.sm.amax[sz(c)] > 0) out.push_back(sd.sm.param[sz(c)]);
+    }
+    sd.sm.derive(s, tables);
+    const std::size_t m = sd.sm.m();
+    if (m == n) {
+      sd.hi_buf = std::move(his_buf);
+      sd.hi = shifted ? sd.hi_buf.data() : s.codes.data();
+    } else {
+      sd.hi_buf.resize(R * m);
+      for (std::size_t r = 0; r < R; ++r)
+        for (std::size_t j = 0; j < m; ++j) sd.hi_buf[r * m + j] = his[r * n + sz(sd.sm.cols[j])];
+      sd.hi = sd.hi_buf.data();
+    }
+    sd.lows.resize(sd.sm.low_cols.size() * R);
+    for (std::size_t k = 0; k < sd.sm.low_cols.size(); ++k) {
+      const std::size_t c = sz(sd.sm.low_cols[k]);
+      const int mask = (1 << s.shift[c]) - 1;
+      for (std::size_t r = 0; r < R; ++r) sd.lows[k * R + r] = static_cast<std::uint16_t>(s.codes[r * n + c] & mask);
+    }
+    sd.base = n_total;
+    n_total += R * m + sd.lows.size();
+  }
+  // The fast kernel's encoder constants: every table's symbols in one pool.
+  std::vector<std::uint64_t> enc_pool;
+  std::vector<std::int32_t> tbase;
+  if (fast) {
+    for (const FrequencyTable& tb : tables.tables) {
+      tbase.push_back(static_cast<std::int32_t>(enc_pool.size()));
+      for (int s = 0; s < tb.alphabet_size(); ++s)
+        enc_pool.push_back(rans_detail::pack_enc(rans_detail::make_enc_sym(tb.freq(s), tb.cum(s), kVqScaleBits)));
+    }
+  }
+  std::unique_ptr<std::uint16_t[]> temp;
+  const std::size_t need = n_total + rans_detail::kEncodeSlackWords;
+  std::uint16_t* const buf = encode_scratch(need, temp);
+  std::uint16_t* const end = buf + need;
+  std::uint16_t* ptr = end;
+  std::uint32_t x[kRansLanes];
+  for (auto& v : x) v = kL;
+  for (int k = 1; k >= 0; --k) {  // backwards: V, then K; within a side the low parts, then the region
+    const Side& sd = sides[k];
+    const std::size_t m = sd.sm.m(), N = R * m, lbase = sd.base + N;
+    for (std::size_t l = sd.sm.low_cols.size(); l-- > 0;) {
+      const int shift = sd.s->shift[sz(sd.sm.low_cols[l])];
+      for (std::size_t r = R; r-- > 0;) enc_put(x[(lbase + l * R + r) & 31], 1, sd.lows[l * R + r], shift, ptr);
+    }
+    if (N == 0) continue;
+    if (!fast) {
+      ptr = encode_region_scalar(x, sd.hi, 0, N, sd.base, sd.sm, tables, ptr);
+      continue;
+    }
+    std::vector<std::int32_t> per_col(m);
+    for (std::size_t j = 0; j < m; ++j) per_col[j] = tbase[sz(sd.sm.table[j])] + sd.sm.col_amax[j];
+    const auto enc_off = wrapped(per_col);
+    vq_codec_detail::RegionTables rt;
+    rt.m = m;
+    rt.enc_off = enc_off.data();
+    rt.enc_pool = enc_pool.data();
+    // Whole groups of 32 start at stream indices divisible by 32; the rest goes through the reference.
+    const std::size_t g0 = std::min(N, (32 - sd.base % 32) % 32);
+    const std::size_t aligned_end = (sd.base + N) / 32 * 32;
+    const std::size_t g1 = aligned_end > sd.base + g0 ? aligned_end - sd.base : g0;
+    ptr = encode_region_scalar(x, sd.hi, g1, N, sd.base, sd.sm, tables, ptr);
+    if (g1 > g0) ptr = vq_codec_detail::encode_region_avx2(x, sd.hi, g0, g1, g1 % m, rt, ptr);
+    ptr = encode_region_scalar(x, sd.hi, 0, g0, sd.base, sd.sm, tables, ptr);
+  }
+  // rans.hpp's stream: varint n, min(n, 32) final states, the words in decoder order.
+  const std::size_t words = static_cast<std::size_t>(end - ptr);
+  const std::size_t k = std::min<std::size_t>(n_total, kRansLanes);
+  put_varint(out, n_total);
+  out.resize(out.size() + 4 * k + 2 * words);
+  std::uint8_t* o = out.data() + out.size() - 4 * k - 2 * words;
+  for (std::size_t j = 0; j < k; ++j, o += 4)
+    for (int b = 0; b < 4; ++b) o[b] = static_cast<std::uint8_t>(x[j] >> (8 * b));
+  if (words) std::memcpy(o, ptr, 2 * words);
+  return out;
+}
+
+VqLayerCodes vq_decode(std::span<const std::uint8_t> bytes, std::uint64_t max_codes, RansKernel kernel) {
+  const bool fast = use_avx2(kernel);
+  ByteReader r(bytes, "vq layer");
+  const std::uint8_t version = r.u8();
+  if (version != 1 && version != 2) r.fail(fmt::format("unknown version {} (expected 1 or 2)", version));
+  CallTables tables;
+  ParsedHeader h = parse_header(r, max_codes, tables);
+  if (version == 1) {
+    decode_v1(r, h, tables, kernel);
+    return std::move(h.lc);
+  }
+  const std::size_t R = sz(static_cast<std::int64_t>(h.rows));
+  std::size_t n_total = 0;
+  for (const SideModel* sm : {&h.k, &h.v}) n_total += R * (sm->m() + sm->low_cols.size());
+  // rans.hpp's stream header.
+  const std::uint64_t n = r.varint(~0ull, "symbol count");
+  if (n != n_total) r.fail(fmt::format("the rANS stream holds {} symbols, the header implies {}", n, n_total));
+  std::uint32_t x[kRansLanes];
+  for (auto& v : x) v = kL;
+  for (std::size_t j = 0; j < std::min<std::size_t>(n_total, kRansLanes); ++j) {
+    x[j] = r.u32le();
+    if (x[j] < kL || x[j] >= (kL << 16)) r.fail(fmt::format("state of lane {} = {} is outside [2^15, 2^31)", j, x[j]));
+  }
+  const auto words = r.rest();
+  if (words.size() % 2) r.fail("the rANS payload has an odd number of bytes");
+  const std::uint8_t* p = words.data();
+  const std::uint8_t* const end = p + words.size();
+  DecodePools pools;
+  if (R > 0) pools.build(tables, fast);
+  std::size_t base = 0;
+  for (auto [s, sm] : {std::pair{&h.lc.k, &h.k}, std::pair{&h.lc.v, &h.v}}) {
+    const std::size_t m = sm->m(), n_side = sz(s->n), N = R * m;
+    s->codes.assign(R * n_side, 0);
+    std::vector<std::int16_t> region;
+    std::int16_t* hi = s->codes.data();
+    if (m != n_side) {
+      region.resize(N);
+      hi = region.data();
+    }
+    const bool side_fast = fast && !pools.packed.empty() && std::all_of(sm->col_amax.begin(), sm->col_amax.end(), [](int a) { return a <= 127; });
+    if (N > 0 && side_fast) {
+      std::vector<std::int32_t> per_col(m);
+      for (std::size_t j = 0; j < m; ++j) per_col[j] = sm->table[j] << kVqScaleBits;
+      const auto dec_off = wrapped(per_col);
+      vq_codec_detail::RegionTables rt;
+      rt.m = m;
+      rt.dec_off = dec_off.data();
+      rt.dec_pool = pools.packed.data();
+      std::size_t i = std::min(N, (32 - base % 32) % 32);
+      p = decode_region_packed(x, hi, 0, i, base, rt, p, end);
+      p = vq_codec_detail::decode_region_avx2(x, hi, i, N, i % m, rt, p, end);
+      p = decode_region_packed(x, hi, i, N, base, rt, p, end);
+    } else if (N > 0) {
+      if (pools.sym.empty()) pools.build(tables, false);  // a fast call's side with amax > 127
+      p = decode_region_scalar(x, hi, 0, N, base, *sm, tables, pools.sym.empty() ? nullptr : pools.sym.data(), p, end);
+    }
+    base += N;
+    if (m != n_side)
+      for (std::size_t row = 0; row < R; ++row)
+        for (std::size_t j = 0; j < m; ++j) s->codes[row * n_side + sz(sm->cols[j])] = region[row * m + j];
+    for (const int c : sm->low_cols) {
+      const int shift = s->shift[sz(c)];
+      const std::uint32_t lmask = (1u << shift) - 1;
+      for (std::size_t row = 0; row < R; ++row, ++base) {
+        std::uint32_t& xi = x[base & 31];
+        const std::uint32_t low = xi & lmask;
+        xi >>= shift;  // freq 1, cum = low: x = (x >> shift) + low - low
+        refill(xi, p, end);
+        std::int16_t& q = s->codes[row * n_side + sz(c)];
+        q = static_cast<std::int16_t>(q * (1 << shift) + static_cast<int>(low));
+      }
+    }
+  }
+  if (p != end) r.fail(fmt::format("{} rANS renormalisation words left over (corrupt)", (end - p) / 2));
+  for (int j = 0; j < kRansLanes; ++j)
+    if (x[j] != kL) r.fail(fmt::format("rANS lane {} did not return to its initial state (corrupt stream)", j));
+  return std::move(h.lc);
 }
 
 }  // namespace vq

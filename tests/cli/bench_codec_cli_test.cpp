@@ -84,6 +84,43 @@ TEST(BenchCodecCli, NpyInputAndTable) {
   EXPECT_NE(r.out.find("Shannon"), std::string::npos);
 }
 
+// Issue 15: our method's codes (--method vq:...) against the peers on the same codes, one run.
+TEST(BenchCodecCli, VqMethodCodesAgainstThePeers) {
+  vq::write_npy(p("vk.npy"), vqtest::random_walk({2, 2, 200, 16}, 19, vq::DType::F16));
+  vq::write_npy(p("vv.npy"), vqtest::random_walk({2, 2, 200, 16}, 20, vq::DType::F16));
+  for (const char* method : {"vq:bits=2,calib=16", "vq:bits=9,calib=16"}) {
+    SCOPED_TRACE(method);
+    const auto r = vqtest::run_cli("bench codec --keys " + p("vk.npy") + " --values " + p("vv.npy") + " --method " + method + " --json");
+    ASSERT_EQ(r.code, 0) << r.err;
+    const auto j = nlohmann::json::parse(r.out);
+    EXPECT_EQ(j.at("layers").get<int>(), 1);
+    EXPECT_EQ(j.at("symbols").get<std::uint64_t>(), 2u * 2 * 200 * 32);  // B x rows x (n_k + n_v), every token quantized
+    // 9 bits: codes beyond int8, so the peers get int16.
+    EXPECT_EQ(j.at("peer_input").get<std::string>(), std::string(method).find("bits=9") != std::string::npos ? "int16" : "int8");
+    std::vector<std::string> names;
+    for (const auto& c : j.at("coders")) {
+      names.push_back(c.at("name").get<std::string>());
+      EXPECT_GT(c.at("bytes").get<std::uint64_t>(), 0u) << names.back();
+      EXPECT_GT(c.at("encode_msym_s").get<double>(), 0.0) << names.back();
+      EXPECT_GT(c.at("decode_msym_s").get<double>(), 0.0) << names.back();
+      EXPECT_TRUE(c.at("roundtrip_ok").get<bool>()) << names.back();
+    }
+    for (const char* want : {"veloxquant-vq", "htscodecs-rans4x16-o0", "htscodecs-rans4x16-o1", "zstd-1", "zstd-19"})
+      EXPECT_NE(std::find(names.begin(), names.end(), want), names.end()) << want;
+  }
+  const auto table = vqtest::run_cli("bench codec --keys " + p("vk.npy") + " --values " + p("vv.npy") + " --method vq:bits=2,calib=16");
+  ASSERT_EQ(table.code, 0) << table.err;
+  EXPECT_NE(table.out.find("veloxquant-vq"), std::string::npos);
+  for (const std::string& args : {std::string("bench codec --synthetic --method cachegen:bits=4"), std::string("bench codec --synthetic --method vq:bits=0"),
+                                  std::string("bench codec --method vq:bits=2"),
+                                  "bench codec --keys " + p("vk.npy") + " --values " + p("vv.npy") + " --method vq:bits=2,calib=1000"}) {
+    const auto r = vqtest::run_cli(args);
+    EXPECT_NE(r.code, 0) << args;
+    EXPECT_NE(r.err.find("error"), std::string::npos) << args << ": " << r.err;
+    EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << args << ": " << r.err;
+  }
+}
+
 TEST(BenchCodecCli, BadInputIsOneLineAndNonzero) {
   for (const std::string& args : std::vector<std::string>{"bench codec", "bench codec --synthetic --bits 9", "bench codec --keys /nonexistent.npy --values /nonexistent.npy",
                                  "bench codec --synthetic --model /nonexistent.bin", "bench codec --model /nonexistent.bin",

@@ -2,11 +2,17 @@
 #include "veloxquant/vq/codec.hpp"
 
 #include <cmath>
+#include <cstdlib>
+#include <fstream>
+#include <iterator>
 #include <random>
+#include <string>
 
 #include <gtest/gtest.h>
 
 #include "veloxquant/core/error.hpp"
+#include "veloxquant/synth/synthetic_kv.hpp"
+#include "veloxquant/vq/vq_cache.hpp"
 
 namespace {
 
@@ -144,17 +150,160 @@ TEST(VqCodec, DecodeRejectsEveryTruncationCorruptionAndTrailingByte) {
   EXPECT_THROW(vq::vq_decode(longer, max), vq::FormatError);
   EXPECT_THROW(vq::vq_decode(bytes, max - 1), vq::FormatError);  // more codes than the caller expects
   auto bad = bytes;
-  bad[0] = 2;  // version
+  bad[0] = 3;  // version
   EXPECT_THROW(vq::vq_decode(bad, max), vq::FormatError);
   // Any single flipped bit either fails cleanly or decodes to something (never crashes).
-  for (std::size_t i = 0; i < bytes.size(); ++i) {
-    auto b = bytes;
-    b[i] ^= 0x10;
-    try {
-      (void)vq::vq_decode(b, max);
-    } catch (const vq::FormatError&) {
+  for (const auto kernel : {vq::RansKernel::Scalar, vq::RansKernel::Auto})
+    for (std::size_t i = 0; i < bytes.size(); ++i) {
+      auto b = bytes;
+      b[i] ^= 0x10;
+      try {
+        (void)vq::vq_decode(b, max, kernel);
+      } catch (const vq::FormatError&) {
+      }
+    }
+}
+
+// Every kernel writes the same bytes and reads back the same codes (the AVX2 kernel codes whole
+// groups of 32 lanes with per-column tables; the scalar reference one symbol at a time).
+void expect_kernels_agree(const vq::VqLayerCodes& lc) {
+  const auto bytes = vq::vq_encode(lc, vq::RansKernel::Scalar);
+  ASSERT_EQ(bytes[0], 2);
+  const std::uint64_t max = static_cast<std::uint64_t>(lc.rows() * (lc.k.n + lc.v.n));
+  expect_equal(lc, vq::vq_decode(bytes, max, vq::RansKernel::Scalar));
+  if (!vq::rans_avx2_available()) GTEST_SKIP() << "no AVX2 on this CPU";
+  EXPECT_EQ(vq::vq_encode(lc, vq::RansKernel::Avx2), bytes);
+  expect_equal(lc, vq::vq_decode(bytes, max, vq::RansKernel::Avx2));
+}
+
+TEST(VqCodec, FastKernelEqualsTheScalarReferenceBitForBit) {
+  struct Case {
+    std::int64_t batch, tokens;
+    int nk, nv;
+    bool shifts;
+  };
+  // Empty and one-token sides, B > 1, widths below, at and above 32 lanes and not multiples of
+  // them, zero columns (c % 4 == 0) so the coded region is narrower than the side, split columns,
+  // and sigma 40 (amax > 127: that side takes the reference path inside the fast call).
+  for (const Case& c : {Case{1, 0, 3, 5, true}, Case{1, 1, 1, 1, false}, Case{1, 1, 40, 33, true}, Case{2, 33, 8, 12, true},
+                        Case{1, 256, 32, 32, false}, Case{3, 31, 5, 7, true}, Case{2, 300, 64, 96, false}, Case{1, 129, 100, 3, true}}) {
+    SCOPED_TRACE(::testing::Message() << c.batch << "x" << c.tokens << " " << c.nk << "/" << c.nv);
+    expect_kernels_agree(random_codes(c.batch, c.tokens, c.nk, c.nv, static_cast<std::uint64_t>(c.tokens * 5 + c.nv), c.shifts));
+  }
+  // Every column coded with small codes (the region is the side's own codes, the AVX2 path end to end).
+  vq::VqLayerCodes lc;
+  lc.batch = 2;
+  lc.tokens = 77;
+  std::mt19937_64 rng(11);
+  for (vq::VqSideCodes* s : {&lc.k, &lc.v}) {
+    s->n = 96;
+    s->offset.assign(96, 3);
+    for (std::int64_t i = 0; i < lc.rows() * 96; ++i) {
+      std::normal_distribution<double> g(0.0, 0.5 + static_cast<double>(i % 96) / 20.0);
+      s->codes.push_back(static_cast<std::int16_t>(std::clamp<long>(std::lround(g(rng)), -127, 127) + (i % 96 == 0 ? 1 : 0)));
     }
   }
+  expect_kernels_agree(lc);
+}
+
+// Truncated and corrupt streams long enough for the AVX2 groups fail cleanly in both kernels.
+TEST(VqCodec, LongStreamsTruncatedOrCorruptFailCleanly) {
+  const auto lc = random_codes(2, 300, 64, 40, 77, false);
+  const auto bytes = vq::vq_encode(lc);
+  const std::uint64_t max = static_cast<std::uint64_t>(lc.rows() * 104);
+  for (const auto kernel : {vq::RansKernel::Scalar, vq::RansKernel::Auto}) {
+    for (std::size_t n = 0; n < bytes.size(); n += (n + 300 < bytes.size() ? 97 : 1))
+      EXPECT_THROW(vq::vq_decode(std::span(bytes).first(n), max, kernel), vq::FormatError) << "prefix " << n;
+    std::mt19937_64 rng(5);
+    int failed = 0;
+    for (int t = 0; t < 200; ++t) {
+      auto b = bytes;
+      b[bytes.size() / 2 + rng() % (bytes.size() / 2)] ^= static_cast<std::uint8_t>(1u << (rng() % 8));  // in the payload
+      try {
+        (void)vq::vq_decode(b, max, kernel);
+      } catch (const vq::FormatError&) {
+        ++failed;
+      }
+    }
+    EXPECT_GT(failed, 150) << "a flipped payload bit should almost always be caught by the final states";
+  }
+}
+
+// Codes the cache makes at rates 0.5 .. 10 bits (10 bits splits codes: shift > 0), B = 2.
+TEST(VqCodec, RoundTripsTheCachesCodesAtEveryRate) {
+  vq::SyntheticKVConfig sc;
+  sc.batch = 2;
+  sc.heads = 2;
+  sc.head_dim = 32;
+  sc.tokens = 150;
+  sc.seed = 4;
+  const auto kv = vq::make_synthetic_kv(sc);
+  bool split = false;
+  for (double bits : {0.5, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 10.0}) {
+    SCOPED_TRACE(bits);
+    vq::VqConfig config;
+    config.bits = bits;
+    vq::VqKVCache cache(config);
+    cache.update_and_fetch(kv.keys, kv.values);
+    const auto lc = cache.codes();
+    for (const auto* s : {&lc.k, &lc.v})
+      for (auto v : s->shift) split |= v > 0;
+    expect_kernels_agree(lc);
+  }
+  EXPECT_TRUE(split) << "10 bits should split some coefficient's codes";
+}
+
+// The parameter search reads precomputed costs instead of building 14 tables: it must choose
+// exactly what the tables' cost_bits chose (same coded sizes, same rd table).
+TEST(VqCodec, BestParameterIsTheArgminOfTheTablesCost) {
+  std::mt19937_64 rng(21);
+  for (int trial = 0; trial < 300; ++trial) {
+    const int amax = 1 + static_cast<int>(rng() % (trial < 250 ? 20 : 255));
+    std::vector<std::uint32_t> hist(static_cast<std::size_t>(2 * amax + 1));
+    const double sigma = 0.2 + static_cast<double>(rng() % 1000) / 50.0;
+    for (int i = 0; i < 2 * amax + 1; ++i) {
+      const double z = (i - amax) / sigma;
+      hist[static_cast<std::size_t>(i)] = static_cast<std::uint32_t>(1000.0 * std::exp(-0.5 * z * z) + (rng() % 3 == 0 ? rng() % 5 : 0));
+    }
+    hist[static_cast<std::size_t>(amax)] += 1;
+    double n = 0, m2 = 0;
+    for (int i = 0; i < 2 * amax + 1; ++i) {
+      n += hist[static_cast<std::size_t>(i)];
+      m2 += static_cast<double>(hist[static_cast<std::size_t>(i)]) * (i - amax) * (i - amax);
+    }
+    const int i0 = static_cast<int>(std::lround(8.0 * std::log2(std::sqrt(std::max(m2 / n, 1e-4))))) + 48;
+    std::uint8_t best = 0;
+    double best_cost = INFINITY;
+    for (int family = 0; family < 2; ++family)
+      for (int i = std::max(0, i0 - 3); i <= std::min(127, i0 + 3); ++i) {
+        const auto param = static_cast<std::uint8_t>(family << 7 | i);
+        const double cost = vq::vq_table(amax, param).cost_bits(hist);
+        if (cost < best_cost) best_cost = cost, best = param;
+      }
+    ASSERT_EQ(vq::vq_best_param(hist, amax), best) << "amax " << amax << " sigma " << sigma;
+  }
+}
+
+// A version 1 stream (one rANS segment per coefficient, written by the encoder before version 2)
+// still decodes to its codes: B = 2, 37 tokens, 8 + 12 coefficients with zero, small, wide and split
+// codes. Written once with the version 1 encoder:
+//   VQ_WRITE_GOLDEN=1 ./build/tests/vq_tests --gtest_filter='VqCodec.VersionOneStreamStillDecodes'
+TEST(VqCodec, VersionOneStreamStillDecodes) {
+  const std::string path = std::string(VQ_SOURCE_DIR) + "/tests/golden/vq_layer_v1.bin";
+  const auto lc = random_codes(2, 37, 8, 12, 1501, true);
+  if (std::getenv("VQ_WRITE_GOLDEN") != nullptr) {
+    const auto b = vq::vq_encode(lc);
+    ASSERT_EQ(b[0], 1);
+    std::ofstream(path, std::ios::binary).write(reinterpret_cast<const char*>(b.data()), static_cast<std::streamsize>(b.size()));
+  }
+  std::ifstream in(path, std::ios::binary);
+  ASSERT_TRUE(in) << path;
+  const std::vector<std::uint8_t> file((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  ASSERT_FALSE(file.empty());
+  EXPECT_EQ(file[0], 1);
+  expect_equal(lc, vq::vq_decode(file, static_cast<std::uint64_t>(lc.rows() * 20)));
+  for (std::size_t n = 0; n < file.size(); n += 7)
+    EXPECT_THROW(vq::vq_decode(std::span(file).first(n), static_cast<std::uint64_t>(lc.rows() * 20)), vq::FormatError) << n;
 }
 
 }  // namespace

@@ -43,13 +43,15 @@
 #include "veloxquant/peers/peer_coders.hpp"
 #include "veloxquant/synth/synthetic_kv.hpp"
 #include "veloxquant/transform/bit_pack.hpp"
+#include "veloxquant/vq/codec.hpp"
+#include "veloxquant/vq/vq_cache.hpp"
 
 namespace vqcli {
 
 namespace {
 
 struct BenchOptions {
-  std::string keys, values, model, tokenizer, text;
+  std::string keys, values, model, tokenizer, text, method;
   bool synthetic = false, json = false;
   int bits = 4, windows = 8;
 };
@@ -83,7 +85,10 @@ Source from_tensors(const vq::Tensor& k, const vq::Tensor& v, int bits, std::str
   return src;
 }
 
-Source from_model(const BenchOptions& o) {
+// Runs the model over --windows context-length windows, fresh caches of `spec` for each, and hands
+// every window's caches to `take`; returns the description of the run.
+std::string run_model_windows(const BenchOptions& o, const vq::MethodSpec& spec,
+                              const std::function<void(const std::vector<std::shared_ptr<vq::KVCache>>&)>& take) {
   auto opt = [](const std::string& s) -> std::optional<std::filesystem::path> {
     if (s.empty()) return std::nullopt;
     return std::filesystem::path(s);
@@ -108,26 +113,31 @@ Source from_model(const BenchOptions& o) {
   const int per_window = window - 1;  // BOS + per_window text tokens fill the model's context
   const int n_windows = std::min<int>(o.windows, static_cast<int>(tokens.size() / static_cast<std::size_t>(per_window)));
   vq::require(n_windows >= 1, "{}: too little text for one {}-token window", text_path, window);
-  vq::MethodSpec spec;
-  spec.kind = vq::MethodSpec::Kind::CacheGen;
-  spec.cachegen = bench_config(o.bits);
-  spec.schedule = false;
-  Source src{fmt::format("model {} ({} windows x {} tokens, {} layers, K and V)", files.model.filename().string(), n_windows, window,
-                         model.config().n_layers),
-             {},
-             0};
   for (int w = 0; w < n_windows; ++w) {
     std::vector<int> win{1};  // BOS
     win.insert(win.end(), tokens.begin() + static_cast<std::ptrdiff_t>(w) * per_window,
                tokens.begin() + static_cast<std::ptrdiff_t>(w + 1) * per_window);
     auto caches = vq::make_caches(spec, model);
     model.forward(win, caches);
+    take(caches);
+  }
+  return fmt::format("model {} ({} windows x {} tokens, {} layers, K and V)", files.model.filename().string(), n_windows, window,
+                     model.config().n_layers);
+}
+
+Source from_model(const BenchOptions& o) {
+  vq::MethodSpec spec;
+  spec.kind = vq::MethodSpec::Kind::CacheGen;
+  spec.cachegen = bench_config(o.bits);
+  spec.schedule = false;
+  Source src;
+  src.name = run_model_windows(o, spec, [&](const std::vector<std::shared_ptr<vq::KVCache>>& caches) {
     for (const auto& c : caches)
       if (const auto* cg = dynamic_cast<const vq::CacheGenKVCache*>(c.get())) {
         add_cache_streams(src, *cg);
         src.tokens_per_channel = cg->key_stream().quantized_tokens();
       }
-  }
+  });
   return src;
 }
 
@@ -331,7 +341,124 @@ CoderResult measure(const std::string& name, std::size_t n_streams,
   return r;
 }
 
+// ---- bench codec --method vq:... : our method's codes (vq/codec.hpp) against the peers ----
+// One "layer" is one VqKVCache's quantized codes (K and V sides, [rows, n] row-major int16): our
+// coder codes it with vq_encode (header, models and rANS stream: every byte the cache bills for
+// its codes), the peers get the same codes row-major, K then V, one byte per code when every code
+// of the run fits int8, else two (little-endian int16), one call per layer.
+struct VqSource {
+  std::string name;
+  std::vector<vq::VqLayerCodes> layers;
+};
+
+void add_vq_layers(VqSource& src, const std::vector<std::shared_ptr<vq::KVCache>>& caches) {
+  for (const auto& c : caches)
+    if (const auto* v = dynamic_cast<const vq::VqKVCache*>(c.get()); v && v->quantized_tokens() > 0) src.layers.push_back(v->codes());
+}
+
+VqSource vq_from_tensors(const vq::Tensor& k, const vq::Tensor& v, const vq::MethodSpec& spec, std::string name) {
+  vq::require(k.dim(0) == v.dim(0) && k.dim(1) == v.dim(1) && k.dim(2) == v.dim(2) && k.dtype() == v.dtype(),
+              "keys {} and values {} must agree in B, H, S and dtype", vq::shape_string(k.shape()), vq::shape_string(v.shape()));
+  auto cache = std::make_shared<vq::VqKVCache>(spec.vq);  // no model: identity transforms
+  cache->update_and_fetch(k, v);
+  VqSource src{std::move(name), {}};
+  add_vq_layers(src, {cache});
+  return src;
+}
+
+int run_bench_codec_vq(const BenchOptions& o, const vq::MethodSpec& spec) {
+  VqSource src;
+  if (o.synthetic) {
+    vq::SyntheticKVConfig sc;
+    sc.tokens = 4096;
+    const auto kv = vq::make_synthetic_kv(sc);
+    src = vq_from_tensors(kv.keys, kv.values, spec,
+                          "synthetic (make_synthetic_kv: 1 x 8 heads x 4096 tokens x D=128: a 7B-shaped layer, identity transforms)");
+  } else if (!o.model.empty()) {
+    src.name = run_model_windows(o, spec, [&](const std::vector<std::shared_ptr<vq::KVCache>>& caches) { add_vq_layers(src, caches); }) +
+               " (the model's transforms)";
+  } else {
+    vq::require(!o.keys.empty() && !o.values.empty(), "--keys and --values go together");
+    src = vq_from_tensors(vq::read_npy(o.keys), vq::read_npy(o.values), spec, fmt::format("{} / {} (identity transforms)", o.keys, o.values));
+  }
+  vq::require(!src.layers.empty(), "no quantized token in the input (fewer tokens than calib={}?)", spec.vq.calib);
+  const std::size_t nl = src.layers.size();
+  bool fits8 = true;
+  std::uint64_t symbols = 0;
+  for (const auto& l : src.layers)
+    for (const auto* s : {&l.k, &l.v}) {
+      symbols += s->codes.size();
+      for (const auto q : s->codes) fits8 &= q >= -128 && q <= 127;
+    }
+  std::vector<std::vector<std::uint8_t>> raw(nl);
+  for (std::size_t i = 0; i < nl; ++i)
+    for (const auto* s : {&src.layers[i].k, &src.layers[i].v})
+      for (const auto q : s->codes) {
+        raw[i].push_back(static_cast<std::uint8_t>(q));
+        if (!fits8) raw[i].push_back(static_cast<std::uint8_t>(static_cast<std::uint16_t>(q) >> 8));
+      }
+  const auto max_codes = [&](std::size_t i) {
+    return static_cast<std::uint64_t>(src.layers[i].rows() * (src.layers[i].k.n + src.layers[i].v.n));
+  };
+  const auto same = [](const vq::VqLayerCodes& a, const vq::VqLayerCodes& b) { return a.k.codes == b.k.codes && a.v.codes == b.v.codes; };
+  // Untimed warm-up: 0.2 s of our coder.
+  for (const auto t0 = std::chrono::steady_clock::now(); seconds_since(t0) < 0.2;)
+    for (std::size_t i = 0; i < nl; ++i) (void)vq::vq_decode(vq::vq_encode(src.layers[i]), max_codes(i));
+  std::vector<CoderResult> results;
+  results.push_back(measure(
+      "veloxquant-vq", nl, [&](std::size_t i) { return vq::vq_encode(src.layers[i]); },
+      [](const std::vector<std::uint8_t>& b) { return static_cast<std::uint64_t>(b.size()); },
+      [&](std::size_t i, const std::vector<std::uint8_t>& b) { return same(vq::vq_decode(b, max_codes(i)), src.layers[i]); }));
+  for (const auto& peer : vq::peer_coders(8))  // bytes as they are: no bit packing
+    results.push_back(measure(
+        peer.name, nl, [&](std::size_t i) { return peer.encode(raw[i]); },
+        [](const std::vector<std::uint8_t>& b) { return static_cast<std::uint64_t>(b.size()); },
+        [&](std::size_t i, const std::vector<std::uint8_t>& b) { return peer.decode(b, raw[i].size()) == raw[i]; }));
+  const double msym = static_cast<double>(symbols) / 1e6;
+  const std::uint64_t raw_bytes = symbols * (fits8 ? 1 : 2);
+  if (o.json) {
+    nlohmann::json j;
+    j["source"] = src.name;
+    j["method"] = spec.to_string();
+    j["layers"] = nl;
+    j["symbols"] = symbols;
+    j["peer_input"] = fits8 ? "int8" : "int16";
+    j["peer_input_bytes"] = raw_bytes;
+    j["coders"] = nlohmann::json::array();
+    for (const auto& r : results)
+      j["coders"].push_back({{"name", r.name},
+                             {"bytes", r.bytes},
+                             {"bits_per_symbol", 8.0 * static_cast<double>(r.bytes) / static_cast<double>(symbols)},
+                             {"encode_msym_s", msym / r.encode_s},
+                             {"decode_msym_s", msym / r.decode_s},
+                             {"roundtrip_ok", r.roundtrip_ok}});
+    fmt::print("{}\n", j.dump(2));
+  } else {
+    fmt::print("source: {}\n", src.name);
+    fmt::print("method {}: {} layers, {} codes; peers get them as {} ({} B)\n", spec.to_string(), nl, symbols, fits8 ? "int8" : "int16",
+               raw_bytes);
+    fmt::print("{:<24} {:>10} {:>9} {:>10} {:>10} {:>6}\n", "coder", "bytes", "bits/sym", "enc Msym/s", "dec Msym/s", "ok");
+    for (const auto& r : results)
+      fmt::print("{:<24} {:>10} {:>9.4f} {:>10.1f} {:>10.1f} {:>6}\n", r.name, r.bytes, 8.0 * static_cast<double>(r.bytes) / static_cast<double>(symbols),
+                 msym / r.encode_s, msym / r.decode_s, r.roundtrip_ok ? "yes" : "NO");
+    fmt::print("(one call per layer; veloxquant-vq bytes are vq_encode's whole output: header, steps, offsets, models, rANS stream)\n");
+  }
+  for (const auto& r : results)
+    if (!r.roundtrip_ok) {
+      fmt::print(stderr, "veloxquant: error: {} did not round-trip\n", r.name);
+      return 1;
+    }
+  return 0;
+}
+
 int run_bench_codec(const BenchOptions& o) {
+  if (!o.method.empty()) {
+    const vq::MethodSpec spec = vq::MethodSpec::parse(o.method);
+    vq::require(spec.kind == vq::MethodSpec::Kind::Vq, "--method takes our method's specs (vq:bits=B,...), got '{}'", o.method);
+    const int n_sources = (!o.keys.empty() || !o.values.empty()) + !o.model.empty() + o.synthetic;
+    vq::require(n_sources == 1, "give exactly one source: --keys K.npy --values V.npy, --model M, or --synthetic");
+    return run_bench_codec_vq(o, spec);
+  }
   const int n_sources = (!o.keys.empty() || !o.values.empty()) + !o.model.empty() + o.synthetic;
   vq::require(n_sources == 1, "give exactly one source: --keys K.npy --values V.npy, --model M, or --synthetic");
   Source src;
@@ -533,6 +660,8 @@ Runner add_bench(CLI::App& app) {
       ->transform(integer_in(1, 1 << 20));
   codec->add_flag("--synthetic", o->synthetic, "synthetic LLM-like K/V (8 heads x 4096 tokens x D=128)");
   codec->add_option("--bits", o->bits, "bits per code, 1..8")->capture_default_str()->transform(integer_in(1, 8));
+  codec->add_option("--method", o->method,
+                    "our method instead of CacheGen streams: vq:bits=B,... (its spec); its layers' codes with vq_encode against the peers");
   codec->add_flag("--json", o->json, "print one JSON object");
   auto a = std::make_shared<BenchAttentionOptions>();
   CLI::App* attention = app.add_subcommand("attention", "one decode step of attention over each storage form (dense fp32/fp16, llama.cpp blocks, ...)");

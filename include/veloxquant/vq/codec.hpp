@@ -24,7 +24,7 @@
 //   255 * 2^shift; the coder takes any q whose hi part is within +-255 (up to 256 * 2^shift - 1),
 //   shift <= 7, so every q fits int16.
 // - Format (integers little-endian, varint = unsigned LEB128):
-//     u8      version = 1
+//     u8      version = 2 (1 still decodes; see below)
 //     varint  batch, tokens, n_k, n_v
 //     per side (K, then V):
 //       u32     step (float32 bits; finite, > 0: float16 could not hold the step of small data)
@@ -32,9 +32,18 @@
 //               - previous index - 1); or u8 2, ceil(n / 2) bytes of 4-bit shift_c (dense, even c low)
 //       per coefficient c: varint zigzag(m_c) (|m_c| <= kVqMaxOffset); varint amax_c (<= kVqMaxCode);
 //                          u8 param_c, only when amax_c > 0 (amax_c = 0: every hi part is 0, none coded)
-//     one rANS stream (entropy/rans.hpp) to the end: one segment per coefficient with amax > 0,
-//     K's coefficients in order, then V's; segment c holds the `rows` symbols hi + amax_c, followed,
-//     when shift_c > 0, by a segment of the `rows` low parts.
+//     one rANS stream (entropy/rans.hpp's framing and lanes: symbol i in lane i % 32) to the end,
+//     holding per side (K, then V):
+//       the side's REGION: its hi parts + amax_c row by row (row r: the coded coefficients, those
+//         with amax_c > 0, in order), each with its coefficient's table; then
+//       per coefficient with shift_c > 0, in order: its `rows` low parts (uniform, shift_c bits).
+//     Row-major coding puts 32 different coefficients in the 32 lanes of a step, so the decoder
+//     writes codes in the cache's own layout and the AVX2 kernels (src/vq/codec_avx2.cpp) decode
+//     32 symbols per step with one 8-lane gather per 8 lanes from the tables of the call's distinct
+//     (amax, param) pairs. Version 1 held the same header with the stream in column order: one
+//     segment per coefficient with amax > 0 (its `rows` hi parts), each followed, when shift_c > 0,
+//     by its low parts. Both versions code the same symbols with the same tables; only their order,
+//     hence the lanes' words, differs (sizes within a few bytes).
 // - param: bit 7 = family (0 Gaussian, 1 Laplace), bits 0-6 = i, scale sigma = 2^((i - 48) / 8)
 //   code steps (1/8-octave resolution: a mismatch of half a step costs ~0.1 % of the rate).
 #pragma once
@@ -43,6 +52,7 @@
 #include <vector>
 
 #include "veloxquant/entropy/frequency_table.hpp"
+#include "veloxquant/entropy/rans.hpp"
 
 namespace vq {
 
@@ -80,9 +90,11 @@ FrequencyTable vq_table(int amax, std::uint8_t param);
 std::uint8_t vq_best_param(std::span<const std::uint32_t> histogram, int amax);
 
 // Serialise; throws InvalidArgument on inconsistent sizes or a code outside +-kVqMaxCode.
-std::vector<std::uint8_t> vq_encode(const VqLayerCodes& codes);
+// Writes version 2. kernel: RansKernel::Scalar is the reference; Auto / Avx2 write the same bytes.
+std::vector<std::uint8_t> vq_encode(const VqLayerCodes& codes, RansKernel kernel = RansKernel::Auto);
 // Parse and decode; max_codes bounds rows * (n_k + n_v) (the caller knows what it expects).
 // Throws FormatError on any malformed, truncated, oversized or trailing input.
-VqLayerCodes vq_decode(std::span<const std::uint8_t> bytes, std::uint64_t max_codes);
+// Reads versions 1 and 2; every kernel returns the same codes.
+VqLayerCodes vq_decode(std::span<const std::uint8_t> bytes, std::uint64_t max_codes, RansKernel kernel = RansKernel::Auto);
 
 }  // namespace vq

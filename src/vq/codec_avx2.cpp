@@ -1,0 +1,83 @@
+// AVX2 kernels of the vq codec's row-major regions (codec_kernels.hpp): per 8 lanes one gather from
+// the columns' slot tables (decoder) or two from their packed encoder constants (encoder),
+// each lane's table chosen by its column through a contiguous load of per-column offsets. Same
+// words and codes as the scalar reference in codec.cpp: the 32 steps of a group are independent,
+// and the words of a group are read (written) in ascending (descending) lane order.
+#include <immintrin.h>
+
+#include "codec_kernels.hpp"
+#include "../entropy/rans_avx2_steps.hpp"
+#include "veloxquant/vq/codec.hpp"
+
+namespace vq::vq_codec_detail {
+
+namespace {
+
+using namespace rans_detail::avx2;
+
+constexpr int kS = kVqScaleBits;
+constexpr std::size_t kGroup = 32;
+
+VQ_AVX2 __m256i dec_step(__m256i x, __m256i& code, const RegionTables& t, std::size_t j) {
+  const __m256i mask = _mm256_set1_epi32((1 << kS) - 1);
+  const __m256i idx = _mm256_add_epi32(_mm256_and_si256(x, mask), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.dec_off + j)));
+  const __m256i e = _mm256_i32gather_epi32(reinterpret_cast<const int*>(t.dec_pool), idx, 4);
+  code = _mm256_srai_epi32(e, 24);
+  const __m256i freq = _mm256_add_epi32(_mm256_and_si256(e, mask), _mm256_set1_epi32(1));
+  const __m256i bias = _mm256_and_si256(_mm256_srli_epi32(e, kS), mask);
+  return _mm256_add_epi32(_mm256_mullo_epi32(freq, _mm256_srli_epi32(x, kS)), bias);
+}
+
+// 16 int32 codes (two vectors, lane order) as 16 int16, in order.
+VQ_AVX2 void store16(std::int16_t* out, __m256i a, __m256i b) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8));
+}
+
+}  // namespace
+
+__attribute__((target("avx2,popcnt"))) const std::uint8_t* decode_region_avx2(std::uint32_t* x, std::int16_t* codes, std::size_t& i,
+                                                                              std::size_t n, std::size_t j, const RegionTables& t,
+                                                                              const std::uint8_t* p, const std::uint8_t* end) {
+  __m256i X[4];
+  for (int v = 0; v < 4; ++v) X[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 8 * v));
+  const __m256i low = _mm256_set1_epi32(static_cast<int>(rans_detail::kL));
+  const std::size_t step = kGroup % t.m;  // columns a group advances, mod m
+  while (n - i >= kGroup && static_cast<std::size_t>(end - p) >= 2 * kGroup) {
+    __m256i C[4];
+    for (int v = 0; v < 4; ++v) X[v] = dec_step(X[v], C[v], t, j + 8 * v);
+    for (int v = 0; v < 4; ++v) X[v] = refill(X[v], p, low);
+    store16(codes + i, C[0], C[1]);
+    store16(codes + i + 16, C[2], C[3]);
+    i += kGroup;
+    j += step;
+    if (j >= t.m) j -= t.m;
+  }
+  for (int v = 0; v < 4; ++v) _mm256_storeu_si256(reinterpret_cast<__m256i*>(x + 8 * v), X[v]);
+  return p;
+}
+
+__attribute__((target("avx2,popcnt"))) std::uint16_t* encode_region_avx2(std::uint32_t* x, const std::int16_t* codes, std::size_t i0,
+                                                                         std::size_t i1, std::size_t j1, const RegionTables& t,
+                                                                         std::uint16_t* ptr) {
+  __m256i X[4];
+  for (int v = 0; v < 4; ++v) X[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 8 * v));
+  const __m256i total = _mm256_set1_epi32(1 << kS);
+  const __m128i xshift = _mm_cvtsi32_si128(31 - kS);
+  const std::size_t step = kGroup % t.m;
+  __m256i bad = _mm256_setzero_si256();
+  std::size_t j = j1;
+  for (std::size_t g = i1; g > i0; g -= kGroup) {
+    j = j >= step ? j - step : j + t.m - step;  // the column of symbol g - 32
+    const std::int16_t* q = codes + g - kGroup;
+    // The highest lanes first: their words lie above those of the lanes below.
+    for (int v = 3; v >= 0; --v) {
+      const __m256i code = _mm256_cvtepi16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 8 * v)));
+      const __m256i idx = _mm256_add_epi32(code, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.enc_off + j + 8 * v)));
+      X[v] = enc_step_packed(X[v], idx, t.enc_pool, total, xshift, bad, ptr);
+    }
+  }
+  for (int v = 0; v < 4; ++v) _mm256_storeu_si256(reinterpret_cast<__m256i*>(x + 8 * v), X[v]);
+  return ptr;
+}
+
+}  // namespace vq::vq_codec_detail

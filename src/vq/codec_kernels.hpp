@@ -1,0 +1,38 @@
+// Private: the lane kernels of the vq codec's version 2 stream (vq/codec.hpp), in which a side's
+// hi parts are coded row by row across its coded coefficients ("the region": rows x m codes,
+// row-major, region index i = r * m + j for coded column j), each with its column's table.
+// Symbol i of the region has stream index base + i and lane (base + i) % 32 (rans.hpp's lanes).
+// The scalar reference lives in codec.cpp; the AVX2 kernels here (codec_avx2.cpp) code whole
+// groups of 32 symbols that start at a stream index divisible by 32, so vector v, lane k codes
+// lane 8 v + k, and produce the same words and codes as the reference.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+namespace vq::vq_codec_detail {
+
+// Tables of a region. Offsets are given for j = 0 .. m + 31 (entry j is column j % m's), so a group
+// of 32 starting at column j reads them contiguously whatever m.
+struct RegionTables {
+  std::size_t m = 0;                          // coded columns
+  // Decoder: one entry per slot, (freq - 1) | (slot - cum) << 12 | (code & 0xff) << 24, tables of
+  // 2^12 entries one after the other (16 KiB each: the ~120 tables of a 7B-shaped layer at 2 bits
+  // overflow L2, yet one gather per 8 lanes measured faster than a byte table in L2 plus a second
+  // gather for the entry).
+  const std::int32_t* dec_off = nullptr;      // column's table index << kVqScaleBits
+  const std::uint32_t* dec_pool = nullptr;
+  const std::int32_t* enc_off = nullptr;      // encoder: index of the column's code 0 in enc_pool
+  const std::uint64_t* enc_pool = nullptr;    // rans_detail::pack_enc of each table's symbols
+};
+
+// Decodes region symbols [i, n) in groups of 32 while at least 64 payload bytes remain (so every
+// 16-byte word load stays inside); (base + i) % 32 == 0 and j == i % m on entry. Advances i and
+// returns the new word pointer. Codes need |code| <= 127 (the entry's byte).
+const std::uint8_t* decode_region_avx2(std::uint32_t* x, std::int16_t* codes, std::size_t& i, std::size_t n, std::size_t j,
+                                       const RegionTables& t, const std::uint8_t* p, const std::uint8_t* end);
+// Encodes region symbols [i0, i1) backwards in groups of 32 ((base + i0) % 32 == 0, (i1 - i0) % 32
+// == 0), words below ptr; j1 = i1 % m. Returns the new ptr.
+std::uint16_t* encode_region_avx2(std::uint32_t* x, const std::int16_t* codes, std::size_t i0, std::size_t i1, std::size_t j1,
+                                  const RegionTables& t, std::uint16_t* ptr);
+
+}  // namespace vq::vq_codec_detail
