@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include "commands.hpp"
+#include "json_out.hpp"
 #include "output_paths.hpp"
 #include "numeric_options.hpp"
 #include "veloxquant/cache/cachegen_cache.hpp"
@@ -67,7 +68,7 @@ int run_account(const AccountOptions& o) {
     j["entropy_savings"] = cache.entropy_savings();
     j["assigned_avg_bits"] = cache.assigned_avg_bits();
     j["offset"] = cache.offset();
-    fmt::print("{}\n", j.dump());
+    fmt::print("{}\n", json_text(j, -1));
     return 0;
   }
   fmt::print("CacheGenKVCache  {}  K {}  V {}  {}\n", cfg.to_string(), vq::shape_string(k.shape()), vq::shape_string(v.shape()),

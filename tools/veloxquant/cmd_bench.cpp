@@ -25,6 +25,7 @@
 
 #include "bench_attention.hpp"
 #include "commands.hpp"
+#include "json_out.hpp"
 #include "numeric_options.hpp"
 #include "veloxquant/cache/cachegen_cache.hpp"
 #include "veloxquant/cache/stream_codec.hpp"
@@ -432,7 +433,7 @@ int run_bench_codec_vq(const BenchOptions& o, const vq::MethodSpec& spec) {
                              {"encode_msym_s", msym / r.encode_s},
                              {"decode_msym_s", msym / r.decode_s},
                              {"roundtrip_ok", r.roundtrip_ok}});
-    fmt::print("{}\n", j.dump(2));
+    fmt::print("{}\n", json_text(j));
   } else {
     fmt::print("source: {}\n", src.name);
     fmt::print("method {}: {} layers, {} codes; peers get them as {} ({} B)\n", spec.to_string(), nl, symbols, fits8 ? "int8" : "int16",
@@ -612,7 +613,7 @@ int run_bench_codec(const BenchOptions& o) {
                              {"encode_mb_s", fp16_mb / r.encode_s},
                              {"decode_mb_s", fp16_mb / r.decode_s},
                              {"roundtrip_ok", r.roundtrip_ok}});
-    fmt::print("{}\n", j.dump(2));
+    fmt::print("{}\n", json_text(j));
   } else {
     fmt::print("source: {}\n", src.name);
     fmt::print("{} streams, {} symbols ({} tokens per channel), {}-bit codes\n", ns, symbols, src.tokens_per_channel, o.bits);

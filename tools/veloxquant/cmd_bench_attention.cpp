@@ -21,6 +21,7 @@
 #include <nlohmann/json.hpp>
 
 #include "bench_attention.hpp"
+#include "json_out.hpp"
 #include "veloxquant/cache/kv_cache.hpp"
 #include "veloxquant/core/error.hpp"
 #include "veloxquant/model/method_spec.hpp"
@@ -115,7 +116,7 @@ int run_bench_attention(const BenchAttentionOptions& o) {
     for (const auto& r : rows)
       j["rows"].push_back({{"method", r.method}, {"context", r.context}, {"us_per_step", r.us}, {"resident_bytes", r.resident},
                            {"speedup_vs_fp16", r.speedup}});
-    fmt::print("{}\n", j.dump(2));
+    fmt::print("{}\n", json_text(j));
     return 0;
   }
   fmt::print("attention, one decode step: B=1, Hq={}, Hkv={}, D={}, 1 query token, synthetic K/V; memcpy {:.2f} GB/s\n", kHq, kHkv, kD,

@@ -12,6 +12,7 @@
 #include <nlohmann/json.hpp>
 
 #include "commands.hpp"
+#include "json_out.hpp"
 #include "model_options.hpp"
 #include "numeric_options.hpp"
 #include "veloxquant/core/error.hpp"
@@ -73,7 +74,7 @@ int run_synthetic(const EvalCliOptions& o, const std::string& why) {
       j["results"].push_back({{"method", r.method}, {"tokens", 0}, {"ppl", nullptr}, {"delta_ppl_pct", nullptr}, {"kl", nullptr},
                               {"top1", nullptr}, {"bits_per_element_fixed", r.bits_per_element_fixed},
                               {"bits_per_element_estimated", r.bits_per_element_estimated}, {"relative_mse", r.relative_mse}});
-    fmt::print("{}\n", j.dump(2));
+    fmt::print("{}\n", json_text(j));
     return 0;
   }
   fmt::print("SYNTHETIC K/V (4 layers x 8 heads x 1024 tokens x D=128), not a model\n");
@@ -120,7 +121,7 @@ int run_eval(EvalCliOptions o) {
       j["results"].push_back({{"method", r.method}, {"tokens", r.tokens}, {"ppl", r.ppl}, {"delta_ppl_pct", r.delta_ppl_pct},
                               {"kl", r.kl}, {"top1", r.top1}, {"bits_per_element_fixed", r.bits_per_element_fixed},
                               {"bits_per_element_estimated", r.bits_per_element_estimated}});
-    fmt::print("{}\n", j.dump(2));
+    fmt::print("{}\n", json_text(j));
     return 0;
   }
   fmt::print("model {}  protocol {}  window {}  ctx {}  chunk {}  text {}\n", files.model.filename().string(), o.protocol,

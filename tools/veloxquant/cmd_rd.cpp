@@ -14,6 +14,7 @@
 #include <nlohmann/json.hpp>
 
 #include "commands.hpp"
+#include "json_out.hpp"
 #include "model_options.hpp"
 #include "numeric_options.hpp"
 #include "rd_report.hpp"
@@ -144,7 +145,7 @@ int run_rd(RdOptions o) {
     for (const auto& p : points)
       j["results"].push_back({{"method", p.method}, {"bits_per_element", p.bits}, {"delta_ppl_pct", p.delta_ppl_pct}, {"kl", p.kl},
                               {"top1", p.top1}, {"pareto", p.pareto}});
-    fmt::print("{}\n", j.dump(2));
+    fmt::print("{}\n", json_text(j));
     return 0;
   }
   fmt::print("model {}  protocol {}  ctx {}  window {}  windows {}  text {}\n", model_name, o.protocol, eval.ctx, eval.window, n_windows,

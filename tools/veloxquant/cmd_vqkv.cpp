@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 
 #include "commands.hpp"
+#include "json_out.hpp"
 #include "model_options.hpp"
 #include "output_paths.hpp"
 #include "printable.hpp"
@@ -129,7 +130,7 @@ int run_compress(const CompressOptions& o) {
     nlohmann::json j{{"path", o.out},           {"bytes", bytes},   {"layers", caches.size()},
                      {"tokens", caches[0]->offset()}, {"method", spec.to_string()}, {"fp16_bytes", input_fp16_bytes},
                      {"bits_per_element", bits}, {"seconds", secs}};
-    fmt::print("{}\n", j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace));  // a path need not be UTF-8
+    fmt::print("{}\n", json_text(j, -1));  // a path need not be UTF-8
   } else {
     fmt::print("wrote {}: {} bytes, {} layers x {} tokens, {}; {:.3f} bits/element ({:.2f}x smaller than fp16); {:.2f} s\n", o.out, bytes,
                caches.size(), caches[0]->offset(), spec.to_string(), bits, bits > 0 ? 16.0 / bits : 0.0, secs);
