@@ -26,6 +26,18 @@ vqtest::CliRun run(const std::string& args) { return vqtest::run_cli(args); }
 std::string timeout_cli() { return std::string("timeout 20 ") + VQ_CLI_PATH + " "; }
 std::string model_args() { return " --model " + vqtest::model_path() + " --tokenizer " + vqtest::tokenizer_path(); }
 
+// Each command line fails with exit 1 and one line on stderr that says `says` (under a timeout, so
+// a command that blocks on a FIFO fails instead of hanging the suite).
+void expect_one_line_errors(const std::vector<std::pair<std::string, std::string>>& cases) {
+  for (const auto& [args, says] : cases) {
+    SCOPED_TRACE(args);
+    const auto r = vqtest::run_shell(timeout_cli() + args);
+    EXPECT_EQ(r.code, 1);
+    EXPECT_NE(r.err.find(says), std::string::npos) << r.err;
+    EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+  }
+}
+
 mode_t mode_of(const std::string& path) {
   struct stat st {};
   EXPECT_EQ(::lstat(path.c_str(), &st), 0) << path;
@@ -77,13 +89,7 @@ TEST_F(OutputFilesCli, NonRegularOutputsAreRefusedAndLeftAsTheyWere) {
       {"profile" + model_args() + " --tokens 300 -o " + d + "/fifo", "it is a FIFO"},
   };
   if (own_device) cases.push_back({compress_to(d + "/null"), "it is a character device, not a regular file"});
-  for (const auto& [args, says] : cases) {
-    SCOPED_TRACE(args);
-    const auto r = vqtest::run_shell(timeout_cli() + args);
-    EXPECT_EQ(r.code, 1);
-    EXPECT_NE(r.err.find(says), std::string::npos) << r.err;
-    EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
-  }
+  expect_one_line_errors(cases);
   EXPECT_TRUE(fs::is_directory(d + "/adir"));
   EXPECT_TRUE(fs::is_empty(d + "/adir"));
   EXPECT_TRUE(S_ISFIFO(mode_of(d + "/fifo")));
@@ -131,13 +137,7 @@ TEST_F(OutputFilesCli, TwoOutputsOnOneFileAreRefused) {
       {"account --keys " + p("k.npy") + " --values " + p("v.npy") + " --recon-keys " + d + "/z.npy --recon-values " + d + "/z.npy",
        "--recon-keys " + d + "/z.npy and --recon-values"},
   };
-  for (const auto& [args, says] : cases) {
-    SCOPED_TRACE(args);
-    const auto r = run(args);
-    EXPECT_EQ(r.code, 1);
-    EXPECT_NE(r.err.find(says), std::string::npos) << r.err;
-    EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
-  }
+  expect_one_line_errors(cases);
   EXPECT_FALSE(fs::exists(d + "/x.npy"));
   EXPECT_FALSE(fs::exists(d + "/y.npy"));
   EXPECT_EQ(vqtest::read_file(d + "/real.npy"), "old");
@@ -202,13 +202,7 @@ TEST_F(OutputFilesCli, FifoAndDirectoryInputsAreRefusedAtOnce) {
       {"profile" + model_args() + " --text " + f + " -o " + d + "/x.prof", "cannot read text " + f},
       {"generate" + model_args() + " --steps 2 --method 'cachegen_paper:profile=" + f + "'", "cannot read cachegen_paper profile " + f},
   };
-  for (const auto& [args, says] : cases) {
-    SCOPED_TRACE(args);
-    const auto r = vqtest::run_shell(timeout_cli() + args);
-    EXPECT_EQ(r.code, 1);
-    EXPECT_NE(r.err.find(says), std::string::npos) << r.err;
-    EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
-  }
+  expect_one_line_errors(cases);
   EXPECT_FALSE(fs::exists(d + "/x.vqkv"));
 }
 

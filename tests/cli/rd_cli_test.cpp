@@ -16,10 +16,7 @@ std::string models() { return std::string(VQ_SOURCE_DIR) + "/../shared/models"; 
 std::string model_args() { return "--model " + models() + "/stories260K.bin --tokenizer " + models() + "/tok512.bin"; }
 vqtest::CliRun rd(const std::string& args) { return vqtest::run_cli("rd " + model_args() + " " + args); }
 
-std::string slurp(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(in), {});
-}
+using vqtest::slurp;
 
 // Tags balance: every <x ...> is closed by </x> in order, or self-closed (<x .../>).
 bool well_formed(const std::string& svg) {

@@ -27,14 +27,8 @@ std::string dir(const std::string& name) {
   fs::create_directories(d);
   return d;
 }
-std::string slurp(const std::string& p) {
-  std::ifstream in(p, std::ios::binary);
-  return {std::istreambuf_iterator<char>(in), {}};
-}
-void spit(const std::string& p, const std::string& bytes) {
-  std::ofstream out(p, std::ios::binary);
-  out << bytes;
-}
+using vqtest::slurp;
+using vqtest::spit;
 mode_t mode_of(const std::string& p) {
   struct stat st {};
   EXPECT_EQ(::lstat(p.c_str(), &st), 0) << p;

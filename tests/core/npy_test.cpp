@@ -14,14 +14,8 @@ namespace {
 
 std::string path(const std::string& name) { return vqtest::temp_dir() + "/" + name; }
 
-std::string slurp(const std::string& p) {
-  std::ifstream in(p, std::ios::binary);
-  return {std::istreambuf_iterator<char>(in), {}};
-}
-void spit(const std::string& p, const std::string& bytes) {
-  std::ofstream out(p, std::ios::binary);
-  out << bytes;
-}
+using vqtest::slurp;
+using vqtest::spit;
 
 TEST(Npy, RoundTripF32AndF16) {
   for (auto dt : {vq::DType::F32, vq::DType::F16}) {

@@ -44,6 +44,16 @@ inline std::vector<float> slice_f32(const vq::Tensor& t, std::int64_t b, std::in
   return t.slice(0, b, b + 1).slice(1, h, h + 1).to_f32_vector();
 }
 
+// A whole file's bytes ("" when it cannot be read), and a file written with exactly `bytes`.
+inline std::string slurp(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return {std::istreambuf_iterator<char>(in), {}};
+}
+inline void spit(const std::string& path, const std::string& bytes) {
+  std::ofstream out(path, std::ios::binary);
+  out << bytes;
+}
+
 inline std::string temp_dir() {
   static const std::string dir = [] {
     char tmpl[] = "/tmp/vq_test_XXXXXX";
