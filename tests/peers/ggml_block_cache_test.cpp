@@ -19,8 +19,8 @@
 #include "../support/test_util.hpp"
 
 // --- counting the heap --------------------------------------------------------------------------
-// Replaces the global operator new/delete of the test binary (plain forms; the aligned ones keep
-// their defaults). Counting is off except inside a LiveBytes scope on this thread; the cost when off
+// Replaces the global operator new/delete of the test binary (plain and nothrow forms; the aligned
+// ones keep their defaults). Counting is off except inside a LiveBytes scope on this thread; the cost when off
 // is one thread-local check.
 namespace {
 thread_local bool g_counting = false;
@@ -44,6 +44,16 @@ void operator delete(void* p, std::size_t) noexcept { release(p); }
 void* operator new[](std::size_t n) { return operator new(n); }
 void operator delete[](void* p) noexcept { release(p); }
 void operator delete[](void* p, std::size_t) noexcept { release(p); }
+// The nothrow forms too (std::stable_sort's temporary buffer uses them): every form that a
+// replaced delete may free must come from the same malloc, or ASan reports a new/free mismatch.
+void* operator new(std::size_t n, const std::nothrow_t&) noexcept {
+  void* p = std::malloc(n ? n : 1);
+  if (p && g_counting) g_live += static_cast<long long>(malloc_usable_size(p));
+  return p;
+}
+void* operator new[](std::size_t n, const std::nothrow_t& t) noexcept { return operator new(n, t); }
+void operator delete(void* p, const std::nothrow_t&) noexcept { release(p); }
+void operator delete[](void* p, const std::nothrow_t&) noexcept { release(p); }
 
 namespace {
 
