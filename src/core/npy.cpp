@@ -1,7 +1,6 @@
 #include "veloxquant/core/npy.hpp"
 
 #include <cstring>
-#include <fstream>
 #include <limits>
 #include <regex>
 
