@@ -84,6 +84,8 @@ void KVCache::append(const Tensor& keys, const Tensor& values) {
   offset_ += keys.dim(2);
 }
 
+void KVCache::update(const Tensor& keys, const Tensor& values) { (void)update_and_fetch(keys, values); }
+
 std::pair<Tensor, Tensor> KVCache::update_and_fetch(const Tensor& keys, const Tensor& values) {
   check_chunk(keys, values);
   append(keys, values);

@@ -113,6 +113,12 @@ Tensor decode_all(const std::vector<std::uint8_t>& codes, const std::vector<floa
 }  // namespace
 
 std::pair<Tensor, Tensor> Fp8KVCache::update_and_fetch(const Tensor& keys, const Tensor& values) {
+  update(keys, values);
+  const KVState s = state();
+  return {s.keys, s.values};
+}
+
+void Fp8KVCache::update(const Tensor& keys, const Tensor& values) {
   check_chunk(keys, values);
   require(keys.all_finite() && values.all_finite(), "fp8: keys and values must be finite (no NaN or Inf)");
   if (offset_ == 0) {
@@ -124,8 +130,6 @@ std::pair<Tensor, Tensor> Fp8KVCache::update_and_fetch(const Tensor& keys, const
   encode_chunk(values, value_codes_, value_scales_);
   call_starts_.push_back(offset_);
   offset_ += keys.dim(2);
-  const KVState s = state();
-  return {s.keys, s.values};
 }
 
 KVState Fp8KVCache::state() const {

@@ -42,6 +42,13 @@ std::string GgmlBlockCache<Traits>::kind() const {
 
 template <class Traits>
 std::pair<Tensor, Tensor> GgmlBlockCache<Traits>::update_and_fetch(const Tensor& keys, const Tensor& values) {
+  update(keys, values);
+  const KVState s = state();
+  return {s.keys, s.values};
+}
+
+template <class Traits>
+void GgmlBlockCache<Traits>::update(const Tensor& keys, const Tensor& values) {
   check_chunk(keys, values);
   for (const Tensor* t : {&keys, &values}) {
     const std::int64_t row = t->dim(1) * t->dim(3);
@@ -68,8 +75,6 @@ std::pair<Tensor, Tensor> GgmlBlockCache<Traits>::update_and_fetch(const Tensor&
   key_blocks_.insert(key_blocks_.end(), kb.begin(), kb.end());
   value_blocks_.insert(value_blocks_.end(), vb.begin(), vb.end());
   offset_ += keys.dim(2);
-  const KVState s = state();
-  return {s.keys, s.values};
 }
 
 template <class Traits>

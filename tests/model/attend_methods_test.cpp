@@ -101,3 +101,30 @@ TEST(AttendMethods, EqualsDenseAttentionOverTheReconstruction) {
 }
 
 }  // namespace
+
+namespace {
+
+// update() (append without fetching, what a host that attends calls) builds the same cache as
+// update_and_fetch: the same offset and the same state, bit for bit, over several calls.
+TEST(AttendMethods, UpdateWithoutFetchBuildsTheSameCache) {
+  for (const auto& spec : method_specs()) {
+    SCOPED_TRACE(spec);
+    const Case c{2, 4, 8, 8, 70, 1};
+    if (MethodSpec::parse(spec).kind == MethodSpec::Kind::CachegenPaper) continue;  // fixed layout, covered below
+    auto a = make_cache(spec, c.D), b = make_cache(spec, c.D);
+    const Tensor k = vqtest::random_walk({c.B, c.Hkv, c.T, c.D}, 31), v = vqtest::random_walk({c.B, c.Hkv, c.T, c.D}, 32);
+    for (auto [t0, t1] : {std::pair<std::int64_t, std::int64_t>{0, 40}, {40, 41}, {41, 70}}) {
+      a->update_and_fetch(k.slice(2, t0, t1), v.slice(2, t0, t1));
+      b->update(k.slice(2, t0, t1), v.slice(2, t0, t1));
+    }
+    ASSERT_EQ(a->offset(), b->offset());
+    const vq::KVState sa = a->state(), sb = b->state();
+    EXPECT_EQ(sa.keys.to_f32_vector(), sb.keys.to_f32_vector());
+    EXPECT_EQ(sa.values.to_f32_vector(), sb.values.to_f32_vector());
+    // A bad chunk is refused by update() as by update_and_fetch, and changes nothing.
+    EXPECT_THROW(b->update(k.slice(2, 0, 1).contiguous(true), v.slice(2, 0, 2).contiguous(true)), vq::InvalidArgument);
+    EXPECT_EQ(b->offset(), c.T);
+  }
+}
+
+}  // namespace

@@ -44,6 +44,10 @@ class KVCache {
   // with equal B, H, S (D may differ between them) and the same dtype as earlier calls. Throws
   // InvalidArgument on any mismatch; the cache is then unchanged.
   virtual std::pair<Tensor, Tensor> update_and_fetch(const Tensor& keys, const Tensor& values);
+  // Append without fetching: what a host that attends through attend() calls. Same checks, errors
+  // and resulting cache as update_and_fetch. The default calls update_and_fetch and drops the
+  // views; resident caches override it so that nothing dense is materialised.
+  virtual void update(const Tensor& keys, const Tensor& values);
 
   std::int64_t offset() const { return offset_; }
   // Views of the cached keys and values up to offset().

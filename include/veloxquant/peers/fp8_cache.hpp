@@ -32,6 +32,8 @@ float e4m3_to_f32(std::uint8_t code);  // exact; 0x7F / 0xFF -> NaN
 class Fp8KVCache : public KVCache {
  public:
   std::pair<Tensor, Tensor> update_and_fetch(const Tensor& keys, const Tensor& values) override;
+  // Appends the chunk's codes only (no dense tensors are made).
+  void update(const Tensor& keys, const Tensor& values) override;
   KVState state() const override;  // decoded into fresh tensors in the input dtype
   std::int64_t trim(std::int64_t n) override;
   void from_state(const KVState& state) override;  // quantizes `state` as one chunk

@@ -47,6 +47,8 @@ class GgmlBlockCache : public KVCache {
   // tensors: see Memory above). Throws InvalidArgument (cache unchanged) on a mismatch, NaN/Inf,
   // or H*D not a multiple of 32.
   std::pair<Tensor, Tensor> update_and_fetch(const Tensor& keys, const Tensor& values) override;
+  // Appends the chunk's codes only (no dense tensors are made).
+  void update(const Tensor& keys, const Tensor& values) override;
   // The dequantized cache (fresh tensors in the input dtype, as update_and_fetch returns).
   KVState state() const override;
   std::int64_t trim(std::int64_t n) override;
