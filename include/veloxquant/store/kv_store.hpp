@@ -1,0 +1,72 @@
+// KVStore: a narrow store of immutable blobs by key (LMCache's storage backends, vLLM's
+// connectors). Everything about chunks, prefixes and quality levels lives above it
+// (store/prefix_chunks.hpp), so a backend is one file and tests never need a fake.
+//
+// What a caller must know first:
+// - Blobs are immutable: put() of a key that exists leaves it as it is (put is idempotent; two
+//   writers of one key race harmlessly because they write the same bytes). A reader sees a blob
+//   whole or not at all, never half of one.
+// - Keys are 1..100 bytes of printable ASCII without spaces or braces ('{', '}' are reserved for
+//   Redis Cluster hash tags); anything else is InvalidArgument.
+// - Every method is thread-safe. Failures to reach or use the backend throw IoError with one
+//   sentence naming the backend and the cause; get() of a missing key is std::nullopt, not an error.
+//
+// Backends, chosen by URL (open_store):
+//   file:DIR                               one file per blob under DIR (default ./.vqkv-store),
+//       ?capacity=BYTES                    least-recently-used eviction above BYTES (store/file_store.hpp)
+//   redis://[:password@]host:port[/db]     Redis through hiredis (store/redis_store.hpp)
+//       ?prefix=P [vqkv:]  &timeout_ms=N [2000]  &part_bytes=N [64 MiB]
+//   redis-cluster://host:port[,host:port...]   a Redis Cluster, same options (store/redis_store.hpp)
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace vq {
+
+using Blob = std::vector<std::uint8_t>;
+
+// What a store holds now (stats()).
+struct StoreStats {
+  std::uint64_t blobs = 0;
+  std::uint64_t bytes = 0;          // the blobs' own bytes (not the backend's overhead)
+  std::uint64_t capacity = 0;       // 0: unbounded
+  std::string backend;              // "file", "redis", "redis-cluster"
+};
+
+class KVStore {
+ public:
+  virtual ~KVStore() = default;
+
+  // Store `blob` under `key` unless the key exists (then nothing changes). Throws IoError.
+  virtual void put(std::string_view key, std::span<const std::uint8_t> blob) = 0;
+  // The blob, or nullopt when the key is missing. Throws IoError (and FormatError when the backend
+  // holds something under the key that is not a whole blob of ours).
+  virtual std::optional<Blob> get(std::string_view key) = 0;
+  // Several blobs at once (pipelined where the backend can); result i is get(keys[i]).
+  virtual std::vector<std::optional<Blob>> get_many(std::span<const std::string> keys);
+  virtual bool exists(std::string_view key) = 0;
+  // Remove the blob; true when it was there.
+  virtual bool remove(std::string_view key) = 0;
+  // Every key held, sorted.
+  virtual std::vector<std::string> list() = 0;
+  virtual StoreStats stats() = 0;
+  // The URL this store was opened with (password removed), for messages.
+  virtual std::string describe() const = 0;
+};
+
+// The store a URL names (see the table above); "" is file:./.vqkv-store. Throws InvalidArgument on
+// a malformed URL and IoError when the backend cannot be reached.
+std::unique_ptr<KVStore> open_store(const std::string& url);
+
+inline constexpr const char* kDefaultStoreUrl = "file:./.vqkv-store";
+inline constexpr std::size_t kMaxStoreKeyBytes = 100;  // file: names a blob by its hex (200 chars), under the 255 a name may have
+
+// Throws InvalidArgument unless `key` is a valid store key (see above).
+void check_store_key(std::string_view key);
+
+}  // namespace vq

@@ -1,0 +1,103 @@
+// Prefix chunks: a context's KV cache (all layers) stored in chunks of C tokens, each chunk at
+// several quality levels, under keys chained over the prefix (vLLM's block hashes, LMCache's chunks).
+//
+// What a reader must know first:
+// - Chunk i holds tokens [i*C, (i+1)*C) of the context (BOS is token 0). Only whole chunks are
+//   stored: a context of n tokens yields floor(n / C) chunks.
+// - Keys: key_i = xxHash64(key_{i-1} || model fingerprint || level's canonical method spec ||
+//   the chunk's token ids), key_{-1} = 0, written "vq-<level hash>-<16 hex>" ("<level hash>": 8 hex
+//   digits of the spec's hash, so `store ls` groups a level's chunks). Two prompts sharing a prefix
+//   share its keys, so the longest stored prefix is found by walking the chain until a key is missing.
+// - A level is a method spec (model/method_spec.hpp). What a chunk holds at level L, exactly:
+//   a fresh cache of method L (make_caches, one per layer), fed the chunk's exact float32 K/V (what
+//   the model computes for those tokens with the exact prefix before them) in one update call;
+//   the chunk's K/V at level L is that cache's state(). decode_chunk returns it bit for bit.
+//   So every chunk is coded independently (CacheGen's chunks): no chunk needs another to decode.
+// - Blob: a whole .vqkv file (format/vqkv.hpp: self-describing, every block checksummed) whose
+//   metadata names the model fingerprint, the level, the chunk index and the chunk's token ids;
+//   decode_chunk checks all four and throws FormatError naming what differs. Caches the .vqkv
+//   format holds are written as they are; an Fp16KVCache (float32 rows holding float16 values) is
+//   written as a plain float16 KVCache (exact, 2 bytes per element); any other class is refused
+//   with InvalidArgument naming the level, until the format learns it.
+// - A directory blob per chunk (key chain over "dir:" + C + the level list) lists each level's
+//   key and size, written after the levels, so a loader learns what exists and its cost in one get.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "veloxquant/cache/kv_cache.hpp"
+#include "veloxquant/core/tensor.hpp"
+#include "veloxquant/store/kv_store.hpp"
+
+namespace vq {
+
+class Transformer;
+
+inline constexpr int kDefaultChunkTokens = 256;
+inline constexpr const char* kDefaultLevels = "vq:bits=1;vq:bits=2;vq:bits=4";
+
+// One layer's K/V of one chunk: [1, n_kv_heads, C, head_size] float32 each.
+struct ChunkLayer {
+  Tensor keys, values;
+};
+using ChunkKV = std::vector<ChunkLayer>;
+
+// What identifies a stored context: the model and how it is chunked.
+struct ChunkScheme {
+  std::uint64_t model_fingerprint = 0;
+  int chunk_tokens = kDefaultChunkTokens;
+  std::vector<std::string> levels;  // canonical method specs; "fp32" is the raw exact level
+};
+
+// A hash of everything that decides a model's K/V: its configuration and every weight.
+std::uint64_t model_fingerprint(const Transformer& model);
+
+// Parse a ';'-separated level list into canonical specs, appending "fp32" when absent; duplicates
+// removed, order kept. Throws InvalidArgument on a bad spec.
+std::vector<std::string> parse_levels(const std::string& list);
+
+// The chain: key_i from key_{i-1} (0 for the first chunk).
+std::uint64_t chain_hash(std::uint64_t prev, std::uint64_t model_fingerprint, const std::string& level, std::span<const int> tokens);
+std::string chunk_key(const std::string& level, std::uint64_t hash);
+// The directory chain of a scheme.
+std::uint64_t directory_hash(std::uint64_t prev, const ChunkScheme& scheme, std::span<const int> tokens);
+std::string directory_key(std::uint64_t hash);
+
+// The chunk's K/V at `level` (see the definition above): a fresh cache of that method per layer fed
+// `exact` (the chunk's exact float32 K/V, one entry per layer).
+ChunkKV level_chunk_kv(const Transformer& model, const std::string& level, const ChunkKV& exact);
+
+// Encode chunk `index` (its token ids `tokens`) at `level` from the exact K/V: the blob.
+Blob encode_chunk(const Transformer& model, std::uint64_t model_fingerprint, const std::string& level, int index,
+                  std::span<const int> tokens, const ChunkKV& exact);
+// Decode a blob and check that it is chunk `index` of these tokens at this level for this model.
+// Throws FormatError (corrupt blob, or one of another model/level/index/tokens).
+ChunkKV decode_chunk(std::span<const std::uint8_t> blob, std::uint64_t model_fingerprint, const std::string& level, int index,
+                     std::span<const int> tokens);
+
+// One chunk's directory: each level's key and blob size, in the scheme's level order.
+struct ChunkDirectory {
+  struct Entry {
+    std::string level, key;
+    std::uint64_t bytes = 0;
+  };
+  std::vector<Entry> entries;
+};
+Blob encode_directory(const ChunkDirectory& dir);
+ChunkDirectory decode_directory(std::span<const std::uint8_t> blob);  // throws FormatError
+
+// Store the first floor(tokens.size() / C) chunks of a context at every level of `scheme`, from the
+// exact per-layer K/V of all its tokens ([1, H, n, D] each; e.g. the state of plain caches after a
+// prefill). Chunks already stored are skipped (put is idempotent). Returns per chunk the directory.
+struct PutReport {
+  int chunks = 0, chunks_written = 0;
+  std::uint64_t bytes_written = 0;
+  std::vector<ChunkDirectory> directories;
+};
+PutReport put_context(KVStore& store, const Transformer& model, const ChunkScheme& scheme, std::span<const int> tokens,
+                      const std::vector<KVState>& exact);
+
+}  // namespace vq

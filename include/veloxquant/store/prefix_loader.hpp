@@ -1,0 +1,68 @@
+// The prefix loader: CacheGen's adaptive streaming of a stored prefix into a host's live caches.
+//
+// What a reader must know first:
+// - Given a prompt's tokens, the loader walks the directory chain (store/prefix_chunks.hpp; all
+//   directory keys fetched in one pipelined get) to find the longest stored prefix of whole chunks,
+//   leaving at least one prompt token for the host to prefill (its logits start the generation).
+// - Per chunk it picks a level: without a deadline the best quality stored (fp32 when stored);
+//   with one (slo_ms), the best level whose expected fetch + decode time fits the time left shared
+//   evenly over the chunks left; when no level fits it takes the smallest, and it recomputes the
+//   chunk from its tokens (model forward over the live caches) whenever the recompute estimate is
+//   below the chosen level's. Quality order: fp32 first, then the other levels by size, largest first.
+// - Link: measured from its own transfers (bytes / fetch time, a 1 Gbps prior), or emulated with a
+//   client-side token bucket (bandwidth_mbps, optionally dropping to bandwidth_after_mbps once
+//   drop_after_bytes have been fetched): a fetch of b bytes ends no earlier than the bucket allows.
+// - Fetching chunk i+1 (a second thread) overlaps decoding chunk i; chunks are fed to the caches in
+//   order (caches[l]->update with the decoded K/V, or a forward pass for a recomputed chunk).
+// - Faults never give a wrong cache: a store error or timeout, a missing blob, a corrupt blob or a
+//   blob of another model, method or token sequence produces one warning (via `warn`) naming the
+//   chunk and the cause, and loading stops there: the chunk and the rest are left to the host's
+//   prefill (recomputed). A chunk is fed only after it decoded completely and passed every check.
+#pragma once
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "veloxquant/cache/kv_cache.hpp"
+#include "veloxquant/store/kv_store.hpp"
+#include "veloxquant/store/prefix_chunks.hpp"
+
+namespace vq {
+
+class Transformer;
+
+struct LoaderOptions {
+  ChunkScheme scheme;                       // fingerprint, chunk tokens and level list used by put
+  std::optional<double> slo_ms;             // deadline for the whole load (time to first token)
+  std::optional<double> bandwidth_mbps;     // emulated link (megabits per second); unset: measured
+  std::optional<double> bandwidth_after_mbps;  // the emulated link after drop_after_bytes
+  std::uint64_t drop_after_bytes = 0;
+};
+
+struct LoadedChunk {
+  int index = 0;
+  std::string level;  // a level's spec, or "recompute"
+  std::uint64_t bytes = 0;
+  double fetch_ms = 0, decode_ms = 0;
+};
+
+struct LoadReport {
+  int tokens_filled = 0;               // tokens now in the caches (whole chunks, loaded or recomputed)
+  int tokens_reused = 0;               // of them, loaded from the store
+  int chunks_stored = 0;               // length of the stored prefix found, in chunks
+  double load_ms = 0;                  // wall time of the whole load
+  double prefill_ms_estimate = 0;      // what recomputing the reused tokens would have cost (estimate)
+  std::vector<LoadedChunk> chunks;
+  std::vector<std::string> warnings;   // also passed to `warn` as they happen
+};
+
+// Fill `caches` (empty, one per layer, the host's live caches) with the longest stored prefix of
+// `tokens`. Never throws for store faults (see above); throws InvalidArgument on bad arguments.
+LoadReport load_prefix(KVStore& store, Transformer& model, std::vector<std::shared_ptr<KVCache>>& caches, std::span<const int> tokens,
+                       const LoaderOptions& options, const std::function<void(const std::string&)>& warn = {});
+
+}  // namespace vq

@@ -1,0 +1,161 @@
+// FileStore: one file per blob, written atomically; LRU eviction by modification time.
+#include "veloxquant/store/file_store.hpp"
+
+#include <sys/stat.h>
+
+#include <algorithm>
+#include <fcntl.h>
+#include <system_error>
+
+#include <fmt/core.h>
+
+#include "veloxquant/core/atomic_file.hpp"
+#include "veloxquant/core/error.hpp"
+#include "veloxquant/format/vqkv.hpp"
+
+namespace vq {
+
+namespace fs = std::filesystem;
+
+namespace {
+constexpr char kHex[] = "0123456789abcdef";
+
+std::string hex_name(std::string_view key) {
+  std::string out;
+  out.reserve(key.size() * 2);
+  for (const char c : key) {
+    const auto u = static_cast<unsigned char>(c);
+    out += kHex[u >> 4];
+    out += kHex[u & 15];
+  }
+  return out;
+}
+
+// The key a blob file name encodes, or nullopt for a name that is not one of ours (a temporary).
+std::optional<std::string> key_of_name(const std::string& name) {
+  if (name.empty() || name.size() % 2 != 0 || name.size() > 2 * kMaxStoreKeyBytes) return std::nullopt;
+  std::string key;
+  for (std::size_t i = 0; i < name.size(); i += 2) {
+    int v = 0;
+    for (int j = 0; j < 2; ++j) {
+      const char c = name[i + j];
+      const int d = c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1;
+      if (d < 0) return std::nullopt;
+      v = v * 16 + d;
+    }
+    key += static_cast<char>(v);
+  }
+  return key;
+}
+}  // namespace
+
+FileStore::FileStore(fs::path dir, std::uint64_t capacity) : dir_(std::move(dir)), blobs_(dir_ / "blobs"), capacity_(capacity) {
+  std::error_code ec;
+  fs::create_directories(blobs_, ec);
+  if (ec || !fs::is_directory(blobs_))
+    throw IoError(fmt::format("store file:{}: cannot create directory {}: {}", dir_.string(), blobs_.string(),
+                              ec ? ec.message() : "not a directory"));
+}
+
+fs::path FileStore::blob_path(std::string_view key) const {
+  check_store_key(key);
+  return blobs_ / hex_name(key);
+}
+
+std::string FileStore::describe() const {
+  return capacity_ ? fmt::format("file:{}?capacity={}", dir_.string(), capacity_) : "file:" + dir_.string();
+}
+
+void FileStore::put(std::string_view key, std::span<const std::uint8_t> blob) {
+  const fs::path p = blob_path(key);
+  if (capacity_ && blob.size() > capacity_)
+    throw IoError(fmt::format("store {}: blob '{}' of {} bytes exceeds the capacity of {} bytes", describe(), std::string(key),
+                              blob.size(), capacity_));
+  std::error_code ec;
+  if (fs::exists(p, ec)) return;  // immutable: the first complete writer wins, later ones are no-ops
+  write_file_atomically(p.string(), blob);
+  if (capacity_) evict_to_capacity();
+}
+
+std::optional<Blob> FileStore::get(std::string_view key) {
+  const fs::path p = blob_path(key);
+  std::error_code ec;
+  if (!fs::exists(p, ec)) return std::nullopt;
+  Blob bytes;
+  try {
+    bytes = read_file_bytes(p.string());
+  } catch (const IoError&) {
+    if (!fs::exists(p, ec)) return std::nullopt;  // evicted or removed by another process meanwhile
+    throw;
+  }
+  // Mark it used (LRU): the modification time is recency, visible to every process.
+  if (capacity_) ::utimensat(AT_FDCWD, p.c_str(), nullptr, 0);
+  return bytes;
+}
+
+bool FileStore::exists(std::string_view key) {
+  std::error_code ec;
+  return fs::exists(blob_path(key), ec);
+}
+
+bool FileStore::remove(std::string_view key) {
+  std::error_code ec;
+  const bool removed = fs::remove(blob_path(key), ec);
+  if (ec) throw IoError(fmt::format("store {}: cannot remove '{}': {}", describe(), std::string(key), ec.message()));
+  return removed;
+}
+
+std::vector<std::string> FileStore::list() {
+  std::vector<std::string> keys;
+  std::error_code ec;
+  for (fs::directory_iterator it(blobs_, ec), end; !ec && it != end; it.increment(ec))
+    if (auto k = key_of_name(it->path().filename().string())) keys.push_back(std::move(*k));
+  if (ec) throw IoError(fmt::format("store {}: cannot list {}: {}", describe(), blobs_.string(), ec.message()));
+  std::sort(keys.begin(), keys.end());
+  return keys;
+}
+
+StoreStats FileStore::stats() {
+  StoreStats s;
+  s.backend = "file";
+  s.capacity = capacity_;
+  for (const auto& k : list()) {
+    std::error_code ec;
+    const auto n = fs::file_size(blob_path(k), ec);
+    if (ec) continue;  // removed meanwhile
+    ++s.blobs;
+    s.bytes += n;
+  }
+  return s;
+}
+
+void FileStore::evict_to_capacity() {
+  std::lock_guard lock(evict_mutex_);
+  struct Entry {
+    fs::path path;
+    std::uint64_t bytes;
+    struct timespec mtime;
+  };
+  std::vector<Entry> entries;
+  std::uint64_t total = 0;
+  std::error_code ec;
+  for (fs::directory_iterator it(blobs_, ec), end; !ec && it != end; it.increment(ec)) {
+    if (!key_of_name(it->path().filename().string())) continue;
+    struct stat st {};
+    if (::stat(it->path().c_str(), &st) != 0) continue;
+    entries.push_back({it->path(), static_cast<std::uint64_t>(st.st_size), st.st_mtim});
+    total += static_cast<std::uint64_t>(st.st_size);
+  }
+  if (total <= capacity_) return;
+  std::sort(entries.begin(), entries.end(), [](const Entry& a, const Entry& b) {
+    if (a.mtime.tv_sec != b.mtime.tv_sec) return a.mtime.tv_sec < b.mtime.tv_sec;
+    if (a.mtime.tv_nsec != b.mtime.tv_nsec) return a.mtime.tv_nsec < b.mtime.tv_nsec;
+    return a.path < b.path;
+  });
+  for (const auto& e : entries) {
+    if (total <= capacity_) break;
+    if (fs::remove(e.path, ec)) total -= e.bytes;  // another process may have evicted it already
+  }
+}
+
+}  // namespace vq

@@ -1,0 +1,63 @@
+// open_store: the URL -> backend table, and the key rules every backend shares.
+#include "veloxquant/store/kv_store.hpp"
+
+#include <charconv>
+
+#include <fmt/core.h>
+
+#include "veloxquant/core/error.hpp"
+#include "veloxquant/store/file_store.hpp"
+#include "veloxquant/store/redis_store.hpp"
+
+namespace vq {
+
+void check_store_key(std::string_view key) {
+  if (key.empty() || key.size() > kMaxStoreKeyBytes)
+    throw InvalidArgument(fmt::format("store key must be 1..{} bytes, got {}", kMaxStoreKeyBytes, key.size()));
+  for (const char c : key) {
+    const auto u = static_cast<unsigned char>(c);
+    if (u <= 0x20 || u >= 0x7f || c == '{' || c == '}')
+      throw InvalidArgument(fmt::format("store key '{}' holds a character keys may not (space, control, non-ASCII, '{{' or '}}')",
+                                        std::string(key.substr(0, 64))));
+  }
+}
+
+std::vector<std::optional<Blob>> KVStore::get_many(std::span<const std::string> keys) {
+  std::vector<std::optional<Blob>> out;
+  out.reserve(keys.size());
+  for (const auto& k : keys) out.push_back(get(k));
+  return out;
+}
+
+namespace {
+std::uint64_t parse_u64(std::string_view text, const std::string& what) {
+  std::uint64_t v = 0;
+  const auto [p, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+  if (ec != std::errc() || p != text.data() + text.size() || text.empty())
+    throw InvalidArgument(fmt::format("store URL: {} must be a non-negative integer, got '{}'", what, std::string(text)));
+  return v;
+}
+
+std::unique_ptr<KVStore> open_file_store(std::string_view rest) {
+  std::uint64_t capacity = 0;
+  std::string dir(rest);
+  if (const auto q = dir.find('?'); q != std::string::npos) {
+    const std::string query = dir.substr(q + 1);
+    dir.resize(q);
+    if (query.rfind("capacity=", 0) != 0)
+      throw InvalidArgument(fmt::format("store URL: file: takes only ?capacity=BYTES, got '?{}'", query));
+    capacity = parse_u64(std::string_view(query).substr(9), "capacity");
+  }
+  if (dir.empty()) throw InvalidArgument("store URL: file: needs a directory, e.g. file:./.vqkv-store");
+  return std::make_unique<FileStore>(dir, capacity);
+}
+}  // namespace
+
+std::unique_ptr<KVStore> open_store(const std::string& url) {
+  const std::string u = url.empty() ? std::string(kDefaultStoreUrl) : url;
+  if (u.rfind("file:", 0) == 0) return open_file_store(std::string_view(u).substr(5));
+  if (u.rfind("redis://", 0) == 0 || u.rfind("redis-cluster://", 0) == 0) return make_redis_store(parse_redis_url(u));
+  throw InvalidArgument(fmt::format("store URL '{}' is not one of file:DIR, redis://host:port, redis-cluster://host:port[,...]", u));
+}
+
+}  // namespace vq

@@ -1,0 +1,223 @@
+// Prefix chunks (store/prefix_chunks.hpp): chained keys, one .vqkv blob per chunk and level, and a
+// directory blob per chunk.
+#include "veloxquant/store/prefix_chunks.hpp"
+
+#include <xxhash.h>
+
+#include <algorithm>
+#include <charconv>
+
+#include <fmt/core.h>
+#include <nlohmann/json.hpp>
+
+#include "veloxquant/core/error.hpp"
+#include "veloxquant/format/vqkv.hpp"
+#include "veloxquant/model/method_spec.hpp"
+#include "veloxquant/model/transformer.hpp"
+
+namespace vq {
+
+namespace {
+constexpr const char* kMetaModel = "vqkv.store.model";
+constexpr const char* kMetaLevel = "vqkv.store.level";
+constexpr const char* kMetaIndex = "vqkv.store.chunk";
+constexpr const char* kMetaTokens = "vqkv.store.tokens";
+
+std::string hex16(std::uint64_t v) { return fmt::format("{:016x}", v); }
+
+std::string tokens_text(std::span<const int> tokens) {
+  std::string s;
+  for (std::size_t i = 0; i < tokens.size(); ++i) s += fmt::format("{}{}", i ? "," : "", tokens[i]);
+  return s;
+}
+
+void hash_floats(XXH64_state_t* st, const std::vector<float>& v) {
+  const std::uint64_t n = v.size();
+  XXH64_update(st, &n, sizeof n);
+  XXH64_update(st, v.data(), v.size() * sizeof(float));
+}
+}  // namespace
+
+std::uint64_t model_fingerprint(const Transformer& model) {
+  const Checkpoint& ck = model.checkpoint();
+  XXH64_state_t* st = XXH64_createState();
+  XXH64_reset(st, 0);
+  const ModelConfig& c = ck.config;
+  const std::int64_t fields[] = {c.dim, c.hidden_dim, c.n_layers, c.n_heads, c.n_kv_heads, c.vocab_size, c.seq_len, c.shared_classifier};
+  XXH64_update(st, fields, sizeof fields);
+  for (const auto* v : {&ck.token_embedding, &ck.rms_att, &ck.wq, &ck.wk, &ck.wv, &ck.wo, &ck.rms_ffn, &ck.w1, &ck.w2, &ck.w3,
+                        &ck.rms_final, &ck.wcls})
+    hash_floats(st, *v);
+  const std::uint64_t h = XXH64_digest(st);
+  XXH64_freeState(st);
+  return h;
+}
+
+std::vector<std::string> parse_levels(const std::string& list) {
+  std::vector<std::string> out;
+  std::size_t start = 0;
+  while (start <= list.size()) {
+    const auto end = std::min(list.find(';', start), list.size());
+    std::string part = list.substr(start, end - start);
+    part.erase(0, part.find_first_not_of(" \t"));
+    part.erase(part.find_last_not_of(" \t") + 1);
+    if (!part.empty()) {
+      const std::string canon = MethodSpec::parse(part).to_string();
+      if (std::find(out.begin(), out.end(), canon) == out.end()) out.push_back(canon);
+    }
+    start = end + 1;
+  }
+  if (std::find(out.begin(), out.end(), "fp32") == out.end()) out.push_back("fp32");
+  return out;
+}
+
+std::uint64_t chain_hash(std::uint64_t prev, std::uint64_t fingerprint, const std::string& level, std::span<const int> tokens) {
+  XXH64_state_t* st = XXH64_createState();
+  XXH64_reset(st, 0);
+  XXH64_update(st, &prev, sizeof prev);
+  XXH64_update(st, &fingerprint, sizeof fingerprint);
+  const std::uint64_t n = level.size();
+  XXH64_update(st, &n, sizeof n);  // length first: no two (level, tokens) pairs share a byte string
+  XXH64_update(st, level.data(), level.size());
+  XXH64_update(st, tokens.data(), tokens.size() * sizeof(int));
+  const std::uint64_t h = XXH64_digest(st);
+  XXH64_freeState(st);
+  return h;
+}
+
+std::string chunk_key(const std::string& level, std::uint64_t hash) {
+  return fmt::format("vq-{:08x}-{}", static_cast<std::uint32_t>(XXH64(level.data(), level.size(), 0)), hex16(hash));
+}
+
+std::uint64_t directory_hash(std::uint64_t prev, const ChunkScheme& scheme, std::span<const int> tokens) {
+  std::string what = fmt::format("dir:{}", scheme.chunk_tokens);
+  for (const auto& l : scheme.levels) what += ";" + l;
+  return chain_hash(prev, scheme.model_fingerprint, what, tokens);
+}
+
+std::string directory_key(std::uint64_t hash) { return "vq-dir-" + hex16(hash); }
+
+ChunkKV level_chunk_kv(const Transformer& model, const std::string& level, const ChunkKV& exact) {
+  auto caches = make_caches(level, model);
+  require(caches.size() == exact.size(), "level_chunk_kv: {} layers of K/V for a model of {} layers", exact.size(), caches.size());
+  ChunkKV out;
+  for (std::size_t l = 0; l < caches.size(); ++l) {
+    caches[l]->update(exact[l].keys, exact[l].values);
+    const KVState s = caches[l]->state();
+    out.push_back({s.keys.to(DType::F32), s.values.to(DType::F32)});
+  }
+  return out;
+}
+
+Blob encode_chunk(const Transformer& model, std::uint64_t fingerprint, const std::string& level, int index, std::span<const int> tokens,
+                  const ChunkKV& exact) {
+  auto caches = make_caches(level, model);
+  require(caches.size() == exact.size(), "encode_chunk: {} layers of K/V for a model of {} layers", exact.size(), caches.size());
+  for (std::size_t l = 0; l < caches.size(); ++l) {
+    require(exact[l].keys.dim(2) == static_cast<std::int64_t>(tokens.size()), "encode_chunk: layer {} holds {} tokens, the chunk {}", l,
+            exact[l].keys.dim(2), tokens.size());
+    caches[l]->update(exact[l].keys, exact[l].values);
+    if (caches[l]->kind() == "Fp16KVCache") {
+      // float32 rows holding float16 values: the same values as a plain float16 cache, exactly.
+      const KVState s = caches[l]->state();
+      auto plain = std::make_shared<KVCache>();
+      plain->from_state({s.keys.to(DType::F16), s.values.to(DType::F16)});
+      caches[l] = plain;
+    }
+  }
+  const PromptMetadata meta{{kMetaModel, hex16(fingerprint)},
+                            {kMetaLevel, level},
+                            {kMetaIndex, std::to_string(index)},
+                            {kMetaTokens, tokens_text(tokens)}};
+  VqkvSaveOptions opts;
+  opts.chunk_tokens = std::max<std::int64_t>(1, static_cast<std::int64_t>(tokens.size()));
+  try {
+    return serialize_prompt_cache(caches, meta, opts);
+  } catch (const InvalidArgument& e) {
+    throw InvalidArgument(fmt::format("level '{}' cannot be stored: {}", level, e.what()));
+  }
+}
+
+ChunkKV decode_chunk(std::span<const std::uint8_t> blob, std::uint64_t fingerprint, const std::string& level, int index,
+                     std::span<const int> tokens) {
+  PromptCache pc = deserialize_prompt_cache(blob);
+  const auto meta = [&](const char* k) {
+    const auto it = pc.metadata.find(k);
+    return it == pc.metadata.end() ? std::string("(none)") : it->second;
+  };
+  if (meta(kMetaModel) != hex16(fingerprint))
+    throw FormatError(fmt::format("blob of another model (fingerprint {}, expected {})", meta(kMetaModel), hex16(fingerprint)));
+  if (meta(kMetaLevel) != level) throw FormatError(fmt::format("blob of another method ('{}', expected '{}')", meta(kMetaLevel), level));
+  if (meta(kMetaIndex) != std::to_string(index))
+    throw FormatError(fmt::format("blob of another chunk index ({}, expected {})", meta(kMetaIndex), index));
+  if (meta(kMetaTokens) != tokens_text(tokens)) throw FormatError("blob of another token sequence");
+  ChunkKV out;
+  for (const auto& c : pc.caches) {
+    const KVState s = c->state();
+    if (s.keys.dim(2) != static_cast<std::int64_t>(tokens.size()) || s.values.dim(2) != static_cast<std::int64_t>(tokens.size()))
+      throw FormatError(fmt::format("blob holds {} tokens per layer, the chunk {}", s.keys.dim(2), tokens.size()));
+    out.push_back({s.keys.to(DType::F32), s.values.to(DType::F32)});
+  }
+  return out;
+}
+
+Blob encode_directory(const ChunkDirectory& dir) {
+  nlohmann::json j = nlohmann::json::array();
+  for (const auto& e : dir.entries) j.push_back({{"level", e.level}, {"key", e.key}, {"bytes", e.bytes}});
+  const std::string text = nlohmann::json{{"vqkv_chunk_directory", 1}, {"levels", j}}.dump();
+  return Blob(text.begin(), text.end());
+}
+
+ChunkDirectory decode_directory(std::span<const std::uint8_t> blob) {
+  ChunkDirectory d;
+  try {
+    const auto j = nlohmann::json::parse(blob.begin(), blob.end());
+    if (j.at("vqkv_chunk_directory").get<int>() != 1) throw FormatError("chunk directory of an unknown version");
+    for (const auto& e : j.at("levels"))
+      d.entries.push_back({e.at("level").get<std::string>(), e.at("key").get<std::string>(), e.at("bytes").get<std::uint64_t>()});
+  } catch (const nlohmann::json::exception& e) {
+    throw FormatError(fmt::format("malformed chunk directory: {}", e.what()));
+  }
+  return d;
+}
+
+PutReport put_context(KVStore& store, const Transformer& model, const ChunkScheme& scheme, std::span<const int> tokens,
+                      const std::vector<KVState>& exact) {
+  require(scheme.chunk_tokens >= 1, "chunk tokens must be >= 1, got {}", scheme.chunk_tokens);
+  require(!scheme.levels.empty(), "put_context: no levels");
+  const std::size_t C = static_cast<std::size_t>(scheme.chunk_tokens);
+  PutReport rep;
+  rep.chunks = static_cast<int>(tokens.size() / C);
+  std::vector<std::uint64_t> prev(scheme.levels.size(), 0);
+  std::uint64_t dir_prev = 0;
+  for (int i = 0; i < rep.chunks; ++i) {
+    const auto toks = tokens.subspan(static_cast<std::size_t>(i) * C, C);
+    dir_prev = directory_hash(dir_prev, scheme, toks);
+    const std::string dkey = directory_key(dir_prev);
+    for (std::size_t l = 0; l < scheme.levels.size(); ++l) prev[l] = chain_hash(prev[l], scheme.model_fingerprint, scheme.levels[l], toks);
+    if (auto existing = store.get(dkey)) {  // written last: every level is there
+      rep.directories.push_back(decode_directory(*existing));
+      continue;
+    }
+    ChunkKV chunk;
+    for (const auto& s : exact)
+      chunk.push_back({s.keys.slice(2, i * scheme.chunk_tokens, (i + 1) * scheme.chunk_tokens).contiguous(true),
+                       s.values.slice(2, i * scheme.chunk_tokens, (i + 1) * scheme.chunk_tokens).contiguous(true)});
+    ChunkDirectory dir;
+    for (std::size_t l = 0; l < scheme.levels.size(); ++l) {
+      const std::string key = chunk_key(scheme.levels[l], prev[l]);
+      const Blob blob = encode_chunk(model, scheme.model_fingerprint, scheme.levels[l], i, toks, chunk);
+      store.put(key, blob);
+      rep.bytes_written += blob.size();
+      dir.entries.push_back({scheme.levels[l], key, blob.size()});
+    }
+    const Blob d = encode_directory(dir);
+    store.put(dkey, d);
+    rep.bytes_written += d.size();
+    ++rep.chunks_written;
+    rep.directories.push_back(std::move(dir));
+  }
+  return rep;
+}
+
+}  // namespace vq

@@ -1,0 +1,193 @@
+// Prefix chunks: chained keys, and chunks that decode to exactly what a live cache of their level
+// held, on the real stories260K model.
+#include "veloxquant/store/prefix_chunks.hpp"
+
+#include <gtest/gtest.h>
+
+#include <filesystem>
+
+#include "../model/model_support.hpp"
+#include "veloxquant/core/error.hpp"
+#include "veloxquant/model/checkpoint.hpp"
+#include "veloxquant/model/method_spec.hpp"
+#include "veloxquant/model/tokenizer.hpp"
+#include "veloxquant/model/transformer.hpp"
+#include "veloxquant/store/file_store.hpp"
+
+namespace fs = std::filesystem;
+
+namespace {
+
+struct Context {
+  std::unique_ptr<vq::Transformer> model;
+  std::vector<int> tokens;
+  std::vector<vq::KVState> exact;  // the fp32 caches' state after one prefill of all tokens
+  std::uint64_t fp = 0;
+};
+
+const Context& context() {
+  static const Context c = [] {
+    Context c;
+    c.model = std::make_unique<vq::Transformer>(vq::Checkpoint::load(vqtest::model_path()));
+    const auto tok = vq::Tokenizer::load(vqtest::tokenizer_path(), c.model->config().vocab_size);
+    c.tokens = tok.encode("Once upon a time, there was a little girl named Lily. She loved to play outside in the park with her "
+                          "friends. One day, she saw a big red ball under a tree and ran to get it.",
+                          true);
+    auto caches = vq::make_caches("fp32", *c.model);
+    c.model->forward(c.tokens, caches);
+    for (const auto& k : caches) c.exact.push_back(k->state());
+    c.fp = vq::model_fingerprint(*c.model);
+    return c;
+  }();
+  return c;
+}
+
+vq::ChunkKV slice_chunk(const std::vector<vq::KVState>& exact, int i, int C) {
+  vq::ChunkKV out;
+  for (const auto& s : exact) out.push_back({s.keys.slice(2, i * C, (i + 1) * C).contiguous(true), s.values.slice(2, i * C, (i + 1) * C).contiguous(true)});
+  return out;
+}
+
+void expect_bit_equal(const vq::ChunkKV& a, const vq::ChunkKV& b) {
+  ASSERT_EQ(a.size(), b.size());
+  for (std::size_t l = 0; l < a.size(); ++l) {
+    EXPECT_TRUE(a[l].keys.bit_equal(b[l].keys)) << "layer " << l;
+    EXPECT_TRUE(a[l].values.bit_equal(b[l].values)) << "layer " << l;
+  }
+}
+
+TEST(PrefixChunks, KeysChainOverThePrefix) {
+  const std::vector<int> t1{1, 2, 3}, t2{1, 2, 4};
+  const auto h1 = vq::chain_hash(0, 7, "fp32", t1);
+  EXPECT_EQ(h1, vq::chain_hash(0, 7, "fp32", t1));
+  EXPECT_NE(h1, vq::chain_hash(0, 7, "fp32", t2));   // other tokens
+  EXPECT_NE(h1, vq::chain_hash(0, 8, "fp32", t1));   // other model
+  EXPECT_NE(h1, vq::chain_hash(0, 7, "fp16", t1));   // other method
+  EXPECT_NE(h1, vq::chain_hash(5, 7, "fp32", t1));   // other prefix before it
+  EXPECT_NE(vq::chunk_key("fp32", h1), vq::chunk_key("fp16", h1));
+  EXPECT_NO_THROW(vq::check_store_key(vq::chunk_key("cachegen:bits=4", h1)));
+  EXPECT_NO_THROW(vq::check_store_key(vq::directory_key(h1)));
+}
+
+TEST(PrefixChunks, LevelsParseToCanonicalSpecsWithFp32) {
+  EXPECT_EQ(vq::parse_levels("fp16"), (std::vector<std::string>{"fp16", "fp32"}));
+  EXPECT_EQ(vq::parse_levels("fp32; fp16;fp16"), (std::vector<std::string>{"fp32", "fp16"}));
+  EXPECT_EQ(vq::parse_levels("cachegen:bits=2")[0], vq::MethodSpec::parse("cachegen:bits=2").to_string());
+  EXPECT_THROW(vq::parse_levels("fp99"), vq::InvalidArgument);
+}
+
+TEST(PrefixChunks, ModelFingerprintSeesEveryWeight) {
+  vq::Checkpoint ck = vq::Checkpoint::load(vqtest::model_path());
+  const auto a = vq::model_fingerprint(vq::Transformer(ck));
+  EXPECT_EQ(a, context().fp);
+  ck.w2.back() = std::nextafter(ck.w2.back(), 1.0f);
+  EXPECT_NE(vq::model_fingerprint(vq::Transformer(ck)), a);
+}
+
+// The definition: chunk i at level L is what a fresh cache of L held after one update with the
+// chunk's exact K/V. fp32 is therefore the exact rows of the live prefill; every level round-trips
+// bit for bit; a level the format cannot hold yet is refused naming it.
+TEST(PrefixChunks, ChunksDecodeToWhatALiveCacheHeld) {
+  const Context& c = context();
+  const int C = 16;
+  ASSERT_GE(static_cast<int>(c.tokens.size()), 2 * C);
+  for (const std::string level : {"fp32", "fp16", "cachegen:bits=4,group=8", "cachegen:bits=2,schedule=off,group=4", "vq:bits=2"}) {
+    SCOPED_TRACE(level);
+    const std::string canon = vq::MethodSpec::parse(level).to_string();
+    for (int i = 0; i < 2; ++i) {
+      const auto toks = std::span<const int>(c.tokens).subspan(static_cast<std::size_t>(i * C), C);
+      const vq::ChunkKV exact = slice_chunk(c.exact, i, C);
+      vq::Blob blob;
+      try {
+        blob = vq::encode_chunk(*c.model, c.fp, canon, i, toks, exact);
+      } catch (const vq::InvalidArgument& e) {
+        EXPECT_NE(std::string(e.what()).find(canon), std::string::npos) << e.what();
+        continue;  // the .vqkv format does not hold this class yet (vq before issue 15)
+      }
+      const vq::ChunkKV live = vq::level_chunk_kv(*c.model, canon, exact);
+      const vq::ChunkKV loaded = vq::decode_chunk(blob, c.fp, canon, i, toks);
+      expect_bit_equal(loaded, live);
+      if (canon == "fp32") expect_bit_equal(loaded, exact);
+      if (canon == "fp16") {
+        for (std::size_t l = 0; l < exact.size(); ++l)
+          EXPECT_TRUE(loaded[l].keys.bit_equal(exact[l].keys.to(vq::DType::F16).to(vq::DType::F32)));
+      }
+      if (canon.rfind("cachegen", 0) == 0) {
+        EXPECT_FALSE(loaded[0].keys.bit_equal(exact[0].keys));  // lossy, yet exactly the live cache
+      }
+    }
+  }
+}
+
+TEST(PrefixChunks, DecodeRefusesOtherModelMethodChunkTokensAndCorruption) {
+  const Context& c = context();
+  const int C = 8;
+  const auto toks = std::span<const int>(c.tokens).subspan(0, C);
+  const vq::Blob blob = vq::encode_chunk(*c.model, c.fp, "fp16", 0, toks, slice_chunk(c.exact, 0, C));
+  EXPECT_NO_THROW(vq::decode_chunk(blob, c.fp, "fp16", 0, toks));
+  const auto expect_format_error = [&](const vq::Blob& b, std::uint64_t fp, const std::string& level, int index,
+                                       std::span<const int> t, const char* words) {
+    try {
+      vq::decode_chunk(b, fp, level, index, t);
+      ADD_FAILURE() << "expected FormatError: " << words;
+    } catch (const vq::FormatError& e) {
+      EXPECT_NE(std::string(e.what()).find(words), std::string::npos) << e.what();
+    }
+  };
+  expect_format_error(blob, c.fp + 1, "fp16", 0, toks, "another model");
+  expect_format_error(blob, c.fp, "fp32", 0, toks, "another method");
+  expect_format_error(blob, c.fp, "fp16", 1, toks, "another chunk");
+  const auto other = std::span<const int>(c.tokens).subspan(1, C);
+  expect_format_error(blob, c.fp, "fp16", 0, other, "another token");
+  for (const std::size_t at : {std::size_t{5}, blob.size() / 2, blob.size() - 3}) {
+    vq::Blob bad = blob;
+    bad[at] ^= 0x40;
+    EXPECT_THROW(vq::decode_chunk(bad, c.fp, "fp16", 0, toks), vq::FormatError) << at;
+  }
+  vq::Blob cut(blob.begin(), blob.begin() + static_cast<std::ptrdiff_t>(blob.size() / 3));
+  EXPECT_THROW(vq::decode_chunk(cut, c.fp, "fp16", 0, toks), vq::FormatError);
+  EXPECT_THROW(vq::decode_directory(cut), vq::FormatError);
+}
+
+TEST(PrefixChunks, PutContextStoresEveryWholeChunkOnceAtEveryLevel) {
+  const Context& c = context();
+  const fs::path dir = fs::temp_directory_path() / fmt::format("vq-prefix-test-{}", ::getpid());
+  fs::remove_all(dir);
+  vq::FileStore store(dir);
+  vq::ChunkScheme scheme;
+  scheme.model_fingerprint = c.fp;
+  scheme.chunk_tokens = 12;
+  scheme.levels = vq::parse_levels("fp16;cachegen:bits=4,group=4");
+  const std::size_t n = c.tokens.size() / 12 * 12;
+  std::vector<vq::KVState> exact;
+  for (const auto& s : c.exact) exact.push_back({s.keys.slice(2, 0, static_cast<std::int64_t>(n)), s.values.slice(2, 0, static_cast<std::int64_t>(n))});
+  const auto rep = vq::put_context(store, *c.model, scheme, std::span<const int>(c.tokens).first(n), exact);
+  EXPECT_EQ(rep.chunks, static_cast<int>(n / 12));
+  EXPECT_EQ(rep.chunks_written, rep.chunks);
+  EXPECT_EQ(store.list().size(), static_cast<std::size_t>(rep.chunks) * 4);  // 3 levels + a directory each
+  // Walk the chain as a loader does and decode every chunk at every level.
+  std::vector<std::uint64_t> prev(3, 0);
+  std::uint64_t dprev = 0;
+  for (int i = 0; i < rep.chunks; ++i) {
+    const auto toks = std::span<const int>(c.tokens).subspan(static_cast<std::size_t>(i * 12), 12);
+    dprev = vq::directory_hash(dprev, scheme, toks);
+    const auto d = vq::decode_directory(*store.get(vq::directory_key(dprev)));
+    ASSERT_EQ(d.entries.size(), 3u);
+    for (std::size_t l = 0; l < 3; ++l) {
+      prev[l] = vq::chain_hash(prev[l], c.fp, scheme.levels[l], toks);
+      EXPECT_EQ(d.entries[l].key, vq::chunk_key(scheme.levels[l], prev[l]));
+      const auto blob = store.get(d.entries[l].key);
+      ASSERT_TRUE(blob.has_value());
+      EXPECT_EQ(blob->size(), d.entries[l].bytes);
+      expect_bit_equal(vq::decode_chunk(*blob, c.fp, scheme.levels[l], i, toks),
+                       vq::level_chunk_kv(*c.model, scheme.levels[l], slice_chunk(c.exact, i, 12)));
+    }
+  }
+  // Idempotent: a second put writes nothing.
+  const auto again = vq::put_context(store, *c.model, scheme, std::span<const int>(c.tokens).first(n), exact);
+  EXPECT_EQ(again.chunks_written, 0);
+  EXPECT_EQ(again.bytes_written, 0u);
+  fs::remove_all(dir);
+}
+
+}  // namespace
