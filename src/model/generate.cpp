@@ -2,6 +2,7 @@
 #include "veloxquant/model/generate.hpp"
 
 #include <algorithm>
+#include <chrono>
 #include <cctype>
 #include <cmath>
 
@@ -96,6 +97,7 @@ bool printable_piece(std::string_view piece) {
 
 GenerateResult generate(Transformer& model, const Tokenizer& tokenizer, std::vector<std::shared_ptr<KVCache>>& caches,
                         std::string_view prompt, const GenerateConfig& config, const std::function<void(std::string_view)>& on_piece) {
+  const auto start = std::chrono::steady_clock::now();
   const ModelConfig& mc = model.config();
   require(config.steps >= 1, "steps must be >= 1, got {}", config.steps);
   require(tokenizer.vocab_size() == mc.vocab_size, "the tokenizer has {} tokens but the model's vocabulary has {}",
@@ -119,13 +121,19 @@ GenerateResult generate(Transformer& model, const Tokenizer& tokenizer, std::vec
   // The prompt prints as run.c prints it: each forced token as it is "predicted".
   for (std::size_t i = 1; i < r.tokens.size(); ++i) emit(r.tokens[i - 1], r.tokens[i]);
 
-  // Prefill all prompt positions at once; the last row of logits predicts the first new token.
-  std::vector<float> logits = model.forward(r.tokens, caches);
+  // A prefix may come from elsewhere (a prefix store); prefill the remaining prompt positions at
+  // once; the last row of logits predicts the first new token.
+  const std::size_t filled = config.fill_prefix ? static_cast<std::size_t>(config.fill_prefix(r.tokens, caches)) : 0;
+  require(filled < r.tokens.size(), "fill_prefix filled {} of the prompt's {} tokens; it must leave at least one", filled, r.tokens.size());
+  std::vector<float> logits = model.forward(std::span<const int>(r.tokens).subspan(filled), caches);
   int pos = r.prompt_tokens;  // positions run so far (run.c's pos after this many forwards)
   const auto V = static_cast<std::size_t>(mc.vocab_size);
-  std::span<float> last(logits.data() + (static_cast<std::size_t>(pos) - 1) * V, V);
+  std::span<float> last(logits.data() + (static_cast<std::size_t>(pos) - filled - 1) * V, V);
+  bool first = true;
   while (true) {
     const int next = sampler.sample(last);
+    if (first) r.ttft_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+    first = false;
     if (next == Tokenizer::kBos || next == Tokenizer::kEos) break;
     emit(r.tokens.back(), next);
     r.tokens.push_back(next);

@@ -7,7 +7,10 @@
 
 #include <fmt/core.h>
 
+#include <nlohmann/json.hpp>
+
 #include "commands.hpp"
+#include "json_out.hpp"
 #include "model_options.hpp"
 #include "numeric_options.hpp"
 #include "veloxquant/core/error.hpp"
@@ -17,19 +20,62 @@
 #include "veloxquant/model/model_files.hpp"
 #include "veloxquant/model/tokenizer.hpp"
 #include "veloxquant/model/transformer.hpp"
+#include "veloxquant/store/kv_store.hpp"
+#include "veloxquant/store/prefix_chunks.hpp"
+#include "veloxquant/store/prefix_loader.hpp"
 
 namespace vqcli {
 
 namespace {
+using vq::KVCache;
 struct GenerateOptions {
   std::string model, tokenizer, prompt, method = "fp32";
   int steps = 256;
   float temperature = 1.0f, topp = 0.9f;
   std::uint64_t seed = 0;
   bool stats = false;
+  // generate --store: reuse the longest stored prefix (store/prefix_loader.hpp).
+  std::string store, levels = vq::kDefaultLevels;
+  bool use_store = false, json = false;
+  int chunk_tokens = vq::kDefaultChunkTokens;
+  std::optional<double> slo_ms, bandwidth_mbps;
 };
 
+// What generate --store did, for the report.
+struct StoreRun {
+  std::unique_ptr<vq::KVStore> store;
+  vq::LoaderOptions options;
+  vq::LoadReport report;
+  bool exact_prefix = true;  // every filled chunk exact (fp32 or recomputed): the caches may be stored
+};
+
+void warn(const std::string& msg) { fmt::print(stderr, "veloxquant: warning: {}\n", msg); }
+
+// After generating: store the context's whole chunks, when the live caches hold exact K/V.
+void store_context(StoreRun& sr, vq::Transformer& model, const std::string& method, const std::vector<int>& tokens,
+                   std::vector<std::shared_ptr<KVCache>>& caches) {
+  // Lossy K/V never poison the exact chain; after a fault the store is left alone (one warning is enough).
+  if (!sr.store || method != "fp32" || !sr.exact_prefix || !sr.report.warnings.empty()) return;
+  const std::int64_t held = std::min<std::int64_t>(caches.front()->offset(), static_cast<std::int64_t>(tokens.size()));
+  const std::int64_t C = sr.options.scheme.chunk_tokens;
+  const std::int64_t n = held / C * C;
+  if (n == 0) return;
+  std::vector<vq::KVState> exact;
+  for (const auto& c : caches) {
+    const vq::KVState s = c->state();
+    exact.push_back({s.keys.slice(2, 0, n), s.values.slice(2, 0, n)});
+  }
+  try {
+    vq::put_context(*sr.store, model, sr.options.scheme, std::span<const int>(tokens.data(), static_cast<std::size_t>(n)), exact);
+  } catch (const vq::IoError& e) {
+    warn(fmt::format("storing the context failed: {}", e.what()));
+  } catch (const vq::FormatError& e) {
+    warn(fmt::format("storing the context failed: {}", e.what()));
+  }
+}
+
 int run_generate(const GenerateOptions& o) {
+  vq::require(o.use_store || (!o.slo_ms && !o.bandwidth_mbps), "--slo-ms and --bandwidth need --store");
   auto opt = [](const std::string& s) { return s.empty() ? std::nullopt : std::optional<std::filesystem::path>(s); };
   const vq::ModelFiles files = vq::resolve_model_files(opt(o.model), opt(o.tokenizer));
   vq::Transformer model(vq::Checkpoint::load(files.model.string()));
@@ -42,12 +88,52 @@ int run_generate(const GenerateOptions& o) {
   cfg.sampler.topp = o.topp;
   // As run.c: seed 0 means "seed from the clock".
   cfg.sampler.seed = o.seed != 0 ? o.seed : static_cast<std::uint64_t>(std::time(nullptr));
+  StoreRun sr;
+  const std::string method = vq::MethodSpec::parse(o.method).to_string();
+  if (o.use_store) {
+    sr.options.scheme.chunk_tokens = o.chunk_tokens;
+    sr.options.scheme.levels = vq::parse_levels(o.levels);
+    sr.options.scheme.model_fingerprint = vq::model_fingerprint(model);
+    sr.options.slo_ms = o.slo_ms;
+    sr.options.bandwidth_mbps = o.bandwidth_mbps;
+    try {
+      sr.store = vq::open_store(o.store);
+    } catch (const vq::IoError& e) {
+      warn(fmt::format("store unavailable ({}); prefilling the whole prompt", e.what()));
+    }
+    if (sr.store)
+      cfg.fill_prefix = [&](std::span<const int> tokens, std::vector<std::shared_ptr<KVCache>>& cs) {
+        sr.report = vq::load_prefix(*sr.store, model, cs, tokens, sr.options, warn);
+        for (const auto& c : sr.report.chunks) sr.exact_prefix = sr.exact_prefix && (c.level == "fp32" || c.level == "recompute");
+        return sr.report.tokens_filled;
+      };
+  }
   const auto t0 = std::chrono::steady_clock::now();
-  const vq::GenerateResult r = vq::generate(model, tok, caches, o.prompt, cfg, [](std::string_view piece) {
+  const auto print_piece = [](std::string_view piece) {
     std::fwrite(piece.data(), 1, piece.size(), stdout);
     std::fflush(stdout);
-  });
-  std::fputc('\n', stdout);
+  };
+  const vq::GenerateResult r = o.json ? vq::generate(model, tok, caches, o.prompt, cfg) : vq::generate(model, tok, caches, o.prompt, cfg, print_piece);
+  if (o.json) {
+    nlohmann::json chunks = nlohmann::json::array();
+    for (const auto& c : sr.report.chunks)
+      chunks.push_back({{"index", c.index}, {"level", c.level}, {"bytes", c.bytes}, {"fetch_ms", c.fetch_ms}, {"decode_ms", c.decode_ms}});
+    fmt::print("{}\n", json_text({{"text", r.text},
+                                  {"tokens_reused", sr.report.tokens_reused},
+                                  {"ttft_ms", r.ttft_ms},
+                                  {"prefill_ms_estimate", sr.report.prefill_ms_estimate},
+                                  {"chunks", chunks}}));
+  } else {
+    std::fputc('\n', stdout);
+    if (sr.store) {
+      fmt::print(stderr, "store {}: {} of {} prompt tokens reused, time to first token {:.2f} ms (recomputing them: ~{:.2f} ms)\n",
+                 sr.store->describe(), sr.report.tokens_reused, r.prompt_tokens, r.ttft_ms, sr.report.prefill_ms_estimate);
+      for (const auto& c : sr.report.chunks)
+        fmt::print(stderr, "  chunk {:>4}  {:<40} {:>10} bytes  fetch {:8.2f} ms  decode {:8.2f} ms\n", c.index, c.level, c.bytes, c.fetch_ms,
+                   c.decode_ms);
+    }
+  }
+  store_context(sr, model, method, r.tokens, caches);
   if (o.stats) {
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     fmt::print(stderr, "{} tokens ({} prompt incl. BOS) in {:.3f} s: {:.0f} tokens/s, method {}\n", r.tokens.size(), r.prompt_tokens, s,
@@ -73,6 +159,19 @@ Runner add_generate(CLI::App& app) {
                  "KV cache: fp32, fp16, cachegen[:bits=N,group=G,flush=per_call|group_aligned,delta=0|1,schedule=on|off]")
       ->capture_default_str();
   app.add_flag("--stats", o->stats, "print tokens/s to stderr");
+  app.add_option_function<std::string>(
+         "--store", [o](const std::string& url) { o->store = url, o->use_store = true; },
+         "reuse the longest stored prefix of the prompt from this store (veloxquant store put), and store the context after")
+      ->type_name("URL");
+  app.add_option("--slo-ms", o->slo_ms, "with --store: deadline for loading the prefix (levels chosen per chunk to meet it)")
+      ->transform(finite_at_least(0.0));
+  app.add_option("--bandwidth", o->bandwidth_mbps, "with --store: emulate a link of this many megabits per second (client-side token bucket)")
+      ->transform(finite_at_least(0.001));
+  app.add_option("--levels", o->levels, "with --store: the level list the prefix was stored with (store put --levels)")->capture_default_str();
+  app.add_option("--chunk-tokens", o->chunk_tokens, "with --store: tokens per chunk, as stored")
+      ->capture_default_str()
+      ->transform(integer_in(1, 1 << 20));
+  app.add_flag("--json", o->json, "print {text, tokens_reused, ttft_ms, prefill_ms_estimate, chunks} as JSON instead of streaming the text");
   return [o] { return run_generate(*o); };
 }
 

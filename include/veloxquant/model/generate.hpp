@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -39,12 +40,17 @@ class Sampler {
 struct GenerateConfig {
   int steps = 256;            // positions including BOS, as run.c counts; clamped to seq_len; >= 1
   SamplerConfig sampler{0.0f, 0.9f, 1};
+  // Optional: fills the (empty) caches with the K/V of a prefix of the prompt's tokens (BOS first),
+  // e.g. from a prefix store (store/prefix_loader.hpp), and returns how many tokens it filled, fewer
+  // than the prompt's; generation then prefills only the rest.
+  std::function<int(std::span<const int>, std::vector<std::shared_ptr<KVCache>>&)> fill_prefix;
 };
 
 struct GenerateResult {
   std::vector<int> tokens;  // BOS, the prompt, then every generated token (without a final BOS/EOS)
   std::string text;         // the printed pieces, concatenated
   int prompt_tokens = 0;    // including BOS
+  double ttft_ms = 0;       // from the start of generate to the first sampled token (fill_prefix included)
 };
 
 // Generate from `prompt` (may be empty). `on_piece` (optional) receives each decoded piece as it is

@@ -1,0 +1,158 @@
+// `veloxquant store put|ls|stats|rm` and `generate --store` as a user runs them, on the file:
+// backend with the real stories260K model: exact reuse, reports, and faults that fall back to
+// recomputing with one warning and exit 0.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include <nlohmann/json.hpp>
+
+#include "../model/model_support.hpp"
+#include "../support/test_util.hpp"
+#include "redis_servers.hpp"
+#include "veloxquant/store/file_store.hpp"
+
+namespace fs = std::filesystem;
+
+namespace {
+
+const std::string kPrompt =
+    "Once upon a time, there was a little girl named Lily. She loved to play outside in the park with her friends. "
+    "One day, she saw a big red ball";
+
+std::string model_args() { return "--model '" + vqtest::model_path() + "' --tokenizer '" + vqtest::tokenizer_path() + "'"; }
+
+struct StoreDir {
+  fs::path path = fs::path(vqtest::temp_dir()) / fmt::format("store-cli-{}", counter()++);
+  StoreDir() { fs::remove_all(path); }
+  ~StoreDir() { fs::remove_all(path); }
+  std::string url() const { return "file:" + path.string(); }
+  static int& counter() {
+    static int c = 0;
+    return c;
+  }
+};
+
+vqtest::CliRun put(const StoreDir& s, const std::string& levels, int C = 8) {
+  return vqtest::run_cli(fmt::format("store put --store '{}' {} --prompt '{}' --levels '{}' --chunk-tokens {} --json", s.url(), model_args(),
+                                     kPrompt, levels, C));
+}
+vqtest::CliRun gen(const std::string& extra) {
+  return vqtest::run_cli(fmt::format("generate {} --prompt '{}' --temperature 0 --steps 90 {}", model_args(), kPrompt, extra));
+}
+
+TEST(StoreCli, PutLsStatsRm) {
+  StoreDir s;
+  const auto p = put(s, "fp16");
+  ASSERT_EQ(p.code, 0) << p.err;
+  const auto j = nlohmann::json::parse(p.out);
+  const int chunks = j.at("chunks").get<int>();
+  EXPECT_EQ(chunks, j.at("tokens").get<int>() / 8);
+  EXPECT_GE(chunks, 4);
+  EXPECT_EQ(j.at("levels").size(), 2u);  // fp16 and fp32, always added
+  const auto ls = vqtest::run_cli("store ls --store '" + s.url() + "' --json");
+  ASSERT_EQ(ls.code, 0) << ls.err;
+  EXPECT_EQ(nlohmann::json::parse(ls.out).at("keys").size(), static_cast<std::size_t>(chunks) * 3);
+  const auto st = vqtest::run_cli("store stats --store '" + s.url() + "' --json");
+  ASSERT_EQ(st.code, 0) << st.err;
+  EXPECT_EQ(nlohmann::json::parse(st.out).at("blobs").get<int>(), chunks * 3);
+  EXPECT_EQ(nlohmann::json::parse(st.out).at("bytes").get<std::uint64_t>(), j.at("bytes_written").get<std::uint64_t>());
+  // Again: idempotent, nothing new.
+  const auto again = put(s, "fp16");
+  EXPECT_EQ(nlohmann::json::parse(again.out).at("chunks_written").get<int>(), 0);
+  const std::string key = nlohmann::json::parse(ls.out).at("keys")[0].get<std::string>();
+  EXPECT_EQ(vqtest::run_cli("store rm --store '" + s.url() + "' " + key).code, 0);
+  const auto missing = vqtest::run_cli("store rm --store '" + s.url() + "' " + key);
+  EXPECT_EQ(missing.code, 1);
+  EXPECT_NE(missing.err.find(key), std::string::npos);
+  EXPECT_EQ(vqtest::run_cli("store rm --store '" + s.url() + "' --all").code, 0);
+  EXPECT_EQ(vqtest::run_cli("store ls --store '" + s.url() + "'").out, "");
+}
+
+TEST(StoreCli, BadInputIsOneLineAndNonzero) {
+  for (const std::string args : {"store put --prompt x --store s3://bucket", "store put --store file:/tmp/x", "store rm --store file:/tmp/x",
+                                 "store put --prompt x --levels fp99", "store rm --all k1", "store ls --store redis://h",
+                                 "generate --slo-ms 5"}) {
+    const auto r = vqtest::run_cli(args + " " + (args.rfind("store put", 0) == 0 || args.rfind("generate", 0) == 0 ? model_args() : ""));
+    EXPECT_NE(r.code, 0) << args;
+    EXPECT_NE(r.err.find("error"), std::string::npos) << args << ": " << r.err;
+    EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << args << ": " << r.err;
+  }
+}
+
+// With only the exact level stored, generate --store prints the same text as generate, token for
+// token, and reports every reused chunk.
+TEST(StoreCli, GenerateWithOnlyFp32StoredMatchesPlainGenerate) {
+  StoreDir s;
+  ASSERT_EQ(put(s, "fp32").code, 0);
+  const auto plain = gen("");
+  ASSERT_EQ(plain.code, 0) << plain.err;
+  const auto stored = gen("--store '" + s.url() + "' --levels fp32 --chunk-tokens 8 --json");
+  ASSERT_EQ(stored.code, 0) << stored.err;
+  const auto j = nlohmann::json::parse(stored.out);
+  EXPECT_EQ(j.at("text").get<std::string>() + "\n", plain.out);
+  EXPECT_GE(j.at("tokens_reused").get<int>(), 32);
+  EXPECT_GT(j.at("ttft_ms").get<double>(), 0.0);
+  EXPECT_GT(j.at("prefill_ms_estimate").get<double>(), 0.0);
+  ASSERT_EQ(j.at("chunks").size() * 8, static_cast<std::size_t>(j.at("tokens_reused").get<int>()));
+  for (const auto& c : j.at("chunks")) {
+    EXPECT_EQ(c.at("level"), "fp32");
+    EXPECT_GT(c.at("bytes").get<int>(), 0);
+    EXPECT_TRUE(c.contains("index") && c.contains("fetch_ms") && c.contains("decode_ms"));
+  }
+  EXPECT_EQ(stored.err, "");
+  // The streamed form prints the same text too.
+  const auto streamed = gen("--store '" + s.url() + "' --levels fp32 --chunk-tokens 8");
+  EXPECT_EQ(streamed.out, plain.out);
+}
+
+TEST(StoreCli, LossyLevelsUnderADeadlineReport) {
+  StoreDir s;
+  ASSERT_EQ(put(s, "fp16;cachegen:bits=2,group=8").code, 0);
+  // A slow emulated link (0.2 Mbps = 25 bytes/ms) and a tight deadline: no chunk can come at fp32.
+  const auto r = gen("--store '" + s.url() + "' --levels 'fp16;cachegen:bits=2,group=8' --chunk-tokens 8 --json --slo-ms 50 --bandwidth 0.2");
+  ASSERT_EQ(r.code, 0) << r.err;
+  const auto j = nlohmann::json::parse(r.out);
+  ASSERT_FALSE(j.at("chunks").empty());
+  for (const auto& c : j.at("chunks")) EXPECT_NE(c.at("level"), "fp32") << c.dump();
+}
+
+TEST(StoreCli, FaultsWarnRecomputeAndExitZero) {
+  StoreDir s;
+  ASSERT_EQ(put(s, "fp32").code, 0);
+  const auto plain = gen("");
+  vq::FileStore fs_store(s.path);
+  std::vector<std::string> level_keys;
+  for (const auto& k : fs_store.list())
+    if (k.rfind("vq-dir-", 0) != 0) level_keys.push_back(k);
+  ASSERT_FALSE(level_keys.empty());
+  const std::string args = "--store '" + s.url() + "' --levels fp32 --chunk-tokens 8";
+  // A corrupt blob (one flipped byte in every level blob): checksums catch it.
+  for (const auto& k : level_keys) {
+    const auto p = fs_store.blob_path(k);
+    std::fstream f(p, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(static_cast<std::streamoff>(fs::file_size(p) / 2));
+    f.put('\x5a');
+  }
+  auto r = gen(args);
+  EXPECT_EQ(r.code, 0) << r.err;
+  EXPECT_EQ(r.out, plain.out);
+  EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n') >= 1, true);
+  EXPECT_NE(r.err.find("warning: chunk 0"), std::string::npos) << r.err;
+  // A missing blob.
+  for (const auto& k : level_keys) fs_store.remove(k);
+  r = gen(args);
+  EXPECT_EQ(r.code, 0) << r.err;
+  EXPECT_EQ(r.out, plain.out);
+  EXPECT_NE(r.err.find("warning: chunk 0"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("missing"), std::string::npos) << r.err;
+  // A store that is down (nothing listens on a fresh free port).
+  r = gen(fmt::format("--store redis://127.0.0.1:{}?timeout_ms=200 --chunk-tokens 8", vqtest::free_port()));
+  EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 2) << r.err;  // the warning, then the report line
+  EXPECT_EQ(r.code, 0) << r.err;
+  EXPECT_EQ(r.out, plain.out);
+  EXPECT_NE(r.err.find("warning: chunk 0"), std::string::npos) << r.err;
+}
+
+}  // namespace
