@@ -99,7 +99,7 @@ LoadReport load_prefix(KVStore& store, Transformer& model, std::vector<std::shar
     std::vector<std::optional<Blob>> got;
     try {
       got = store.get_many(dkeys);
-    } catch (const Error& e) {
+    } catch (const std::exception& e) {
       warn(fmt::format("chunk 0: store {} failed ({}); recomputing", store.describe(), e.what()));
     }
     for (int i = 0; i < static_cast<int>(got.size()) && got[static_cast<std::size_t>(i)]; ++i) {
@@ -166,7 +166,7 @@ LoadReport load_prefix(KVStore& store, Transformer& model, std::vector<std::shar
       try {
         f.blob = store.get(key);
         if (!f.blob) f.error = fmt::format("blob '{}' missing", key);
-      } catch (const Error& e) {
+      } catch (const std::exception& e) {  // IoError, FormatError, or a forged size's bad_alloc
         f.error = fmt::format("store {} failed ({})", store.describe(), e.what());
       }
       f.fetch_ms = link.finish(f.blob ? f.blob->size() : 0, t);
@@ -207,7 +207,7 @@ LoadReport load_prefix(KVStore& store, Transformer& model, std::vector<std::shar
         for (const auto& l : kv)
           if (l.keys.shape() != want || l.values.shape() != want)
             throw FormatError(fmt::format("K/V of shape {}, the model's chunk is {}", shape_string(l.keys.shape()), shape_string(want)));
-      } catch (const Error& e) {
+      } catch (const std::exception& e) {
         warn(fmt::format("chunk {}: level {} blob rejected ({}); recomputing", i, entry.level, e.what()));
         break;  // `next` finishes in its destructor; nothing of this chunk was fed
       }

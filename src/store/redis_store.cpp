@@ -400,6 +400,7 @@ class ClusterRouter : public Router {
 
 constexpr char kTagBlob = 'B', kTagManifest = 'M';
 constexpr std::size_t kManifestBytes = 1 + 3 * 8;
+constexpr std::uint64_t kMaxParts = 1 << 16;  // 4 TiB at the default part size
 
 void put_u64(std::string& s, std::uint64_t v) {
   for (int i = 0; i < 8; ++i) s += static_cast<char>((v >> (8 * i)) & 0xff);
@@ -483,7 +484,8 @@ class RedisStore : public KVStore {
         out[i] = Blob(reinterpret_cast<const std::uint8_t*>(r->str) + 1, reinterpret_cast<const std::uint8_t*>(r->str) + r->len);
       } else if (r->str[0] == kTagManifest && r->len == kManifestBytes) {
         const Manifest m{get_u64(r->str + 1), get_u64(r->str + 9), get_u64(r->str + 17)};
-        if (m.parts == 0 || m.parts > (m.size + 0) || m.size / m.parts > (std::uint64_t{512} << 20))
+        // Bounds before anything is sized by them: a forged head must not make us allocate.
+        if (m.parts == 0 || m.parts > kMaxParts || m.parts > m.size || m.size / m.parts > (std::uint64_t{512} << 20))
           throw not_ours(keys[i], "a manifest with impossible sizes");
         split.emplace_back(i, m);
         for (std::uint64_t p = 0; p < m.parts; ++p) part_names.push_back(part_key(heads[i], p));
@@ -497,7 +499,7 @@ class RedisStore : public KVStore {
     std::size_t next = 0;
     for (const auto& [i, m] : split) {
       Blob b;
-      b.reserve(m.size);
+      b.reserve(std::min<std::uint64_t>(m.size, std::uint64_t{256} << 20));  // grows further only as parts arrive
       for (std::uint64_t p = 0; p < m.parts; ++p, ++next) {
         const Reply& r = parts[next];
         if (r->type == REDIS_REPLY_ERROR) ok_or_throw(parts[next], "GET", keys[i]);

@@ -120,6 +120,14 @@ TEST(RedisStore, ForeignValuesAreFormatErrors) {
   auto s = vq::open_store(plain_url("?prefix=foreign:"));
   g_servers->cli(g_plain, "SET 'foreign:{x}' hello");
   EXPECT_THROW(s->get("x"), vq::FormatError);
+  // A forged manifest (2^64-1 parts of 2^64-1 bytes): refused before anything is sized by it.
+  std::string ff;
+  for (int k = 0; k < 24; ++k) ff += "\\377";
+  ASSERT_EQ(std::system(fmt::format("printf 'M{}' | redis-cli -h 127.0.0.1 -p {} -x SET 'foreign:{{x}}' >/dev/null", ff,
+                                    g_servers->port(g_plain)).c_str()),
+            0);
+  EXPECT_EQ(g_servers->cli(g_plain, "STRLEN 'foreign:{x}'"), "25\n");
+  EXPECT_THROW(s->get("x"), vq::FormatError);
   g_servers->cli(g_plain, "DEL 'foreign:{x}'");
 }
 
