@@ -19,5 +19,6 @@ Runner add_profile(CLI::App& app);
 Runner add_compress(CLI::App& app);
 Runner add_decompress(CLI::App& app);
 Runner add_inspect(CLI::App& app);
+Runner add_demo(CLI::App& app);
 
 }  // namespace vqcli
