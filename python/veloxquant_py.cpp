@@ -229,6 +229,7 @@ PYBIND11_MODULE(veloxquant, m) {
   m.doc() =
       "veloxquant: CacheGen-style KV cache compression (the C++ library), with the API of VeloxQuant-MLX's "
       "veloxquant_mlx.cache over numpy arrays [B, H, S, D] of float16 or float32.";
+  m.attr("__version__") = VQ_VERSION;  // the CMake project's version (python/CMakeLists.txt)
 
   // Most derived first: pybind11 tries translators in reverse order of registration.
   py::register_exception_translator([](std::exception_ptr p) {

@@ -1,12 +1,16 @@
 """Finds the built `veloxquant` module and CLI for the tests.
 
 Module: the directories in $VQ_PYTHON_PATH (os.pathsep-separated; ctest sets it), else the newest
-build*/python/veloxquant*.so under the repository root. CLI: $VQ_CLI (ctest sets it), else the
-`veloxquant` binary one level above the module's directory (build/python/.. = build/).
+build*/python/veloxquant*.so under the repository root. With VQ_PYTHON_INSTALLED=1 (CI, after
+`pip install .`) nothing is added to sys.path: the suite runs against the INSTALLED module, and
+fails if that module comes from the repository. CLI: $VQ_CLI (ctest sets it), else the
+`veloxquant` binary one level above the module's directory (build/python/.. = build/), else the
+one on PATH.
 """
 import glob
 import os
 import pathlib
+import shutil
 import sys
 
 import pytest
@@ -14,7 +18,12 @@ import pytest
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
+INSTALLED = os.environ.get("VQ_PYTHON_INSTALLED") == "1"
+
+
 def _module_dirs():
+    if INSTALLED:
+        return []
     env = os.environ.get("VQ_PYTHON_PATH")
     if env:
         return [d for d in env.split(os.pathsep) if d]
@@ -36,10 +45,16 @@ except ImportError as e:  # pragma: no cover - a setup problem, said plainly
     ) from e
 
 
+if INSTALLED and pathlib.Path(veloxquant.__file__).resolve().is_relative_to(REPO):
+    raise ImportError(f"VQ_PYTHON_INSTALLED=1 but veloxquant was imported from the repository ({veloxquant.__file__})")
+
+
 @pytest.fixture(scope="session")
 def cli():
     env = os.environ.get("VQ_CLI")
     path = pathlib.Path(env) if env else pathlib.Path(veloxquant.__file__).resolve().parent.parent / "veloxquant"
+    if not env and not path.is_file() and shutil.which("veloxquant"):
+        path = pathlib.Path(shutil.which("veloxquant"))
     if not path.is_file():
         pytest.skip(f"the veloxquant CLI was not found at {path}; set VQ_CLI to build/veloxquant")
     return str(path)

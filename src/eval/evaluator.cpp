@@ -148,14 +148,18 @@ WindowRun run_window(Transformer& model, const std::string& method, std::span<co
 }  // namespace
 
 std::vector<MethodResult> evaluate(Transformer& model, const std::vector<int>& tokens, const std::vector<std::string>& methods,
-                                   const EvalOptions& o) {
-  o.validate(model.config().seq_len);
+                                   const EvalOptions& options) {
+  options.validate(model.config().seq_len);
   require(!methods.empty(), "no methods to evaluate");
   for (const auto& m : methods) (void)MethodSpec::parse(m);  // fail early on a bad spec
+  // A text shorter than one window is scored as one shorter window: BOS and the whole text.
+  EvalOptions o = options;
+  require(!tokens.empty(), "the text holds no tokens");
+  if (static_cast<std::int64_t>(tokens.size()) < o.window - 1) o.window = static_cast<int>(tokens.size()) + 1;
+  if (o.protocol == EvalProtocol::Reuse)
+    require(o.ctx < o.window, "the text holds {} tokens: nothing is left to score after a --ctx of {}", tokens.size(), o.ctx);
   const int vocab = model.config().vocab_size;
   const int text_per_window = o.window - 1;  // window = BOS + text tokens
-  require(static_cast<std::int64_t>(tokens.size()) >= text_per_window,
-          "the text holds {} tokens, fewer than one window of {}", tokens.size(), o.window);
   const std::int64_t scored_per_window = o.protocol == EvalProtocol::Stream ? o.window - 1 : o.window - o.ctx;
   std::int64_t n_windows = static_cast<std::int64_t>(tokens.size()) / text_per_window;
   // Windows needed for max_tokens, rounded up without forming max_tokens + scored_per_window - 1

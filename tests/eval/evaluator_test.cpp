@@ -89,6 +89,8 @@ TEST(Evaluator, RejectsBadOptions) {
   EXPECT_THROW(vq::evaluate(model, tokens, {"fp16"}, o), vq::InvalidArgument);
   o = {};
   EXPECT_THROW(vq::evaluate(model, tokens, {"cachegen:colour=red"}, o), vq::InvalidArgument);
+  EXPECT_THROW(vq::evaluate(model, std::vector<int>{}, {"fp16"}, o), vq::InvalidArgument);
+  o.protocol = vq::EvalProtocol::Reuse;  // a 10-token text leaves nothing to score after --ctx 128
   EXPECT_THROW(vq::evaluate(model, std::vector<int>(10, 5), {"fp16"}, o), vq::InvalidArgument);
   EXPECT_THROW(vq::eval_protocol_from_name("batch"), vq::InvalidArgument);
 }
@@ -110,6 +112,31 @@ TEST(Evaluator, HugeMaxTokensScoresTheWholeText) {
     EXPECT_EQ(r[0].tokens, whole) << max_tokens;
     EXPECT_TRUE(std::isfinite(r[0].ppl)) << max_tokens;
   }
+}
+
+// A text shorter than one window (issue 17: 478 tokens with --window 512 was refused) is scored as
+// one window of BOS + the whole text: every token, the same scores as a window of exactly that size.
+TEST(Evaluator, ShortTextIsOneShorterWindow) {
+  vq::Transformer model(vq::Checkpoint::load(model_path()));
+  auto tokens = validation_tokens(3000);
+  tokens.resize(100);
+  vq::EvalOptions o;
+  o.window = 512;
+  o.chunk = 16;
+  const auto r = vq::evaluate(model, tokens, {"fp32", "cachegen:bits=2,schedule=off"}, o);
+  ASSERT_EQ(r.size(), 2u);
+  EXPECT_EQ(r[0].tokens, 100);
+  EXPECT_EQ(r[0].kl, 0.0);
+  o.window = 101;  // exactly BOS + the text
+  const auto same = vq::evaluate(model, tokens, {"fp32", "cachegen:bits=2,schedule=off"}, o);
+  EXPECT_EQ(same[1].tokens, 100);
+  EXPECT_EQ(same[1].ppl, r[1].ppl);
+  EXPECT_EQ(same[1].kl, r[1].kl);
+  EXPECT_GT(r[1].kl, 0.0);
+  o.protocol = vq::EvalProtocol::Reuse;  // reuse: the context is compressed, the rest scored
+  o.window = 512;
+  o.ctx = 60;
+  EXPECT_EQ(vq::evaluate(model, tokens, {"fp16"}, o)[0].tokens, 41);
 }
 
 TEST(Evaluator, SyntheticFallbackReportsBits) {

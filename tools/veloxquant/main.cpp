@@ -8,6 +8,7 @@
 #include <fmt/core.h>
 
 #include "commands.hpp"
+#include "help_footers.hpp"
 #include "veloxquant/core/atomic_file.hpp"
 #include "veloxquant/core/error.hpp"
 
@@ -21,6 +22,8 @@ int main(int argc, char** argv) {
     CLI::App* sub = app.add_subcommand(name, help);
     runners[sub] = fn(*sub);
   };
+  add("demo", "the main job: ours, the reference's CacheGen and the peers on the real model, one table and what the best row buys",
+      vqcli::add_demo);
   add("account", "feed K/V .npy files through a CacheGenKVCache and print its byte counters", vqcli::add_account);
   add("synth", "write a synthetic LLM-like K/V pair as .npy files", vqcli::add_synth);
   add("generate", "generate text with a llama2.c model through a chosen KV cache method", vqcli::add_generate);
@@ -35,6 +38,8 @@ int main(int argc, char** argv) {
   add("store", "prefix KV store: put a text's KV in chunks at several levels, ls, stats, rm (file:, redis://, redis-cluster://)",
       vqcli::add_store);
   add("bench", "benchmarks: 'bench codec' compares veloxquant's rANS with htscodecs, zstd and lz4 on KV codes", vqcli::add_bench);
+
+  vqcli::add_help_footers(app);
 
   std::string names;
   bool known = false;
@@ -55,8 +60,12 @@ int main(int argc, char** argv) {
   } catch (const CLI::CallForVersion& e) {
     return app.exit(e);
   } catch (const CLI::ParseError& e) {
-    fmt::print(stderr, "veloxquant: error: {} (see veloxquant --help)\n", e.what());
-    return 2;
+    // An input file that does not exist (CLI11's ExistingFile check) is bad input like any other
+    // unreadable input (exit 1, as when the library finds it missing); the rest is usage (exit 2).
+    const std::string what = e.what();
+    const bool missing_input = what.find("File does not exist: ") != std::string::npos;
+    fmt::print(stderr, "veloxquant: error: {}{}\n", what, missing_input ? "" : " (see veloxquant --help)");
+    return missing_input ? 1 : 2;
   }
   try {
     for (auto& [sub, run] : runners)
