@@ -3,6 +3,7 @@
 // model and refuses another's fingerprint; broken vq layers are clear FormatErrors.
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <random>
 
 #include <fmt/format.h>
@@ -124,6 +125,22 @@ TEST(VqkvVq, EmptyVqLayerRoundTrips) {
   ASSERT_EQ(pc.caches[0]->kind(), "VqKVCache");
   EXPECT_EQ(pc.caches[0]->offset(), 0);
   EXPECT_EQ(dynamic_cast<const vq::VqKVCache&>(*pc.caches[0]).config().calib, 4);
+}
+
+// A small vq file whose bytes this build must write exactly and read back exactly (a change that
+// alters them is a new format version). Regenerate only on a deliberate format change:
+//   VQ_WRITE_GOLDEN=1 ./build/tests/vq_tests --gtest_filter='VqkvVq.GoldenFile*'
+TEST(VqkvVq, GoldenFileIsWrittenAndReadExactly) {
+  const std::string path = std::string(VQ_SOURCE_DIR) + "/tests/golden/valid_v2_vq.vqkv";
+  const auto k = vqtest::random_walk({1, 2, 20, 4}, 101, vq::DType::F16), v = vqtest::random_walk({1, 2, 20, 4}, 102, vq::DType::F16);
+  auto live = std::make_shared<vq::VqKVCache>(vq_cfg(3, 8, 3));
+  for (int s = 0; s < 20; s += 5) live->update_and_fetch(k.slice(2, s, s + 5), v.slice(2, s, s + 5));
+  const auto bytes = vq::serialize_prompt_cache({live}, {{"golden", "v2 vq"}}, {.chunk_tokens = 8});
+  if (std::getenv("VQ_WRITE_GOLDEN")) vqtest::spit(path, std::string(bytes.begin(), bytes.end()));
+  const std::string stored = vqtest::slurp(path);
+  EXPECT_EQ(std::vector<std::uint8_t>(stored.begin(), stored.end()), bytes) << "the writer's bytes changed: a new format version?";
+  const vq::PromptCache pc = vq::deserialize_prompt_cache(std::vector<std::uint8_t>(stored.begin(), stored.end()));
+  expect_same_vq(*live, *pc.caches[0], "golden");
 }
 
 // ---- layers built from stories260K's weights ----
