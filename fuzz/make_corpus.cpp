@@ -169,6 +169,29 @@ int main(int argc, char** argv) {
     for (auto& c : caches) c->update_and_fetch(t, t);
     write(vk, "sparse_groups_chunks_of_1", vq::serialize_prompt_cache(caches, {}, {.chunk_tokens = 1}));
   }
+  {  // vq layers without a model (identity transforms): exact window, B > 1 in float16, split codes.
+     // Its own generator, so the seeds after it stay as they were. (vq_valid_3, a layer built from
+     // stories260K that loads only with the model, came from the CLI: docs/format.md.)
+    std::mt19937 vrng(15);
+    int i = 0;
+    for (auto [b, tokens, bits, calib, residual, chunk, dtype] : {std::tuple{1, 30, 2.0, 8, 3, 10, vq::DType::F32},
+                                                                  {2, 21, 6.0, 5, 0, 8, vq::DType::F16},
+                                                                  {1, 12, 9.5, 4, 2, 64, vq::DType::BF16}}) {
+      vq::VqConfig cfg;
+      cfg.bits = bits;
+      cfg.calib = calib;
+      cfg.residual = residual;
+      auto c = std::make_shared<vq::VqKVCache>(cfg);
+      std::vector<float> x(static_cast<std::size_t>(b * 2 * tokens * 4));
+      for (auto& v : x) v = nd(vrng);
+      const auto t = vq::Tensor::from_f32({b, 2, tokens, 4}, x, dtype);
+      for (int s = 0; s < tokens; s += 7) c->update_and_fetch(t.slice(2, s, std::min(tokens, s + 7)), t.slice(2, s, std::min(tokens, s + 7)));
+      const auto bytes = vq::serialize_prompt_cache({c}, {}, {.chunk_tokens = chunk});
+      write(vk, "vq_gen_valid_" + std::to_string(i), bytes);
+      write(vk, "vq_gen_truncated_" + std::to_string(i), {bytes.begin(), bytes.begin() + static_cast<std::ptrdiff_t>(bytes.size() / 2)});
+      ++i;
+    }
+  }
   // LMCache chunks (fuzz_lmcache_chunk): header byte = the shape (K channels - 1, V channels - 1 << 3,
   // 16 key bins << 6, 16 value bins << 7); K [1, 2, S, 4], V [1, 2, S, 2], chunk 16, 21 tokens
   // (a whole and a partial chunk), at layers of a 32-layer model with each bins pair.

@@ -33,6 +33,9 @@
 #include "veloxquant/cache/builder.hpp"
 #include "veloxquant/cache/cachegen_cache.hpp"
 #include "veloxquant/format/vqkv.hpp"
+#include "veloxquant/model/checkpoint.hpp"
+#include "veloxquant/model/method_spec.hpp"
+#include "veloxquant/model/transformer.hpp"
 #include "veloxquant/cache/config.hpp"
 #include "veloxquant/cache/kv_cache.hpp"
 #include "veloxquant/core/error.hpp"
@@ -349,12 +352,14 @@ PYBIND11_MODULE(veloxquant, m) {
         vq::save_prompt_cache(file, cache, metadata.value_or(vq::PromptMetadata{}));
       },
       "file"_a, "cache"_a, "metadata"_a = py::none(),
-      "mlx_lm's save_prompt_cache: write the per-layer caches (KVCache / CacheGenKVCache) and string metadata to a .vqkv "
+      "mlx_lm's save_prompt_cache: write the per-layer caches (KVCache / CacheGenKVCache / VqKVCache) and string metadata to a .vqkv "
       "file (docs/format.md), atomically. ValueError for a cache class the format cannot hold, OSError when writing fails.");
   m.def(
       "load_prompt_cache",
-      [](const std::string& file, bool return_metadata) -> py::object {
-        vq::PromptCache pc = vq::load_prompt_cache(file);
+      [](const std::string& file, bool return_metadata, std::optional<std::string> model) -> py::object {
+        vq::VqkvLoadOptions o;
+        if (model) o.vq_models = vq::vq_layer_models(std::make_shared<const vq::Checkpoint>(vq::Checkpoint::load(*model)));
+        vq::PromptCache pc = vq::load_prompt_cache(file, o);
         py::list caches;
         for (auto& c : pc.caches) {
           if (auto cg = std::dynamic_pointer_cast<vq::CacheGenKVCache>(c))
@@ -365,10 +370,20 @@ PYBIND11_MODULE(veloxquant, m) {
         if (return_metadata) return py::make_tuple(caches, py::cast(pc.metadata));
         return caches;
       },
-      "file"_a, "return_metadata"_a = false,
+      "file"_a, "return_metadata"_a = false, py::kw_only(), "model"_a = py::none(),
       "mlx_lm's load_prompt_cache: the caches saved in a .vqkv file, the same classes and configurations, fetching bit "
-      "for bit what the saved caches fetched (and (caches, metadata) with return_metadata=True). RuntimeError for a "
-      "malformed file, OSError when it cannot be read.");
+      "for bit what the saved caches fetched (and (caches, metadata) with return_metadata=True). model: the llama2.c "
+      "checkpoint path that `vq` layers built from a model need (their transforms are rebuilt from its weights; a file "
+      "naming another model's fingerprint is a RuntimeError). RuntimeError for a malformed file, OSError when it cannot be read.");
+  m.def(
+      "make_caches",
+      [](const std::string& method, const std::string& model) {
+        const vq::Transformer t(vq::Checkpoint::load(model));
+        return vq::make_caches(method, t);
+      },
+      "method"_a, "model"_a,
+      "One cache per layer of the llama2.c checkpoint at `model` for a method spec (e.g. 'vq:bits=2', 'cachegen'); "
+      "`vq` caches derive their transforms from the model's weights and record its fingerprint. ValueError for a bad spec.");
 
   m.def("layer_group_bits", &vq::layer_group_bits, "n_layers"_a, "base_bits"_a, "n_groups"_a = 3,
         "CacheGen's layer-wise bit schedule: deeper layers get fewer bits (never below 2).");

@@ -3,6 +3,9 @@
 #include "veloxquant/entropy/context_coder.hpp"
 #include "veloxquant/entropy/frequency_table.hpp"
 
+#include <bit>
+#include <cmath>
+
 #include <xxhash.h>
 #if defined(__SSE2__)
 #include <emmintrin.h>
@@ -53,6 +56,69 @@ void read_config(ByteReader& r, LayerEntry& e, std::uint16_t version) {
     r.fail(fmt::format("a context-coded layer's tables must have {} bits, not {}", table_scale_bits(1 << c.effective_bits()), e.scale_bits));
 }
 
+void f64(ByteWriter& w, double v) { w.u64(std::bit_cast<std::uint64_t>(v)); }
+double f64(ByteReader& r, const char* what) {
+  const double v = std::bit_cast<double>(r.u64(what));
+  if (!std::isfinite(v)) r.fail(fmt::format("{} is not a finite number", what));
+  return v;
+}
+
+std::uint8_t basis_number(VqBasis b) {
+  switch (b) {
+    case VqBasis::Identity: return kVqBasisIdentity;
+    case VqBasis::Hadamard: return kVqBasisHadamard;
+    case VqBasis::Weights: break;
+  }
+  return kVqBasisWeights;
+}
+
+void write_vq(ByteWriter& w, const LayerEntry& e) {
+  f64(w, e.vq.bits);
+  w.u32(static_cast<std::uint32_t>(e.vq.calib));
+  w.u32(static_cast<std::uint32_t>(e.vq.residual));
+  f64(w, e.vq.k_offset);
+  f64(w, e.vq.v_offset);
+  w.u8(e.vq_source ? 1 : 0);
+  if (e.vq_source) {
+    const VqModelSource& m = *e.vq_source;
+    w.u64(m.fingerprint);
+    w.u32(static_cast<std::uint32_t>(m.layer));
+    w.u8(basis_number(m.basis.basis));
+    w.u8(m.basis.shape ? 1 : 0);
+    w.u8(m.basis.rope ? 1 : 0);
+    f64(w, m.basis.rope_theta);
+  }
+  w.u64(e.vq_quantized);
+}
+
+void read_vq(ByteReader& r, LayerEntry& e, std::uint64_t layer) {
+  VqConfig& c = e.vq;
+  c.bits = f64(r, "vq bits");
+  c.calib = static_cast<int>(r.ranged(r.u32("vq calib"), 1, 0x7fffffff, "vq calib"));
+  c.residual = static_cast<int>(r.ranged(r.u32("vq residual"), 0, 0x7fffffff, "vq residual"));
+  c.k_offset = f64(r, "vq K offset");
+  c.v_offset = f64(r, "vq V offset");
+  try {
+    c.validate();
+  } catch (const InvalidArgument& ex) {
+    r.fail(fmt::format("layer {}: {}", layer, ex.what()));
+  }
+  if (flag(r, "vq model flag")) {
+    VqModelSource m;
+    m.fingerprint = r.u64("vq model fingerprint");
+    m.layer = static_cast<int>(r.ranged(r.u32("vq model layer"), 0, kMaxLayers - 1, "vq model layer"));
+    const auto basis = r.ranged(r.u8("vq basis"), 0, 2, "vq basis");
+    m.basis.basis = basis == kVqBasisIdentity ? VqBasis::Identity : basis == kVqBasisHadamard ? VqBasis::Hadamard : VqBasis::Weights;
+    m.basis.shape = flag(r, "vq shape flag");
+    m.basis.rope = flag(r, "vq rope flag");
+    m.basis.rope_theta = f64(r, "vq rope theta");
+    if (!(m.basis.rope_theta > 0)) r.fail(fmt::format("layer {}: vq rope theta {} must be > 0", layer, m.basis.rope_theta));
+    e.vq_source = m;
+  }
+  e.vq_quantized = r.u64("vq quantized tokens");
+  if (e.vq_quantized > e.offset) r.fail(fmt::format("layer {}: {} quantized tokens of {}", layer, e.vq_quantized, e.offset));
+}
+
 }  // namespace
 
 std::vector<std::uint8_t> write_header(const Header& h) {
@@ -75,6 +141,7 @@ std::vector<std::uint8_t> write_header(const Header& h) {
     w.u8(static_cast<std::uint8_t>(e.cls));
     w.u64(e.offset);
     if (e.cls == CacheClass::CacheGen) write_config(w, e);
+    if (e.cls == CacheClass::Vq) write_vq(w, e);
   }
   require(body.size() <= kMaxHeaderBody, "vqkv: the header (metadata) is too large");
   std::vector<std::uint8_t> out;
@@ -128,12 +195,13 @@ Header read_header(std::span<const std::uint8_t> file, std::size_t& consumed) {
   for (std::uint64_t i = 0; i < n_layers; ++i) {
     LayerEntry& e = h.layers[i];
     const auto cls = r.u8("cache class");
-    if (cls > 1) r.fail(fmt::format("layer {}: unknown cache class {} (0 = KVCache, 1 = CacheGenKVCache)", i, cls));
+    if (cls > 2) r.fail(fmt::format("layer {}: unknown cache class {} (0 = KVCache, 1 = CacheGenKVCache, 2 = VqKVCache)", i, cls));
     e.cls = static_cast<CacheClass>(cls);
     e.offset = r.u64("layer offset");
     if (e.offset != 0 && e.offset != h.tokens)
       r.fail(fmt::format("layer {} holds {} tokens, the file {} (a layer holds all of them or none)", i, e.offset, h.tokens));
     if (e.cls == CacheClass::CacheGen) read_config(r, e, version);
+    if (e.cls == CacheClass::Vq) read_vq(r, e, i);
   }
   if (r.remaining() != 0) r.fail(fmt::format("{} unexpected bytes after the layer table", r.remaining()));
   // The writer takes T and the shape from the non-empty layers: a header claiming tokens that no
@@ -227,6 +295,12 @@ unsigned __int128 min_block_bytes(const Header& h, std::uint64_t prefix) {
       const u128 slice_bytes = u128{h.slices()} * h.dim(side) * dtype_size(h.dtype);  // one token of one side, raw
       if (e.cls == CacheClass::Plain) {
         need += u128{chunks} * block + u128{covered} * slice_bytes;
+      } else if (e.cls == CacheClass::Vq) {
+        // One CODES block (both sides) per chunk of the quantized tokens the load reads; the
+        // residual's rows when the load needs them (it reads them whole).
+        const std::uint64_t q = e.vq_quantized;
+        if (side == 0) need += u128{(std::min(p, q) + h.chunk_tokens - 1) / h.chunk_tokens} * block;
+        if (p > q) need += block + u128{h.tokens - q} * slice_bytes;
       } else {
         const auto g = static_cast<std::uint64_t>(e.config.cachegen_group_size);
         need += block + 4 + u128{(p + g - 1) / g} * slice_bytes;  // TABLES with its piece count, then >= one token's rows per group
@@ -245,12 +319,17 @@ BlockPlan::BlockPlan(const Header& h, const std::vector<std::array<std::vector<G
       const auto& g = groups_[l][static_cast<std::size_t>(side)];
       if (h.layers[l].cls == CacheClass::Plain && n_chunks_ > 0) due_.emplace(0, l, side);
       if (h.layers[l].cls == CacheClass::CacheGen && !g.empty()) due_.emplace(g.front().start / h.chunk_tokens, l, side);
+      if (h.layers[l].cls == CacheClass::Vq && side == 0 && h.layers[l].vq_quantized > 0) due_.emplace(0, l, side);
     }
   }
 }
 
 std::optional<std::uint64_t> BlockPlan::next_chunk(std::uint64_t chunk, std::size_t layer, int side) const {
   if (h_.layers[layer].cls == CacheClass::Plain) return chunk + 1 < n_chunks_ ? std::optional(chunk + 1) : std::nullopt;
+  if (h_.layers[layer].cls == CacheClass::Vq) {
+    const std::uint64_t q = h_.layers[layer].vq_quantized;
+    return (chunk + 1) * std::uint64_t{h_.chunk_tokens} < q ? std::optional(chunk + 1) : std::nullopt;
+  }
   const auto& g = groups_[layer][static_cast<std::size_t>(side)];
   const std::size_t c = cursor_[layer][static_cast<std::size_t>(side)];
   return c < g.size() ? std::optional(g[c].start / h_.chunk_tokens) : std::nullopt;
@@ -270,6 +349,12 @@ PlannedBlock BlockPlan::chunk_block(std::uint64_t chunk, std::size_t layer, int 
     p.header.token_count = end - begin;
     return p;
   }
+  if (e.cls == CacheClass::Vq) {  // the codes of both sides of the chunk's quantized tokens
+    p.header.type = BlockType::Codes;
+    p.header.token_begin = begin;
+    p.header.token_count = std::min<std::uint64_t>(begin + h_.chunk_tokens, e.vq_quantized) - begin;
+    return p;
+  }
   const auto& g = groups_[layer][static_cast<std::size_t>(side)];
   std::size_t& c = cursor_[layer][static_cast<std::size_t>(side)];
   p.header.type = BlockType::Codes;
@@ -283,8 +368,8 @@ PlannedBlock BlockPlan::chunk_block(std::uint64_t chunk, std::size_t layer, int 
 
 std::optional<PlannedBlock> BlockPlan::residual_block() {
   const LayerEntry& e = h_.layers[layer_];
-  if (e.cls != CacheClass::CacheGen || e.offset == 0) return std::nullopt;
-  const std::uint64_t q = quantized_tokens(groups_[layer_][static_cast<std::size_t>(side_)]);
+  if (e.cls == CacheClass::Plain || e.offset == 0) return std::nullopt;
+  const std::uint64_t q = e.cls == CacheClass::Vq ? e.vq_quantized : quantized_tokens(groups_[layer_][static_cast<std::size_t>(side_)]);
   if (q >= e.offset) return std::nullopt;
   PlannedBlock p;
   p.header.type = BlockType::Rows;

@@ -20,6 +20,7 @@
 #include "veloxquant/core/dtype.hpp"
 #include "veloxquant/core/error.hpp"
 #include "veloxquant/format/vqkv.hpp"
+#include "veloxquant/vq/vq_cache.hpp"
 
 namespace vq::vqkv {
 
@@ -44,7 +45,14 @@ inline constexpr std::uint32_t kMaxMetadataEntries = 1u << 16;
 
 // Numbers written to files: never renumber.
 enum class BlockType : std::uint8_t { Tables = 1, Codes = 2, Rows = 3, End = 4 };
-enum class CacheClass : std::uint8_t { Plain = 0, CacheGen = 1 };
+enum class CacheClass : std::uint8_t { Plain = 0, CacheGen = 1, Vq = 2 };
+// A vq layer's basis (vq/basis.hpp's VqBasis, numbered for files).
+inline constexpr std::uint8_t kVqBasisIdentity = 0, kVqBasisHadamard = 1, kVqBasisWeights = 2;
+// A vq CODES block may claim at most this many codes per byte of its body (0.002 bits per code),
+// so that a file of n bytes never makes a reader allocate more than 4096 n codes: the vq coder
+// spends no bytes on a coefficient whose codes are all 0, so nothing else bounds a block's rows.
+// Only near-constant K/V reaches it (the writer refuses such a block; smaller chunks fit).
+inline constexpr std::uint64_t kVqMaxCodesPerByte = 4096;
 // A CacheGen layer's symbol transform (stream_codec.hpp's SymbolTransform numbers): per-channel
 // tables of the codes, or (version 2) the context coder.
 inline constexpr std::uint8_t kTransformCodes = 0;
@@ -124,6 +132,9 @@ struct LayerEntry {
   KVCacheConfig config;      // CacheGen
   std::uint8_t transform = kTransformCodes;  // CacheGen
   int scale_bits = 0;        // CacheGen: precision of its frequency tables
+  VqConfig vq;                               // Vq
+  std::optional<VqModelSource> vq_source;    // Vq: the model it was built from (none: identity sized from the data)
+  std::uint64_t vq_quantized = 0;            // Vq: tokens held as codes, [0, Q) (Q <= offset)
 };
 
 struct Header {

@@ -2,6 +2,7 @@
 // (vqkv_layout.hpp), decode, and rebuild the caches. inspect_prompt_cache runs the same walk
 // without decoding the rANS payloads.
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <limits>
 #include <optional>
@@ -13,6 +14,8 @@
 #include "veloxquant/entropy/frequency_table.hpp"
 #include "veloxquant/format/vqkv.hpp"
 #include "veloxquant/quant/group_quant.hpp"
+#include "veloxquant/vq/codec.hpp"
+#include "veloxquant/vq/vq_cache.hpp"
 #include "vqkv_layout.hpp"
 
 namespace vq {
@@ -37,10 +40,20 @@ struct SideData {
   VqkvBytes bytes;
 };
 
+// What was read of a vq layer: its calibration (from the first CODES block; every later one must
+// agree) and the decoded codes per batch row, [tokens, n] each.
+struct VqData {
+  bool calibrated = false;
+  VqLayerCodes params;  // step, offset, shift of both sides (no codes)
+  std::vector<std::vector<std::int16_t>> k, v;
+  std::uint64_t tokens = 0;  // decoded
+};
+
 class FileReader {
  public:
-  FileReader(std::span<const std::uint8_t> file, bool decode, RansKernel kernel, std::optional<std::int64_t> max_tokens = std::nullopt)
-      : file_(file), decode_(decode), kernel_(kernel), max_tokens_(max_tokens) {}
+  FileReader(std::span<const std::uint8_t> file, bool decode, RansKernel kernel, std::optional<std::int64_t> max_tokens = std::nullopt,
+             VqLayerModelSource vq_models = {})
+      : file_(file), decode_(decode), kernel_(kernel), max_tokens_(max_tokens), vq_models_(std::move(vq_models)) {}
 
   void run() {
     std::size_t pos = 0;
@@ -51,6 +64,7 @@ class FileReader {
     check_size_bound(pos);
     sides_.resize(h_.layers.size());
     groups_.resize(h_.layers.size());
+    vq_.resize(h_.layers.size());
     std::uint64_t n_blocks = 0;
     for (std::size_t l = 0; l < h_.layers.size(); ++l) {
       const vqkv::LayerEntry& e = h_.layers[l];
@@ -85,7 +99,9 @@ class FileReader {
       sd.bytes.headers += vqkv::kBlockHeaderBytes;
       sd.bytes.checksums += vqkv::kChecksumBytes;
       const bool want = needed(*p);
-      if (got.type == BlockType::Codes)
+      if (got.type == BlockType::Codes && h_.layers[got.layer].cls == CacheClass::Vq)
+        read_vq_codes(got, body, sd, vq_[got.layer], want);
+      else if (got.type == BlockType::Codes)
         read_codes(got, *p, body, sd, want);
       else
         read_rows(got, body, sd, want);
@@ -111,11 +127,16 @@ class FileReader {
     for (std::size_t l = 0; l < h_.layers.size(); ++l) {
       const vqkv::LayerEntry& e = h_.layers[l];
       VqkvLayerInfo li;
-      li.kind = e.cls == CacheClass::CacheGen ? "CacheGenKVCache" : "KVCache";
+      li.kind = e.cls == CacheClass::CacheGen ? "CacheGenKVCache" : e.cls == CacheClass::Vq ? "VqKVCache" : "KVCache";
       if (e.cls == CacheClass::CacheGen) li.config = e.config;
       li.offset = static_cast<std::int64_t>(e.offset);
       li.quantized_keys = static_cast<std::int64_t>(vqkv::quantized_tokens(groups_[l][0]));
       li.quantized_values = static_cast<std::int64_t>(vqkv::quantized_tokens(groups_[l][1]));
+      if (e.cls == CacheClass::Vq) {
+        li.vq = e.vq;
+        li.vq_model = e.vq_source;
+        li.quantized_keys = li.quantized_values = static_cast<std::int64_t>(e.vq_quantized);
+      }
       li.keys = sides_[l][0].bytes;
       li.values = sides_[l][1].bytes;
       in.layers.push_back(std::move(li));
@@ -244,6 +265,8 @@ class FileReader {
       for (std::size_t l = 0; l < h_.layers.size(); ++l)
         for (const SideData& sd : sides_[l])
           if (h_.layers[l].cls == CacheClass::CacheGen && h_.layers[l].offset > 0 && prefix_ > sd.closed) residual = true;
+      for (const vqkv::LayerEntry& e : h_.layers)
+        if (e.cls == CacheClass::Vq && e.offset > 0 && prefix_ > e.vq_quantized) residual = true;
       if (!residual) limit = (prefix_ + h_.chunk_tokens - 1) / h_.chunk_tokens * h_.chunk_tokens;
     }
     unsigned __int128 meta = 0;
@@ -274,7 +297,7 @@ class FileReader {
   // Whether a load of prefix_ tokens needs this block's contents.
   bool needed(const vqkv::PlannedBlock& p) const {
     if (p.header.type == BlockType::End) return prefix_ == h_.tokens;
-    const bool residual = p.header.type == BlockType::Rows && h_.layers[p.header.layer].cls == CacheClass::CacheGen;
+    const bool residual = p.header.type == BlockType::Rows && h_.layers[p.header.layer].cls != CacheClass::Plain;
     return residual ? prefix_ > p.header.token_begin : p.header.token_begin < prefix_;
   }
 
@@ -341,6 +364,56 @@ class FileReader {
       vqkv::symbols_to_codes(symbols_.data() + s * d * ld, ld, count, d, sd.parts.codes[s].data() + t0 * d);
   }
 
+  // A vq layer's CODES block: both sides' codes of its tokens, one vq_encode stream (vq/codec.hpp),
+  // counted under the keys. Decoded by inspect too (the codec has no separate header to verify),
+  // after the block's claimed codes are bounded by its size (kVqMaxCodesPerByte).
+  void read_vq_codes(const BlockHeader& b, std::span<const std::uint8_t> body, SideData& sd, VqData& vd, bool keep) {
+    sd.bytes.payload += body.size();
+    const unsigned __int128 codes = static_cast<unsigned __int128>(b.token_count) * h_.batch * (h_.heads * std::uint64_t{h_.key_dim} + h_.heads * std::uint64_t{h_.value_dim});
+    if (codes > static_cast<unsigned __int128>(vqkv::kVqMaxCodesPerByte) * body.size())
+      fail_at(b, fmt::format("claims more codes than {} bytes can hold (at most {} per byte)", body.size(), vqkv::kVqMaxCodesPerByte));
+    VqLayerCodes c;
+    try {
+      c = vq_decode(body, static_cast<std::uint64_t>(codes), kernel_);
+    } catch (const FormatError& ex) {
+      fail_at(b, ex.what());
+    }
+    const auto H = static_cast<std::int64_t>(h_.heads);
+    if (c.batch != h_.batch || c.tokens != static_cast<std::int64_t>(b.token_count) || c.k.n != H * h_.key_dim || c.v.n != H * h_.value_dim)
+      fail_at(b, fmt::format("holds codes of batch {}, {} tokens, widths {}/{}; the block needs batch {}, {} tokens, {}/{}", c.batch, c.tokens,
+                             c.k.n, c.v.n, h_.batch, b.token_count, H * h_.key_dim, H * h_.value_dim));
+    for (VqSideCodes* side : {&c.k, &c.v})
+      if (side->shift.empty()) side->shift.assign(static_cast<std::size_t>(side->n), 0);
+    auto same = [](const VqSideCodes& x, const VqSideCodes& y) {
+      return std::bit_cast<std::uint32_t>(x.step) == std::bit_cast<std::uint32_t>(y.step) && x.offset == y.offset && x.shift == y.shift;
+    };
+    if (!vd.calibrated) {
+      vd.calibrated = true;
+      vd.params.batch = c.batch;
+      for (int s = 0; s < 2; ++s) {
+        const VqSideCodes& from = s == 0 ? c.k : c.v;
+        VqSideCodes& to = s == 0 ? vd.params.k : vd.params.v;
+        to.n = from.n;
+        to.step = from.step;
+        to.offset = from.offset;
+        to.shift = from.shift;
+      }
+    } else if (!same(c.k, vd.params.k) || !same(c.v, vd.params.v)) {
+      fail_at(b, "its quantizer (step, offsets, shifts) differs from the layer's first CODES block");
+    }
+    if (!decode_ || !keep) return;
+    const std::size_t count = b.token_count;
+    vd.k.resize(h_.batch);
+    vd.v.resize(h_.batch);
+    for (std::size_t bi = 0; bi < h_.batch; ++bi) {
+      const auto rows_k = c.k.codes.begin() + static_cast<std::ptrdiff_t>(bi * count * static_cast<std::size_t>(c.k.n));
+      vd.k[bi].insert(vd.k[bi].end(), rows_k, rows_k + static_cast<std::ptrdiff_t>(count * static_cast<std::size_t>(c.k.n)));
+      const auto rows_v = c.v.codes.begin() + static_cast<std::ptrdiff_t>(bi * count * static_cast<std::size_t>(c.v.n));
+      vd.v[bi].insert(vd.v[bi].end(), rows_v, rows_v + static_cast<std::ptrdiff_t>(count * static_cast<std::size_t>(c.v.n)));
+    }
+    vd.tokens += count;
+  }
+
   static void append_floats(UninitVector<float>& out, std::span<const std::uint8_t> raw, const ByteReader& r, bool scale) {
     const std::size_t at = out.size(), n = raw.size() / 4;
     out.resize(at + n);
@@ -352,7 +425,7 @@ class FileReader {
   void read_rows(const BlockHeader& b, std::span<const std::uint8_t> body, SideData& sd, bool keep) {
     const unsigned __int128 want = static_cast<unsigned __int128>(b.token_count) * slices() * h_.dim(b.side) * dtype_size(h_.dtype);
     if (body.size() != want) fail_at(b, fmt::format("holds {} bytes, its rows need {}", body.size(), static_cast<std::uint64_t>(want)));
-    (h_.layers[b.layer].cls == CacheClass::CacheGen ? sd.bytes.residual : sd.bytes.payload) += body.size();
+    (h_.layers[b.layer].cls != CacheClass::Plain ? sd.bytes.residual : sd.bytes.payload) += body.size();
     if (decode_ && keep) {
       sd.rows.push_back(body);
       sd.row_tokens += b.token_count;
@@ -424,11 +497,58 @@ class FileReader {
     if (e.cls == CacheClass::Plain) {
       c = std::make_shared<KVCache>();
       if (e.offset > 0 && prefix_ > 0) c->from_state({dense_side(l, 0), dense_side(l, 1)});
+    } else if (e.cls == CacheClass::Vq) {
+      c = build_vq(l);
     } else {
       c = build_cachegen(l);
     }
     if (c->offset() > static_cast<std::int64_t>(prefix_)) c->trim(c->offset() - static_cast<std::int64_t>(prefix_));
     return c;
+  }
+
+  // The layer model a vq layer names: none (identity sized from the data), or the one vq_models_
+  // rebuilds, which must be for the model and layer the file names.
+  std::shared_ptr<const VqLayerModel> vq_layer_model(std::size_t l) const {
+    const vqkv::LayerEntry& e = h_.layers[l];
+    if (!e.vq_source) return nullptr;
+    if (!vq_models_)
+      throw FormatError(fmt::format("vqkv: layer {} is a vq cache built from the model with fingerprint {:016x}: load it with that model "
+                                    "(decompress --model, load_prompt_cache(..., model=...), VqkvLoadOptions::vq_models)",
+                                    l, e.vq_source->fingerprint));
+    std::shared_ptr<const VqLayerModel> m;
+    try {
+      m = vq_models_(*e.vq_source);
+    } catch (const Error& ex) {
+      throw FormatError(fmt::format("vqkv: layer {}: {}", l, ex.what()));
+    }
+    if (!m || m->source != e.vq_source)
+      throw FormatError(fmt::format("vqkv: layer {}: the vq model source returned a model for another fingerprint or layer", l));
+    if (e.offset > 0 && (m->kv_heads != static_cast<int>(h_.heads) || m->k.n != m->kv_heads * static_cast<int>(h_.key_dim) ||
+                         m->v.n != m->kv_heads * static_cast<int>(h_.value_dim)))
+      throw FormatError(fmt::format("vqkv: layer {}: the model's layer {} has {} KV heads of K/V widths {}/{}, the file [H {}, D_k {} / D_v {}]",
+                                    l, e.vq_source->layer, m->kv_heads, m->k.n, m->v.n, h_.heads, h_.key_dim, h_.value_dim));
+    return m;
+  }
+
+  std::shared_ptr<KVCache> build_vq(std::size_t l) {
+    const vqkv::LayerEntry& e = h_.layers[l];
+    std::shared_ptr<const VqLayerModel> model = vq_layer_model(l);
+    if (e.offset == 0 || prefix_ == 0) return std::make_shared<VqKVCache>(e.vq, model);
+    VqData& vd = vq_[l];
+    VqLayerCodes codes = std::move(vd.params);
+    codes.tokens = static_cast<std::int64_t>(vd.tokens);
+    codes.batch = h_.batch;
+    for (std::size_t b = 0; b < vd.k.size(); ++b) {
+      codes.k.codes.insert(codes.k.codes.end(), vd.k[b].begin(), vd.k[b].end());
+      codes.v.codes.insert(codes.v.codes.end(), vd.v[b].begin(), vd.v[b].end());
+      vd.k[b] = {};
+      vd.v[b] = {};
+    }
+    try {
+      return VqKVCache::restore(e.vq, std::move(model), std::move(codes), {dense_side(l, 0), dense_side(l, 1)});
+    } catch (const InvalidArgument& ex) {
+      throw FormatError(fmt::format("vqkv: layer {}: {}", l, ex.what()));
+    }
   }
 
   std::shared_ptr<KVCache> build_cachegen(std::size_t l) {
@@ -468,13 +588,15 @@ class FileReader {
   std::vector<std::array<SideData, 2>> sides_;
   std::vector<std::array<std::vector<Group>, 2>> groups_;
   std::vector<std::uint16_t> symbols_;
+  VqLayerModelSource vq_models_;
+  std::vector<VqData> vq_;
 };
 
 }  // namespace
 
 PromptCache deserialize_prompt_cache(std::span<const std::uint8_t> bytes, const VqkvLoadOptions& options) {
   require(!options.max_tokens || *options.max_tokens >= 0, "max_tokens must be >= 0, got {}", options.max_tokens.value_or(0));
-  FileReader r(bytes, true, options.kernel, options.max_tokens);
+  FileReader r(bytes, true, options.kernel, options.max_tokens, options.vq_models);
   r.run();
   return r.caches();
 }

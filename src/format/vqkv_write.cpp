@@ -9,6 +9,8 @@
 #include "veloxquant/entropy/context_coder.hpp"
 #include "veloxquant/entropy/frequency_table.hpp"
 #include "veloxquant/format/vqkv.hpp"
+#include "veloxquant/vq/codec.hpp"
+#include "veloxquant/vq/vq_cache.hpp"
 #include "vqkv_layout.hpp"
 
 namespace vq {
@@ -34,6 +36,7 @@ struct SideSource {
 struct LayerSource {
   const KVCache* cache = nullptr;
   const CacheGenKVCache* cachegen = nullptr;
+  VqLayerCodes vq;  // a vq layer's quantized tokens
   KVState state;  // views of the dense contents
   std::array<SideSource, 2> sides;
 };
@@ -69,11 +72,23 @@ vqkv::Header make_header(const std::vector<std::shared_ptr<KVCache>>& caches, co
       require(e.config.cachegen_group_size <= static_cast<int>(vqkv::kMaxGroupSize),
               "save_prompt_cache: layer {}: group size {} is above the format's limit {}", i,
                           e.config.cachegen_group_size, vqkv::kMaxGroupSize);
+    } else if (const auto* v = dynamic_cast<const VqKVCache*>(c); v && c->kind() == "VqKVCache") {
+      e.cls = CacheClass::Vq;
+      e.vq = v->config();
+      if (!v->model_from_data()) {
+        const VqLayerModel* m = v->layer_model();
+        require(m != nullptr && m->source.has_value(),
+                "save_prompt_cache: layer {} is a VqKVCache whose layer model names no model it came from (build it with make_caches "
+                "from a checkpoint, which records the model's fingerprint)", i);
+        e.vq_source = m->source;
+      }
+      e.vq_quantized = static_cast<std::uint64_t>(v->quantized_tokens());
+      if (e.vq_quantized > 0) src.vq = v->codes();
     } else if (c->kind() == "KVCache") {
       e.cls = CacheClass::Plain;
     } else {
       throw InvalidArgument(fmt::format("save_prompt_cache: layer {} is a {}, which a .vqkv file cannot hold "
-                                        "(it holds KVCache and CacheGenKVCache layers)", i, c->kind()));
+                                        "(it holds KVCache, CacheGenKVCache and VqKVCache layers)", i, c->kind()));
     }
     e.offset = static_cast<std::uint64_t>(c->offset());
     if (e.offset > 0) {
@@ -182,6 +197,34 @@ void codes_block(std::vector<std::uint8_t>& body, std::vector<std::uint16_t>& sy
   rans_encode_append(body, segs, kernel);
 }
 
+// A vq layer's CODES block: both sides' codes of tokens [t0, t0 + count), coded by vq_encode.
+void vq_codes_block(std::vector<std::uint8_t>& body, const VqLayerCodes& all, const vqkv::PlannedBlock& p, RansKernel kernel) {
+  const auto t0 = static_cast<std::size_t>(p.header.token_begin), count = static_cast<std::size_t>(p.header.token_count);
+  VqLayerCodes part;
+  part.batch = all.batch;
+  part.tokens = static_cast<std::int64_t>(count);
+  for (int side = 0; side < 2; ++side) {
+    const VqSideCodes& from = side == 0 ? all.k : all.v;
+    VqSideCodes& to = side == 0 ? part.k : part.v;
+    to.n = from.n;
+    to.step = from.step;
+    to.offset = from.offset;
+    to.shift = from.shift;
+    const std::size_t n = static_cast<std::size_t>(from.n), q = static_cast<std::size_t>(all.tokens);
+    to.codes.reserve(static_cast<std::size_t>(all.batch) * count * n);
+    for (std::size_t b = 0; b < static_cast<std::size_t>(all.batch); ++b) {
+      const auto at = from.codes.begin() + static_cast<std::ptrdiff_t>((b * q + t0) * n);
+      to.codes.insert(to.codes.end(), at, at + static_cast<std::ptrdiff_t>(count * n));
+    }
+  }
+  body = vq_encode(part, kernel);
+  const unsigned __int128 codes = static_cast<unsigned __int128>(count) * static_cast<std::uint64_t>(all.batch) *
+                                  static_cast<std::uint64_t>(all.k.n + all.v.n);
+  require(codes <= static_cast<unsigned __int128>(vqkv::kVqMaxCodesPerByte) * body.size(),
+          "save_prompt_cache: layer {}: the vq codes of tokens {}..{} code to {} bytes, fewer than a reader accepts for their count "
+          "(nearly constant K/V; use smaller chunk_tokens)", p.header.layer, t0, t0 + count, body.size());
+}
+
 // A ROWS block: tokens [t0, t0 + count) of every slice of a dense tensor, raw.
 void rows_block(std::vector<std::uint8_t>& body, const Tensor& x, const vqkv::PlannedBlock& p) {
   const auto t0 = static_cast<std::int64_t>(p.header.token_begin), count = static_cast<std::int64_t>(p.header.token_count);
@@ -237,7 +280,9 @@ void write_all(const std::vector<std::shared_ptr<KVCache>>& caches, const Prompt
     }
     const LayerSource& src = layers[p->header.layer];
     const Tensor& dense = p->header.side == 0 ? src.state.keys : src.state.values;
-    if (p->header.type == BlockType::Codes)
+    if (p->header.type == BlockType::Codes && h.layers[p->header.layer].cls == CacheClass::Vq)
+      vq_codes_block(body, src.vq, *p, options.kernel);
+    else if (p->header.type == BlockType::Codes)
       codes_block(body, symbols, src.sides[p->header.side], *p, options.kernel);
     else
       rows_block(body, dense, *p);

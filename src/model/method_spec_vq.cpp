@@ -1,6 +1,9 @@
 #include "method_spec_vq.hpp"
 
+#include <bit>
 #include <charconv>
+
+#include <xxhash.h>
 
 #include <fmt/format.h>
 
@@ -93,7 +96,26 @@ std::string vq_spec_string(const MethodSpec& m) {
                      m.vq_basis.shape ? "on" : "off", m.vq_basis.rope ? "on" : "off");
 }
 
+VqLayerModel vq_checkpoint_layer(const Checkpoint& ck, std::size_t l, const VqBasisOptions& basis, std::uint64_t fingerprint) {
+  const ModelConfig& c = ck.config;
+  const std::size_t dim = static_cast<std::size_t>(c.dim), kv = static_cast<std::size_t>(c.kv_dim());
+  VqLayerWeights w;
+  w.dim = c.dim;
+  w.n_heads = c.n_heads;
+  w.n_kv_heads = c.n_kv_heads;
+  w.head_dim = c.head_size();
+  w.wq = std::span<const float>(ck.wq).subspan(l * dim * dim, dim * dim);
+  w.wk = std::span<const float>(ck.wk).subspan(l * kv * dim, kv * dim);
+  w.wv = std::span<const float>(ck.wv).subspan(l * kv * dim, kv * dim);
+  w.wo = std::span<const float>(ck.wo).subspan(l * dim * dim, dim * dim);
+  w.rms_att = std::span<const float>(ck.rms_att).subspan(l * dim, dim);
+  VqLayerModel lm = make_vq_layer_model(w, basis);
+  lm.source = VqModelSource{fingerprint, static_cast<int>(l), basis};
+  return lm;
+}
+
 std::vector<std::shared_ptr<KVCache>> make_vq_caches(const MethodSpec& m, const ModelDescription& model, const Checkpoint* ck) {
+  const std::uint64_t fingerprint = ck ? vq_model_fingerprint(*ck) : 0;
   int n_attention = 0;
   for (const auto& d : model.layer_head_dims) n_attention += d.has_value();
   const auto alloc = allocation(vq_spec_string(m), m.vq_alloc, n_attention);
@@ -109,24 +131,44 @@ std::vector<std::shared_ptr<KVCache>> make_vq_caches(const MethodSpec& m, const 
     cfg.v_offset = alloc[static_cast<std::size_t>(a)].second;
     ++a;
     std::shared_ptr<const VqLayerModel> layer;
-    if (ck) {
-      const ModelConfig& c = ck->config;
-      const std::size_t dim = static_cast<std::size_t>(c.dim), kv = static_cast<std::size_t>(c.kv_dim());
-      VqLayerWeights w;
-      w.dim = c.dim;
-      w.n_heads = c.n_heads;
-      w.n_kv_heads = c.n_kv_heads;
-      w.head_dim = c.head_size();
-      w.wq = std::span<const float>(ck->wq).subspan(l * dim * dim, dim * dim);
-      w.wk = std::span<const float>(ck->wk).subspan(l * kv * dim, kv * dim);
-      w.wv = std::span<const float>(ck->wv).subspan(l * kv * dim, kv * dim);
-      w.wo = std::span<const float>(ck->wo).subspan(l * dim * dim, dim * dim);
-      w.rms_att = std::span<const float>(ck->rms_att).subspan(l * dim, dim);
-      layer = std::make_shared<const VqLayerModel>(make_vq_layer_model(w, m.vq_basis));
-    }
+    if (ck) layer = std::make_shared<const VqLayerModel>(vq_checkpoint_layer(*ck, l, m.vq_basis, fingerprint));
     caches.push_back(std::make_shared<VqKVCache>(cfg, layer));
   }
   return caches;
 }
 
 }  // namespace vq::detail
+
+namespace vq {
+
+std::uint64_t vq_model_fingerprint(const Checkpoint& ck) {
+  XXH64_state_t* st = XXH64_createState();
+  require(st != nullptr, "vq_model_fingerprint: out of memory");
+  XXH64_reset(st, 0);
+  const ModelConfig& c = ck.config;
+  for (const std::int32_t v : {c.dim, c.n_layers, c.n_heads, c.n_kv_heads}) {
+    const std::uint8_t le[4] = {static_cast<std::uint8_t>(v), static_cast<std::uint8_t>(v >> 8), static_cast<std::uint8_t>(v >> 16),
+                                static_cast<std::uint8_t>(v >> 24)};
+    XXH64_update(st, le, 4);
+  }
+  static_assert(std::endian::native == std::endian::little, "the fingerprint hashes float32 weights as little-endian bytes");
+  for (const auto* w : {&ck.rms_att, &ck.wq, &ck.wk, &ck.wv, &ck.wo}) XXH64_update(st, w->data(), w->size() * sizeof(float));
+  const std::uint64_t h = XXH64_digest(st);
+  XXH64_freeState(st);
+  return h;
+}
+
+VqLayerModelSource vq_layer_models(std::shared_ptr<const Checkpoint> ck) {
+  require(ck != nullptr, "vq_layer_models: no checkpoint");
+  const std::uint64_t fingerprint = vq_model_fingerprint(*ck);
+  return [ck, fingerprint](const VqModelSource& want) {
+    require(want.fingerprint == fingerprint,
+            "a vq layer was saved from the model with fingerprint {:016x}; the model given has fingerprint {:016x} (load it with the "
+            "model it was compressed with)", want.fingerprint, fingerprint);
+    require(want.layer >= 0 && want.layer < ck->config.n_layers, "a vq layer names model layer {}; the model has {}", want.layer,
+            ck->config.n_layers);
+    return std::make_shared<const VqLayerModel>(detail::vq_checkpoint_layer(*ck, static_cast<std::size_t>(want.layer), want.basis, fingerprint));
+  };
+}
+
+}  // namespace vq

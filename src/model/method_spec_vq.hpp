@@ -47,6 +47,8 @@ MethodSpec parse_vq_spec(const std::string& spec, const std::string& args, bool 
 std::string vq_spec_string(const MethodSpec& m);
 // One VqKVCache per attention layer (plain KVCache elsewhere). With a checkpoint the transforms are
 // derived from its weights (vq/basis.hpp); without one (synthetic K/V) they are the identity.
+// Layer `l`'s model from a checkpoint's weights, with its source (fingerprint, l, basis) set.
+VqLayerModel vq_checkpoint_layer(const Checkpoint& ck, std::size_t l, const VqBasisOptions& basis, std::uint64_t fingerprint);
 std::vector<std::shared_ptr<KVCache>> make_vq_caches(const MethodSpec& m, const ModelDescription& model, const Checkpoint* weights);
 
 }  // namespace vq::detail

@@ -289,6 +289,72 @@ CacheBytes VqKVCache::stored_bytes() const {
   return {bytes, bytes};
 }
 
+std::shared_ptr<VqKVCache> VqKVCache::restore(VqConfig config, std::shared_ptr<const VqLayerModel> layer, VqLayerCodes codes,
+                                              const KVState& exact) {
+  auto c = std::make_shared<VqKVCache>(config, layer);
+  const Tensor& ek = exact.keys;
+  const Tensor& ev = exact.values;
+  require(ek.dim(0) == ev.dim(0) && ek.dim(1) == ev.dim(1) && ek.dim(2) == ev.dim(2) && ek.dtype() == ev.dtype() && ek.dim(0) > 0 &&
+              ek.dim(1) > 0 && ek.dim(3) > 0 && ev.dim(3) > 0,
+          "vq restore: exact keys {} and values {} disagree", shape_string(ek.shape()), shape_string(ev.shape()));
+  const std::int64_t B = ek.dim(0), H = ek.dim(1), Q = codes.tokens, T = Q + ek.dim(2);
+  if (!c->layer_) {  // the identity sized from the data, as update_and_fetch builds it
+    auto m = std::make_shared<VqLayerModel>();
+    m->kv_heads = static_cast<int>(H);
+    m->head_dim = static_cast<int>(ek.dim(3));
+    m->k.n = static_cast<int>(H * ek.dim(3));
+    m->v.n = static_cast<int>(H * ev.dim(3));
+    c->layer_ = std::move(m);
+  }
+  const VqLayerModel& lm = *c->layer_;
+  require(H == lm.kv_heads && H * ek.dim(3) == lm.k.n && H * ev.dim(3) == lm.v.n &&
+              (lm.rope_freq.empty() || static_cast<std::int64_t>(lm.rope_freq.size()) * 2 == ek.dim(3)),
+          "vq restore: the layer model expects {} heads of K dim {} and V dim {}, the rows have {} heads of {} and {}", lm.kv_heads,
+          lm.k.n / lm.kv_heads, lm.v.n / lm.kv_heads, H, ek.dim(3), ev.dim(3));
+  require(Q >= 0 && (Q == 0 || (codes.batch == B && codes.k.n == lm.k.n && codes.v.n == lm.v.n)),
+          "vq restore: codes of batch {} and widths {}/{} do not match rows of batch {} and the layer's {}/{}", codes.batch, codes.k.n,
+          codes.v.n, B, lm.k.n, lm.v.n);
+  // The states update_and_fetch leaves: calibrated (Q > 0) once calib tokens have left the exact
+  // window, and then every token that has left it is quantized (trim may leave more).
+  const std::int64_t due = T - config.residual;
+  require(Q > 0 ? Q >= due : due < config.calib,
+          "vq restore: {} quantized tokens of {} with residual={} and calib={} is not a state the cache can be in", Q, T, config.residual,
+          config.calib);
+  if (Q == 0) {
+    if (T > 0) c->KVCache::from_state(exact);
+    return c;
+  }
+  for (VqSideCodes* s : {&codes.k, &codes.v}) {
+    require(s->offset.size() == static_cast<std::size_t>(s->n) && s->codes.size() == sz(B) * sz(Q) * sz(s->n) &&
+                (s->shift.empty() || s->shift.size() == static_cast<std::size_t>(s->n)),
+            "vq restore: inconsistent code arrays");
+    if (s->shift.empty()) s->shift.assign(sz(s->n), 0);
+  }
+  KVState recon = vq_reconstruct(codes, lm, ek.dtype());
+  c->KVCache::from_state(recon);
+  if (T > Q) {
+    c->check_chunk(ek, ev);
+    c->append(ek, ev);
+  }
+  for (int side = 0; side < 2; ++side) {
+    VqSideCodes& s = side == 0 ? codes.k : codes.v;
+    SideQuant& q = side == 0 ? c->kq_ : c->vq_;
+    q.step = s.step;
+    q.offset = s.offset;
+    q.shift = s.shift;
+    q.mean.resize(sz(s.n));
+    for (int i = 0; i < s.n; ++i) q.mean[sz(i)] = vq_offset(q.offset[sz(i)], q.step);
+    auto& per_batch = side == 0 ? c->k_codes_ : c->v_codes_;
+    per_batch.assign(sz(B), {});
+    const std::size_t per = sz(Q) * sz(s.n);
+    for (std::int64_t b = 0; b < B; ++b) per_batch[sz(b)].assign(s.codes.begin() + static_cast<std::ptrdiff_t>(sz(b) * per),
+                                                                 s.codes.begin() + static_cast<std::ptrdiff_t>(sz(b + 1) * per));
+  }
+  c->calibrated_ = true;
+  c->quantized_ = Q;
+  return c;
+}
+
 KVState vq_reconstruct(const VqLayerCodes& lc, const VqLayerModel& layer, DType dtype) {
   const int H = layer.kv_heads;
   require(H > 0 && lc.k.n == layer.k.n && lc.v.n == layer.v.n, "vq_reconstruct: the codes do not match the layer model");

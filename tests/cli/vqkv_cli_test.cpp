@@ -168,7 +168,7 @@ TEST_F(VqkvCli, BadInputIsOneClearLineAndANonzeroExit) {
       {"compress -o " + p("x.vqkv"), "exactly one input"},
       {"compress --keys " + p("k.npy") + " --values " + p("v.npy") + " --kv " + p("k.npy") + " -o " + p("x.vqkv"), "exactly one input"},
       {"compress --keys " + p("k_bad.npy") + " --values " + p("v.npy") + " -o " + p("x.vqkv"), "B, H and S must agree"},
-      {"compress --keys " + p("k.npy") + " --values " + p("v.npy") + " --method kivi -o " + p("x.vqkv"), "cachegen or fp32"},
+      {"compress --keys " + p("k.npy") + " --values " + p("v.npy") + " --method kivi -o " + p("x.vqkv"), "cachegen, vq or fp32"},
       {"compress --keys " + p("k.npy") + " --values " + p("v.npy") + " --method fp32 --bits 3 -o " + p("x.vqkv"), "cachegen only"},
       {"compress --keys " + p("k.npy") + " --values " + p("v.npy") + " --flush sometimes -o " + p("x.vqkv"), "flush"},
       {"compress --kv " + p("k.npy") + " -o " + p("x.vqkv"), "not a valid safetensors file"},

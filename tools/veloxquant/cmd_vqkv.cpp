@@ -51,8 +51,8 @@ vq::MethodSpec method_of(const CompressOptions& o) {
     if (!o.flush.empty()) spec.cachegen.cachegen_flush = vq::flush_mode_from_name(o.flush);
     spec.cachegen.validate();
   }
-  vq::require(spec.kind == vq::MethodSpec::Kind::CacheGen || spec.kind == vq::MethodSpec::Kind::Fp32,
-              "--method {}: a .vqkv file holds cachegen or fp32 caches", o.method);
+  vq::require(spec.kind == vq::MethodSpec::Kind::CacheGen || spec.kind == vq::MethodSpec::Kind::Fp32 || spec.kind == vq::MethodSpec::Kind::Vq,
+              "--method {}: a .vqkv file holds cachegen, vq or fp32 caches", o.method);
   return spec;
 }
 
@@ -139,16 +139,33 @@ int run_compress(const CompressOptions& o) {
 }
 
 struct DecompressOptions {
-  std::string in, out, keys_out, values_out;
+  std::string in, out, keys_out, values_out, model;
   int layer = -1;
 };
+
+// The layer models of vq layers saved from a model: --model (or the default model files, as
+// compress looks them up), loaded only when a layer asks for one.
+vq::VqLayerModelSource vq_models_of(const std::string& model) {
+  auto cached = std::make_shared<vq::VqLayerModelSource>();
+  return [model, cached](const vq::VqModelSource& want) {
+    if (!*cached) {
+      const auto path = model.empty() ? vq::find_default_model() : std::optional<std::filesystem::path>(model);
+      vq::require(path.has_value(), "a vq layer needs the model with fingerprint {:016x}: give it with --model (no {} in {})", want.fingerprint,
+                  vq::kDefaultModelFile, "$VELOXQUANT_MODEL_DIR, ./models or ../shared/models");
+      *cached = vq::vq_layer_models(std::make_shared<const vq::Checkpoint>(vq::Checkpoint::load(path->string())));
+    }
+    return (*cached)(want);
+  };
+}
 
 int run_decompress(const DecompressOptions& o) {
   const bool npy = !o.keys_out.empty() || !o.values_out.empty();
   vq::require(npy != !o.out.empty(), "give either -o OUT.safetensors or --keys-out K.npy --values-out V.npy");
   vq::require(!npy || (!o.keys_out.empty() && !o.values_out.empty()), "--keys-out and --values-out go together");
   if (npy) require_distinct_outputs(o.keys_out, "--keys-out", o.values_out, "--values-out");
-  const vq::PromptCache pc = vq::load_prompt_cache(o.in);
+  vq::VqkvLoadOptions lo;
+  lo.vq_models = vq_models_of(o.model);
+  const vq::PromptCache pc = vq::load_prompt_cache(o.in, lo);
   if (npy) {
     const int n = static_cast<int>(pc.caches.size());
     vq::require(o.layer >= 0 || n == 1, "{} holds {} layers: choose one with --layer I, or write them all with -o OUT.safetensors", o.in, n);
@@ -175,6 +192,20 @@ nlohmann::json bytes_json(const vq::VqkvBytes& b, double elements) {
           {"residual", b.residual}, {"headers", b.headers},     {"checksums", b.checksums},
           {"total", b.total()},     {"bits_per_element", elements > 0 ? 8.0 * total / elements : 0.0},
           {"ratio_to_fp16", elements > 0 ? total / (2.0 * elements) : 0.0}};
+}
+
+// A layer's configuration in one line: CacheGen's, or a vq layer's (its codes are counted under
+// the keys: one CODES block holds both sides).
+std::string config_text(const vq::VqkvLayerInfo& l) {
+  if (l.config) return l.config->to_string();
+  if (!l.vq) return "";
+  const std::string model = l.vq_model ? fmt::format("model {:016x} layer {}, basis={},shape={},rope={},rope_theta={}", l.vq_model->fingerprint,
+                                                     l.vq_model->layer, vq::vq_basis_name(l.vq_model->basis.basis),
+                                                     l.vq_model->basis.shape ? "on" : "off", l.vq_model->basis.rope ? "on" : "off",
+                                                     l.vq_model->basis.rope_theta)
+                                       : std::string("no model (identity transforms)");
+  return fmt::format("bits={},calib={},residual={},k_offset={},v_offset={}; {}; codes of both sides counted under keys", l.vq->bits, l.vq->calib,
+                     l.vq->residual, l.vq->k_offset, l.vq->v_offset, model);
 }
 
 int run_inspect(const std::string& path, bool json) {
@@ -204,9 +235,18 @@ int run_inspect(const std::string& path, bool json) {
                      {"file", bytes_json(in.file, 0)}, {"layers", nlohmann::json::array()}, {"total", bytes_json(sum, all_elements)}};
     for (std::size_t i = 0; i < in.layers.size(); ++i) {
       const auto& l = in.layers[i];
-      j["layers"].push_back({{"layer", i}, {"kind", l.kind}, {"config", l.config ? l.config->to_string() : ""}, {"offset", l.offset},
+      j["layers"].push_back({{"layer", i}, {"kind", l.kind}, {"config", config_text(l)}, {"offset", l.offset},
                              {"quantized_keys", l.quantized_keys}, {"quantized_values", l.quantized_values},
                              {"keys", bytes_json(l.keys, elements(l, 0))}, {"values", bytes_json(l.values, elements(l, 1))}});
+      if (l.vq) {
+        nlohmann::json model = nullptr;
+        if (l.vq_model)
+          model = {{"fingerprint", fmt::format("{:016x}", l.vq_model->fingerprint)}, {"layer", l.vq_model->layer},
+                   {"basis", vq::vq_basis_name(l.vq_model->basis.basis)}, {"shape", l.vq_model->basis.shape},
+                   {"rope", l.vq_model->basis.rope}, {"rope_theta", l.vq_model->basis.rope_theta}};
+        j["layers"].back()["vq"] = {{"bits", l.vq->bits}, {"calib", l.vq->calib}, {"residual", l.vq->residual},
+                                    {"k_offset", l.vq->k_offset}, {"v_offset", l.vq->v_offset}, {"model", model}};
+      }
     }
     // Metadata is bytes: invalid UTF-8 becomes U+FFFD (JSON strings are Unicode; dump() would throw),
     // and everything but printable ASCII is a \u escape (C1 controls would reach a terminal raw).
@@ -226,8 +266,8 @@ int run_inspect(const std::string& path, bool json) {
   };
   for (std::size_t i = 0; i < in.layers.size(); ++i) {
     const auto& l = in.layers[i];
-    fmt::print("layer {}: {} {} ({} tokens; closed: keys {}, values {})\n", i, l.kind, l.config ? l.config->to_string() : "", l.offset,
-               l.quantized_keys, l.quantized_values);
+    fmt::print("layer {}: {} {} ({} tokens; closed: keys {}, values {})\n", i, l.kind, config_text(l), l.offset, l.quantized_keys,
+               l.quantized_values);
     row(std::to_string(i), "keys", l.keys, elements(l, 0));
     row(std::to_string(i), "values", l.values, elements(l, 1));
   }
@@ -247,7 +287,7 @@ Runner add_compress(CLI::App& app) {
   add_model_options(app, o->model, o->tokenizer);
   app.add_option("--text", o->text, "text to run through the model (default: tinystories_val.txt beside the model)");
   app.add_option("--ctx", o->ctx, "tokens of the text (BOS first) to prefill through the model")->transform(integer_in(1, std::numeric_limits<int>::max()));
-  app.add_option("--method", o->method, "cache method spec: cachegen[:bits=..,group=..,flush=..,schedule=..] or fp32 (default: cachegen)");
+  app.add_option("--method", o->method, "cache method spec: cachegen[:bits=..,group=..,flush=..,schedule=..], vq[:bits=..,...] or fp32 (default: cachegen)");
   app.add_option("--bits", o->bits, "cachegen base bits (overrides the spec)")->transform(integer_in(1, 8));
   app.add_option("--group-size", o->group_size, "cachegen tokens per group (overrides the spec)")->transform(integer_in(1, std::numeric_limits<int>::max()));
   app.add_option("--flush", o->flush, "cachegen flush mode: per_call | group_aligned (overrides the spec)");
@@ -265,6 +305,8 @@ Runner add_decompress(CLI::App& app) {
   app.add_option("--keys-out", o->keys_out, "output keys .npy (one layer)");
   app.add_option("--values-out", o->values_out, "output values .npy (one layer)");
   app.add_option("--layer", o->layer, "layer to write as .npy (required when the file holds several)")->transform(integer_in(0, std::numeric_limits<int>::max()));
+  app.add_option("--model", o->model, "llama2.c checkpoint that vq layers were compressed with (default: looked up as compress does; "
+                                      "a file of another model's fingerprint is refused)");
   return [o] { return run_decompress(*o); };
 }
 

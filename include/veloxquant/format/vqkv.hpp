@@ -18,8 +18,13 @@
 //   vq::FormatError with one clear sentence; they never read out of bounds and allocate only as
 //   the bytes present justify (the codes of a block at most group_size / 8 per byte of its
 //   scales and minima; see docs/format.md).
-// - Cache classes the format holds: KVCache (plain, exact rows) and CacheGenKVCache. Saving any other
-//   class throws InvalidArgument naming it.
+// - Cache classes the format holds: KVCache (plain, exact rows), CacheGenKVCache and VqKVCache
+//   (our `vq` method). Saving any other class throws InvalidArgument naming it.
+// - A VqKVCache's transforms are not stored: they are rebuilt from the model's weights, so its
+//   layer entry names the model by a fingerprint (model/method_spec.hpp's vq_model_fingerprint),
+//   the model layer and the basis options, and a loader needs VqkvLoadOptions::vq_models (e.g.
+//   vq_layer_models(checkpoint)), which refuses another model's fingerprint. A vq cache built
+//   without a model (identity transforms, synthetic K/V) needs none.
 #pragma once
 #include <cstdint>
 #include <map>
@@ -34,6 +39,8 @@
 #include "veloxquant/cache/stream_codec.hpp"
 #include "veloxquant/core/dtype.hpp"
 #include "veloxquant/entropy/rans.hpp"
+#include "veloxquant/vq/basis.hpp"
+#include "veloxquant/vq/vq_cache.hpp"
 
 namespace vq {
 
@@ -61,7 +68,11 @@ struct VqkvLoadOptions {
   // block boundary) loads too. The caches are then what trim() would leave of the saved ones: a
   // group the prefix cuts is reopened, its kept rows (reconstructions) in the residual. Not set, or
   // >= the file's tokens: the whole file, END block and all, must be present.
-  std::optional<std::int64_t> max_tokens;
+  std::optional<std::int64_t> max_tokens = std::nullopt;
+  // Rebuilds the layer models of VqKVCache layers saved from a model (vq_layer_models(checkpoint) in
+  // model/method_spec.hpp). Unset: such a file is refused with a FormatError naming the model's
+  // fingerprint; what the source throws (another model's fingerprint) comes back as a FormatError.
+  VqLayerModelSource vq_models = {};
 };
 
 struct PromptCache {
@@ -96,10 +107,12 @@ struct VqkvBytes {
 };
 
 struct VqkvLayerInfo {
-  std::string kind;                     // "KVCache", "CacheGenKVCache"
+  std::string kind;                     // "KVCache", "CacheGenKVCache", "VqKVCache"
   std::optional<KVCacheConfig> config;  // CacheGen only
+  std::optional<VqConfig> vq;           // VqKVCache only
+  std::optional<VqModelSource> vq_model;  // VqKVCache built from a model: what rebuilds its transforms
   std::int64_t offset = 0;
-  std::int64_t quantized_keys = 0, quantized_values = 0;  // CacheGen: tokens in closed groups
+  std::int64_t quantized_keys = 0, quantized_values = 0;  // CacheGen: tokens in closed groups; vq: tokens held as codes
   VqkvBytes keys, values;
 };
 

@@ -37,6 +37,7 @@
 //
 // Unknown methods, keys or values throw InvalidArgument naming the bad part and the valid choices.
 #pragma once
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
@@ -44,6 +45,7 @@
 #include "veloxquant/cache/builder.hpp"
 #include "veloxquant/cache/config.hpp"
 #include "veloxquant/cache/kv_cache.hpp"
+#include "veloxquant/model/checkpoint.hpp"
 #include "veloxquant/peers/cachegen_paper_profile.hpp"
 #include "veloxquant/peers/kivi_cache.hpp"
 #include "veloxquant/peers/lmcache_cache.hpp"
@@ -81,6 +83,15 @@ class Fp16KVCache : public KVCache {
   // Billed as the float16 it represents: 2 bytes per element.
   CacheBytes stored_bytes() const override;
 };
+
+// The fingerprint a saved `vq` cache names its model by (docs/format.md): xxHash64 (seed 0) of
+// the little-endian int32 shape (dim, n_layers, n_heads, n_kv_heads), then the float32 bytes of
+// every layer's rms_att, wq, wk, wv and wo, in that order: the weights vq/basis.hpp derives the
+// transforms from, so two checkpoints with the same fingerprint rebuild the same layer models.
+std::uint64_t vq_model_fingerprint(const Checkpoint& ck);
+// The layer models of `ck` for a .vqkv loader (VqkvLoadOptions::vq_models): refuses a fingerprint
+// other than ck's with an InvalidArgument that names both, and a layer index outside the model.
+VqLayerModelSource vq_layer_models(std::shared_ptr<const Checkpoint> ck);
 
 // One cache per layer of `model` for `spec` (layers without attention get a plain KVCache).
 std::vector<std::shared_ptr<KVCache>> make_caches(const MethodSpec& spec, const ModelDescription& model);

@@ -20,6 +20,9 @@
 //   set-up; stories260K (4 x 8 = 32) is transformed across heads, where most of the gain is.
 #pragma once
 #include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -40,6 +43,25 @@ struct VqSideTransform {
   bool identity() const { return fwd.empty(); }
 };
 
+struct VqBasisOptions {
+  VqBasis basis = VqBasis::Weights;
+  bool shape = true;         // Weights only: the downstream noise shaping S (false: S = I)
+  bool rope = true;          // un-rotate keys
+  double rope_theta = 10000.0;
+  bool operator==(const VqBasisOptions&) const = default;
+};
+
+// Where a layer model came from, so that a saved cache can name what rebuilds it (format/vqkv.hpp):
+// the model's fingerprint (model/method_spec.hpp's vq_model_fingerprint: xxHash64 of its shape and
+// the weights the transforms read), the model layer, and the basis options. A layer model without
+// one (identity sized from the data, or built by hand) cannot be saved unless it is the identity.
+struct VqModelSource {
+  std::uint64_t fingerprint = 0;
+  int layer = 0;
+  VqBasisOptions basis;
+  bool operator==(const VqModelSource&) const = default;
+};
+
 // Everything our cache needs to know about its layer.
 struct VqLayerModel {
   int kv_heads = 0, head_dim = 0;
@@ -47,7 +69,14 @@ struct VqLayerModel {
   // RoPE frequency of each pair (head_dim / 2 values, theta^(-2i/head_dim)); empty: keys are
   // quantized as given (no model, or rope=off).
   std::vector<double> rope_freq;
+  std::optional<VqModelSource> source;  // set by whoever derives the model from a checkpoint
 };
+
+// Rebuilds the layer model a saved vq cache names (format/vqkv.hpp, VqkvLoadOptions::vq_models;
+// model/method_spec.hpp's vq_layer_models makes one from a checkpoint). Returns a model whose
+// `source` equals `wanted`; throws (InvalidArgument or FormatError, with a sentence a user can act
+// on) when it holds no model with that fingerprint.
+using VqLayerModelSource = std::function<std::shared_ptr<const VqLayerModel>(const VqModelSource& wanted)>;
 
 // Views of one layer's weights in llama2.c's row-major [out, in] layout.
 struct VqLayerWeights {
@@ -56,13 +85,6 @@ struct VqLayerWeights {
   std::span<const float> wk, wv;   // [n_kv_heads * head_dim, dim]
   std::span<const float> wo;       // [dim, n_heads * head_dim]
   std::span<const float> rms_att;  // [dim]
-};
-
-struct VqBasisOptions {
-  VqBasis basis = VqBasis::Weights;
-  bool shape = true;         // Weights only: the downstream noise shaping S (false: S = I)
-  bool rope = true;          // un-rotate keys
-  double rope_theta = 10000.0;
 };
 
 // The transforms of one layer. Throws InvalidArgument on inconsistent shapes.

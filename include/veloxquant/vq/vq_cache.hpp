@@ -69,6 +69,22 @@ class VqKVCache : public KVCache {
   // vq_encode(codes()); its size is memoised for stored_bytes until the next change.
   std::vector<std::uint8_t> encode() const;
   const VqLayerModel* layer_model() const { return layer_.get(); }
+  // Whether the layer model is the identity sized from the data (the cache was built without one).
+  bool model_from_data() const { return identity_from_data_; }
+
+  // Rebuild a cache from what a saved one holds (the .vqkv reader, format/vqkv.hpp): its config,
+  // its layer model (null: the identity sized from the data, as the constructor takes it), the
+  // codes of its quantized tokens [0, Q) with their frozen calibration (step, offsets, shifts;
+  // Q = codes.tokens, 0 when the cache had not calibrated yet) and the exact rows of the tokens
+  // after them, `exact` [B, H, offset - Q, D] (any token count, 0 included; it gives the dtype and
+  // shape). The result fetches bit for bit what the saved cache fetched (the quantized tokens are
+  // reconstructed with vq_reconstruct, the cache's own arithmetic) and continues identically.
+  // Throws InvalidArgument when the parts disagree with each other or with a cache that
+  // update_and_fetch could have built (e.g. Q > 0 but fewer than offset - residual tokens).
+  // Self-contained on purpose: it touches only the members listed here, so a storage rewrite
+  // ports it by swapping the dense buffers for its own.
+  static std::shared_ptr<VqKVCache> restore(VqConfig config, std::shared_ptr<const VqLayerModel> layer, VqLayerCodes codes,
+                                            const KVState& exact);
 
  private:
   struct SideQuant {
