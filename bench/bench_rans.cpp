@@ -353,7 +353,10 @@ struct CacheCodes {
     cache.update_and_fetch(kv.keys, kv.values);
     const auto& st = side == 0 ? cache.key_stream() : cache.value_stream();
     layout.group_start = vq::group_starts(st.segment_tokens(), st.group_size());
-    for (std::int64_t s = 0; s < st.slices(); ++s) codes.insert(codes.end(), st.codes(s).begin(), st.codes(s).end());
+    for (std::int64_t s = 0; s < st.slices(); ++s) {
+      const auto c = st.codes(s);
+      codes.insert(codes.end(), c.begin(), c.end());
+    }
   }
 };
 

@@ -8,30 +8,59 @@ namespace vq {
 
 CacheGenKVCache::CacheGenKVCache(KVCacheConfig config) : config_(config) { config_.validate(); }
 
-std::pair<Tensor, Tensor> CacheGenKVCache::update_and_fetch(const Tensor& keys, const Tensor& values) {
+namespace {
+// The layout a resident cache keeps in keys_buf_ / values_buf_: shape and dtype, no storage.
+Tensor layout_of(std::int64_t B, std::int64_t H, std::int64_t D, DType dtype) { return Tensor::wrap(nullptr, {B, H, 0, D}, dtype); }
+}  // namespace
+
+void CacheGenKVCache::update(const Tensor& keys, const Tensor& values) {
   check_chunk(keys, values);
   encoded_keys_.reset();
   encoded_values_.reset();
-  const std::int64_t begin = offset_;
-  if (begin == 0) {
+  if (offset_ == 0) {
     const int bits = config_.effective_bits();
     key_stream_ = QuantizedStream(keys.dim(0), keys.dim(1), static_cast<int>(keys.dim(3)), bits, config_);
     value_stream_ = QuantizedStream(values.dim(0), values.dim(1), static_cast<int>(values.dim(3)), bits, config_);
   }
-  make_room(keys, values);
   // Both sides are checked while they are quantized; a failure undoes the call entirely.
   auto fail = [](const char* side, QuantStatus st) {
     throw InvalidArgument(st == QuantStatus::NonFinite
                               ? fmt::format("{} contain NaN or Inf, which cannot be quantized", side)
                               : fmt::format("{} span a range that overflows float32 (|values| near 3.4e38)", side));
   };
-  if (const QuantStatus st = key_stream_.ingest(keys_buf_, keys, begin); st != QuantStatus::Ok) fail("keys", st);
-  if (const QuantStatus st = value_stream_.ingest(values_buf_, values, begin); st != QuantStatus::Ok) {
-    key_stream_.undo_last_ingest(keys_buf_);
+  if (const QuantStatus st = key_stream_.ingest(keys); st != QuantStatus::Ok) fail("keys", st);
+  if (const QuantStatus st = value_stream_.ingest(values); st != QuantStatus::Ok) {
+    key_stream_.undo_last_ingest();
     fail("values", st);
   }
+  key_stream_.commit_ingest();
+  value_stream_.commit_ingest();
+  if (offset_ == 0) {
+    keys_buf_ = layout_of(keys.dim(0), keys.dim(1), keys.dim(3), keys.dtype());
+    values_buf_ = layout_of(values.dim(0), values.dim(1), values.dim(3), values.dtype());
+  }
   offset_ += keys.dim(2);
-  return {keys_buf_.slice(2, 0, offset_), values_buf_.slice(2, 0, offset_)};
+}
+
+std::pair<Tensor, Tensor> CacheGenKVCache::update_and_fetch(const Tensor& keys, const Tensor& values) {
+  update(keys, values);
+  KVState s = state();
+  return {std::move(s.keys), std::move(s.values)};
+}
+
+KVState CacheGenKVCache::state() const {
+  if (offset_ == 0) return {};
+  return {key_stream_.materialise(), value_stream_.materialise()};
+}
+
+const float* CacheGenKVCache::read_key_tile(std::int64_t b, std::int64_t h, std::int64_t t0, std::int64_t n, float* scratch) const {
+  key_stream_.read_tile(b * key_stream_.heads() + h, t0, n, scratch);
+  return scratch;
+}
+
+const float* CacheGenKVCache::read_value_tile(std::int64_t b, std::int64_t h, std::int64_t t0, std::int64_t n, float* scratch) const {
+  value_stream_.read_tile(b * value_stream_.heads() + h, t0, n, scratch);
+  return scratch;
 }
 
 std::int64_t CacheGenKVCache::trim(std::int64_t n) {
@@ -65,33 +94,33 @@ CacheGenState CacheGenKVCache::full_state() const {
   s.config = config_;
   s.offset = offset_;
   if (offset_ > 0) {
-    s.keys = keys_buf_.slice(2, 0, offset_).contiguous(true);
-    s.values = values_buf_.slice(2, 0, offset_).contiguous(true);
+    s.key_stream = key_stream_;
+    s.value_stream = value_stream_;
   }
-  s.key_stream = key_stream_;
-  s.value_stream = value_stream_;
   return s;
 }
 
 void CacheGenKVCache::from_full_state(CacheGenState s) {
   s.config.validate();
-  require(s.offset >= 0 && s.keys.dim(2) == s.offset && s.values.dim(2) == s.offset,
-          "CacheGen state is inconsistent: offset {} but keys hold {} and values {} tokens", s.offset, s.keys.dim(2),
-                      s.values.dim(2));
+  require(s.offset >= 0, "CacheGen state is inconsistent: offset {}", s.offset);
   if (s.offset > 0) {
-    require(s.key_stream.slices() == s.keys.dim(0) * s.keys.dim(1) && s.key_stream.dim() == s.keys.dim(3) &&
-                s.value_stream.slices() == s.values.dim(0) * s.values.dim(1) && s.value_stream.dim() == s.values.dim(3),
-            "CacheGen state is inconsistent: streams do not match the tensors' shapes");
-    require(s.key_stream.quantized_tokens() <= s.offset && s.value_stream.quantized_tokens() <= s.offset,
-            "CacheGen state is inconsistent: more quantized tokens than the offset");
+    const QuantizedStream &k = s.key_stream, &v = s.value_stream;
+    require(k.tokens() == s.offset && v.tokens() == s.offset,
+            "CacheGen state is inconsistent: offset {} but the key stream holds {} and the value stream {} tokens", s.offset, k.tokens(),
+            v.tokens());
+    require(k.batch() == v.batch() && k.heads() == v.heads() && k.dtype() == v.dtype() && k.batch() >= 1 && k.heads() >= 1,
+            "CacheGen state is inconsistent: the key and value streams disagree in batch, heads or dtype");
   }
   config_ = s.config;
   encoded_keys_.reset();
   encoded_values_.reset();
-  offset_ = 0;
+  offset_ = s.offset;
   keys_buf_ = Tensor();
   values_buf_ = Tensor();
-  if (s.offset > 0) append(s.keys, s.values);
+  if (s.offset > 0) {
+    keys_buf_ = layout_of(s.key_stream.batch(), s.key_stream.heads(), s.key_stream.dim(), s.key_stream.dtype());
+    values_buf_ = layout_of(s.value_stream.batch(), s.value_stream.heads(), s.value_stream.dim(), s.value_stream.dtype());
+  }
   key_stream_ = std::move(s.key_stream);
   value_stream_ = std::move(s.value_stream);
 }

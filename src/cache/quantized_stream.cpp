@@ -25,19 +25,21 @@ QuantizedStream::QuantizedStream(std::int64_t batch, std::int64_t heads, int dim
   // sync_histograms): a stream of a wide, empty input costs nothing per (slice, channel).
 }
 
-void QuantizedStream::allocate_slices() {
+void QuantizedStream::allocate_slices(DType dtype) {
   if (!codes_.empty()) return;
+  dtype_ = dtype;
   const auto n = static_cast<std::size_t>(slices());
-  codes_.resize(n);
+  codes_.assign(n, PackedRows(dim_, bits_));
   scales_.resize(n);
   mins_.resize(n);
+  residual_ = ExactRows(batch_, heads_, dim_, dtype, group_size_ - 1);
 }
 
 QuantizedStream QuantizedStream::from_parts(std::int64_t batch, std::int64_t heads, int dim, int bits, const KVCacheConfig& config,
-                                            QuantizedStreamParts parts) {
+                                            DType dtype, QuantizedStreamParts parts) {
   QuantizedStream q(batch, heads, dim, bits, config);
   const auto n_slices = static_cast<std::size_t>(batch * heads);
-  q.allocate_slices();
+  q.allocate_slices(dtype);
   require(parts.codes.size() == n_slices && parts.scales.size() == n_slices && parts.minima.size() == n_slices,
           "quantized stream parts: slice count disagrees with the shape");
   std::int64_t tokens = 0, groups = 0;
@@ -54,7 +56,20 @@ QuantizedStream QuantizedStream::from_parts(std::int64_t batch, std::int64_t hea
     require(parts.codes[s].size() == static_cast<std::size_t>(tokens) * d && parts.scales[s].size() == static_cast<std::size_t>(groups) * d &&
                 parts.minima[s].size() == static_cast<std::size_t>(groups) * d,
             "quantized stream parts: code, scale or minimum count disagrees with the pieces");
-  q.codes_ = std::move(parts.codes);
+  for (std::size_t s = 0; s < n_slices; ++s) {  // packed here; the unpacked parts are freed as we go
+    q.codes_[s].reserve(tokens);
+    q.codes_[s].append(parts.codes[s].data(), tokens);
+    UninitVector<std::uint8_t>().swap(parts.codes[s]);
+  }
+  const Tensor& r = parts.residual;
+  if (!r.empty()) {
+    require(r.dim(0) == batch && r.dim(1) == heads && r.dim(3) == dim && r.dtype() == dtype,
+            "quantized stream parts: the residual {} {} disagrees with the stream [{}, {}, *, {}] {}", shape_string(r.shape()),
+            dtype_name(r.dtype()), batch, heads, dim, dtype_name(dtype));
+    require(q.flush_ == FlushMode::GroupAligned && r.dim(2) < q.group_size_,
+            "quantized stream parts: a residual of {} tokens (group_aligned streams hold fewer than a group, per_call none)", r.dim(2));
+    q.residual_.push(r, 0, r.dim(2));
+  }
   q.scales_ = std::move(parts.scales);
   q.mins_ = std::move(parts.minima);
   q.quantized_ = tokens;
@@ -96,9 +111,16 @@ std::vector<std::int64_t> QuantizedStream::segment_tokens() const {
 }
 
 // A stream that never received tokens holds no per-slice vectors: each slice is empty.
-std::span<const std::uint8_t> QuantizedStream::codes(std::int64_t slice) const {
+std::vector<std::uint8_t> QuantizedStream::codes(std::int64_t slice) const {
   require(slice >= 0 && slice < slices(), "codes: slice {} out of range", slice);
-  return codes_.empty() ? std::span<const std::uint8_t>() : std::span<const std::uint8_t>(codes_[static_cast<std::size_t>(slice)]);
+  std::vector<std::uint8_t> out(static_cast<std::size_t>(quantized_ * dim_));
+  if (quantized_ > 0) codes_[static_cast<std::size_t>(slice)].unpack(0, quantized_, out.data());
+  return out;
+}
+void QuantizedStream::unpack_codes(std::int64_t slice, std::int64_t t0, std::int64_t n, std::uint8_t* out) const {
+  require(slice >= 0 && slice < slices() && t0 >= 0 && n >= 0 && t0 + n <= quantized_, "unpack_codes: slice {} tokens [{}, {}) out of range",
+          slice, t0, t0 + n);
+  if (n > 0) codes_[static_cast<std::size_t>(slice)].unpack(t0, n, out);
 }
 std::span<const float> QuantizedStream::scales(std::int64_t slice) const {
   require(slice >= 0 && slice < slices(), "scales: slice {} out of range", slice);
@@ -109,41 +131,42 @@ std::span<const float> QuantizedStream::minima(std::int64_t slice) const {
   return mins_.empty() ? std::span<const float>() : std::span<const float>(mins_[static_cast<std::size_t>(slice)]);
 }
 
-QuantStatus QuantizedStream::quantize_rows(Tensor& dense, const Tensor& input, std::int64_t begin, std::int64_t slice,
-                                           std::int64_t row0, int n_rows, std::int64_t group_index, int n_groups) {
+QuantStatus QuantizedStream::quantize_rows(const Tensor& input, std::int64_t begin, std::int64_t slice, std::int64_t row0, int n_rows,
+                                           std::int64_t group_index, int n_groups) {
   const std::int64_t b = slice / heads_, h = slice % heads_;
   const auto d = static_cast<std::size_t>(dim_);
-  const int total_rows = n_rows * n_groups;
-  src_rows_.resize(static_cast<std::size_t>(total_rows));
-  dst_rows_.resize(static_cast<std::size_t>(total_rows));
-  // Row pointers from each tensor's token stride (one row() call per tensor, not two per row).
-  const std::int64_t esz = static_cast<std::int64_t>(dtype_size(dense.dtype()));
-  const std::int64_t dense_step = dense.strides()[2] * esz, input_step = input.strides()[2] * esz;
-  std::byte* const dense0 = dense.row(b, h, 0);
-  const std::byte* const input0 = input.row(b, h, 0);
-  for (int r = 0; r < total_rows; ++r) {
-    const std::int64_t t = row0 + r;
-    src_rows_[static_cast<std::size_t>(r)] = t >= begin ? input0 + (t - begin) * input_step : dense0 + t * dense_step;
-    dst_rows_[static_cast<std::size_t>(r)] = dense0 + t * dense_step;
+  const std::size_t total_rows = static_cast<std::size_t>(n_rows) * static_cast<std::size_t>(n_groups);
+  // The quantizer also writes each row's reconstruction, which nobody keeps: every row writes the
+  // same scratch row (the kernels never read their outputs).
+  std::vector<std::byte> sink(d * dtype_size(dtype_));
+  std::vector<const std::byte*> src(total_rows);
+  std::vector<std::byte*> dst(total_rows, sink.data());
+  // Row pointers from the input's token stride (one row() call, not one per row).
+  const std::int64_t input_step = input.strides()[2] * static_cast<std::int64_t>(dtype_size(input.dtype()));
+  const std::byte* const input0 = input.dim(2) > 0 ? input.row(b, h, 0) : nullptr;
+  for (std::size_t r = 0; r < total_rows; ++r) {
+    const std::int64_t t = row0 + static_cast<std::int64_t>(r);
+    src[r] = t >= begin ? input0 + (t - begin) * input_step : residual_.row(slice, t - quantized_);
   }
-  auto& codes = codes_[static_cast<std::size_t>(slice)];
+  std::vector<std::uint8_t> codes(total_rows * d);
+  FusedGroupScratch scratch;
   auto& sc = scales_[static_cast<std::size_t>(slice)];
   auto& mn = mins_[static_cast<std::size_t>(slice)];
-  codes.resize(static_cast<std::size_t>(row0 + total_rows) * d);
   sc.resize(static_cast<std::size_t>(group_index + n_groups) * d);
   mn.resize(sc.size());
-  return quantize_groups(src_rows_.data(), dst_rows_.data(), n_groups, n_rows, dim_, bits_, dense.dtype(),
-                         codes.data() + static_cast<std::size_t>(row0) * d, sc.data() + static_cast<std::size_t>(group_index) * d,
-                         mn.data() + static_cast<std::size_t>(group_index) * d, scratch_);
+  const QuantStatus st = quantize_groups(src.data(), dst.data(), n_groups, n_rows, dim_, bits_, dtype_, codes.data(),
+                                         sc.data() + static_cast<std::size_t>(group_index) * d, mn.data() + static_cast<std::size_t>(group_index) * d,
+                                         scratch);
+  if (st == QuantStatus::Ok) codes_[static_cast<std::size_t>(slice)].append(codes.data(), static_cast<std::int64_t>(total_rows));
+  return st;
 }
 
 std::vector<std::int16_t> QuantizedStream::symbols_of(std::int64_t slice, std::int64_t row0, std::int64_t n_rows) const {
   // Symbols of rows [row0, row0 + n_rows): the token delta within the stream (row 0 of a stream
   // is kept as is) or the plain codes. In per_call mode each segment is its own stream, so callers
   // pass a segment's first row as row0 and the delta restarts there.
-  const auto& codes = codes_[static_cast<std::size_t>(slice)];
-  const auto d = static_cast<std::size_t>(dim_);
-  std::span<const std::uint8_t> rows(codes.data() + static_cast<std::size_t>(row0) * d, static_cast<std::size_t>(n_rows) * d);
+  std::vector<std::uint8_t> rows(static_cast<std::size_t>(n_rows * dim_));
+  unpack_codes(slice, row0, n_rows, rows.data());
   if (use_delta_) return token_delta(rows, static_cast<int>(n_rows), dim_);
   return {rows.begin(), rows.end()};
 }
@@ -163,13 +186,17 @@ void QuantizedStream::account_segment(Segment& seg) const {
 // Row r's delta needs row r - 1, which is always present (rows are removed from the end only).
 void QuantizedStream::add_symbols(std::int64_t slice, std::int64_t row0, std::int64_t n) const {
   const auto d = static_cast<std::size_t>(dim_);
-  const std::uint8_t* codes = codes_[static_cast<std::size_t>(slice)].data();
+  // The codes of rows [first, row0 + n), unpacked: `codes` indexes them by absolute row.
+  const std::int64_t first = (use_delta_ && row0 > 0) ? row0 - 1 : row0;
+  std::vector<std::uint8_t> rows(static_cast<std::size_t>(row0 + n - first) * d);
+  unpack_codes(slice, first, row0 + n - first, rows.data());
+  const auto code = [&](std::size_t at) { return rows[at - static_cast<std::size_t>(first) * d]; };
   const bool bulk = per_channel_ ? n > hist_.alphabet_size() : n * dim_ > hist_.alphabet_size();
   if (!bulk) {  // few symbols (a decode step closing one group at 8 bits): O(1) updates each
     for (std::size_t i = 0; i < static_cast<std::size_t>(n) * d; ++i) {
       const std::size_t at = static_cast<std::size_t>(row0) * d + i;
-      const int prev = (use_delta_ && at >= d) ? codes[at - d] : 0;
-      hist_.add(per_channel_ ? static_cast<std::size_t>(slice) * d + i % d : static_cast<std::size_t>(slice), codes[at] - prev);
+      const int prev = (use_delta_ && at >= d) ? code(at - d) : 0;
+      hist_.add(per_channel_ ? static_cast<std::size_t>(slice) * d + i % d : static_cast<std::size_t>(slice), code(at) - prev);
     }
     return;
   }
@@ -182,7 +209,7 @@ void QuantizedStream::add_symbols(std::int64_t slice, std::int64_t row0, std::in
   for (std::size_t c = 0; c < d; ++c) bin0[c] = static_cast<std::int32_t>(per_channel_ ? c * static_cast<std::size_t>(A) : 0) - lo;
   std::vector<std::uint8_t> zero_row(d, 0);
   for (std::int64_t r = row0; r < row0 + n; ++r) {
-    const std::uint8_t* __restrict cur = codes + static_cast<std::size_t>(r) * d;
+    const std::uint8_t* __restrict cur = rows.data() + static_cast<std::size_t>(r - first) * d;
     const std::uint8_t* __restrict prev = (use_delta_ && r > 0) ? cur - d : zero_row.data();
     const std::int32_t* __restrict b0 = bin0.data();
     for (std::size_t c = 0; c < d; ++c) ++base[b0[c] + static_cast<std::int32_t>(cur[c]) - static_cast<std::int32_t>(prev[c])];
@@ -196,34 +223,19 @@ void QuantizedStream::add_symbols(std::int64_t slice, std::int64_t row0, std::in
 
 void QuantizedStream::remove_symbols(std::int64_t slice, std::int64_t row0, std::int64_t n) const {
   const auto d = static_cast<std::size_t>(dim_);
-  const auto& codes = codes_[static_cast<std::size_t>(slice)];
+  const std::int64_t first = (use_delta_ && row0 > 0) ? row0 - 1 : row0;
+  std::vector<std::uint8_t> rows(static_cast<std::size_t>(row0 + n - first) * d);
+  unpack_codes(slice, first, row0 + n - first, rows.data());
+  const auto code = [&](std::size_t at) { return rows[at - static_cast<std::size_t>(first) * d]; };
   for (std::size_t i = 0; i < static_cast<std::size_t>(n) * d; ++i) {
     const std::size_t at = static_cast<std::size_t>(row0) * d + i;
-    const int prev = (use_delta_ && at >= d) ? codes[at - d] : 0;
+    const int prev = (use_delta_ && at >= d) ? code(at - d) : 0;
     const std::size_t hist = per_channel_ ? static_cast<std::size_t>(slice) * d + i % d : static_cast<std::size_t>(slice);
-    hist_.remove(hist, codes[at] - prev);
+    hist_.remove(hist, code(at) - prev);
   }
 }
 
-void QuantizedStream::save_undo(const Tensor& dense, std::int64_t rows_begin, std::int64_t rows_end) {
-  undo_.quantized = quantized_;
-  undo_.groups = n_groups();
-  undo_.rows_begin = rows_begin;
-  undo_.rows_end = rows_end;
-  undo_.pushed_segment = false;
-  const std::size_t row_bytes = static_cast<std::size_t>(dim_) * dtype_size(dense.dtype());
-  undo_.rows.resize(static_cast<std::size_t>(std::max<std::int64_t>(0, rows_end - rows_begin) * slices()) * row_bytes);
-  std::byte* out = undo_.rows.data();
-  for (std::int64_t s = 0; s < slices(); ++s)
-    for (std::int64_t t = rows_begin; t < rows_end; ++t, out += row_bytes) std::memcpy(out, dense.row(s / heads_, s % heads_, t), row_bytes);
-}
-
-void QuantizedStream::undo_last_ingest(Tensor& dense) {
-  const std::size_t row_bytes = static_cast<std::size_t>(dim_) * dtype_size(dense.dtype());
-  const std::byte* in = undo_.rows.data();
-  for (std::int64_t s = 0; s < slices(); ++s)
-    for (std::int64_t t = undo_.rows_begin; t < undo_.rows_end; ++t, in += row_bytes)
-      std::memcpy(dense.row(s / heads_, s % heads_, t), in, row_bytes);
+void QuantizedStream::undo_last_ingest() {
   if (undo_.pushed_segment) {
     seg_compressed_ -= segments_.back().compressed;
     seg_fixed_ -= segments_.back().fixed;
@@ -231,40 +243,49 @@ void QuantizedStream::undo_last_ingest(Tensor& dense) {
   }
   const auto d = static_cast<std::size_t>(dim_);
   for (std::size_t s = 0; s < codes_.size(); ++s) {
-    codes_[s].resize(static_cast<std::size_t>(undo_.quantized) * d);
+    if (codes_[s].rows() > undo_.quantized) codes_[s].truncate(undo_.quantized);
     scales_[s].resize(static_cast<std::size_t>(undo_.groups) * d);
     mins_[s].resize(static_cast<std::size_t>(undo_.groups) * d);
   }
+  if (undo_.replaced_residual) {
+    residual_ = std::exchange(undo_residual_, ExactRows());
+  } else if (residual_.size() > undo_.residual) {
+    residual_.truncate(undo_.residual);
+  }
   quantized_ = undo_.quantized;
   accounted_ = std::min(accounted_, quantized_);
-  undo_.rows_begin = undo_.rows_end = 0;
-  undo_.pushed_segment = false;
+  undo_ = Undo{quantized_, n_groups(), residual_.size(), false, false};
 }
 
-QuantStatus QuantizedStream::ingest(Tensor& dense, const Tensor& input, std::int64_t begin) {
-  const std::int64_t end = begin + input.dim(2);
-  if (end <= begin) {  // nothing to quantize or copy (and no pass over the slices of an empty input)
-    undo_ = Undo{quantized_, n_groups(), 0, 0, false, {}};
-    return QuantStatus::Ok;
-  }
-  allocate_slices();
+void QuantizedStream::commit_ingest() {
+  undo_residual_ = ExactRows();
+  undo_.replaced_residual = false;
+}
+
+QuantStatus QuantizedStream::ingest(const Tensor& input) {
+  const std::int64_t begin = tokens(), end = begin + input.dim(2);
+  undo_ = Undo{quantized_, n_groups(), residual_.size(), false, false};
+  undo_residual_ = ExactRows();
+  if (end <= begin) return QuantStatus::Ok;  // nothing to quantize or keep (and no pass over the slices)
+  allocate_slices(input.dtype());
   if (flush_ == FlushMode::PerCall) {
-    save_undo(dense, begin, begin);  // a segment only writes rows at or after begin
     Segment seg;
     seg.start = begin;
     seg.n_tokens = end - begin;
     seg.first_group = n_groups();
     const std::int64_t ng = (seg.n_tokens + group_size_ - 1) / group_size_;
-    for (std::int64_t s = 0; s < slices(); ++s)
+    for (std::int64_t s = 0; s < slices(); ++s) {
+      codes_[static_cast<std::size_t>(s)].reserve(end);
       for (std::int64_t g = 0; g < ng; ++g) {
         const std::int64_t r0 = begin + g * group_size_;
         const QuantStatus st =
-            quantize_rows(dense, input, begin, s, r0, static_cast<int>(std::min<std::int64_t>(group_size_, end - r0)), seg.first_group + g);
+            quantize_rows(input, begin, s, r0, static_cast<int>(std::min<std::int64_t>(group_size_, end - r0)), seg.first_group + g, 1);
         if (st != QuantStatus::Ok) {
-          undo_last_ingest(dense);
+          undo_last_ingest();
           return st;
         }
       }
+    }
     quantized_ = end;
     account_segment(seg);
     seg_compressed_ += seg.compressed;
@@ -273,44 +294,47 @@ QuantStatus QuantizedStream::ingest(Tensor& dense, const Tensor& input, std::int
     undo_.pushed_segment = true;
     return QuantStatus::Ok;
   }
-  // group_aligned: close every group that is now complete, then copy the new residual rows.
+  // group_aligned: close every group that is now complete (the residual, < one group, and the
+  // input's first rows), then keep the rows past the last closed group as the new residual.
   const std::int64_t closed_before = quantized_;
   const std::int64_t closable = std::max(closed_before, (end / group_size_) * group_size_);
-  save_undo(dense, closed_before, std::min(begin, closable));  // older residual rows about to be rewritten
-  const auto d = static_cast<std::size_t>(dim_);
-  const std::size_t row_bytes = d * dtype_size(dense.dtype());
+  // Groups are quantized a batch at a time: the kernel overlaps one group's reads with the
+  // previous group's writes, and the batch's codes (a scratch buffer) stay small.
+  constexpr std::int64_t kBatchGroups = 32;
   for (std::int64_t s = 0; s < slices(); ++s) {
-    auto& codes = codes_[static_cast<std::size_t>(s)];
-    if (codes.capacity() < static_cast<std::size_t>(closable) * d)
-      codes.reserve(std::max(static_cast<std::size_t>(closable) * d, codes.capacity() * 2));
-    if (closable > closed_before) {  // all of this slice's newly closed groups in one call
-      const QuantStatus st = quantize_rows(dense, input, begin, s, closed_before, group_size_, closed_before / group_size_,
-                                           static_cast<int>((closable - closed_before) / group_size_));
+    codes_[static_cast<std::size_t>(s)].reserve(closable);
+    for (std::int64_t r0 = closed_before; r0 < closable; r0 += kBatchGroups * group_size_) {
+      const std::int64_t ng = std::min(kBatchGroups, (closable - r0) / group_size_);
+      const QuantStatus st = quantize_rows(input, begin, s, r0, group_size_, r0 / group_size_, static_cast<int>(ng));
       if (st != QuantStatus::Ok) {
-        undo_last_ingest(dense);
+        undo_last_ingest();
         return st;
       }
     }
   }
   // The new residual rows are checked too: a NaN must not wait in the residual to fail later.
-  // One check of the whole new residual (all slices, rows [residual_begin, end)) before copying.
   const std::int64_t residual_begin = std::max(closable, begin);
   if (residual_begin < end && !input.slice(2, residual_begin - begin, end - begin).all_finite()) {
-    undo_last_ingest(dense);
+    undo_last_ingest();
     return QuantStatus::NonFinite;
   }
-  for (std::int64_t s = 0; s < slices(); ++s) {
-    const std::int64_t b = s / heads_, h = s % heads_;
-    for (std::int64_t t = residual_begin; t < end; ++t) std::memcpy(dense.row(b, h, t), input.row(b, h, t - begin), row_bytes);
+  if (closable > closed_before) {  // every old residual row is now in a closed group
+    undo_residual_ = std::exchange(residual_, ExactRows(batch_, heads_, dim_, dtype_, group_size_ - 1));
+    undo_.replaced_residual = true;
   }
+  residual_.push(input, residual_begin - begin, end - residual_begin);
   quantized_ = closable;
   return QuantStatus::Ok;
 }
 
 void QuantizedStream::trim_to(std::int64_t new_end) {
-  require(new_end >= 0, "trim_to: negative end");
-  if (quantized_ == 0) return;  // no codes (perhaps no per-slice vectors) to roll back
+  require(new_end >= 0 && new_end <= tokens(), "trim_to: end {} outside [0, {}]", new_end, tokens());
+  if (new_end >= quantized_) {  // only the residual shrinks
+    residual_.truncate(new_end - quantized_);
+    return;
+  }
   const auto d = static_cast<std::size_t>(dim_);
+  residual_.clear();
   if (flush_ == FlushMode::PerCall) {
     while (!segments_.empty() && segments_.back().start >= new_end) {
       seg_compressed_ -= segments_.back().compressed;
@@ -322,30 +346,98 @@ void QuantizedStream::trim_to(std::int64_t new_end) {
       seg_compressed_ -= seg.compressed;
       seg_fixed_ -= seg.fixed;
       seg.n_tokens = new_end - seg.start;
-      for (auto& c : codes_) c.resize(static_cast<std::size_t>(new_end) * d);
+      for (auto& c : codes_) c.truncate(new_end);
+      quantized_ = new_end;
       account_segment(seg);
       seg_compressed_ += seg.compressed;
       seg_fixed_ += seg.fixed;
     }
-    quantized_ = std::min(quantized_, new_end);
+    quantized_ = new_end;
     const std::int64_t ng = n_groups();
     for (std::int64_t s = 0; s < slices(); ++s) {
-      codes_[static_cast<std::size_t>(s)].resize(static_cast<std::size_t>(quantized_) * d);
+      codes_[static_cast<std::size_t>(s)].truncate(quantized_);
       scales_[static_cast<std::size_t>(s)].resize(static_cast<std::size_t>(ng) * d);
       mins_[static_cast<std::size_t>(s)].resize(static_cast<std::size_t>(ng) * d);
     }
     return;
   }
-  if (new_end >= quantized_) return;  // only the residual shrinks
+  // group_aligned: the group cut by new_end reopens; its kept rows rejoin the residual as the
+  // values state() showed (the reconstruction in the dtype).
   const std::int64_t keep = (new_end / group_size_) * group_size_;
+  if (new_end > keep) {
+    const std::size_t row_bytes = d * dtype_size(dtype_);
+    const std::int64_t n = new_end - keep;
+    std::vector<float> f(static_cast<std::size_t>(n) * d);
+    std::vector<std::byte> rows(static_cast<std::size_t>(slices() * n) * row_bytes);
+    for (std::int64_t s = 0; s < slices(); ++s) {
+      read_tile(s, keep, n, f.data());
+      from_f32(f.data(), rows.data() + static_cast<std::size_t>(s * n) * row_bytes, dtype_, f.size());
+    }
+    residual_.push_rows(rows.data(), n);
+  }
   for (std::int64_t s = 0; s < slices(); ++s) {
     if (accounted_ > keep) remove_symbols(s, keep, accounted_ - keep);
-    codes_[static_cast<std::size_t>(s)].resize(static_cast<std::size_t>(keep) * d);
+    codes_[static_cast<std::size_t>(s)].truncate(keep);
     scales_[static_cast<std::size_t>(s)].resize(static_cast<std::size_t>(keep / group_size_) * d);
     mins_[static_cast<std::size_t>(s)].resize(static_cast<std::size_t>(keep / group_size_) * d);
   }
   quantized_ = keep;
   accounted_ = std::min(accounted_, keep);
+}
+
+std::pair<std::int64_t, std::int64_t> QuantizedStream::group_of(std::int64_t t) const {
+  if (flush_ == FlushMode::GroupAligned) return {t / group_size_, (t / group_size_ + 1) * group_size_};
+  // per_call: the segment holding t (segments are in token order), then its group
+  const auto it = std::upper_bound(segments_.begin(), segments_.end(), t, [](std::int64_t x, const Segment& seg) { return x < seg.start; });
+  const Segment& seg = *(it - 1);
+  const std::int64_t k = (t - seg.start) / group_size_;
+  return {seg.first_group + k, std::min(seg.start + (k + 1) * group_size_, seg.start + seg.n_tokens)};
+}
+
+void QuantizedStream::read_tile(std::int64_t slice, std::int64_t t0, std::int64_t n, float* out) const {
+  const auto d = static_cast<std::size_t>(dim_);
+  const std::int64_t end = t0 + n, closed_end = std::min(end, quantized_);
+  float* o = out;
+  if (t0 < closed_end) {
+    const PackedRows& codes = codes_[static_cast<std::size_t>(slice)];
+    const float* sc = scales_[static_cast<std::size_t>(slice)].data();
+    const float* mn = mins_[static_cast<std::size_t>(slice)].data();
+    for (std::int64_t t = t0; t < closed_end;) {  // a run of rows of one group at a time
+      const auto [g, g_end] = group_of(t);
+      const std::int64_t m = std::min(g_end, closed_end) - t;
+      dequant_packed_rows(codes.row(t), codes.row_bytes(), m, dim_, bits_, sc + static_cast<std::size_t>(g) * d,
+                          mn + static_cast<std::size_t>(g) * d, o);
+      o += static_cast<std::size_t>(m) * d;
+      t += m;
+    }
+    if (dtype_ != DType::F32) {  // what state() holds: the reconstruction rounded to the dtype
+      std::uint16_t half[1024];
+      const std::size_t total = static_cast<std::size_t>(closed_end - t0) * d;
+      for (std::size_t i = 0; i < total; i += 1024) {
+        const std::size_t m = std::min<std::size_t>(1024, total - i);
+        from_f32(out + i, half, dtype_, m);
+        to_f32(half, dtype_, out + i, m);
+      }
+    }
+  }
+  const std::int64_t r0 = std::max(t0, quantized_);
+  if (r0 < end) residual_.read_f32(slice, r0 - quantized_, end - r0, o);
+}
+
+Tensor QuantizedStream::materialise() const {
+  const std::int64_t T = tokens();
+  if (T == 0) return Tensor();
+  Tensor out = Tensor::uninitialized({batch_, heads_, T, dim_}, dtype_);
+  const auto d = static_cast<std::size_t>(dim_);
+  constexpr std::int64_t kTile = 256;
+  std::vector<float> f(static_cast<std::size_t>(std::min(kTile, T)) * d);
+  for (std::int64_t s = 0; s < slices(); ++s)
+    for (std::int64_t t0 = 0; t0 < T; t0 += kTile) {
+      const std::int64_t n = std::min(kTile, T - t0);
+      read_tile(s, t0, n, f.data());
+      from_f32(f.data(), out.row(s / heads_, s % heads_, t0), dtype_, static_cast<std::size_t>(n) * d);  // rows adjacent
+    }
+  return out;
 }
 
 void QuantizedStream::sync_histograms() const {
@@ -376,8 +468,10 @@ std::uint64_t QuantizedStream::compressed_bytes(std::int64_t offset) const {
     // channel's few symbols afresh, O(codes), in one reused buffer.
     std::vector<std::uint32_t> counts(static_cast<std::size_t>(alphabet), 0);
     const auto n = static_cast<std::size_t>(quantized_);
+    std::vector<std::uint8_t> unpacked(n * d);
     for (std::int64_t s = 0; s < slices(); ++s) {
-      const std::uint8_t* codes = codes_[static_cast<std::size_t>(s)].data();
+      unpack_codes(s, 0, quantized_, unpacked.data());
+      const std::uint8_t* codes = unpacked.data();
       auto symbol = [&](std::size_t t, std::size_t c) {
         return static_cast<std::size_t>(codes[t * d + c] - ((use_delta_ && t > 0) ? codes[(t - 1) * d + c] : 0) - lo);
       };
@@ -418,9 +512,9 @@ std::uint64_t QuantizedStream::fixed_width_bytes(std::int64_t offset) const {
 
 std::size_t QuantizedStream::memory_bytes() const {
   std::size_t total = codes_.capacity() * sizeof(codes_[0]) + (scales_.capacity() + mins_.capacity()) * sizeof(scales_[0]) +
-                      hist_.memory_bytes() + undo_.rows.capacity();
+                      segments_.capacity() * sizeof(Segment) + hist_.memory_bytes() + residual_.memory_bytes() + undo_residual_.memory_bytes();
   for (std::size_t s = 0; s < codes_.size(); ++s)
-    total += codes_[s].capacity() + (scales_[s].capacity() + mins_[s].capacity()) * sizeof(float);
+    total += codes_[s].memory_bytes() + (scales_[s].capacity() + mins_[s].capacity()) * sizeof(float);
   return total;
 }
 

@@ -108,14 +108,17 @@ std::int64_t groups_of(std::span<const std::int64_t> pieces, std::int64_t group_
 
 }  // namespace
 
-std::vector<std::span<const std::uint8_t>> context_slices(const QuantizedStream& stream, std::size_t t0, std::size_t count) {
+StreamCodeSlices context_slices(const QuantizedStream& stream, std::size_t t0, std::size_t count) {
   const auto d = static_cast<std::size_t>(stream.dim());
   if (count == 0) count = static_cast<std::size_t>(stream.quantized_tokens()) - t0;
-  std::vector<std::span<const std::uint8_t>> out;
+  require(t0 + count <= static_cast<std::size_t>(stream.quantized_tokens()), "stream codec: internal error: code count disagrees with the stream");
+  StreamCodeSlices out;
+  out.codes.resize(static_cast<std::size_t>(stream.slices()));
   for (std::int64_t s = 0; s < stream.slices(); ++s) {
-    const auto c = stream.codes(s);
-    require(c.size() >= (t0 + count) * d, "stream codec: internal error: code count disagrees with the stream");
-    out.push_back(c.subspan(t0 * d, count * d));
+    auto& c = out.codes[static_cast<std::size_t>(s)];
+    c.resize(count * d);
+    stream.unpack_codes(s, static_cast<std::int64_t>(t0), static_cast<std::int64_t>(count), c.data());
+    out.spans.emplace_back(c);
   }
   return out;
 }

@@ -489,6 +489,26 @@ class FileReader {
     return x;
   }
 
+  // The exact rows of a CacheGen side (its ROWS blocks, tokens after the closed groups) as a tensor
+  // [B, H, rows, D]: what its stream keeps as the residual.
+  Tensor residual_side(std::size_t l, int side) const {
+    const SideData& sd = sides_[l][static_cast<std::size_t>(side)];
+    const std::int64_t d = h_.dim(side);
+    const auto rows = static_cast<std::int64_t>(sd.row_tokens);
+    if (rows == 0) return Tensor();
+    Tensor x = Tensor::uninitialized({h_.batch, h_.heads, rows, d}, h_.dtype);
+    const std::size_t row_bytes = static_cast<std::size_t>(d) * dtype_size(h_.dtype);
+    std::int64_t t = 0;
+    for (const auto& body : sd.rows) {  // [slice][token][D] per block, blocks in token order
+      const std::int64_t count = static_cast<std::int64_t>(body.size() / row_bytes / slices());
+      const std::uint8_t* in = body.data();
+      for (std::int64_t s = 0; s < static_cast<std::int64_t>(slices()); ++s)
+        for (std::int64_t i = 0; i < count; ++i, in += row_bytes) std::memcpy(x.row(s / h_.heads, s % h_.heads, t + i), in, row_bytes);
+      t += count;
+    }
+    return x;
+  }
+
   // The layer's cache as saved, or, for a prefix load, built from what was decoded (a whole number
   // of chunks) and trimmed to the prefix, as trim() would leave the saved cache.
   std::shared_ptr<KVCache> build_layer(std::size_t l) {
@@ -561,15 +581,15 @@ class FileReader {
     st.config = e.config;
     st.offset = static_cast<std::int64_t>(decoded_tokens(l, 0));
     if (decoded_tokens(l, 1) != decoded_tokens(l, 0)) throw FormatError(fmt::format("vqkv: layer {}: keys and values cover different tokens", l));
-    st.keys = dense_side(l, 0);
-    st.values = dense_side(l, 1);
     slice_parts(sides_[l][0]);  // the tokens decoded (> 0 here) hold bytes of every slice
     slice_parts(sides_[l][1]);
+    sides_[l][0].parts.residual = residual_side(l, 0);
+    sides_[l][1].parts.residual = residual_side(l, 1);
     const int bits = e.config.effective_bits();
     try {
-      st.key_stream = QuantizedStream::from_parts(h_.batch, h_.heads, static_cast<int>(h_.key_dim), bits, e.config,
+      st.key_stream = QuantizedStream::from_parts(h_.batch, h_.heads, static_cast<int>(h_.key_dim), bits, e.config, h_.dtype,
                                                   std::move(sides_[l][0].parts));
-      st.value_stream = QuantizedStream::from_parts(h_.batch, h_.heads, static_cast<int>(h_.value_dim), bits, e.config,
+      st.value_stream = QuantizedStream::from_parts(h_.batch, h_.heads, static_cast<int>(h_.value_dim), bits, e.config, h_.dtype,
                                                     std::move(sides_[l][1].parts));
     } catch (const InvalidArgument& ex) {
       throw FormatError(fmt::format("vqkv: layer {}: {}", l, ex.what()));

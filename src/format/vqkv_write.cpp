@@ -154,7 +154,8 @@ void tables_block(std::vector<std::uint8_t>& body, SideSource& side, const vqkv:
   side.tables.reserve(static_cast<std::size_t>(q.slices()) * d);
   for (std::int64_t s = 0; s < q.slices(); ++s) {
     std::fill(counts.begin(), counts.end(), 0u);
-    const std::uint8_t* codes = q.codes(s).data();
+    const std::vector<std::uint8_t> unpacked = q.codes(s);
+    const std::uint8_t* codes = unpacked.data();
     for (std::size_t t = 0; t < n; ++t)
       for (std::size_t c = 0; c < d; ++c) ++counts[c * alphabet + codes[t * d + c]];
     for (std::size_t c = 0; c < d; ++c) {
@@ -187,8 +188,10 @@ void codes_block(std::vector<std::uint8_t>& body, std::vector<std::uint16_t>& sy
   const std::size_t ld = count + vqkv::kSymbolPad;
   symbols.resize(slices * d * ld);
   std::vector<RansEncodeSegment> segs(slices * d);
+  std::vector<std::uint8_t> unpacked(count * d);
   for (std::size_t s = 0; s < slices; ++s) {
-    const std::uint8_t* codes = q.codes(static_cast<std::int64_t>(s)).data() + t0 * d;
+    q.unpack_codes(static_cast<std::int64_t>(s), static_cast<std::int64_t>(t0), static_cast<std::int64_t>(count), unpacked.data());
+    const std::uint8_t* codes = unpacked.data();
     std::uint16_t* out = symbols.data() + s * d * ld;
     vqkv::codes_to_symbols(codes, count, d, out, ld);
     for (std::size_t c = 0; c < d; ++c)

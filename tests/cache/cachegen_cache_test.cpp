@@ -384,13 +384,19 @@ TEST(CacheGen, ResolvedBitsOverrideBaseBits) {
   EXPECT_EQ(cache.fixed_width_key_bytes(), vq::fixed_width_bytes(64, 8, 2, 2));
 }
 
-TEST(CacheGen, NbytesCountsCodesBesideTheDenseBuffer) {
+// Resident: the cache holds 4-bit codes and float32 scale + minimum per (group of 32, channel),
+// 6 bits per element here, not a dense copy (fetch materialises one for the caller only).
+TEST(CacheGen, NbytesIsTheCodesNotADenseCopy) {
   vq::CacheGenKVCache cache;
   vq::KVCache plain;
   auto k = vqtest::random_walk({1, 2, 64, 8}, 17, vq::DType::F16);
-  cache.update_and_fetch(k, k);
+  const auto fetched = cache.update_and_fetch(k, k);
   plain.update_and_fetch(k, k);
-  EXPECT_GT(cache.nbytes(), plain.nbytes());
+  EXPECT_LT(cache.nbytes(), plain.nbytes() / 2);
+  const std::size_t codes = 2 * 2 * 64 * 8 / 2, params = 2 * 2 * 2 * 8 * 8;  // sides * slices * ...
+  EXPECT_GE(cache.nbytes(), codes + params);
+  EXPECT_LE(cache.nbytes(), codes + params + 512);  // + the per-slice vectors' headers
+  EXPECT_TRUE(fetched.first.bit_equal(cache.state().keys));
 }
 
 }  // namespace

@@ -57,7 +57,8 @@ void expect_round_trip(const vq::QuantizedStream& s, const vq::StreamCodecOption
   if (max_codes == 0) return;
   ASSERT_EQ(d.dim, s.dim());
   for (std::int64_t sl = 0; sl < s.slices(); ++sl) {
-    const auto a = s.codes(sl), b = d.slice_codes(sl);
+    const auto a = s.codes(sl);
+    const auto b = d.slice_codes(sl);
     ASSERT_TRUE(std::equal(a.begin(), a.end(), b.begin(), b.end())) << "slice " << sl;
     ASSERT_TRUE(same_floats(s.scales(sl), d.slice_scales(sl))) << "slice " << sl;
     ASSERT_TRUE(same_floats(s.minima(sl), d.slice_minima(sl))) << "slice " << sl;

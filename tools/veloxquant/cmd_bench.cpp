@@ -559,7 +559,8 @@ int run_bench_codec(const BenchOptions& o) {
         [&](std::size_t i, const std::vector<std::uint8_t>& b) {
           const auto ds = vq::decode_stream(b, cm[i].size());
           for (std::int64_t sl = 0; sl < streams[i].slices(); ++sl) {
-            const auto a = streams[i].codes(sl), c = ds.slice_codes(sl);
+            const auto a = streams[i].codes(sl);
+            const auto c = ds.slice_codes(sl);
             if (!std::equal(a.begin(), a.end(), c.begin(), c.end())) return false;
           }
           return true;

@@ -1,9 +1,21 @@
 // CacheGenKVCache: a KVCache that group-quantizes what it stores and accounts its bytes the way
 // the CacheGen reference does (entropy of the token-delta code stream), for one layer.
 //
-// Fetch always returns dense K/V in the input dtype: attention never sees packed codes. (The
-// reference deliberately has no `bits` attribute so mlx_lm keeps it on the dense SDPA path; this
-// class likewise exposes its bit width only through config().)
+// Resident-compressed: per side, the cache holds only its QuantizedStream (cache/quantized_stream.hpp):
+// the codes packed at the bit width (4-bit codes two per byte), the reference's float32 scale and
+// minimum per (group, channel), and the exact residual (group_aligned: tokens not yet in a closed
+// group, in the input dtype). No dense copy of quantized tokens exists; keys_buf_ / values_buf_
+// hold only the layout [B, H, 0, D]. nbytes() is exactly what those vectors have allocated.
+// - attend() reads tiles dequantized straight from the codes (read_key_tile / read_value_tile).
+// - update() appends without materialising anything.
+// - update_and_fetch() and state() materialise: they dequantize every closed token into fresh dense
+//   tensors [B, H, offset, D] in the input dtype, owned by the caller (the cache keeps no reference).
+//   Cost per call: O(offset * H * D) dequantization and B*H*offset*(D_k + D_v)*sizeof(dtype) bytes
+//   allocated, what a dense cache holds, for as long as the caller holds them. The values are
+//   bit-identical to what the dense (pre-resident) cache returned: code * scale + min in float32,
+//   rounded to the input dtype. A host that attends through attend() never pays it.
+// (The reference deliberately has no `bits` attribute so mlx_lm keeps it on the dense SDPA path;
+// this class likewise exposes its bit width only through config().)
 //
 // Flush modes (KVCacheConfig::cachegen_flush): per_call reproduces the reference exactly;
 // group_aligned (default) quantizes whole groups once they are complete, keeping newer tokens in an
@@ -24,11 +36,11 @@
 
 namespace vq {
 
-// Everything needed to rebuild a CacheGenKVCache exactly (deep copies).
+// Everything needed to rebuild a CacheGenKVCache exactly (deep copies): the streams hold the
+// codes, scales, minima and the exact residual (each holds offset tokens).
 struct CacheGenState {
   KVCacheConfig config;
   std::int64_t offset = 0;
-  Tensor keys, values;  // dense contents [B, H, offset, D], reconstructions plus residual
   QuantizedStream key_stream, value_stream;
 };
 
@@ -37,9 +49,13 @@ class CacheGenKVCache : public KVCache {
   // Throws InvalidArgument when the config is invalid.
   explicit CacheGenKVCache(KVCacheConfig config = {});
 
-  // As KVCache::update_and_fetch; additionally throws InvalidArgument on NaN or Inf input (before
-  // changing anything).
+  // As KVCache::update_and_fetch, returning fresh dense tensors (see Resident above); additionally
+  // throws InvalidArgument on NaN or Inf input (before changing anything).
   std::pair<Tensor, Tensor> update_and_fetch(const Tensor& keys, const Tensor& values) override;
+  // Appends (quantizing what closes) without materialising anything.
+  void update(const Tensor& keys, const Tensor& values) override;
+  // The reconstruction, fresh tensors in the input dtype (see Resident above).
+  KVState state() const override;
   std::int64_t trim(std::int64_t n) override;
   // Dense tensors alone cannot rebuild the codes: use full_state()/from_full_state(). Throws.
   void from_state(const KVState& state) override;
@@ -47,9 +63,13 @@ class CacheGenKVCache : public KVCache {
   // The estimate (fixed-width and entropy-estimated bytes of both sides, residual at fp16).
   CacheBytes stored_bytes() const override;
   std::string kind() const override { return "CacheGenKVCache"; }
+  // Tiles dequantized straight from the packed codes (closed tokens) or the residual.
+  const float* read_key_tile(std::int64_t b, std::int64_t h, std::int64_t t0, std::int64_t n, float* scratch) const override;
+  const float* read_value_tile(std::int64_t b, std::int64_t h, std::int64_t t0, std::int64_t n, float* scratch) const override;
 
   CacheGenState full_state() const;
-  // Taken by value: pass std::move(state) to hand over its streams without copying them.
+  // Taken by value: pass std::move(state) to hand over its streams without copying them. Throws
+  // InvalidArgument when the streams disagree with the offset or with each other.
   void from_full_state(CacheGenState state);
 
   const KVCacheConfig& config() const { return config_; }

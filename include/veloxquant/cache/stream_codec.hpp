@@ -118,10 +118,23 @@ std::vector<std::uint8_t> encode_stream(const QuantizedStream& stream, const Str
 // buffer holds more than max_codes codes (slices * tokens * dim).
 DecodedStream decode_stream(std::span<const std::uint8_t> bytes, std::uint64_t max_codes, RansKernel kernel = RansKernel::Auto);
 
+// Codes of some slices, unpacked from a stream's packed rows and owned here, viewed as the
+// context coder's slices (a contiguous range of spans: ContextSlices(x) views it).
+struct StreamCodeSlices {
+  std::vector<std::vector<std::uint8_t>> codes;
+  std::vector<std::span<const std::uint8_t>> spans;  // one per slice, into codes
+  const std::span<const std::uint8_t>* begin() const { return spans.data(); }
+  const std::span<const std::uint8_t>* end() const { return spans.data() + spans.size(); }
+  const std::span<const std::uint8_t>* data() const { return spans.data(); }
+  std::size_t size() const { return spans.size(); }
+  const std::span<const std::uint8_t>& operator[](std::size_t i) const { return spans[i]; }
+};
+
 // The context coder's view of a stream's tokens [t0, t0 + count) (count 0: to the last closed
-// token; t0 must start a group): per slice, those tokens' codes, and their layout (group starts
-// from the stream's pieces). What the Context transform, the .vqkv writer and `bench codec` code.
-std::vector<std::span<const std::uint8_t>> context_slices(const QuantizedStream& stream, std::size_t t0 = 0, std::size_t count = 0);
+// token; t0 must start a group): per slice, those tokens' codes (unpacked copies), and their layout
+// (group starts from the stream's pieces). What the Context transform, the .vqkv writer and
+// `bench codec` code.
+StreamCodeSlices context_slices(const QuantizedStream& stream, std::size_t t0 = 0, std::size_t count = 0);
 ContextLayout context_layout(const QuantizedStream& stream);
 
 // Symbols of one channel (n tokens at codes[c], codes[c + stride], ...), as the codec models them:

@@ -18,14 +18,32 @@
 //
 // Stored and billed (stored_bytes): codes at `bits` per element, scale + zero at 2 + 2 bytes per
 // group, the full-precision residual at 2 bytes per element (float16, as the CacheGen cache bills
-// its residual, although this model runs float32). Memory (nbytes) is the dense buffer only: the
-// codes are folded into their reconstruction at flush time and not kept.
+// its residual, although this model runs float32).
+//
+// Resident (what nbytes() reports, exactly the allocations): per (batch, head) slice the key and
+// value codes packed at `bits` (transform/packed_rows.hpp: 2-bit codes four per byte), the float16
+// scale and zero of every group, and the two full-precision windows in the input dtype
+// (cache/exact_rows.hpp: keys < residual tokens, values <= residual tokens, a ring that slides
+// without copying). No dense copy of quantized tokens is kept; keys_buf_ / values_buf_ hold only
+// the layout [B, H, 0, D].
+// - attend() dequantizes a tile at a time straight from the codes (read_key_tile / read_value_tile).
+// - update() appends without materialising anything.
+// - update_and_fetch() and state() materialise: fresh dense tensors [B, H, offset, D] in the input
+//   dtype, owned by the caller. Cost per call: O(offset * H * D) dequantization and
+//   B*H*offset*(D_k + D_v)*sizeof(dtype) bytes allocated, what a dense cache holds, for as long as
+//   the caller holds them. Values are bit-identical to those of the former dense implementation
+//   (q * scale16 + zero16 in float32, rounded to the input dtype).
 #pragma once
 #include <algorithm>
 #include <cstdint>
 #include <string>
 
+#include <vector>
+
+#include "veloxquant/cache/exact_rows.hpp"
 #include "veloxquant/cache/kv_cache.hpp"
+#include "veloxquant/core/uninit_vector.hpp"
+#include "veloxquant/transform/packed_rows.hpp"
 
 namespace vq {
 
@@ -43,6 +61,13 @@ class KiviKVCache : public KVCache {
   // Throws InvalidArgument (cache unchanged) on a mismatch, NaN/Inf, |x| > 65504 (scales and
   // zeros are float16), or a value head_dim that the value group does not divide.
   std::pair<Tensor, Tensor> update_and_fetch(const Tensor& keys, const Tensor& values) override;
+  // As update_and_fetch without materialising anything.
+  void update(const Tensor& keys, const Tensor& values) override;
+  // The reconstruction, fresh tensors in the input dtype (see Resident above).
+  KVState state() const override;
+  std::size_t nbytes() const override;
+  const float* read_key_tile(std::int64_t b, std::int64_t h, std::int64_t t0, std::int64_t n, float* scratch) const override;
+  const float* read_value_tile(std::int64_t b, std::int64_t h, std::int64_t t0, std::int64_t n, float* scratch) const override;
   // Quantized tokens cannot be restored to full precision: not trimmable (trim(n > 0) throws).
   bool is_trimmable() const override { return false; }
   std::int64_t trim(std::int64_t n) override;
@@ -57,8 +82,19 @@ class KiviKVCache : public KVCache {
   int value_group(std::int64_t d) const { return static_cast<int>(std::min<std::int64_t>(config_.group, d)); }
 
  private:
+  // Quantize tokens [from, to) of one side: token t is read from the window when t < offset_ (the
+  // tokens held before this update), else from input row t - offset_.
+  void quantize_keys(const Tensor& input, std::int64_t from, std::int64_t to);
+  void quantize_values(const Tensor& input, std::int64_t from, std::int64_t to);
+  Tensor materialise(bool values) const;
+
   KiviConfig config_;
   std::int64_t key_quantized_ = 0, value_quantized_ = 0;
+  // Per slice (b * H + h): packed codes, float16 scale and zero bits. Keys: [group][D] per slice;
+  // values: [token][D / value_group] per slice.
+  std::vector<PackedRows> key_codes_, value_codes_;
+  std::vector<UninitVector<std::uint16_t>> key_scales_, key_zeros_, value_scales_, value_zeros_;
+  ExactRows key_window_, value_window_;  // tokens [key_quantized_, offset), [value_quantized_, offset)
 };
 
 }  // namespace vq
