@@ -50,19 +50,20 @@ void forward(const VqSideTransform& t, const double* x, double* y) {
 }
 
 // The decoder's rows of head h (d values) from a row's y_hat (n floats): x_hat = F^-1 y_hat in
-// float, each output accumulated over j in order (the inverse is given transposed, [j][i], so the
-// loop runs down a column and vectorises without reordering any sum), then keys re-rotated in
-// double. Shared by the cache's tiles, state() and vq_reconstruct so all produce the same bits.
+// float, each output accumulated over j in order (j outer, so the d outputs advance together and
+// vectorise without reordering any sum; F^-1 is the layer model's own row-major matrix, nothing
+// copied per cache), then keys re-rotated in double. Shared by the cache's tiles, state() and
+// vq_reconstruct so all produce the same bits.
 VQ_KERNEL
-void reconstruct_head(const float* __restrict inv_t, int n, const float* __restrict yhat, int h, int d,
+void reconstruct_head(const float* __restrict inv, int n, const float* __restrict yhat, int h, int d,
                       const std::vector<double>* freq, std::int64_t pos, float* __restrict acc, float* __restrict out) {
   const float* x = yhat + sz(h) * sz(d);
-  if (inv_t) {
+  if (inv) {
     for (int i = 0; i < d; ++i) acc[i] = 0.0f;
+    const float* __restrict rows = inv + sz(h) * sz(d) * sz(n);
     for (int j = 0; j < n; ++j) {
       const float y = yhat[j];
-      const float* __restrict col = inv_t + sz(j) * sz(n) + sz(h) * sz(d);
-      for (int i = 0; i < d; ++i) acc[i] += col[i] * y;
+      for (int i = 0; i < d; ++i) acc[i] += rows[sz(i) * sz(n) + sz(j)] * y;
     }
     x = acc;
   }
@@ -76,16 +77,6 @@ void reconstruct_head(const float* __restrict inv_t, int n, const float* __restr
   } else {
     for (int i = 0; i < d; ++i) out[i] = x[i];
   }
-}
-
-// F^-1 transposed ([j][i]); empty for the identity.
-std::vector<float> transposed_inverse(const VqSideTransform& t) {
-  if (t.identity()) return {};
-  const int n = t.n;
-  std::vector<float> out(sz(n) * sz(n));
-  for (int i = 0; i < n; ++i)
-    for (int j = 0; j < n; ++j) out[sz(j) * sz(n) + sz(i)] = t.inv[sz(i) * sz(n) + sz(j)];
-  return out;
 }
 
 // Round float32 rows through `dtype` (what a fetch in that dtype holds), in place.
@@ -314,8 +305,6 @@ void VqKVCache::update(const Tensor& keys, const Tensor& values) {
   if (offset_ == 0) {
     keys_buf_ = layout_of(keys);
     values_buf_ = layout_of(values);
-    ks_.inv_t = transposed_inverse(layer_->k);
-    vs_.inv_t = transposed_inverse(layer_->v);
     ks_.packed.assign(sz(B), {}), vs_.packed.assign(sz(B), {});
     ks_.escapes.assign(sz(B), {}), vs_.escapes.assign(sz(B), {});
   }
@@ -456,7 +445,7 @@ void VqKVCache::read_rows(int side, std::int64_t b, std::int64_t h, std::int64_t
   const std::vector<double>* freq = side == 0 && !layer_->rope_freq.empty() ? &layer_->rope_freq : nullptr;
   // The identity reads head h's coefficients only (y_hat holds them at 0 .. d); a transform that
   // mixes heads needs the whole row. Scratch per call (a tile), freed on return.
-  const bool whole = !st.inv_t.empty();
+  const bool whole = !tr.identity();
   const int c0 = whole ? 0 : static_cast<int>(h) * d, c1 = whole ? nc : c0 + d;
   std::vector<float> yhat(sz(c1 - c0)), acc(whole ? sz(d) : 0);
   for (std::int64_t i = 0; i < n; ++i) {
@@ -481,7 +470,7 @@ void VqKVCache::read_rows(int side, std::int64_t b, std::int64_t h, std::int64_t
         }
         yhat[sz(c - c0)] = sq.mean[sz(c)] + static_cast<float>(q) * sq.step;
       }
-      reconstruct_head(whole ? st.inv_t.data() : nullptr, nc, yhat.data(), whole ? static_cast<int>(h) : 0, d, freq, t, acc.data(), o);
+      reconstruct_head(whole ? tr.inv.data() : nullptr, nc, yhat.data(), whole ? static_cast<int>(h) : 0, d, freq, t, acc.data(), o);
       round_through(dtype, o, sz(d));
     }
   }
@@ -556,7 +545,7 @@ std::size_t VqKVCache::nbytes() const {
     n += q->offset.capacity() * sizeof(std::int32_t) + q->mean.capacity() * sizeof(float) + q->shift.capacity() + q->width.capacity() +
          q->bit_at.capacity() * sizeof(std::uint32_t);
   for (const SideStore* s : {&ks_, &vs_}) {
-    n += s->tail.capacity() + s->sinks.capacity() + s->inv_t.capacity() * sizeof(float);
+    n += s->tail.capacity() + s->sinks.capacity();
     n += (s->packed.capacity() + s->escapes.capacity()) * sizeof(std::vector<int>);
     for (const auto& p : s->packed) n += p.capacity();
     for (const auto& e : s->escapes) n += e.capacity() * sizeof(Escape);
@@ -628,7 +617,6 @@ KVState vq_reconstruct(const VqLayerCodes& lc, const VqLayerModel& layer, DType 
     const VqSideCodes& c = side == 0 ? lc.k : lc.v;
     const VqSideTransform& tr = side == 0 ? layer.k : layer.v;
     const int n = c.n, d = n / H;
-    const std::vector<float> inv_t = transposed_inverse(tr);
     Tensor t = Tensor::zeros({lc.batch, H, lc.tokens, d}, dtype);
     std::vector<float> mean(sz(n)), yhat(sz(n)), acc(sz(d)), row(sz(d));
     for (int i = 0; i < n; ++i) mean[sz(i)] = vq_offset(c.offset[sz(i)], c.step);
@@ -637,7 +625,7 @@ KVState vq_reconstruct(const VqLayerCodes& lc, const VqLayerModel& layer, DType 
         const std::int16_t* q = c.codes.data() + sz(b * lc.tokens + tok) * sz(n);
         for (int i = 0; i < n; ++i) yhat[sz(i)] = mean[sz(i)] + static_cast<float>(q[i]) * c.step;
         for (int h = 0; h < H; ++h) {
-          reconstruct_head(inv_t.empty() ? nullptr : inv_t.data(), n, yhat.data(), h, d, side == 0 ? &layer.rope_freq : nullptr, tok,
+          reconstruct_head(tr.identity() ? nullptr : tr.inv.data(), n, yhat.data(), h, d, side == 0 ? &layer.rope_freq : nullptr, tok,
                            acc.data(), row.data());
           from_f32(row.data(), t.row(b, h, tok), dtype, sz(d));
         }

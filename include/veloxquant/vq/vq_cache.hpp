@@ -38,7 +38,7 @@
 // - the exact tokens in the input dtype: the sinks, and the tail [quantized_tokens(), offset()).
 // - the calibration (step, offsets, splits, widths), a few bytes per coefficient.
 // nbytes() = the capacity of those vectors (the codes grow by 1/8 at a time, so at most ~12 %
-// beyond what is used), plus the transposed inverse transform the tile reader uses.
+// beyond what is used). The transforms belong to the layer model (shared, not billed).
 // attend() reads tiles: a quantized token's row of head h is rebuilt from its codes (head h's
 // coefficients only when the transform is per head / the identity; the whole row otherwise),
 // transformed back and re-rotated, exactly as state() rebuilds it (bit for bit).
@@ -127,7 +127,7 @@ class VqKVCache : public KVCache {
     std::vector<std::vector<Escape>> escapes;       // per batch, sorted by (t, c)
     std::vector<std::uint8_t> tail;                 // exact rows [quantized_, offset_), token-major [t][b][h][d], input dtype
     std::vector<std::uint8_t> sinks;                // exact rows [0, min(sinks, offset_)), same layout
-    std::vector<float> inv_t;                       // the inverse transform, transposed ([j][i]); empty for the identity
+    std::vector<float> inv_t;                       // unused, always empty (tiles read the layer model's F^-1): to drop
   };
   // Tokens [t0, t0 + n) of (b, h), one side, as float32 rows (what state() holds).
   void read_rows(int side, std::int64_t b, std::int64_t h, std::int64_t t0, std::int64_t n, float* out) const;
