@@ -75,6 +75,8 @@ vqkv::Header make_header(const std::vector<std::shared_ptr<KVCache>>& caches, co
     } else if (const auto* v = dynamic_cast<const VqKVCache*>(c); v && c->kind() == "VqKVCache") {
       e.cls = CacheClass::Vq;
       e.vq = v->config();
+      require(e.vq.sinks == 0, "save_prompt_cache: layer {} is a VqKVCache with sinks={}, whose exact sink rows a .vqkv file does not hold yet", i,
+              e.vq.sinks);
       if (!v->model_from_data()) {
         const VqLayerModel* m = v->layer_model();
         require(m != nullptr && m->source.has_value(),

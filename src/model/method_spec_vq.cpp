@@ -13,7 +13,7 @@ namespace vq::detail {
 
 namespace {
 
-constexpr const char* kKeys = "bits, calib, residual, alloc, basis, shape, rope";
+constexpr const char* kKeys = "bits, calib, residual, sinks, alloc, basis, shape, rope";
 
 double parse_real(const std::string& spec, const std::string& key, const std::string& value) {
   double v = 0;
@@ -66,13 +66,13 @@ MethodSpec parse_vq_spec(const std::string& spec, const std::string& args, bool 
   for_each_option(spec, args, has_colon, kKeys, [&](const std::string& key, const std::string& value) {
     if (key == "bits") {
       m.vq.bits = parse_real(spec, key, value);
-    } else if (key == "calib" || key == "residual") {
+    } else if (key == "calib" || key == "residual" || key == "sinks") {
       int v = 0;
       const char* end = value.data() + value.size();
       auto [p, ec] = std::from_chars(value.data(), end, v);
       if (value.empty() || ec != std::errc() || p != end)
         throw InvalidArgument(fmt::format("method '{}': {}={} is not an integer", spec, key, value));
-      (key == "calib" ? m.vq.calib : m.vq.residual) = v;
+      (key == "calib" ? m.vq.calib : key == "residual" ? m.vq.residual : m.vq.sinks) = v;
     } else if (key == "alloc") {
       if (value != "flat") (void)alloc_values(spec, value);
       m.vq_alloc = value;
@@ -91,7 +91,9 @@ MethodSpec parse_vq_spec(const std::string& spec, const std::string& args, bool 
 }
 
 std::string vq_spec_string(const MethodSpec& m) {
-  return fmt::format("vq:bits={},calib={},residual={},alloc={},basis={},shape={},rope={}", m.vq.bits, m.vq.calib, m.vq.residual, m.vq_alloc,
+  // sinks only when set, so the canonical text of every earlier spec is unchanged.
+  return fmt::format("vq:bits={},calib={},residual={},{}alloc={},basis={},shape={},rope={}", m.vq.bits, m.vq.calib, m.vq.residual,
+                     m.vq.sinks > 0 ? fmt::format("sinks={},", m.vq.sinks) : std::string(), m.vq_alloc,
                      vq_basis_name(m.vq_basis.basis),
                      m.vq_basis.shape ? "on" : "off", m.vq_basis.rope ? "on" : "off");
 }

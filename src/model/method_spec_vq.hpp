@@ -43,7 +43,8 @@ inline void naming_spec(const std::string& spec, F f) {
 
 // Parse the options of a `vq[:...]` spec into a MethodSpec of kind Vq; throws InvalidArgument.
 MethodSpec parse_vq_spec(const std::string& spec, const std::string& args, bool has_colon);
-// Canonical text, e.g. "vq:bits=2,calib=64,residual=0,alloc=flat,basis=weights,shape=on,rope=on".
+// Canonical text, e.g. "vq:bits=2,calib=64,residual=0,alloc=flat,basis=weights,shape=on,rope=on" (",sinks=N" after
+// residual only when N > 0).
 std::string vq_spec_string(const MethodSpec& m);
 // One VqKVCache per attention layer (plain KVCache elsewhere). With a checkpoint the transforms are
 // derived from its weights (vq/basis.hpp); without one (synthetic K/V) they are the identity.

@@ -2,11 +2,14 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <type_traits>
 
 #include <fmt/format.h>
 
 #include "veloxquant/core/dtype.hpp"
 #include "veloxquant/core/error.hpp"
+#include "veloxquant/core/kernel_clones.hpp"
 
 namespace vq {
 
@@ -46,25 +49,63 @@ void forward(const VqSideTransform& t, const double* x, double* y) {
   }
 }
 
-// The decoder's row: y_hat from codes, x_hat = F^-1 y_hat, keys re-rotated. Float arithmetic in
-// a fixed order (the build has -ffp-contract=off), shared by the cache and vq_reconstruct so both
-// produce the same bits.
-void reconstruct_row(const VqSideTransform& t, const std::int16_t* q, const float* mean, float step, const std::vector<double>* freq,
-                     int heads, std::int64_t pos, float* yhat, double* out) {
-  const int n = t.n;
-  for (int c = 0; c < n; ++c) yhat[c] = mean[c] + static_cast<float>(q[c]) * step;
-  if (t.identity()) {
-    for (int i = 0; i < n; ++i) out[i] = yhat[i];
-  } else {
-    for (int i = 0; i < n; ++i) {
-      float acc = 0.0f;
-      const float* row = t.inv.data() + sz(i) * sz(n);
-      for (int j = 0; j < n; ++j) acc += row[j] * yhat[j];
-      out[i] = acc;
+// The decoder's rows of head h (d values) from a row's y_hat (n floats): x_hat = F^-1 y_hat in
+// float, each output accumulated over j in order (j outer, so the d outputs advance together and
+// vectorise without reordering any sum; F^-1 is the layer model's own row-major matrix, nothing
+// copied per cache), then keys re-rotated in double. Shared by the cache's tiles, state() and
+// vq_reconstruct so all produce the same bits.
+VQ_KERNEL
+void reconstruct_head(const float* __restrict inv, int n, const float* __restrict yhat, int h, int d,
+                      const std::vector<double>* freq, std::int64_t pos, float* __restrict acc, float* __restrict out) {
+  const float* x = yhat + sz(h) * sz(d);
+  if (inv) {
+    for (int i = 0; i < d; ++i) acc[i] = 0.0f;
+    const float* __restrict rows = inv + sz(h) * sz(d) * sz(n);
+    for (int j = 0; j < n; ++j) {
+      const float y = yhat[j];
+      for (int i = 0; i < d; ++i) acc[i] += rows[sz(i) * sz(n) + sz(j)] * y;
     }
+    x = acc;
   }
-  if (freq && !freq->empty()) rope(out, heads, n / heads, *freq, pos, /*undo=*/false);
+  if (freq && !freq->empty()) {
+    for (std::size_t p = 0; p < freq->size(); ++p) {
+      const double ang = static_cast<double>(pos) * (*freq)[p], c = std::cos(ang), s = std::sin(ang);
+      const double v0 = x[2 * p], v1 = x[2 * p + 1];
+      out[2 * p] = static_cast<float>(v0 * c - v1 * s);
+      out[2 * p + 1] = static_cast<float>(v0 * s + v1 * c);
+    }
+  } else {
+    for (int i = 0; i < d; ++i) out[i] = x[i];
+  }
 }
+
+// Round float32 rows through `dtype` (what a fetch in that dtype holds), in place.
+void round_through(DType dtype, float* x, std::size_t n) {
+  if (dtype == DType::F32) return;
+  std::uint16_t half[256];
+  for (std::size_t i = 0; i < n; i += 256) {
+    const std::size_t m = std::min<std::size_t>(256, n - i);
+    from_f32(x + i, half, dtype, m);
+    to_f32(half, dtype, x + i, m);
+  }
+}
+
+// Packed fields: width w at bit position `bit` of a buffer with 8 bytes of slack past its rows.
+inline std::uint32_t get_field(const std::uint8_t* base, std::uint64_t bit, unsigned w) {
+  std::uint64_t v;
+  std::memcpy(&v, base + (bit >> 3), 8);
+  return static_cast<std::uint32_t>((v >> (bit & 7)) & ((std::uint64_t{1} << w) - 1));
+}
+inline void put_field(std::uint8_t* base, std::uint64_t bit, std::uint32_t f) {  // the field's bits must be 0
+  std::uint64_t v;
+  std::memcpy(&v, base + (bit >> 3), 8);
+  v |= static_cast<std::uint64_t>(f) << (bit & 7);
+  std::memcpy(base + (bit >> 3), &v, 8);
+}
+std::size_t packed_bytes(std::int64_t rows, std::uint32_t row_bits) { return (sz(rows) * row_bits + 7) / 8 + 8; }
+
+// Bits an escape costs (its entry in the side list).
+constexpr double kEscapeBits = 96.0;
 
 // Step by reverse water-filling: the step at which the mean over coefficients of
 // max(0, log2(4.13 sigma_c / step)) equals `bits` (bisection on log2 step).
@@ -94,6 +135,7 @@ void VqConfig::validate() const {
   require(bits > 0 && bits <= 10, "vq: bits={} must be in (0, 10]", bits);
   require(calib >= 1, "vq: calib={} must be >= 1", calib);
   require(residual >= 0, "vq: residual={} must be >= 0", residual);
+  require(sinks >= 0, "vq: sinks={} must be >= 0", sinks);
   require(bits + k_offset > 0 && bits + v_offset > 0 && bits + k_offset <= 10 && bits + v_offset <= 10,
           "vq: bits {} with the layer's offsets K {:+} V {:+} leaves a side outside (0, 10]", bits, k_offset, v_offset);
 }
@@ -109,13 +151,76 @@ VqKVCache::VqKVCache(VqConfig config, std::shared_ptr<const VqLayerModel> layer)
 void VqKVCache::reset() {
   calibrated_ = false;
   quantized_ = 0;
-  k_codes_.clear();
-  v_codes_.clear();
   kq_ = vq_ = SideQuant();
+  ks_ = vs_ = SideStore();
   encoded_size_.reset();
 }
 
-std::pair<Tensor, Tensor> VqKVCache::update_and_fetch(const Tensor& keys, const Tensor& values) {
+namespace {
+
+// The layout a resident cache keeps in keys_buf_ / values_buf_: shape and dtype, no storage.
+Tensor layout_of(const Tensor& t) { return Tensor::wrap(nullptr, {t.dim(0), t.dim(1), 0, t.dim(3)}, t.dtype()); }
+
+// Calibration of one side from its first rows y (transformed, [rows][n]): step by water-filling,
+// grid offsets, code splits, packed widths.
+void calibrate_side(const std::vector<double>& y, int n, double bits, float& step, std::vector<std::int32_t>& offset,
+                    std::vector<float>& mean_f, std::vector<std::uint8_t>& shift, std::vector<std::uint8_t>& width,
+                    std::vector<std::uint32_t>& bit_at) {
+  const std::size_t rows = y.size() / sz(n);
+  std::vector<double> sum(sz(n), 0.0), sum2(sz(n), 0.0), lo(sz(n), INFINITY), hi(sz(n), -INFINITY);
+  for (std::size_t r = 0; r < rows; ++r)
+    for (int c = 0; c < n; ++c) {
+      const double v = y[r * sz(n) + sz(c)];
+      sum[sz(c)] += v, sum2[sz(c)] += v * v;
+      lo[sz(c)] = std::min(lo[sz(c)], v), hi[sz(c)] = std::max(hi[sz(c)], v);
+    }
+  const double cnt = static_cast<double>(rows);
+  std::vector<double> sigma(sz(n)), mean(sz(n));
+  for (int c = 0; c < n; ++c) {
+    mean[sz(c)] = sum[sz(c)] / cnt;
+    sigma[sz(c)] = std::sqrt(std::max(0.0, sum2[sz(c)] / cnt - mean[sz(c)] * mean[sz(c)]));
+  }
+  step = water_fill_step(sigma, bits);
+  offset.resize(sz(n));
+  mean_f.resize(sz(n));
+  shift.assign(sz(n), 0);
+  width.assign(sz(n), 1);
+  bit_at.assign(sz(n) + 1, 0);
+  std::vector<std::int64_t> beyond(17);
+  for (int c = 0; c < n; ++c) {
+    // Codes beyond +-255 are split (vq/codec.hpp). Reach 32 sigma or 4x the calibration's
+    // extremes, so data that drifts after calibration rarely needs a wider split later (which
+    // update() makes when it does); a generous split is nearly free.
+    const double reach = std::max({32.0 * sigma[sz(c)], 4.0 * (hi[sz(c)] - mean[sz(c)]), 4.0 * (mean[sz(c)] - lo[sz(c)])}) / step;
+    while (shift[sz(c)] < kVqMaxShift && reach > vq_max_code(shift[sz(c)])) ++shift[sz(c)];
+    const double m = std::nearbyint(mean[sz(c)] / (0.25 * static_cast<double>(step)));
+    offset[sz(c)] = static_cast<std::int32_t>(std::clamp(m, -static_cast<double>(kVqMaxOffset), static_cast<double>(kVqMaxOffset)));
+    mean_f[sz(c)] = vq_offset(offset[sz(c)], step);
+    // Width: the fewest bits + expected escape cost, the escape rate being the larger of the
+    // calibration codes' own and a Gaussian tail of the calibration's spread.
+    std::fill(beyond.begin(), beyond.end(), 0);
+    for (std::size_t r = 0; r < rows; ++r) {
+      const double q = std::fabs(std::nearbyint((y[r * sz(n) + sz(c)] - mean_f[sz(c)]) / static_cast<double>(step)));
+      for (int w = 1; w <= 16; ++w)
+        if (q > static_cast<double>((1 << (w - 1)) - 1)) ++beyond[sz(w)];
+    }
+    double best = INFINITY;
+    for (int w = 1; w <= 16; ++w) {
+      const double lim = static_cast<double>((1 << (w - 1)) - 1) + 0.5;
+      const double gauss = sigma[sz(c)] > 0 ? std::erfc(lim * static_cast<double>(step) / (sigma[sz(c)] * std::sqrt(2.0))) : 0.0;
+      const double cost = w + kEscapeBits * std::max(gauss, static_cast<double>(beyond[sz(w)]) / cnt);
+      if (cost < best) best = cost, width[sz(c)] = static_cast<std::uint8_t>(w);
+    }
+    bit_at[sz(c) + 1] = bit_at[sz(c)] + width[sz(c)];
+  }
+}
+
+}  // namespace
+
+template <class SideQuantT, class SideStoreT>
+void widen(SideQuantT& sq, SideStoreT& st, int n, std::int64_t rows);  // below
+
+void VqKVCache::update(const Tensor& keys, const Tensor& values) {
   check_chunk(keys, values);
   require(keys.all_finite() && values.all_finite(), "vq: keys and values must be finite (NaN or Inf in the input)");
   const std::int64_t H = keys.dim(1);
@@ -123,7 +228,7 @@ std::pair<Tensor, Tensor> VqKVCache::update_and_fetch(const Tensor& keys, const 
   if (layer_) {
     require(H == layer_->kv_heads && H * keys.dim(3) == layer_->k.n && H * values.dim(3) == layer_->v.n,
             "vq: the layer model expects {} heads of K dim {} and V dim {}, got {} heads of {} and {}", layer_->kv_heads,
-                        layer_->k.n / layer_->kv_heads, layer_->v.n / layer_->kv_heads, H, keys.dim(3), values.dim(3));
+            layer_->k.n / layer_->kv_heads, layer_->v.n / layer_->kv_heads, H, keys.dim(3), values.dim(3));
     require(layer_->rope_freq.empty() || static_cast<std::int64_t>(layer_->rope_freq.size()) * 2 == keys.dim(3),
             "vq: the layer model's RoPE pairs do not match the key head dim");
   } else {
@@ -135,112 +240,298 @@ std::pair<Tensor, Tensor> VqKVCache::update_and_fetch(const Tensor& keys, const 
     layer_ = std::move(m);
   }
   if (offset_ == 0) reset();
-  append(keys, values);
-  encoded_size_.reset();
-  const std::int64_t due = offset_ - config_.residual;  // tokens that have left the exact window
-  if (!calibrated_ && due >= config_.calib) calibrate();
-  if (calibrated_ && due > quantized_) quantize_tokens(quantized_, due);
-  return {keys_buf_.slice(2, 0, offset_), values_buf_.slice(2, 0, offset_)};
-}
+  const std::int64_t B = keys.dim(0), S = keys.dim(2), T1 = offset_ + S;
+  const std::int64_t due = std::max<std::int64_t>(0, T1 - config_.residual);  // tokens that have left the exact window
+  const bool calibrate_now = !calibrated_ && due >= config_.calib;
+  const std::int64_t q0 = quantized_, q1 = (calibrated_ || calibrate_now) ? std::max(due, quantized_) : quantized_;
+  const std::size_t es = dtype_size(keys.dtype());
 
-void VqKVCache::calibrate() {
-  const std::int64_t B = keys_buf_.dim(0), H = layer_->kv_heads, T = config_.calib;
+  // Everything below up to "commit" only computes: a refusal leaves the cache unchanged.
+  struct Work {
+    SideQuant q;                     // the calibration to use (copied, or new)
+    std::vector<std::int32_t> codes; // [b][t - q0][n]
+  } work[2];
   for (int side = 0; side < 2; ++side) {
+    const Tensor& in = side == 0 ? keys : values;
     const VqSideTransform& tr = side == 0 ? layer_->k : layer_->v;
-    const Tensor& buf = side == 0 ? keys_buf_ : values_buf_;
-    const int n = tr.n, d = static_cast<int>(buf.dim(3));
-    std::vector<double> sum(sz(n), 0.0), sum2(sz(n), 0.0), lo(sz(n), INFINITY), hi(sz(n), -INFINITY), x(sz(n)), y(sz(n));
+    const SideStore& st = side == 0 ? ks_ : vs_;
+    const int n = tr.n, d = static_cast<int>(in.dim(3));
+    const std::vector<double>* freq = side == 0 && !layer_->rope_freq.empty() ? &layer_->rope_freq : nullptr;
+    std::vector<double> x(sz(n));
     std::vector<float> row(sz(d));
+    // Token t (tail or chunk) of batch b, transformed into y.
+    auto transformed = [&](std::int64_t t, std::int64_t b, double* y) {
+      for (std::int64_t h = 0; h < H; ++h) {
+        const void* src = t < offset_ ? static_cast<const void*>(st.tail.data() + sz(((t - quantized_) * B + b) * H + h) * sz(d) * es)
+                                      : static_cast<const void*>(in.row(b, h, t - offset_));
+        to_f32(src, in.dtype(), row.data(), sz(d));
+        std::copy(row.begin(), row.end(), x.begin() + h * d);
+      }
+      if (freq) rope(x.data(), static_cast<int>(H), d, *freq, t, /*undo=*/true);
+      forward(tr, x.data(), y);
+    };
+    Work& w = work[side];
+    if (calibrate_now) {
+      std::vector<double> y(sz(B * config_.calib) * sz(n));
+      for (std::int64_t b = 0; b < B; ++b)
+        for (std::int64_t t = 0; t < config_.calib; ++t) transformed(t, b, y.data() + sz(b * config_.calib + t) * sz(n));
+      calibrate_side(y, n, config_.bits + (side == 0 ? config_.k_offset : config_.v_offset), w.q.step, w.q.offset, w.q.mean, w.q.shift,
+                     w.q.width, w.q.bit_at);
+    } else {
+      w.q = side == 0 ? kq_ : vq_;
+    }
+    if (q1 == q0) continue;
+    w.codes.resize(sz(B * (q1 - q0)) * sz(n));
+    std::vector<double> y(sz(n));
+    const double inv_step = 1.0 / static_cast<double>(w.q.step), lim = vq_max_code(kVqMaxShift);
     for (std::int64_t b = 0; b < B; ++b)
-      for (std::int64_t t = 0; t < T; ++t) {
-        for (std::int64_t h = 0; h < H; ++h) {
-          to_f32(buf.row(b, h, t), buf.dtype(), row.data(), sz(d));
-          std::copy(row.begin(), row.end(), x.begin() + h * d);
-        }
-        if (side == 0 && !layer_->rope_freq.empty()) rope(x.data(), static_cast<int>(H), d, layer_->rope_freq, t, /*undo=*/true);
-        forward(tr, x.data(), y.data());
+      for (std::int64_t t = q0; t < q1; ++t) {
+        transformed(t, b, y.data());
+        std::int32_t* q = w.codes.data() + sz(b * (q1 - q0) + (t - q0)) * sz(n);
         for (int c = 0; c < n; ++c) {
-          sum[sz(c)] += y[sz(c)], sum2[sz(c)] += y[sz(c)] * y[sz(c)];
-          lo[sz(c)] = std::min(lo[sz(c)], y[sz(c)]), hi[sz(c)] = std::max(hi[sz(c)], y[sz(c)]);
+          const double v = std::nearbyint((y[sz(c)] - w.q.mean[sz(c)]) * inv_step);
+          if (!(std::fabs(v) <= lim))
+            throw InvalidArgument(fmt::format("vq: token {} {} coefficient {} lies {:.3g} steps from its calibrated mean, beyond the codes' "
+                                              "reach of +-{} (bits={} is too fine for data this far from the first {} tokens); cache unchanged",
+                                              t, side == 0 ? "K" : "V", c, v, vq_max_code(kVqMaxShift), config_.bits, config_.calib));
+          q[c] = static_cast<std::int32_t>(v);
+          auto& sh = w.q.shift[sz(c)];
+          while (std::abs(q[c]) > vq_max_code(sh)) ++sh;  // the coder's split widens; the code is kept whole
         }
       }
-    SideQuant& s = side == 0 ? kq_ : vq_;
-    std::vector<double> sigma(sz(n));
-    const double cnt = static_cast<double>(B * T);
-    std::vector<double> mean(sz(n));
-    for (int c = 0; c < n; ++c) {
-      mean[sz(c)] = sum[sz(c)] / cnt;
-      sigma[sz(c)] = std::sqrt(std::max(0.0, sum2[sz(c)] / cnt - mean[sz(c)] * mean[sz(c)]));
-    }
-    s.step = water_fill_step(sigma, config_.bits + (side == 0 ? config_.k_offset : config_.v_offset));
-    // The grid offset: the mean in quarter steps (a mean beyond the bound is absorbed by the codes).
-    s.offset.resize(sz(n));
-    s.mean.resize(sz(n));
-    s.shift.assign(sz(n), 0);
-    for (int c = 0; c < n; ++c) {
-      // Codes beyond +-255 are split (vq/codec.hpp). Reach 32 sigma or 4x the calibration's
-      // extremes before clamping, so data that drifts after calibration is not clipped; a generous
-      // split is nearly free (its low bits are uniform while sigma spans >= 8 of its hi steps).
-      const double reach = std::max({32.0 * sigma[sz(c)], 4.0 * (hi[sz(c)] - mean[sz(c)]), 4.0 * (mean[sz(c)] - lo[sz(c)])}) / s.step;
-      while (s.shift[sz(c)] < kVqMaxShift && reach > vq_max_code(s.shift[sz(c)])) ++s.shift[sz(c)];
-      const double m = std::nearbyint(mean[sz(c)] / (0.25 * static_cast<double>(s.step)));
-      s.offset[sz(c)] = static_cast<std::int32_t>(std::clamp(m, -static_cast<double>(kVqMaxOffset), static_cast<double>(kVqMaxOffset)));
-      s.mean[sz(c)] = vq_offset(s.offset[sz(c)], s.step);
-    }
   }
-  calibrated_ = true;
+
+  // --- commit (nothing below throws but allocation) ---
+  if (offset_ == 0) {
+    keys_buf_ = layout_of(keys);
+    values_buf_ = layout_of(values);
+    ks_.packed.assign(sz(B), {}), vs_.packed.assign(sz(B), {});
+    ks_.escapes.assign(sz(B), {}), vs_.escapes.assign(sz(B), {});
+  }
+  for (int side = 0; side < 2; ++side) {
+    const Tensor& in = side == 0 ? keys : values;
+    SideStore& st = side == 0 ? ks_ : vs_;
+    const std::size_t rowb = sz(in.dim(3)) * es, tokb = sz(B * H) * rowb;
+    // Exact rows: the chunk joins the tail; the first `sinks` tokens are kept aside for good.
+    const std::size_t old = st.tail.size();
+    st.tail.resize(old + sz(S) * tokb);
+    const std::int64_t sink_end = std::min<std::int64_t>(config_.sinks, T1);
+    if (sink_end > offset_) st.sinks.resize(sz(sink_end) * tokb);
+    for (std::int64_t s = 0; s < S; ++s)
+      for (std::int64_t b = 0; b < B; ++b)
+        for (std::int64_t h = 0; h < H; ++h) {
+          const std::size_t at = sz(b * H + h) * rowb;  // within a token's [b][h] rows
+          std::memcpy(st.tail.data() + old + sz(s) * tokb + at, in.row(b, h, s), rowb);
+          if (offset_ + s < sink_end) std::memcpy(st.sinks.data() + sz(offset_ + s) * tokb + at, in.row(b, h, s), rowb);
+        }
+    SideQuant& sq = side == 0 ? kq_ : vq_;
+    sq = std::move(work[side].q);
+    if (q1 == q0) continue;
+    const int n = side == 0 ? layer_->k.n : layer_->v.n;
+    const std::uint32_t row_bits = sq.bit_at[sz(n)];
+    for (std::int64_t b = 0; b < B; ++b) {
+      auto& buf = st.packed[sz(b)];
+      const std::size_t need = packed_bytes(q1, row_bits);
+      if (need > buf.capacity()) buf.reserve(std::max(need, buf.capacity() + buf.capacity() / 8));  // grow by 1/8: little slack held
+      buf.resize(need, 0);
+      for (std::int64_t t = q0; t < q1; ++t) {
+        const std::int32_t* q = work[side].codes.data() + sz(b * (q1 - q0) + (t - q0)) * sz(n);
+        const std::uint64_t base = static_cast<std::uint64_t>(t) * row_bits;
+        for (int c = 0; c < n; ++c) {
+          const std::int32_t bias = 1 << (sq.width[sz(c)] - 1);
+          if (std::abs(q[c]) < bias) {
+            put_field(buf.data(), base + sq.bit_at[sz(c)], static_cast<std::uint32_t>(q[c] + bias));
+          } else {
+            st.escapes[sz(b)].push_back({static_cast<std::int32_t>(t), c, q[c]});  // field stays 0: the escape
+          }
+        }
+      }
+    }
+    widen(sq, st, n, q1);
+    st.tail.erase(st.tail.begin(), st.tail.begin() + static_cast<std::ptrdiff_t>(sz(q1 - q0) * tokb));
+    if (st.tail.capacity() > 2 * st.tail.size() + 4096) std::vector<std::uint8_t>(st.tail).swap(st.tail);  // a prefill's rows, released
+  }
+  calibrated_ = calibrated_ || calibrate_now;
+  quantized_ = q1;
+  offset_ = T1;
+  encoded_size_.reset();
 }
 
-void VqKVCache::quantize_tokens(std::int64_t t0, std::int64_t t1) {
-  const std::int64_t B = keys_buf_.dim(0), H = layer_->kv_heads;
-  if (k_codes_.size() != sz(B)) k_codes_.assign(sz(B), {}), v_codes_.assign(sz(B), {});
-  for (int side = 0; side < 2; ++side) {
-    const VqSideTransform& tr = side == 0 ? layer_->k : layer_->v;
-    Tensor& buf = side == 0 ? keys_buf_ : values_buf_;
-    const SideQuant& s = side == 0 ? kq_ : vq_;
-    const std::vector<double>* freq = side == 0 ? &layer_->rope_freq : nullptr;
-    const int n = tr.n, d = static_cast<int>(buf.dim(3));
-    std::vector<double> x(sz(n)), y(sz(n)), out(sz(n));
-    std::vector<float> row(sz(d)), yhat(sz(n));
-    std::vector<std::int16_t> q(sz(n));
-    const double inv_step = 1.0 / static_cast<double>(s.step);
-    for (std::int64_t b = 0; b < B; ++b) {
-      auto& codes = (side == 0 ? k_codes_ : v_codes_)[sz(b)];
-      codes.resize(sz(t1) * sz(n));
-      for (std::int64_t t = t0; t < t1; ++t) {
-        for (std::int64_t h = 0; h < H; ++h) {
-          to_f32(buf.row(b, h, t), buf.dtype(), row.data(), sz(d));
-          std::copy(row.begin(), row.end(), x.begin() + h * d);
-        }
-        if (freq && !freq->empty()) rope(x.data(), static_cast<int>(H), d, *freq, t, /*undo=*/true);
-        forward(tr, x.data(), y.data());
-        for (int c = 0; c < n; ++c) {
-          const double v = std::nearbyint((y[sz(c)] - s.mean[sz(c)]) * inv_step);
-          const double lim = vq_max_code(s.shift[sz(c)]);
-          q[sz(c)] = static_cast<std::int16_t>(std::clamp(v, -lim, lim));
-        }
-        std::copy(q.begin(), q.end(), codes.begin() + t * n);
-        reconstruct_row(tr, q.data(), s.mean.data(), s.step, freq, static_cast<int>(H), t, yhat.data(), out.data());
-        for (std::int64_t h = 0; h < H; ++h) {
-          for (int i = 0; i < d; ++i) row[sz(i)] = static_cast<float>(out[sz(h * d + i)]);
-          from_f32(row.data(), buf.row(b, h, t), buf.dtype(), sz(d));
-        }
+// Data that drifts from its calibration escapes more and more codes of a coefficient. Once its
+// escapes cost more than one more bit in every row would, the coefficient's field widens to the
+// width that minimises rows x width + escape bits over the codes held, and the side is re-packed
+// (O(rows x n), rare: each widening at least doubles a field's range). Values never change.
+// (A template over the cache's private side types: the header stays as it is.)
+template <class SideQuantT, class SideStoreT>
+void widen(SideQuantT& sq, SideStoreT& st, int n, std::int64_t rows) {
+  using EscapeT = typename std::remove_reference_t<decltype(st.escapes[0])>::value_type;
+  const std::int64_t B = static_cast<std::int64_t>(st.packed.size()), R = B * rows;
+  std::vector<std::int64_t> count(sz(n), 0);
+  for (const auto& e : st.escapes)
+    for (const EscapeT& x : e) ++count[sz(x.c)];
+  std::vector<std::uint8_t> width = sq.width;
+  std::vector<char> over(sz(n), 0);
+  bool any = false;
+  for (int c = 0; c < n; ++c) {
+    over[sz(c)] = static_cast<double>(count[sz(c)]) * kEscapeBits > static_cast<double>(R);
+    any = any || over[sz(c)];
+  }
+  if (!any) return;
+  std::vector<std::int64_t> beyond(sz(n) * 17, 0);  // [c][w]: escaped codes of c still escaped at width w
+  for (const auto& e : st.escapes)
+    for (const EscapeT& x : e)
+      if (over[sz(x.c)])
+        for (int w = sq.width[sz(x.c)]; w <= 16; ++w) beyond[sz(x.c) * 17 + sz(w)] += std::abs(x.q) >= (1 << (w - 1));
+  any = false;
+  for (int c = 0; c < n; ++c) {
+    if (!over[sz(c)]) continue;
+    double best = INFINITY;
+    for (int w = sq.width[sz(c)]; w <= 16; ++w) {
+      const double cost = static_cast<double>(w) * static_cast<double>(R) + kEscapeBits * static_cast<double>(beyond[sz(c) * 17 + sz(w)]);
+      if (cost < best) best = cost, width[sz(c)] = static_cast<std::uint8_t>(w);
+    }
+    any = any || width[sz(c)] != sq.width[sz(c)];
+  }
+  if (!any) return;
+  // Re-pack every row at the new widths.
+  std::vector<std::uint32_t> bit_at(sz(n) + 1, 0);
+  for (int c = 0; c < n; ++c) bit_at[sz(c) + 1] = bit_at[sz(c)] + width[sz(c)];
+  std::vector<std::int32_t> q(sz(rows) * sz(n));
+  for (std::int64_t b = 0; b < B; ++b) {
+    const std::uint8_t* old = st.packed[sz(b)].data();
+    for (std::int64_t t = 0; t < rows; ++t)
+      for (int c = 0; c < n; ++c) {
+        const unsigned w = sq.width[sz(c)];
+        q[sz(t) * sz(n) + sz(c)] = static_cast<std::int32_t>(get_field(old, static_cast<std::uint64_t>(t) * sq.bit_at[sz(n)] + sq.bit_at[sz(c)], w)) -
+                                   (1 << (w - 1));
       }
+    for (const EscapeT& x : st.escapes[sz(b)]) q[sz(x.t) * sz(n) + sz(x.c)] = x.q;
+    std::vector<std::uint8_t> buf(packed_bytes(rows, bit_at[sz(n)]), 0);
+    std::vector<EscapeT> esc;
+    for (std::int64_t t = 0; t < rows; ++t)
+      for (int c = 0; c < n; ++c) {
+        const std::int32_t v = q[sz(t) * sz(n) + sz(c)], bias = 1 << (width[sz(c)] - 1);
+        if (std::abs(v) < bias)
+          put_field(buf.data(), static_cast<std::uint64_t>(t) * bit_at[sz(n)] + bit_at[sz(c)], static_cast<std::uint32_t>(v + bias));
+        else
+          esc.push_back({static_cast<std::int32_t>(t), c, v});
+      }
+    st.packed[sz(b)] = std::move(buf);
+    st.escapes[sz(b)] = std::move(esc);
+  }
+  sq.width = std::move(width);
+  sq.bit_at = std::move(bit_at);
+}
+
+std::pair<Tensor, Tensor> VqKVCache::update_and_fetch(const Tensor& keys, const Tensor& values) {
+  update(keys, values);
+  return {materialise(0), materialise(1)};
+}
+
+KVState VqKVCache::state() const {
+  if (offset_ == 0) return {};
+  return {materialise(0), materialise(1)};
+}
+
+void VqKVCache::read_rows(int side, std::int64_t b, std::int64_t h, std::int64_t t0, std::int64_t n, float* out) const {
+  const SideQuant& sq = side == 0 ? kq_ : vq_;
+  const SideStore& st = side == 0 ? ks_ : vs_;
+  const VqSideTransform& tr = side == 0 ? layer_->k : layer_->v;
+  const DType dtype = keys_buf_.dtype();
+  const std::int64_t B = keys_buf_.dim(0), H = keys_buf_.dim(1);
+  const int d = static_cast<int>((side == 0 ? keys_buf_ : values_buf_).dim(3)), nc = tr.n;
+  const std::size_t rowb = sz(d) * dtype_size(dtype);
+  const std::int64_t sink_end = std::min<std::int64_t>(config_.sinks, offset_);
+  const std::vector<double>* freq = side == 0 && !layer_->rope_freq.empty() ? &layer_->rope_freq : nullptr;
+  // The identity reads head h's coefficients only (y_hat holds them at 0 .. d); a transform that
+  // mixes heads needs the whole row. Scratch per call (a tile), freed on return.
+  const bool whole = !tr.identity();
+  const int c0 = whole ? 0 : static_cast<int>(h) * d, c1 = whole ? nc : c0 + d;
+  std::vector<float> yhat(sz(c1 - c0)), acc(whole ? sz(d) : 0);
+  for (std::int64_t i = 0; i < n; ++i) {
+    const std::int64_t t = t0 + i;
+    float* o = out + i * d;
+    if (t < sink_end) {
+      to_f32(st.sinks.data() + sz((t * B + b) * H + h) * rowb, dtype, o, sz(d));
+    } else if (t >= quantized_) {
+      to_f32(st.tail.data() + sz(((t - quantized_) * B + b) * H + h) * rowb, dtype, o, sz(d));
+    } else {
+      const std::uint8_t* buf = st.packed[sz(b)].data();
+      const std::uint64_t base = static_cast<std::uint64_t>(t) * sq.bit_at[sz(nc)];
+      for (int c = c0; c < c1; ++c) {
+        const unsigned w = sq.width[sz(c)];
+        const std::uint32_t f = get_field(buf, base + sq.bit_at[sz(c)], w);
+        std::int32_t q = static_cast<std::int32_t>(f) - (1 << (w - 1));
+        if (f == 0) {  // an escape: its code from the side list
+          const auto& e = st.escapes[sz(b)];
+          const auto it = std::lower_bound(e.begin(), e.end(), std::pair<std::int64_t, int>{t, c},
+                                           [](const Escape& x, const std::pair<std::int64_t, int>& k) { return x.t < k.first || (x.t == k.first && x.c < k.second); });
+          q = it->q;
+        }
+        yhat[sz(c - c0)] = sq.mean[sz(c)] + static_cast<float>(q) * sq.step;
+      }
+      reconstruct_head(whole ? tr.inv.data() : nullptr, nc, yhat.data(), whole ? static_cast<int>(h) : 0, d, freq, t, acc.data(), o);
+      round_through(dtype, o, sz(d));
     }
   }
-  quantized_ = t1;
+}
+
+const float* VqKVCache::read_key_tile(std::int64_t b, std::int64_t h, std::int64_t t0, std::int64_t n, float* scratch) const {
+  read_rows(0, b, h, t0, n, scratch);
+  return scratch;
+}
+
+const float* VqKVCache::read_value_tile(std::int64_t b, std::int64_t h, std::int64_t t0, std::int64_t n, float* scratch) const {
+  read_rows(1, b, h, t0, n, scratch);
+  return scratch;
+}
+
+Tensor VqKVCache::materialise(int side) const {
+  const Tensor& layout = side == 0 ? keys_buf_ : values_buf_;
+  const std::int64_t B = layout.dim(0), H = layout.dim(1), D = layout.dim(3);
+  Tensor t = Tensor::uninitialized({B, H, offset_, D}, layout.dtype());
+  std::vector<float> rows(sz(offset_ * D));
+  for (std::int64_t b = 0; b < B; ++b)
+    for (std::int64_t h = 0; h < H; ++h) {
+      read_rows(side, b, h, 0, offset_, rows.data());
+      for (std::int64_t s = 0; s < offset_; ++s) from_f32(rows.data() + s * D, t.row(b, h, s), t.dtype(), sz(D));
+    }
+  return t;
 }
 
 std::int64_t VqKVCache::trim(std::int64_t n) {
+  const std::int64_t old = offset_;
   const std::int64_t dropped = KVCache::trim(n);
+  if (dropped == 0) return 0;
+  encoded_size_.reset();
   if (offset_ == 0) {
     reset();
-  } else if (quantized_ > offset_) {
-    quantized_ = offset_;
-    for (auto& c : k_codes_) c.resize(sz(offset_) * sz(layer_->k.n));
-    for (auto& c : v_codes_) c.resize(sz(offset_) * sz(layer_->v.n));
+    return dropped;
   }
-  if (dropped > 0) encoded_size_.reset();
+  const std::int64_t B = keys_buf_.dim(0), H = keys_buf_.dim(1);
+  for (int side = 0; side < 2; ++side) {
+    SideStore& st = side == 0 ? ks_ : vs_;
+    const std::size_t tokb = sz(B * H * (side == 0 ? keys_buf_ : values_buf_).dim(3)) * dtype_size(keys_buf_.dtype());
+    st.sinks.resize(std::min(st.sinks.size(), sz(offset_) * tokb));
+    if (quantized_ <= offset_) {
+      st.tail.resize(st.tail.size() - sz(old - offset_) * tokb);
+      continue;
+    }
+    st.tail.clear();  // every exact tail token is gone; codes past offset_ go too
+    const SideQuant& sq = side == 0 ? kq_ : vq_;
+    const std::uint32_t row_bits = sq.bit_at.back();
+    for (std::int64_t b = 0; b < B; ++b) {
+      auto& buf = st.packed[sz(b)];
+      const std::uint64_t end = static_cast<std::uint64_t>(offset_) * row_bits;
+      buf.resize(packed_bytes(offset_, row_bits));
+      // Zero every bit past the last row (later rows are OR-ed in).
+      std::fill(buf.begin() + static_cast<std::ptrdiff_t>((end + 7) / 8), buf.end(), 0);
+      if (end % 8) buf[end / 8] &= static_cast<std::uint8_t>((1u << (end % 8)) - 1);
+      auto& e = st.escapes[sz(b)];
+      e.erase(std::lower_bound(e.begin(), e.end(), offset_, [](const Escape& x, std::int64_t t) { return x.t < t; }), e.end());
+    }
+  }
+  quantized_ = std::min(quantized_, offset_);
   return dropped;
 }
 
@@ -249,9 +540,23 @@ void VqKVCache::from_state(const KVState& state) {
 }
 
 std::size_t VqKVCache::nbytes() const {
-  std::size_t n = KVCache::nbytes();
-  for (const auto* side : {&k_codes_, &v_codes_})
-    for (const auto& c : *side) n += c.capacity() * sizeof(std::int16_t);
+  std::size_t n = 0;
+  for (const SideQuant* q : {&kq_, &vq_})
+    n += q->offset.capacity() * sizeof(std::int32_t) + q->mean.capacity() * sizeof(float) + q->shift.capacity() + q->width.capacity() +
+         q->bit_at.capacity() * sizeof(std::uint32_t);
+  for (const SideStore* s : {&ks_, &vs_}) {
+    n += s->tail.capacity() + s->sinks.capacity();
+    n += (s->packed.capacity() + s->escapes.capacity()) * sizeof(std::vector<int>);
+    for (const auto& p : s->packed) n += p.capacity();
+    for (const auto& e : s->escapes) n += e.capacity() * sizeof(Escape);
+  }
+  return n;
+}
+
+std::size_t VqKVCache::escapes() const {
+  std::size_t n = 0;
+  for (const SideStore* s : {&ks_, &vs_})
+    for (const auto& e : s->escapes) n += e.size();
   return n;
 }
 
@@ -267,9 +572,22 @@ VqLayerCodes VqKVCache::codes() const {
   lc.v.shift = vq_.shift;
   lc.k.offset = kq_.offset.empty() ? std::vector<std::int32_t>(sz(lc.k.n), 0) : kq_.offset;
   lc.v.offset = vq_.offset.empty() ? std::vector<std::int32_t>(sz(lc.v.n), 0) : vq_.offset;
-  for (std::int64_t b = 0; b < lc.batch && quantized_ > 0; ++b) {
-    lc.k.codes.insert(lc.k.codes.end(), k_codes_[sz(b)].begin(), k_codes_[sz(b)].begin() + quantized_ * lc.k.n);
-    lc.v.codes.insert(lc.v.codes.end(), v_codes_[sz(b)].begin(), v_codes_[sz(b)].begin() + quantized_ * lc.v.n);
+  for (int side = 0; side < 2 && quantized_ > 0; ++side) {
+    const SideQuant& sq = side == 0 ? kq_ : vq_;
+    const SideStore& st = side == 0 ? ks_ : vs_;
+    VqSideCodes& out = side == 0 ? lc.k : lc.v;
+    const int n = out.n;
+    out.codes.resize(sz(lc.batch * quantized_) * sz(n));
+    for (std::int64_t b = 0; b < lc.batch; ++b) {
+      std::int16_t* o = out.codes.data() + sz(b * quantized_) * sz(n);
+      for (std::int64_t t = 0; t < quantized_; ++t)
+        for (int c = 0; c < n; ++c) {
+          const unsigned w = sq.width[sz(c)];
+          const std::uint32_t f = get_field(st.packed[sz(b)].data(), static_cast<std::uint64_t>(t) * sq.bit_at[sz(n)] + sq.bit_at[sz(c)], w);
+          o[t * n + c] = static_cast<std::int16_t>(static_cast<std::int32_t>(f) - (1 << (w - 1)));
+        }
+      for (const Escape& e : st.escapes[sz(b)]) o[sz(e.t) * sz(n) + sz(e.c)] = static_cast<std::int16_t>(e.q);
+    }
   }
   return lc;
 }
@@ -283,14 +601,17 @@ std::vector<std::uint8_t> VqKVCache::encode() const {
 CacheBytes VqKVCache::stored_bytes() const {
   if (offset_ == 0) return {};
   if (!encoded_size_) encoded_size_ = quantized_ > 0 ? encode().size() : 0;
-  const double residual = static_cast<double>(offset_ - quantized_) * static_cast<double>(keys_buf_.dim(0) * keys_buf_.dim(1)) *
-                          static_cast<double>(keys_buf_.dim(3) + values_buf_.dim(3)) * 2.0;
-  const double bytes = static_cast<double>(*encoded_size_) + residual;
+  // Exact tokens at what they hold: the tail, and the sinks that also have codes.
+  const double exact_tokens = static_cast<double>(offset_ - quantized_ + std::min<std::int64_t>(config_.sinks, quantized_));
+  const double exact = exact_tokens * static_cast<double>(keys_buf_.dim(0) * keys_buf_.dim(1)) *
+                       static_cast<double>(keys_buf_.dim(3) + values_buf_.dim(3)) * static_cast<double>(dtype_size(keys_buf_.dtype()));
+  const double bytes = static_cast<double>(*encoded_size_) + exact;
   return {bytes, bytes};
 }
 
 std::shared_ptr<VqKVCache> VqKVCache::restore(VqConfig config, std::shared_ptr<const VqLayerModel> layer, VqLayerCodes codes,
                                               const KVState& exact) {
+  require(config.sinks == 0, "vq restore: sinks={} keeps exact rows of its first tokens that a .vqkv file does not hold", config.sinks);
   auto c = std::make_shared<VqKVCache>(config, layer);
   const Tensor& ek = exact.keys;
   const Tensor& ev = exact.values;
@@ -298,7 +619,7 @@ std::shared_ptr<VqKVCache> VqKVCache::restore(VqConfig config, std::shared_ptr<c
               ek.dim(1) > 0 && ek.dim(3) > 0 && ev.dim(3) > 0,
           "vq restore: exact keys {} and values {} disagree", shape_string(ek.shape()), shape_string(ev.shape()));
   const std::int64_t B = ek.dim(0), H = ek.dim(1), Q = codes.tokens, T = Q + ek.dim(2);
-  if (!c->layer_) {  // the identity sized from the data, as update_and_fetch builds it
+  if (!c->layer_) {  // the identity sized from the data, as update builds it
     auto m = std::make_shared<VqLayerModel>();
     m->kv_heads = static_cast<int>(H);
     m->head_dim = static_cast<int>(ek.dim(3));
@@ -314,14 +635,14 @@ std::shared_ptr<VqKVCache> VqKVCache::restore(VqConfig config, std::shared_ptr<c
   require(Q >= 0 && (Q == 0 || (codes.batch == B && codes.k.n == lm.k.n && codes.v.n == lm.v.n)),
           "vq restore: codes of batch {} and widths {}/{} do not match rows of batch {} and the layer's {}/{}", codes.batch, codes.k.n,
           codes.v.n, B, lm.k.n, lm.v.n);
-  // The states update_and_fetch leaves: calibrated (Q > 0) once calib tokens have left the exact
-  // window, and then every token that has left it is quantized (trim may leave more).
+  // The states update leaves: calibrated (Q > 0) once calib tokens have left the exact window, and
+  // then every token that has left it is quantized (trim may leave more).
   const std::int64_t due = T - config.residual;
   require(Q > 0 ? Q >= due : due < config.calib,
           "vq restore: {} quantized tokens of {} with residual={} and calib={} is not a state the cache can be in", Q, T, config.residual,
           config.calib);
-  if (Q == 0) {
-    if (T > 0) c->KVCache::from_state(exact);
+  if (Q == 0) {  // uncalibrated: every token is exact, and update keeps them so
+    if (T > 0) c->update(ek, ev);
     return c;
   }
   for (VqSideCodes* s : {&codes.k, &codes.v}) {
@@ -329,29 +650,71 @@ std::shared_ptr<VqKVCache> VqKVCache::restore(VqConfig config, std::shared_ptr<c
                 (s->shift.empty() || s->shift.size() == static_cast<std::size_t>(s->n)),
             "vq restore: inconsistent code arrays");
     if (s->shift.empty()) s->shift.assign(sz(s->n), 0);
+    for (int i = 0; i < s->n; ++i)
+      require(s->shift[sz(i)] <= kVqMaxShift, "vq restore: coefficient {} has code split {} above the coder's {}", i, s->shift[sz(i)],
+              kVqMaxShift);
+    for (std::int16_t q : s->codes)
+      require(std::abs(static_cast<int>(q)) <= vq_max_code(kVqMaxShift), "vq restore: a code {} lies beyond the codes' reach", q);
   }
-  KVState recon = vq_reconstruct(codes, lm, ek.dtype());
-  c->KVCache::from_state(recon);
-  if (T > Q) {
-    c->check_chunk(ek, ev);
-    c->append(ek, ev);
-  }
+  c->keys_buf_ = layout_of(ek);
+  c->values_buf_ = layout_of(ev);
   for (int side = 0; side < 2; ++side) {
     VqSideCodes& s = side == 0 ? codes.k : codes.v;
     SideQuant& q = side == 0 ? c->kq_ : c->vq_;
+    SideStore& st = side == 0 ? c->ks_ : c->vs_;
+    const int n = s.n;
     q.step = s.step;
     q.offset = s.offset;
     q.shift = s.shift;
-    q.mean.resize(sz(s.n));
-    for (int i = 0; i < s.n; ++i) q.mean[sz(i)] = vq_offset(q.offset[sz(i)], q.step);
-    auto& per_batch = side == 0 ? c->k_codes_ : c->v_codes_;
-    per_batch.assign(sz(B), {});
-    const std::size_t per = sz(Q) * sz(s.n);
-    for (std::int64_t b = 0; b < B; ++b) per_batch[sz(b)].assign(s.codes.begin() + static_cast<std::ptrdiff_t>(sz(b) * per),
-                                                                 s.codes.begin() + static_cast<std::ptrdiff_t>(sz(b + 1) * per));
+    q.mean.resize(sz(n));
+    for (int i = 0; i < n; ++i) q.mean[sz(i)] = vq_offset(q.offset[sz(i)], q.step);
+    // Widths from the codes held: per coefficient the width that minimises rows x width + escape bits.
+    const std::int64_t R = B * Q;
+    q.width.assign(sz(n), 1);
+    std::vector<std::int64_t> at_least(sz(n) * 17, 0);  // [c][w]: codes with |code| >= 2^(w-1)
+    for (std::int64_t r = 0; r < R; ++r)
+      for (int i = 0; i < n; ++i) {
+        const int a = std::abs(static_cast<int>(s.codes[sz(r) * sz(n) + sz(i)]));
+        for (int w = 1; w <= 16 && a >= (1 << (w - 1)); ++w) ++at_least[sz(i) * 17 + sz(w)];
+      }
+    for (int i = 0; i < n; ++i) {
+      double best = INFINITY;
+      for (int w = 1; w <= 16; ++w) {
+        const double cost = static_cast<double>(w) * static_cast<double>(R) + kEscapeBits * static_cast<double>(at_least[sz(i) * 17 + sz(w)]);
+        if (cost < best) best = cost, q.width[sz(i)] = static_cast<std::uint8_t>(w);
+      }
+    }
+    q.bit_at.assign(sz(n) + 1, 0);
+    for (int i = 0; i < n; ++i) q.bit_at[sz(i) + 1] = q.bit_at[sz(i)] + q.width[sz(i)];
+    const std::uint32_t row_bits = q.bit_at[sz(n)];
+    st.packed.assign(sz(B), {});
+    st.escapes.assign(sz(B), {});
+    for (std::int64_t b = 0; b < B; ++b) {
+      auto& buf = st.packed[sz(b)];
+      buf.assign(packed_bytes(Q, row_bits), 0);
+      for (std::int64_t t = 0; t < Q; ++t) {
+        const std::int16_t* row = s.codes.data() + sz(b * Q + t) * sz(n);
+        for (int i = 0; i < n; ++i) {
+          const std::int32_t v = row[i], bias = 1 << (q.width[sz(i)] - 1);
+          if (std::abs(v) < bias)
+            put_field(buf.data(), static_cast<std::uint64_t>(t) * row_bits + q.bit_at[sz(i)], static_cast<std::uint32_t>(v + bias));
+          else
+            st.escapes[sz(b)].push_back({static_cast<std::int32_t>(t), i, v});
+        }
+      }
+    }
+    // The exact tail, token-major [t][b][h][d] in the input dtype.
+    const Tensor& in = side == 0 ? ek : ev;
+    const std::size_t rowb = sz(in.dim(3)) * dtype_size(in.dtype()), tokb = sz(B * H) * rowb;
+    st.tail.resize(sz(T - Q) * tokb);
+    for (std::int64_t t = 0; t < T - Q; ++t)
+      for (std::int64_t b = 0; b < B; ++b)
+        for (std::int64_t h = 0; h < H; ++h) std::memcpy(st.tail.data() + sz(t) * tokb + sz(b * H + h) * rowb, in.row(b, h, t), rowb);
   }
   c->calibrated_ = true;
   c->quantized_ = Q;
+  c->offset_ = T;
+  c->encoded_size_.reset();
   return c;
 }
 
@@ -364,15 +727,15 @@ KVState vq_reconstruct(const VqLayerCodes& lc, const VqLayerModel& layer, DType 
     const VqSideTransform& tr = side == 0 ? layer.k : layer.v;
     const int n = c.n, d = n / H;
     Tensor t = Tensor::zeros({lc.batch, H, lc.tokens, d}, dtype);
-    std::vector<float> mean(sz(n)), yhat(sz(n)), row(sz(d));
+    std::vector<float> mean(sz(n)), yhat(sz(n)), acc(sz(d)), row(sz(d));
     for (int i = 0; i < n; ++i) mean[sz(i)] = vq_offset(c.offset[sz(i)], c.step);
-    std::vector<double> out(sz(n));
     for (std::int64_t b = 0; b < lc.batch; ++b)
       for (std::int64_t tok = 0; tok < lc.tokens; ++tok) {
-        reconstruct_row(tr, c.codes.data() + sz(b * lc.tokens + tok) * sz(n), mean.data(), c.step, side == 0 ? &layer.rope_freq : nullptr,
-                        H, tok, yhat.data(), out.data());
+        const std::int16_t* q = c.codes.data() + sz(b * lc.tokens + tok) * sz(n);
+        for (int i = 0; i < n; ++i) yhat[sz(i)] = mean[sz(i)] + static_cast<float>(q[i]) * c.step;
         for (int h = 0; h < H; ++h) {
-          for (int i = 0; i < d; ++i) row[sz(i)] = static_cast<float>(out[sz(h * d + i)]);
+          reconstruct_head(tr.identity() ? nullptr : tr.inv.data(), n, yhat.data(), h, d, side == 0 ? &layer.rope_freq : nullptr, tok,
+                           acc.data(), row.data());
           from_f32(row.data(), t.row(b, h, tok), dtype, sz(d));
         }
       }

@@ -40,6 +40,8 @@ const std::vector<std::string>& method_specs() {
       "cachegen_paper:group=10,chunk=40,profile_tokens=256",
       "vq:bits=2,calib=16",
       "vq:bits=3,calib=16,residual=8",
+      "vq:bits=2,calib=16,residual=4,sinks=2",
+      "vq:bits=6,calib=8",
   };
   return specs;
 }

@@ -11,11 +11,13 @@
 #include <cstring>
 #include <random>
 #include <new>
+#include <optional>
 
 #include <gtest/gtest.h>
 
 #include "veloxquant/cache/attention.hpp"
 #include "veloxquant/peers/fp8_cache.hpp"
+#include "veloxquant/vq/vq_cache.hpp"
 #include "../support/test_util.hpp"
 
 // --- counting the heap --------------------------------------------------------------------------
@@ -213,4 +215,36 @@ TEST(GgmlBlockCacheResident, RotationSpreadsAnOutlierAndIsUndone) {
   EXPECT_EQ(std::memcmp(&b, &r.key_blocks()[0], sizeof b), 0);
 }
 
+// Our vq cache (vq/vq_cache.hpp) is resident too; its test sits here, beside the heap counter.
+TEST(VqCacheResident, NbytesIsExactlyWhatItAllocated) {
+  const Tensor k = vqtest::random_walk({2, 8, 300, 64}, 1), v = vqtest::random_walk({2, 8, 300, 64}, 2);
+  long long live = 0;
+  std::size_t nbytes = 0;
+  // The same run twice, counted the second time: the coder memoises the tables it builds (per
+  // process, not per cache), and the first run fills that memo.
+  for (int pass = 0; pass < 2; ++pass) {
+    std::optional<LiveBytes> count;
+    if (pass == 1) count.emplace();
+    vq::VqConfig cfg;
+    cfg.residual = 16;
+    cfg.sinks = 2;
+    auto* c = new vq::VqKVCache(cfg);
+    c->update(k.slice(2, 0, 100), v.slice(2, 0, 100));  // a prefill, then decode steps
+    for (std::int64_t s = 100; s < 300; ++s) c->update(k.slice(2, s, s + 1), v.slice(2, s, s + 1));
+    (void)c->update_and_fetch(k.slice(2, 0, 0), v.slice(2, 0, 0));  // the fetched dense copy is the caller's
+    (void)c->attend(vqtest::random_uniform({2, 16, 1, 64}, 3), 0.125f);
+    (void)c->stored_bytes();
+    if (pass == 1) live = count->now() - static_cast<long long>(malloc_usable_size(c));
+    nbytes = c->nbytes();
+    delete c;
+  }
+  // malloc rounds each of the cache's ~20 vectors up by < 32 bytes; the layout tensors' control blocks are not counted.
+  EXPECT_GE(live, static_cast<long long>(nbytes));
+  EXPECT_LE(live, static_cast<long long>(nbytes) + 1024) << "the cache holds memory nbytes() does not count";
+  // A few bits per element against float32's 32 (a random walk drifts from its calibration, so
+  // fields widen), plus 18 exact tokens.
+  EXPECT_LT(nbytes, (k.nbytes() + v.nbytes()) / 3);
+}
+
 }  // namespace
+

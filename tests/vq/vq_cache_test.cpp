@@ -1,5 +1,6 @@
 // Our method's cache (vq/vq_cache.hpp) and transforms (vq/basis.hpp): error budgets on synthetic
-// K/V, the billed bytes against the real coder, decode = fetch bit for bit, chunking, trim.
+// K/V, the billed bytes against the real coder, decode = fetch bit for bit, chunking, trim, and
+// the resident storage (packed codes, escapes, refusals, sinks, nbytes).
 #include "veloxquant/vq/vq_cache.hpp"
 
 #include <cmath>
@@ -144,11 +145,12 @@ TEST(VqCache, BilledBytesAreTheCodersAndDecodeEqualsFetch) {
       EXPECT_EQ(c.stored_bytes().fixed_bytes, 0.0);
       c.update_and_fetch(K.slice(2, 0, 20), V.slice(2, 0, 20));  // 15 due < calib 16: all exact
       EXPECT_EQ(c.quantized_tokens(), 0);
-      EXPECT_DOUBLE_EQ(c.stored_bytes().estimated_bytes, 20.0 * 2 * 2 * (4 + 4) * 2);
+      const double es = static_cast<double>(vq::dtype_size(dtype));  // exact tokens are billed at what they hold
+      EXPECT_DOUBLE_EQ(c.stored_bytes().estimated_bytes, 20.0 * 2 * 2 * (4 + 4) * es);
       auto [fk, fv] = feed(c, K.slice(2, 20, 100), V.slice(2, 20, 100), 13);
       ASSERT_EQ(c.quantized_tokens(), 95);
       const auto bytes = c.encode();
-      const double residual = 5.0 * 2 * 2 * (4 + 4) * 2;  // 5 tokens x B x H x (Dk + Dv) x fp16
+      const double residual = 5.0 * 2 * 2 * (4 + 4) * es;  // 5 tokens x B x H x (Dk + Dv) x the input dtype
       EXPECT_DOUBLE_EQ(c.stored_bytes().fixed_bytes, static_cast<double>(bytes.size()) + residual);
       EXPECT_DOUBLE_EQ(c.stored_bytes().estimated_bytes, c.stored_bytes().fixed_bytes);
       // The decoder: bytes -> codes -> dense K/V, bit-identical to what the cache returned.
@@ -257,4 +259,95 @@ TEST(VqCache, ConstantAndWideInputs) {
   EXPECT_EQ(vq::vq_decode(wide.encode(), 800).k.codes, codes.k.codes);
 }
 
+// Resident: the cache holds packed codes, not a dense copy. 2 heads x 16 x 600 float32 tokens at
+// bits=2 hold a few bits per element (dense float32: 32): the packed rows and a few escapes.
+TEST(VqResident, HoldsPackedCodesNotADenseCopy) {
+  const vq::Tensor K = vqtest::random_walk({1, 2, 600, 16}, 41), V = vqtest::random_walk({1, 2, 600, 16}, 42);
+  vq::VqConfig cfg;
+  cfg.calib = 32;
+  vq::VqKVCache c(cfg);
+  c.update(K, V);
+  ASSERT_EQ(c.quantized_tokens(), 600);
+  const double elements = 2.0 * 600 * 2 * 16;
+  EXPECT_LT(8.0 * static_cast<double>(c.nbytes()) / elements, 7.0);  // a random walk drifts: fields widen (dense: 32)
+  double bits = 0;
+  for (auto w : c.key_widths()) bits += w;
+  for (auto w : c.value_widths()) bits += w;
+  // Packed rows, the escapes' list, calibration and a few vectors' headers: nothing dense.
+  EXPECT_LE(static_cast<double>(c.nbytes()), bits * 600 / 8 + 16.0 * static_cast<double>(c.escapes()) + 2048);
+}
+
+// Codes beyond a coefficient's packed width are held exactly (escapes), and codes beyond the
+// calibration's split widen it: never clamped. A jump of 300 sigma after calibration at 8 bits.
+TEST(VqResident, WideCodesAreEscapedNotClamped) {
+  std::vector<float> v(2 * 120);
+  std::mt19937_64 rng(3);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  for (std::size_t i = 0; i < v.size(); ++i) v[i] = nd(rng) + (i / 2 == 100 ? 300.0f : 0.0f);
+  const vq::Tensor W = vq::Tensor::from_f32({1, 1, 120, 2}, v);
+  vq::VqConfig cfg;
+  cfg.bits = 8;
+  vq::VqKVCache c(cfg);
+  auto [k, vv] = c.update_and_fetch(W.slice(2, 0, 64), W.slice(2, 0, 64));
+  const std::uint8_t shift_before = c.codes().k.shift[0];
+  std::tie(k, vv) = c.update_and_fetch(W.slice(2, 64, 120), W.slice(2, 64, 120));
+  EXPECT_GT(c.escapes(), 0u);
+  const auto codes = c.codes();
+  EXPECT_GT(codes.k.shift[0], shift_before);  // 300 sigma: beyond 32 sigma, the split widened
+  const auto y = k.to_f32_vector();
+  for (std::size_t i = 0; i < v.size(); ++i) EXPECT_LE(std::fabs(y[i] - v[i]), 0.5 * codes.k.step * 1.0001 + 1e-4) << i;
+  const auto decoded = vq::vq_decode(c.encode(), 2 * 120 * 2);
+  EXPECT_EQ(decoded.k.codes, codes.k.codes);
+  EXPECT_TRUE(vq::vq_reconstruct(decoded, *c.layer_model(), vq::DType::F32).keys.bit_equal(k.contiguous(true)));
+}
+
+// A code beyond the coder's reach (+-255 * 2^7 steps) is refused, the cache unchanged.
+TEST(VqResident, CodesBeyondTheCodersReachAreRefused) {
+  const vq::Tensor W = gaussian({1, 1, 64, 2}, 5);
+  vq::VqConfig cfg;
+  cfg.bits = 10;
+  vq::VqKVCache c(cfg);
+  c.update(W, W);
+  ASSERT_EQ(c.quantized_tokens(), 64);
+  const auto before = c.encode();
+  const std::size_t bytes = c.nbytes();
+  const std::vector<float> far_v{1e6f, 0.0f};
+  const vq::Tensor far = vq::Tensor::from_f32({1, 1, 1, 2}, far_v);
+  try {
+    c.update(far, far);
+    ADD_FAILURE() << "no error";
+  } catch (const vq::InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("reach"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(c.offset(), 64);
+  EXPECT_EQ(c.encode(), before);
+  EXPECT_EQ(c.nbytes(), bytes);
+}
+
+// Sinks: the first tokens are served exact while their codes stay in codes(); billed twice.
+TEST(VqResident, SinksStayExact) {
+  const vq::Tensor K = vqtest::random_walk({2, 2, 50, 4}, 51), V = vqtest::random_walk({2, 2, 50, 4}, 52);
+  vq::VqConfig cfg;
+  cfg.calib = 8;
+  cfg.sinks = 3;
+  cfg.residual = 2;
+  vq::VqKVCache c(cfg, model_of(vq::VqBasis::Weights));
+  auto [fk, fv] = feed(c, K, V, 1);
+  ASSERT_EQ(c.quantized_tokens(), 48);
+  EXPECT_TRUE(fk.slice(2, 0, 3).contiguous(true).bit_equal(K.slice(2, 0, 3).contiguous(true)));
+  EXPECT_TRUE(fv.slice(2, 0, 3).contiguous(true).bit_equal(V.slice(2, 0, 3).contiguous(true)));
+  EXPECT_TRUE(fk.slice(2, 48, 50).contiguous(true).bit_equal(K.slice(2, 48, 50).contiguous(true)));
+  const vq::KVState back = vq::vq_reconstruct(c.codes(), *c.layer_model(), vq::DType::F32);
+  EXPECT_FALSE(back.keys.slice(2, 0, 3).contiguous(true).bit_equal(K.slice(2, 0, 3).contiguous(true)));  // codes are lossy
+  EXPECT_TRUE(back.keys.slice(2, 3, 48).contiguous(true).bit_equal(fk.slice(2, 3, 48).contiguous(true)));
+  const double exact = (2 + 3) * 2.0 * 2 * (4 + 4) * 4;
+  EXPECT_DOUBLE_EQ(c.stored_bytes().fixed_bytes, static_cast<double>(c.encode().size()) + exact);
+  // Trim into the sinks, then regrow: the same as feeding the prefix.
+  c.trim(48);
+  vq::VqKVCache p(cfg, model_of(vq::VqBasis::Weights));
+  feed(p, K.slice(2, 0, 2), V.slice(2, 0, 2), 1);
+  EXPECT_TRUE(c.state().keys.bit_equal(p.state().keys));
+}
+
 }  // namespace
+

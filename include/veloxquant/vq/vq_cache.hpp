@@ -21,9 +21,38 @@
 // offset. Everything depends only on token counts, so the cache is the same whatever the host's
 // chunking (tested).
 //
+// Sinks: the first `sinks` tokens (default 0) are also held exact, forever (attention sinks:
+// the first positions take much of the attention mass in live decoding). They are quantized like
+// every token (codes() covers them, so the codec and vq_reconstruct are unchanged), but the cache
+// serves their exact rows.
+//
+// Resident storage (nothing dense is kept for quantized tokens; see "Invariants" below):
+// - codes: per batch, one bit-packed row per quantized token, coefficient c in a field of
+//   width_c bits (1..16, chosen at calibration: the width that minimises width + the expected
+//   escape cost, from the calibration's spread and its own codes). Field f = q + 2^(width_c - 1);
+//   f = 0 is the ESCAPE: codes outside +-(2^(width_c - 1) - 1) are held exactly in a sorted side
+//   list (token, coefficient, code), never clamped. Codes the coder cannot hold at the
+//   coefficient's split widen the split (shift, up to kVqMaxShift); a code beyond +-vq_max_code(
+//   kVqMaxShift) (data ~32 000 steps from its calibration mean: far too many bits for it) is
+//   refused with InvalidArgument and the cache is unchanged.
+// - the exact tokens in the input dtype: the sinks, and the tail [quantized_tokens(), offset()).
+// - the calibration (step, offsets, splits, widths), a few bytes per coefficient.
+// nbytes() = the capacity of those vectors (the codes grow by 1/8 at a time, so at most ~12 %
+// beyond what is used). The transforms belong to the layer model (shared, not billed).
+// attend() reads tiles: a quantized token's row of head h is rebuilt from its codes (head h's
+// coefficients only when the transform is per head / the identity; the whole row otherwise),
+// transformed back and re-rotated, exactly as state() rebuilds it (bit for bit).
+// update_and_fetch and state() rebuild every token into fresh dense tensors (O(offset) work per
+// call and a dense copy while the caller holds it): hosts that attend call update().
+//
+// Invariants (what a restore/decoder must reproduce): codes() = the int16 codes of tokens
+// [0, quantized_tokens()), the calibration's step/offsets/shifts; state() = vq_reconstruct(codes())
+// for tokens in [sinks, quantized_tokens()), the exact rows elsewhere (tokens < sinks and the tail).
+//
 // Stored and billed (stored_bytes): the size of encode() (header, steps, means, model parameters,
-// the rANS stream with its lane states), measured by running the coder, plus the exact residual
-// at 2 bytes per element (float16, as the other caches bill theirs). fixed == estimated.
+// the rANS stream with its lane states), measured by running the coder, plus every exact token at
+// what it really holds (the input dtype: 4 bytes per element for float32 input): the tail, and the
+// sinks already quantized (held twice). fixed == estimated.
 // Fetch returns the dense reconstruction in the input dtype.
 #pragma once
 #include <cstdint>
@@ -41,7 +70,8 @@ namespace vq {
 struct VqConfig {
   double bits = 2.0;               // nominal code rate per element (see above), 0 < bits <= 10
   int calib = 64;                  // calibration tokens, >= 1
-  int residual = 0;                // most recent tokens kept exact (billed float16), >= 0
+  int residual = 0;                // most recent tokens kept exact (in the input dtype), >= 0
+  int sinks = 0;                   // first tokens also kept exact (in the input dtype), >= 0
   double k_offset = 0, v_offset = 0;  // bits added to this layer's K / V (the layer allocation)
   void validate() const;              // throws InvalidArgument
 };
@@ -52,8 +82,12 @@ class VqKVCache : public KVCache {
   // chunks must have layer->kv_heads heads of layer->head_dim. Throws InvalidArgument on a bad config.
   explicit VqKVCache(VqConfig config = {}, std::shared_ptr<const VqLayerModel> layer = nullptr);
 
-  // Throws InvalidArgument (cache unchanged) on a mismatch or NaN/Inf input.
+  // Throws InvalidArgument (cache unchanged) on a mismatch, NaN/Inf input, or a code beyond the
+  // coder's reach (see above).
   std::pair<Tensor, Tensor> update_and_fetch(const Tensor& keys, const Tensor& values) override;
+  // Appends and quantizes what is due; rebuilds nothing dense.
+  void update(const Tensor& keys, const Tensor& values) override;
+  KVState state() const override;  // rebuilt into fresh tensors in the input dtype
   // Drops the last tokens' codes and rows (each token's codes are independent). Trimming to 0
   // forgets the calibration.
   std::int64_t trim(std::int64_t n) override;
@@ -61,6 +95,8 @@ class VqKVCache : public KVCache {
   std::size_t nbytes() const override;
   CacheBytes stored_bytes() const override;
   std::string kind() const override { return "VqKVCache"; }
+  const float* read_key_tile(std::int64_t b, std::int64_t h, std::int64_t t0, std::int64_t n, float* scratch) const override;
+  const float* read_value_tile(std::int64_t b, std::int64_t h, std::int64_t t0, std::int64_t n, float* scratch) const override;
 
   const VqConfig& config() const { return config_; }
   std::int64_t quantized_tokens() const { return quantized_; }
@@ -81,10 +117,15 @@ class VqKVCache : public KVCache {
   // reconstructed with vq_reconstruct, the cache's own arithmetic) and continues identically.
   // Throws InvalidArgument when the parts disagree with each other or with a cache that
   // update_and_fetch could have built (e.g. Q > 0 but fewer than offset - residual tokens).
-  // Self-contained on purpose: it touches only the members listed here, so a storage rewrite
-  // ports it by swapping the dense buffers for its own.
+  // The codes are packed at widths chosen from the codes themselves (calibration's widths are not
+  // saved; widths change memory, never values). config.sinks > 0 is refused: the format does not
+  // hold the sinks' exact rows yet.
   static std::shared_ptr<VqKVCache> restore(VqConfig config, std::shared_ptr<const VqLayerModel> layer, VqLayerCodes codes,
                                             const KVState& exact);
+  // Packed field width of each coefficient (empty before calibration) and the escaped codes held.
+  const std::vector<std::uint8_t>& key_widths() const { return kq_.width; }
+  const std::vector<std::uint8_t>& value_widths() const { return vq_.width; }
+  std::size_t escapes() const;
 
  private:
   struct SideQuant {
@@ -92,9 +133,21 @@ class VqKVCache : public KVCache {
     std::vector<std::int32_t> offset;  // grid offsets, quarter steps
     std::vector<float> mean;           // their values
     std::vector<std::uint8_t> shift;   // code splits (vq/codec.hpp)
+    std::vector<std::uint8_t> width;   // packed field bits, 1..16
+    std::vector<std::uint32_t> bit_at; // [n + 1]: first bit of coefficient c in a packed row; [n] = row bits
   };
-  void calibrate();
-  void quantize_tokens(std::int64_t t0, std::int64_t t1);
+  struct Escape {
+    std::int32_t t, c, q;  // token, coefficient, code
+  };
+  struct SideStore {
+    std::vector<std::vector<std::uint8_t>> packed;  // per batch: quantized_ rows of bit_at[n] bits (+ 8 zero bytes)
+    std::vector<std::vector<Escape>> escapes;       // per batch, sorted by (t, c)
+    std::vector<std::uint8_t> tail;                 // exact rows [quantized_, offset_), token-major [t][b][h][d], input dtype
+    std::vector<std::uint8_t> sinks;                // exact rows [0, min(sinks, offset_)), same layout
+  };
+  // Tokens [t0, t0 + n) of (b, h), one side, as float32 rows (what state() holds).
+  void read_rows(int side, std::int64_t b, std::int64_t h, std::int64_t t0, std::int64_t n, float* out) const;
+  Tensor materialise(int side) const;
   void reset();
 
   VqConfig config_;
@@ -103,7 +156,7 @@ class VqKVCache : public KVCache {
   bool calibrated_ = false;
   SideQuant kq_, vq_;
   std::int64_t quantized_ = 0;
-  std::vector<std::vector<std::int16_t>> k_codes_, v_codes_;  // per batch: [token, n]
+  SideStore ks_, vs_;
   mutable std::optional<std::size_t> encoded_size_;
 };
 
