@@ -48,6 +48,10 @@ int run_generate(const GenerateOptions& o) {
     std::fflush(stdout);
   });
   std::fputc('\n', stdout);
+  std::fflush(stdout);
+  fmt::print(stderr, "kv cache: peak resident {} bytes ({}); fp16 would hold {} bytes for the same {} tokens ({:.2f}x of fp16)\n",
+             r.peak_resident_bytes, vq::MethodSpec::parse(o.method).to_string(), r.fp16_bytes, r.kv_tokens,
+             r.fp16_bytes > 0 ? static_cast<double>(r.peak_resident_bytes) / static_cast<double>(r.fp16_bytes) : 0.0);
   if (o.stats) {
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     fmt::print(stderr, "{} tokens ({} prompt incl. BOS) in {:.3f} s: {:.0f} tokens/s, method {}\n", r.tokens.size(), r.prompt_tokens, s,
