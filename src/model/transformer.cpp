@@ -296,9 +296,10 @@ std::vector<float> Transformer::forward(std::span<const int> tokens, std::vector
     if (caches[L]->offset() != T)
       throw InvalidArgument(fmt::format("layer {} cache holds {} tokens after appending {}, expected {}", l, caches[L]->offset(), n, T));
     const Tensor att = caches[L]->attend(qin_, inv_sqrt_hs);
-    for (int h = 0; h < c.n_heads; ++h)
-      for (int i = 0; i < n; ++i)
-        std::copy_n(reinterpret_cast<const float*>(att.row(0, h, i)), HS, att_out_.data() + sz(i) * D + sz(h) * HS);
+    for (int h = 0; h < c.n_heads; ++h) {
+      const float* head = reinterpret_cast<const float*>(att.row(0, h, 0));  // attend's output is contiguous
+      for (int i = 0; i < n; ++i) std::copy_n(head + sz(i) * HS, HS, att_out_.data() + sz(i) * D + sz(h) * HS);
+    }
 
     matmul_t(xb_.data(), D, att_out_.data(), D, wo_t_.data() + L * DP * D, DP, n, dim, dim);
     for (std::size_t j = 0; j < sz(n) * D; ++j) x_[j] += xb_[j];
