@@ -4,27 +4,39 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <memory>
 #include <vector>
 
+#include <fmt/format.h>
+
+#include "attention_small_d.hpp"
 #include "veloxquant/cache/kv_cache.hpp"
 #include "veloxquant/core/error.hpp"
 
 namespace vq {
 
 void check_attention_queries(const KVCache& cache, const Tensor& queries, double scale) {
+  // Runs on every attend call (once per layer per decoded token): messages, and the shape strings
+  // in them, are formatted only on failure.
   require(std::isfinite(scale), "attend: scale must be finite, got {}", scale);
   const auto& q = queries.shape();
   require(cache.offset() > 0, "attend: the cache is empty (append the queries' own keys and values first)");
-  require(queries.dtype() == DType::F32 || queries.dtype() == cache.dtype(), "attend: queries are {} but must be float32 or the cache's {}",
-          dtype_name(queries.dtype()), dtype_name(cache.dtype()));
-  require(q[0] == cache.batch(), "attend: queries {} have batch {} but the cache holds batch {}", shape_string(q), q[0], cache.batch());
-  require(q[3] == cache.key_dim(), "attend: queries {} have head dim {} but the cache's keys have {}", shape_string(q), q[3],
-          cache.key_dim());
-  require(q[1] >= 1 && q[1] % cache.kv_heads() == 0, "attend: queries {} have {} heads, not a positive multiple of the cache's {} KV heads",
-          shape_string(q), q[1], cache.kv_heads());
-  require(q[2] >= 1 && q[2] <= cache.offset(),
-          "attend: queries {} have {} tokens but must have 1 .. offset = {} (the queries' own tokens are the cache's last)", shape_string(q),
-          q[2], cache.offset());
+  if (queries.dtype() != DType::F32 && queries.dtype() != cache.dtype())
+    throw InvalidArgument(fmt::format("attend: queries are {} but must be float32 or the cache's {}", dtype_name(queries.dtype()),
+                                      dtype_name(cache.dtype())));
+  if (q[0] != cache.batch())
+    throw InvalidArgument(
+        fmt::format("attend: queries {} have batch {} but the cache holds batch {}", shape_string(q), q[0], cache.batch()));
+  if (q[3] != cache.key_dim())
+    throw InvalidArgument(
+        fmt::format("attend: queries {} have head dim {} but the cache's keys have {}", shape_string(q), q[3], cache.key_dim()));
+  if (!(q[1] >= 1 && q[1] % cache.kv_heads() == 0))
+    throw InvalidArgument(fmt::format("attend: queries {} have {} heads, not a positive multiple of the cache's {} KV heads",
+                                      shape_string(q), q[1], cache.kv_heads()));
+  if (!(q[2] >= 1 && q[2] <= cache.offset()))
+    throw InvalidArgument(fmt::format(
+        "attend: queries {} have {} tokens but must have 1 .. offset = {} (the queries' own tokens are the cache's last)",
+        shape_string(q), q[2], cache.offset()));
   require(queries.all_finite(), "attend: queries must be finite (no NaN or Inf)");
 }
 
@@ -85,7 +97,16 @@ Tensor attend_tiled(const KVCache& cache, const Tensor& queries, float scale) {
   Tensor out = Tensor::uninitialized({B, Hq, Sq, Dv}, DType::F32);
   const auto U = [](std::int64_t x) { return static_cast<std::size_t>(x); };
   std::vector<float> q(U(rows * Dk)), acc(U(rows * Dv)), m(U(rows)), l(U(rows));
-  std::vector<float> kscratch(U(tile * Dk)), vscratch(U(tile * Dv)), s(U(tile));
+  std::vector<float> s(U(tile));
+  // Tile scratch, written by the cache before it is read: not zero-filled (at D = 8 the fill cost
+  // as much as a decode step's attention over a short context).
+  const auto kscratch = std::make_unique_for_overwrite<float[]>(U(tile * Dk));
+  const auto vscratch = std::make_unique_for_overwrite<float[]>(U(tile * Dv));
+  // Small head dims (D = 8, 16) take a kernel that vectorises across a tile's tokens (its scratch
+  // left uninitialised: it is written before it is read).
+  const detail::SmallDKernel small_d = detail::pick_small_d_kernel(Dk, Dv);
+  std::unique_ptr<float[]> small_scratch;
+  if (small_d) small_scratch = std::make_unique_for_overwrite<float[]>(U(detail::small_d_scratch_floats(tile)));
   for (std::int64_t b = 0; b < B; ++b)
     for (std::int64_t h = 0; h < Hkv; ++h) {
       // Row r = g * Sq + i: query head h * G + g, query token i.
@@ -100,8 +121,12 @@ Tensor attend_tiled(const KVCache& cache, const Tensor& queries, float scale) {
       std::fill(l.begin(), l.end(), 0.0f);
       for (std::int64_t t0 = 0; t0 < T; t0 += tile) {
         const std::int64_t n = std::min(tile, T - t0);
-        const float* K = cache.read_key_tile(b, h, t0, n, kscratch.data());
-        const float* V = cache.read_value_tile(b, h, t0, n, vscratch.data());
+        const float* K = cache.read_key_tile(b, h, t0, n, kscratch.get());
+        const float* V = cache.read_value_tile(b, h, t0, n, vscratch.get());
+        if (small_d) {
+          small_d({q.data(), K, V, rows, Sq, T, t0, n, scale, m.data(), l.data(), acc.data(), small_scratch.get()});
+          continue;
+        }
         for (std::int64_t r = 0; r < rows; ++r) {
           const std::int64_t i = r % Sq, last = T - Sq + i;  // the last token query i sees
           const std::int64_t visible = std::min(n, last - t0 + 1);

@@ -36,15 +36,18 @@ void CacheBits::add(const CacheBits& o) {
   fixed_bytes += o.fixed_bytes;
   estimated_bytes += o.estimated_bytes;
   coded_bytes += o.coded_bytes;
+  resident_bytes += o.resident_bytes;
   elements += o.elements;
 }
 
 CacheBits cache_bits(const std::vector<std::shared_ptr<KVCache>>& caches) {
   CacheBits out;
   for (const auto& c : caches) {
-    const KVState s = c->state();
-    const double elements = static_cast<double>(s.keys.numel() + s.values.numel());
-    out.elements += elements;
+    // From the layout, not state(): state() would make a resident cache materialise K and V.
+    if (c->offset() > 0)
+      out.elements += static_cast<double>(c->batch()) * static_cast<double>(c->kv_heads()) * static_cast<double>(c->offset()) *
+                      static_cast<double>(c->key_dim() + c->value_dim());
+    out.resident_bytes += static_cast<double>(c->nbytes());
     // Every cache bills itself (KVCache::stored_bytes): plain caches their dtype, Fp16KVCache the
     // float16 it represents, CacheGen its estimate, the peers their packed codes and metadata.
     const CacheBytes b = c->stored_bytes();
@@ -212,6 +215,7 @@ std::vector<MethodResult> evaluate(Transformer& model, const std::vector<int>& t
     r.bits_per_element_fixed = acc[m].bits.fixed_bits();
     r.bits_per_element_estimated = acc[m].bits.estimated_bits();
     r.bits_per_element_coded = acc[m].bits.coded_bits();
+    r.resident_bits_per_element = acc[m].bits.resident_bits();
     // A score that is not a number is a failed run, never a result.
     require(std::isfinite(r.ppl) && std::isfinite(r.kl) && std::isfinite(r.top1) && std::isfinite(ppl_ref),
             "{}: the scores are not finite (ppl {}, reference ppl {}, KL {}, top-1 {} over {} tokens)", r.method, r.ppl, ppl_ref, r.kl,
@@ -246,7 +250,7 @@ std::vector<SyntheticResult> evaluate_synthetic(const std::vector<std::string>& 
       }
     }
     const CacheBits bits = cache_bits(caches);
-    out.push_back({m, bits.fixed_bits(), bits.estimated_bits(), norm > 0 ? err / norm : 0.0});
+    out.push_back({m, bits.fixed_bits(), bits.estimated_bits(), bits.resident_bits(), norm > 0 ? err / norm : 0.0});
   }
   return out;
 }

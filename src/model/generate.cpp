@@ -121,11 +121,25 @@ GenerateResult generate(Transformer& model, const Tokenizer& tokenizer, std::vec
   // The prompt prints as run.c prints it: each forced token as it is "predicted".
   for (std::size_t i = 1; i < r.tokens.size(); ++i) emit(r.tokens[i - 1], r.tokens[i]);
 
+  // After each forward call: the caches' resident bytes (peak) and fp16's for the same tokens.
+  auto measure = [&] {
+    std::size_t resident = 0, fp16 = 0;
+    for (const auto& c : caches) {
+      resident += c->nbytes();
+      fp16 += static_cast<std::size_t>(c->batch() * c->kv_heads() * c->offset() * (c->key_dim() + c->value_dim())) * 2;
+    }
+    r.peak_resident_bytes = std::max(r.peak_resident_bytes, resident);
+    if (!caches.empty() && caches[0]->offset() >= r.kv_tokens) {
+      r.kv_tokens = caches[0]->offset();
+      r.fp16_bytes = fp16;
+    }
+  };
   // A prefix may come from elsewhere (a prefix store); prefill the remaining prompt positions at
   // once; the last row of logits predicts the first new token.
   const std::size_t filled = config.fill_prefix ? static_cast<std::size_t>(config.fill_prefix(r.tokens, caches)) : 0;
   require(filled < r.tokens.size(), "fill_prefix filled {} of the prompt's {} tokens; it must leave at least one", filled, r.tokens.size());
   std::vector<float> logits = model.forward(std::span<const int>(r.tokens).subspan(filled), caches);
+  measure();
   int pos = r.prompt_tokens;  // positions run so far (run.c's pos after this many forwards)
   const auto V = static_cast<std::size_t>(mc.vocab_size);
   std::span<float> last(logits.data() + (static_cast<std::size_t>(pos) - filled - 1) * V, V);
@@ -140,6 +154,7 @@ GenerateResult generate(Transformer& model, const Tokenizer& tokenizer, std::vec
     if (pos >= steps) break;
     const int tok[1] = {next};
     logits = model.forward(tok, caches);
+    measure();
     ++pos;
     last = std::span<float>(logits.data(), V);
   }

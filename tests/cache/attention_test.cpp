@@ -54,7 +54,9 @@ TEST(Attend, MatchesTheReferenceOverEveryShape) {
   for (const Case& c : {Case{1, 1, 1, 8, 1, 1, DType::F32}, Case{1, 4, 4, 8, 37, 1, DType::F32}, Case{1, 4, 16, 8, 600, 1, DType::F32},
                         Case{2, 4, 8, 8, 600, 9, DType::F32}, Case{3, 2, 6, 13, 77, 5, DType::F32}, Case{1, 8, 32, 128, 300, 1, DType::F32},
                         Case{2, 2, 4, 128, 70, 70, DType::F32}, Case{2, 3, 6, 13, 90, 4, DType::F16}, Case{1, 2, 4, 128, 65, 2, DType::F16},
-                        Case{1, 2, 2, 8, 40, 3, DType::BF16}})
+                        Case{1, 2, 2, 8, 40, 3, DType::BF16},
+                        // D = 16 and D = 8 with tile tails: the small-head-dim kernels (attention_small_d.cpp)
+                        Case{1, 2, 4, 16, 300, 1, DType::F32}, Case{2, 2, 4, 16, 70, 7, DType::F16}, Case{1, 1, 2, 8, 263, 5, DType::F32}})
     expect_attend_matches_ref(c);
 }
 

@@ -48,8 +48,10 @@ TEST(RdCli, JsonRowsParetoAndPlot) {
   ASSERT_EQ(rows.size(), 5u);  // fp16, q4_0, vq:bits=2, kivi:bits=2, kivi:bits=4
   std::vector<std::string> methods;
   for (const auto& row : rows) {
-    ASSERT_EQ(row.size(), 6u) << row.dump();
-    for (const char* key : {"method", "bits_per_element", "delta_ppl_pct", "kl", "top1", "pareto"}) EXPECT_TRUE(row.contains(key)) << key;
+    ASSERT_EQ(row.size(), 7u) << row.dump();
+    for (const char* key : {"method", "bits_per_element", "resident_bits_per_element", "delta_ppl_pct", "kl", "top1", "pareto"})
+      EXPECT_TRUE(row.contains(key)) << key;
+    EXPECT_GT(row["resident_bits_per_element"].get<double>(), 0.0) << row.dump();
     methods.push_back(row["method"]);
   }
   for (const char* m : {"fp16", "q4_0", "vq:bits=2", "kivi:bits=2", "kivi:bits=4"})
@@ -99,6 +101,42 @@ TEST(RdCli, TableMarksTheFrontier) {
   const auto line = r.out.find("vq:bits=3");
   ASSERT_NE(line, std::string::npos);
   EXPECT_EQ(r.out.substr(line, r.out.find('\n', line) - line).back(), '*');
+}
+
+// The stream protocol ranks live caches by the memory they hold: sorted by, and Pareto on,
+// (resident bits, KL); reuse (above) stays on coded bits.
+TEST(RdCli, StreamParetoUsesResidentBits) {
+  const std::string svg = vqtest::temp_dir() + "/rd_stream.svg";
+  const auto r = rd("--methods 'fp32;fp16;q4_0;q8_0;kivi:bits=2;cachegen:bits=4,schedule=off' --protocol stream --window 64 --ctx 16 "
+                    "--windows 2 --json --plot " + svg);
+  ASSERT_EQ(r.code, 0) << r.err;
+  const auto rows = nlohmann::json::parse(r.out)["results"];
+  ASSERT_EQ(rows.size(), 6u);
+  bool orders_differ = false;
+  for (std::size_t i = 0; i < rows.size(); ++i) {
+    const double b0 = rows[i]["resident_bits_per_element"], k0 = rows[i]["kl"];
+    if (i > 0) {
+      EXPECT_LE(rows[i - 1]["resident_bits_per_element"].get<double>(), b0);
+      orders_differ = orders_differ || rows[i - 1]["bits_per_element"].get<double>() > rows[i]["bits_per_element"].get<double>();
+    }
+    bool dominated = false;
+    for (const auto& other : rows) {
+      const double b = other["resident_bits_per_element"], k = other["kl"];
+      dominated = dominated || (b <= b0 && k <= k0 && (b < b0 || k < k0));
+    }
+    EXPECT_EQ(rows[i]["pareto"].get<bool>(), !dominated) << rows[i].dump();
+    if (rows[i]["method"] == "fp32") {
+      EXPECT_GE(b0, 32.0);  // its buffers: 32 bits per element and spare capacity
+      EXPECT_EQ(rows[i]["kl"].get<double>(), 0.0);
+      EXPECT_TRUE(rows[i]["pareto"].get<bool>());  // nothing beats KL 0 at its memory or less
+    }
+  }
+  // fp32 holds more than its 32 coded bits, so the resident order is not the coded one: the test
+  // would not notice a sort on coded bits otherwise.
+  EXPECT_TRUE(orders_differ) << r.out;
+  const std::string s = slurp(svg);
+  EXPECT_TRUE(well_formed(s));
+  EXPECT_NE(s.find("resident bits per element"), std::string::npos);
 }
 
 TEST(RdCli, FamiliesExpandAndStreamWorks) {

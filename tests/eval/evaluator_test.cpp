@@ -73,6 +73,42 @@ TEST(Evaluator, ScoresMethodsAgainstFp32) {
     EXPECT_GT(r[3].delta_ppl_pct, 0.0);
     EXPECT_LT(r[3].bits_per_element_fixed, r[2].bits_per_element_fixed);
     EXPECT_LE(r[2].bits_per_element_estimated, r[2].bits_per_element_fixed);
+    // Resident: what the caches hold; a plain float32 cache at least its 32 bits (spare capacity on top).
+    for (const auto& m : r) EXPECT_GT(m.resident_bits_per_element, 0.0) << m.method;
+    EXPECT_GE(r[0].resident_bits_per_element, 32.0);
+    EXPECT_LT(r[0].resident_bits_per_element, 64.0);  // capacity stays below twice what growth needs
+  }
+}
+
+// cache_bits: elements from the caches' layout equal what state() holds, and resident bits are the
+// caches' nbytes over them (a plain float32 cache: 32 x capacity / tokens).
+TEST(Evaluator, ResidentBitsAreWhatTheCachesHold) {
+  vq::Transformer model(vq::Checkpoint::load(model_path()));
+  auto tokens = validation_tokens(2000);
+  tokens.insert(tokens.begin(), 1);
+  for (const char* method : {"fp32", "fp16", "q4_0", "kivi:bits=2", "cachegen:bits=4,schedule=off", "vq:bits=2"}) {
+    SCOPED_TRACE(method);
+    auto caches = vq::make_caches(method, model);
+    model.forward(std::span<const int>(tokens.data(), 100), caches);
+    model.forward(std::span<const int>(tokens.data() + 100, 1), caches);
+    // nbytes before anything asks for sizes: computing the coded size may make a cache keep its
+    // encoding, and state() a materialised copy (cache_bits takes nbytes first and never calls state).
+    double elements = 0, nbytes = 0;
+    for (const auto& c : caches) nbytes += static_cast<double>(c->nbytes());
+    const vq::CacheBits b = vq::cache_bits(caches);
+    for (const auto& c : caches) {
+      const vq::KVState st = c->state();
+      elements += static_cast<double>(st.keys.numel() + st.values.numel());
+    }
+    EXPECT_EQ(b.elements, elements);
+    EXPECT_EQ(b.elements, 5.0 * 4 * 101 * (8 + 8));  // layers x KV heads x tokens x (D_k + D_v)
+    EXPECT_EQ(b.resident_bytes, nbytes);
+    EXPECT_DOUBLE_EQ(b.resident_bits(), 8.0 * nbytes / elements);
+    EXPECT_GT(b.resident_bits(), 0.0);
+    if (std::string(method) == "fp32") {
+      // 100 tokens reserved exactly, then growth to max(101, 2 x 100) = 200 tokens of capacity.
+      EXPECT_DOUBLE_EQ(b.resident_bits(), 32.0 * 200.0 / 101.0);
+    }
   }
 }
 
@@ -162,8 +198,15 @@ TEST(EvalCli, JsonHasTheDocumentedKeys) {
   EXPECT_EQ(j.at("model"), "stories260K.bin");
   ASSERT_EQ(j.at("results").size(), 2u);
   EXPECT_EQ(j["results"][1].at("method"), "cachegen:bits=3,group=16");
-  for (const char* k : {"tokens", "ppl", "delta_ppl_pct", "kl", "top1", "bits_per_element_fixed", "bits_per_element_estimated"})
-    EXPECT_TRUE(j["results"][0].contains(k)) << k;
+  for (const auto& row : j["results"]) {
+    for (const char* k : {"tokens", "ppl", "delta_ppl_pct", "kl", "top1", "bits_per_element_fixed", "bits_per_element_estimated",
+                          "resident_bits_per_element"})
+      EXPECT_TRUE(row.contains(k)) << k;
+    EXPECT_GT(row.at("resident_bits_per_element").get<double>(), 0.0);
+  }
+  // fp16 holds at least its 16 bits per element; the 3-bit cache keeps its dense reconstruction too
+  // until it is resident, so nothing more is asserted about it here.
+  EXPECT_GE(j["results"][0].at("resident_bits_per_element").get<double>(), 16.0);
 }
 
 TEST(EvalCli, ClearErrorsAndSyntheticFallback) {

@@ -23,6 +23,35 @@ TEST(GenerateCli, GreedyPrintsTheLlama2cSample) {
   EXPECT_EQ(r.out, vqtest::expected_greedy_sample());
 }
 
+// stderr: the caches' peak resident bytes beside what fp16 would hold for the same tokens.
+TEST(GenerateCli, PrintsPeakResidentBytesBesideFp16) {
+  auto peak_line = [](const std::string& err, std::size_t& peak, std::size_t& fp16, std::size_t& tokens) {
+    const auto at = err.find("kv cache: peak resident ");
+    if (at == std::string::npos) return false;
+    char method[128] = {0};
+    return std::sscanf(err.c_str() + at, "kv cache: peak resident %zu bytes (%127[^)]); fp16 would hold %zu bytes for the same %zu tokens",
+                       &peak, method, &fp16, &tokens) == 4;
+  };
+  std::size_t peak = 0, fp16 = 0, tokens = 0;
+  const CliRun r = run_generate(model_args() + " --temperature 0");
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_EQ(r.out, vqtest::expected_greedy_sample());  // the line goes to stderr only
+  ASSERT_TRUE(peak_line(r.err, peak, fp16, tokens)) << r.err;
+  EXPECT_EQ(tokens, 256u);
+  EXPECT_EQ(fp16, 5u * 4 * 256 * (8 + 8) * 2);  // layers x KV heads x tokens x (D_k + D_v) x 2 bytes
+  // fp32 grows by doubling from one token: 256 tokens of capacity at the end, twice fp16's bytes.
+  EXPECT_EQ(peak, 2 * fp16);
+  // A quantizing resident cache holds less than fp16 would.
+  const CliRun q = run_generate(model_args() + " --temperature 0 --steps 100 --method q4_0");
+  ASSERT_EQ(q.code, 0) << q.err;
+  ASSERT_TRUE(peak_line(q.err, peak, fp16, tokens)) << q.err;
+  EXPECT_LE(tokens, 100u);  // fewer if the model ends the story early
+  EXPECT_GT(tokens, 10u);
+  EXPECT_EQ(fp16, 5u * 4 * tokens * (8 + 8) * 2);
+  EXPECT_GT(peak, 0u);
+  EXPECT_LT(peak, fp16);
+}
+
 TEST(GenerateCli, FindsModelsThroughEnvironment) {
   const std::string cmd = "VELOXQUANT_MODEL_DIR='" + vqtest::models_dir() + "' " + std::string(VQ_CLI_PATH) +
                           " generate --temperature 0 --steps 20";

@@ -147,6 +147,34 @@ TEST(Transformer, LossyCachesCostPerplexity) {
   }
 }
 
+// The forward pass attends through cache.attend for every method: each kind runs a prompt prefill
+// and greedy decode, with finite logits, and a near-lossless cache keeps the fp32 text.
+TEST(Transformer, EveryMethodDecodesThroughAttend) {
+  auto& t = model().transformer;
+  vq::GenerateConfig cfg;
+  cfg.steps = 48;
+  auto fp32 = vq::make_fp32_caches(t);
+  const auto want = vq::generate(t, model().tokenizer, fp32, "Once upon a time", cfg);
+  for (const char* spec : {"fp16", "fp8", "q8_0", "q4_0", "q4_1", "q4_0:rotate=1", "kivi:bits=2", "kivi:bits=4", "cachegen:bits=4",
+                           "cachegen:bits=2,flush=per_call", "lmcache", "cachegen_paper", "vq:bits=2", "vq:bits=8"}) {
+    SCOPED_TRACE(spec);
+    auto caches = vq::make_caches(spec, t);
+    const auto r = vq::generate(t, model().tokenizer, caches, "Once upon a time", cfg);
+    EXPECT_EQ(r.text.rfind("Once upon a time", 0), 0u) << r.text;
+    EXPECT_EQ(caches[0]->offset(), static_cast<std::int64_t>(r.tokens.size()) - (static_cast<int>(r.tokens.size()) > cfg.steps ? 1 : 0));
+    const std::vector<int> next{r.tokens.back()};
+    if (caches[0]->offset() < 512) {
+      const auto logits = t.forward(next, caches);
+      for (float x : logits) ASSERT_TRUE(std::isfinite(x));
+    }
+  }
+  for (const char* spec : {"fp16", "q8_0", "vq:bits=8"}) {  // near-lossless: the same greedy text
+    SCOPED_TRACE(spec);
+    auto caches = vq::make_caches(spec, t);
+    EXPECT_EQ(vq::generate(t, model().tokenizer, caches, "Once upon a time", cfg).text, want.text);
+  }
+}
+
 TEST(Transformer, ForwardArgumentErrors) {
   auto& t = model().transformer;
   auto caches = vq::make_fp32_caches(t);

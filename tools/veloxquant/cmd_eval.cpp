@@ -73,14 +73,16 @@ int run_synthetic(const EvalCliOptions& o, const std::string& why) {
     for (const auto& r : results)
       j["results"].push_back({{"method", r.method}, {"tokens", 0}, {"ppl", nullptr}, {"delta_ppl_pct", nullptr}, {"kl", nullptr},
                               {"top1", nullptr}, {"bits_per_element_fixed", r.bits_per_element_fixed},
-                              {"bits_per_element_estimated", r.bits_per_element_estimated}, {"relative_mse", r.relative_mse}});
+                              {"bits_per_element_estimated", r.bits_per_element_estimated},
+                              {"resident_bits_per_element", r.resident_bits_per_element}, {"relative_mse", r.relative_mse}});
     fmt::print("{}\n", json_text(j));
     return 0;
   }
   fmt::print("SYNTHETIC K/V (4 layers x 8 heads x 1024 tokens x D=128), not a model\n");
-  fmt::print("{:<44} {:>10} {:>10} {:>12}\n", "method", "bits fixed", "bits est.", "rel. MSE");
+  fmt::print("{:<44} {:>10} {:>10} {:>10} {:>12}\n", "method", "bits fixed", "bits est.", "bits res.", "rel. MSE");
   for (const auto& r : results)
-    fmt::print("{:<44} {:>10.3f} {:>10.3f} {:>12.3e}\n", r.method, r.bits_per_element_fixed, r.bits_per_element_estimated, r.relative_mse);
+    fmt::print("{:<44} {:>10.3f} {:>10.3f} {:>10.3f} {:>12.3e}\n", r.method, r.bits_per_element_fixed, r.bits_per_element_estimated,
+               r.resident_bits_per_element, r.relative_mse);
   return 0;
 }
 
@@ -120,18 +122,21 @@ int run_eval(EvalCliOptions o) {
     for (const auto& r : results)
       j["results"].push_back({{"method", r.method}, {"tokens", r.tokens}, {"ppl", r.ppl}, {"delta_ppl_pct", r.delta_ppl_pct},
                               {"kl", r.kl}, {"top1", r.top1}, {"bits_per_element_fixed", r.bits_per_element_fixed},
-                              {"bits_per_element_estimated", r.bits_per_element_estimated}});
+                              {"bits_per_element_estimated", r.bits_per_element_estimated},
+                              {"resident_bits_per_element", r.resident_bits_per_element}});
     fmt::print("{}\n", json_text(j));
     return 0;
   }
   fmt::print("model {}  protocol {}  window {}  ctx {}  chunk {}  text {}\n", files.model.filename().string(), o.protocol,
              o.eval.window, o.eval.ctx, o.eval.chunk, text_path);
-  fmt::print("{:<44} {:>7} {:>9} {:>8} {:>10} {:>7} {:>10} {:>10}\n", "method", "tokens", "ppl", "dPPL %", "KL", "top-1",
-             "bits fixed", "bits est.");
+  fmt::print("{:<44} {:>7} {:>9} {:>8} {:>10} {:>7} {:>10} {:>10} {:>10}\n", "method", "tokens", "ppl", "dPPL %", "KL", "top-1",
+             "bits fixed", "bits est.", "bits res.");
   for (const auto& r : results)
-    fmt::print("{:<44} {:>7} {:>9.4f} {:>8.3f} {:>10.3e} {:>7.4f} {:>10.3f} {:>10.3f}\n", r.method, r.tokens, r.ppl, r.delta_ppl_pct,
-               r.kl, r.top1, r.bits_per_element_fixed, r.bits_per_element_estimated);
-  fmt::print("(dPPL, KL and top-1 against the exact fp32 cache on the same tokens; bits per element of K and V, metadata included)\n");
+    fmt::print("{:<44} {:>7} {:>9.4f} {:>8.3f} {:>10.3e} {:>7.4f} {:>10.3f} {:>10.3f} {:>10.3f}\n", r.method, r.tokens, r.ppl,
+               r.delta_ppl_pct, r.kl, r.top1, r.bits_per_element_fixed, r.bits_per_element_estimated, r.resident_bits_per_element);
+  fmt::print(
+      "(dPPL, KL and top-1 against the exact fp32 cache on the same tokens; bits per element of K and V, metadata included; "
+      "bits res.: the memory the caches hold, nbytes)\n");
   return 0;
 }
 

@@ -133,6 +133,9 @@ int run_generate(const GenerateOptions& o) {
                    c.decode_ms);
     }
   }
+  fmt::print(stderr, "kv cache: peak resident {} bytes ({}); fp16 would hold {} bytes for the same {} tokens ({:.2f}x of fp16)\n",
+             r.peak_resident_bytes, vq::MethodSpec::parse(o.method).to_string(), r.fp16_bytes, r.kv_tokens,
+             r.fp16_bytes > 0 ? static_cast<double>(r.peak_resident_bytes) / static_cast<double>(r.fp16_bytes) : 0.0);
   store_context(sr, model, method, r.tokens, caches);
   if (o.stats) {
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

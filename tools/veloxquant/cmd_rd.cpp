@@ -126,36 +126,49 @@ int run_rd(RdOptions o) {
     eval.progress = [&](double f) { progress(f); };
     const auto results = vq::evaluate(model, tokens, methods, eval);
     seconds = progress.elapsed();
-    for (const auto& r : results) points.push_back({r.method, r.bits_per_element_coded, r.delta_ppl_pct, r.kl, r.top1, false});
+    for (const auto& r : results)
+      points.push_back({r.method, r.bits_per_element_coded, r.resident_bits_per_element, r.delta_ppl_pct, r.kl, r.top1, false});
   }
-  rd::mark_pareto(points);
-  std::stable_sort(points.begin(), points.end(), [](const rd::Point& a, const rd::Point& b) {
-    return a.bits != b.bits ? a.bits < b.bits : a.kl < b.kl;
+  // reuse measures what a context costs to store or send (coded bits); stream what a live cache
+  // holds while it decodes (resident bits).
+  const rd::Rate rate = eval.protocol == vq::EvalProtocol::Stream ? rd::Rate::Resident : rd::Rate::Coded;
+  rd::mark_pareto(points, rate);
+  std::stable_sort(points.begin(), points.end(), [rate](const rd::Point& a, const rd::Point& b) {
+    const double ra = rd::rate_of(a, rate), rb = rd::rate_of(b, rate);
+    return ra != rb ? ra < rb : a.kl < b.kl;
   });
   fmt::print(stderr, "rd: {} settings scored on {} windows in {:.0f}s\n", methods.size(), n_windows, seconds);
 
   const std::string model_name = files.model.filename().string();
   if (!o.plot.empty()) {
-    const std::string title = fmt::format("{}: KL vs bits per element ({}, ctx {}, window {}, {} windows)", model_name, o.protocol, eval.ctx,
-                                          eval.window, n_windows);
-    vq::write_file_atomically(o.plot, rd::plot_svg(points, title));
+    const std::string title = fmt::format("{}: KL vs {} per element ({}, ctx {}, window {}, {} windows)", model_name,
+                                          rate == rd::Rate::Coded ? "bits" : "resident bits", o.protocol, eval.ctx, eval.window, n_windows);
+    vq::write_file_atomically(o.plot, rd::plot_svg(points, title, rate));
   }
   if (o.json) {
     nlohmann::json j{{"model", model_name}, {"protocol", o.protocol}, {"results", nlohmann::json::array()}};
     for (const auto& p : points)
-      j["results"].push_back({{"method", p.method}, {"bits_per_element", p.bits}, {"delta_ppl_pct", p.delta_ppl_pct}, {"kl", p.kl},
-                              {"top1", p.top1}, {"pareto", p.pareto}});
+      j["results"].push_back({{"method", p.method}, {"bits_per_element", p.bits}, {"resident_bits_per_element", p.resident_bits},
+                              {"delta_ppl_pct", p.delta_ppl_pct}, {"kl", p.kl}, {"top1", p.top1}, {"pareto", p.pareto}});
     fmt::print("{}\n", json_text(j));
     return 0;
   }
   fmt::print("model {}  protocol {}  ctx {}  window {}  windows {}  text {}\n", model_name, o.protocol, eval.ctx, eval.window, n_windows,
              text_path);
-  fmt::print("{:<50} {:>9} {:>8} {:>10} {:>7}  {}\n", "method", "bits/elem", "dPPL %", "KL", "top-1", "pareto");
+  fmt::print("{:<50} {:>9} {:>9} {:>8} {:>10} {:>7}  {}\n", "method", "bits/elem", "res. bits", "dPPL %", "KL", "top-1", "pareto");
   for (const auto& p : points)
-    fmt::print("{:<50} {:>9.3f} {:>8.3f} {:>10.3e} {:>7.4f}  {}\n", p.method, p.bits, p.delta_ppl_pct, p.kl, p.top1, p.pareto ? "*" : "");
-  fmt::print(
-      "(sorted by bits per element: the actual coded size of K and V, metadata included; dPPL, KL and top-1 against the exact fp32 "
-      "cache on the same tokens; * = Pareto frontier on (bits, KL): no other row has fewer or equal bits and lower or equal KL)\n");
+    fmt::print("{:<50} {:>9.3f} {:>9.3f} {:>8.3f} {:>10.3e} {:>7.4f}  {}\n", p.method, p.bits, p.resident_bits, p.delta_ppl_pct, p.kl,
+               p.top1, p.pareto ? "*" : "");
+  if (rate == rd::Rate::Coded)
+    fmt::print(
+        "(sorted by bits per element: the actual coded size of K and V, metadata included; res. bits: the memory the caches hold "
+        "(nbytes); dPPL, KL and top-1 against the exact fp32 cache on the same tokens; * = Pareto frontier on (bits, KL): no other "
+        "row has fewer or equal bits and lower or equal KL)\n");
+  else
+    fmt::print(
+        "(sorted by res. bits: the memory the caches hold (nbytes) per element of K and V; bits/elem: the actual coded size; dPPL, "
+        "KL and top-1 against the exact fp32 cache on the same tokens; * = Pareto frontier on (res. bits, KL): no other row has "
+        "fewer or equal resident bits and lower or equal KL)\n");
   return 0;
 }
 
@@ -175,7 +188,9 @@ Runner add_rd(CLI::App& app) {
   app.add_option("--window", o->window, "tokens per window, BOS included")->capture_default_str()->transform(integer_in(2, std::numeric_limits<int>::max()));
   app.add_option("--chunk", o->chunk, "prefill chunk size")->capture_default_str()->transform(integer_in(1, std::numeric_limits<int>::max()));
   app.add_option("--windows", o->windows, "windows scored (fewer if the text is shorter)")->capture_default_str()->transform(integer_in(1, 1 << 20));
-  app.add_flag("--json", o->json, "print JSON: {model, protocol, results: [{method, bits_per_element, delta_ppl_pct, kl, top1, pareto}]}");
+  app.add_flag("--json", o->json,
+               "print JSON: {model, protocol, results: [{method, bits_per_element, resident_bits_per_element, delta_ppl_pct, kl, top1, "
+               "pareto}]}");
   app.add_option("--plot", o->plot, "write the rate-distortion curves (KL against bits) as an SVG file");
   return [o] { return run_rd(*o); };
 }

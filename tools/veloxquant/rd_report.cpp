@@ -93,25 +93,28 @@ std::string series_of(const std::string& spec) {
   return kept.empty() ? spec.substr(0, colon) : spec.substr(0, colon) + ":" + kept;
 }
 
-void mark_pareto(std::vector<Point>& points) {
+void mark_pareto(std::vector<Point>& points, Rate rate) {
   for (auto& p : points) {
+    const double pb = rate_of(p, rate);
     p.pareto = std::none_of(points.begin(), points.end(), [&](const Point& q) {
-      return q.bits <= p.bits && q.kl <= p.kl && (q.bits < p.bits || q.kl < p.kl);
+      const double qb = rate_of(q, rate);
+      return qb <= pb && q.kl <= p.kl && (qb < pb || q.kl < p.kl);
     });
   }
 }
 
-std::string plot_svg(const std::vector<Point>& points, const std::string& title) {
+std::string plot_svg(const std::vector<Point>& points, const std::string& title, Rate rate) {
+  const auto bits_of = [rate](const Point* p) { return rate_of(*p, rate); };
   constexpr double W = 960, H = 600, L = 90, R = 300, T = 50, B = 70;  // size and margins
   std::vector<const Point*> shown;
   for (const auto& p : points)
-    if (p.kl > 0 && p.bits > 0 && std::isfinite(p.kl)) shown.push_back(&p);
+    if (p.kl > 0 && rate_of(p, rate) > 0 && std::isfinite(p.kl)) shown.push_back(&p);
   double bmin = 1, bmax = 16, kmin = 1e-6, kmax = 1e-1;
   if (!shown.empty()) {
-    bmin = bmax = shown[0]->bits;
+    bmin = bmax = bits_of(shown[0]);
     kmin = kmax = shown[0]->kl;
     for (const auto* p : shown) {
-      bmin = std::min(bmin, p->bits), bmax = std::max(bmax, p->bits);
+      bmin = std::min(bmin, bits_of(p)), bmax = std::max(bmax, bits_of(p));
       kmin = std::min(kmin, p->kl), kmax = std::max(kmax, p->kl);
     }
   }
@@ -137,8 +140,9 @@ std::string plot_svg(const std::vector<Point>& points, const std::string& title)
     s += fmt::format("<text x=\"{}\" y=\"{:.1f}\" text-anchor=\"end\">1e{}</text>\n", L - 6, y + 4, static_cast<int>(e));
   }
   s += fmt::format("<rect x=\"{}\" y=\"{}\" width=\"{}\" height=\"{}\" fill=\"none\" stroke=\"black\"/>\n", L, T, W - L - R, H - T - B);
-  s += fmt::format("<text x=\"{}\" y=\"{}\" text-anchor=\"middle\">bits per element (actual coded size, metadata included; log scale)</text>\n",
-                   (L + W - R) / 2, H - 25);
+  s += fmt::format("<text x=\"{}\" y=\"{}\" text-anchor=\"middle\">{} (log scale)</text>\n", (L + W - R) / 2, H - 25,
+                   rate == Rate::Coded ? "bits per element (actual coded size, metadata included)"
+                                       : "resident bits per element (the memory the caches hold, nbytes)");
   s += fmt::format(
       "<text x=\"22\" y=\"{}\" text-anchor=\"middle\" transform=\"rotate(-90 22 {})\">mean KL(fp32 || method) per scored token (log scale)</text>\n",
       (T + H - B) / 2, (T + H - B) / 2);
@@ -155,7 +159,7 @@ std::string plot_svg(const std::vector<Point>& points, const std::string& title)
   }
   for (std::size_t i = 0; i < order.size(); ++i) {
     auto& pts = series[order[i]];
-    std::sort(pts.begin(), pts.end(), [](const Point* a, const Point* b) { return a->bits < b->bits; });
+    std::sort(pts.begin(), pts.end(), [&](const Point* a, const Point* b) { return bits_of(a) < bits_of(b); });
     const bool ours = order[i].rfind("vq", 0) == 0;
     const std::string color = ours ? "#000000" : kColors[i % (sizeof kColors / sizeof kColors[0])];
     // Three styles in turn (solid line and filled marker; dashed and a wide hollow marker; dotted
@@ -167,14 +171,14 @@ std::string plot_svg(const std::vector<Point>& points, const std::string& title)
                                         : fmt::format("r=\"{}\" fill=\"{}\"", style == 2 ? 2.5 : 4.0, color);
     if (pts.size() > 1) {
       s += fmt::format("<polyline fill=\"none\" stroke=\"{}\" stroke-width=\"{}\"{} points=\"", color, ours ? 2.5 : 1.5, dash);
-      for (const auto* p : pts) s += fmt::format("{:.1f},{:.1f} ", X(p->bits), Y(p->kl));
+      for (const auto* p : pts) s += fmt::format("{:.1f},{:.1f} ", X(bits_of(p)), Y(p->kl));
       s += "\"/>\n";
     }
     for (const auto* p : pts) {
-      s += fmt::format("<circle cx=\"{:.1f}\" cy=\"{:.1f}\" {}><title>{}: {:.3f} bits, KL {:.3e}</title></circle>\n", X(p->bits),
-                       Y(p->kl), fill, xml_escape(p->method), p->bits, p->kl);
+      s += fmt::format("<circle cx=\"{:.1f}\" cy=\"{:.1f}\" {}><title>{}: {:.3f} bits, KL {:.3e}</title></circle>\n", X(bits_of(p)),
+                       Y(p->kl), fill, xml_escape(p->method), bits_of(p), p->kl);
       if (p->pareto)
-        s += fmt::format("<circle cx=\"{:.1f}\" cy=\"{:.1f}\" r=\"7.5\" fill=\"none\" stroke=\"{}\"/>\n", X(p->bits), Y(p->kl), color);
+        s += fmt::format("<circle cx=\"{:.1f}\" cy=\"{:.1f}\" r=\"7.5\" fill=\"none\" stroke=\"{}\"/>\n", X(bits_of(p)), Y(p->kl), color);
     }
     const double ly = T + 10 + 18 * static_cast<double>(i);
     s += fmt::format("<line x1=\"{}\" y1=\"{:.1f}\" x2=\"{}\" y2=\"{:.1f}\" stroke=\"{}\" stroke-width=\"{}\"{}/>\n", W - R + 15, ly, W - R + 40,
@@ -184,7 +188,8 @@ std::string plot_svg(const std::vector<Point>& points, const std::string& title)
   }
   const double ly = T + 10 + 18 * static_cast<double>(order.size()) + 8;
   s += fmt::format("<circle cx=\"{}\" cy=\"{:.1f}\" r=\"7.5\" fill=\"none\" stroke=\"black\"/>\n", W - R + 27.5, ly);
-  s += fmt::format("<text x=\"{}\" y=\"{:.1f}\">ringed: Pareto frontier on (bits, KL)</text>\n", W - R + 48, ly + 4);
+  s += fmt::format("<text x=\"{}\" y=\"{:.1f}\">ringed: Pareto frontier on ({}, KL)</text>\n", W - R + 48, ly + 4,
+                   rate == Rate::Coded ? "bits" : "resident bits");
   s += "</svg>\n";
   return s;
 }

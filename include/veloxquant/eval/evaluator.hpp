@@ -10,8 +10,11 @@
 //           to exact caches, and the following `window - ctx` tokens are scored with that context
 //           (predictions from position ctx - 1 on). Bits describe the compressed context.
 // Per method: perplexity, its change vs fp32 in %, mean KL(fp32 || method) of the next-token
-// distribution, top-1 agreement with fp32, and the cache's bits per element (fixed-width and
-// entropy-estimated; every byte of metadata counted).
+// distribution, top-1 agreement with fp32, and the cache's bits per element: fixed-width and
+// entropy-estimated (every byte of metadata counted), and resident (the bytes the caches really
+// hold, KVCache::nbytes, capacity and scratch included). All are measured where the bits are:
+// stream at the end of each window, reuse at the end of each window's context; summed bytes over
+// summed elements of all windows.
 #pragma once
 #include <cstdint>
 #include <functional>
@@ -46,6 +49,7 @@ struct MethodResult {
   double ppl = 0, delta_ppl_pct = 0, kl = 0, top1 = 0;
   double bits_per_element_fixed = 0, bits_per_element_estimated = 0;
   double bits_per_element_coded = 0;  // the actual coded size (see CacheBits::coded_bytes)
+  double resident_bits_per_element = 0;  // memory the caches hold (see CacheBits::resident_bytes)
 };
 
 // Bits per element a set of per-layer caches costs now: fixed-width and entropy-estimated.
@@ -55,11 +59,19 @@ struct CacheBits {
   // its fp16 residual (its estimated_bytes is an entropy estimate); every other cache's
   // estimated_bytes, which is already its coded (or packed) size.
   double coded_bytes = 0;
+  // What the caches hold in memory now: the sum of KVCache::nbytes() (every buffer they keep:
+  // codes, parameters, exact windows, unused capacity, dense reconstructions where a method keeps
+  // one). A plain float32 cache: 32 bits times capacity / offset. Taken before the other sizes:
+  // computing a coded size may make a cache keep its encoding, which is measurement, not decoding.
+  double resident_bytes = 0;
   void add(const CacheBits& o);
+  double resident_bits() const { return elements > 0 ? 8.0 * resident_bytes / elements : 0.0; }
   double coded_bits() const { return elements > 0 ? 8.0 * coded_bytes / elements : 0.0; }
   double fixed_bits() const { return elements > 0 ? 8.0 * fixed_bytes / elements : 0.0; }
   double estimated_bits() const { return elements > 0 ? 8.0 * estimated_bytes / elements : 0.0; }
 };
+// Elements are the K and V values held (B * H * offset * (D_k + D_v) per cache, from the cache's
+// layout: nothing is materialised, so a resident cache is measured as it stands).
 CacheBits cache_bits(const std::vector<std::shared_ptr<KVCache>>& caches);
 
 // Split a --methods list. Specs contain commas themselves ("cachegen:bits=4,group=32"), so an item
@@ -76,6 +88,7 @@ std::vector<MethodResult> evaluate(Transformer& model, const std::vector<int>& t
 struct SyntheticResult {
   std::string method;
   double bits_per_element_fixed = 0, bits_per_element_estimated = 0;
+  double resident_bits_per_element = 0;
   double relative_mse = 0;  // ||x_hat - x||^2 / ||x||^2 over K and V
 };
 std::vector<SyntheticResult> evaluate_synthetic(const std::vector<std::string>& methods, std::int64_t tokens);

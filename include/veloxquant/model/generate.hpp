@@ -51,6 +51,12 @@ struct GenerateResult {
   std::string text;         // the printed pieces, concatenated
   int prompt_tokens = 0;    // including BOS
   double ttft_ms = 0;       // from the start of generate to the first sampled token (fill_prefix included)
+  // Memory of the KV caches: the most bytes they held together after any forward call (the sum of
+  // KVCache::nbytes over layers), and what a float16 cache would hold for the most tokens they
+  // held (B * H * tokens * (D_k + D_v) * 2 bytes per layer, no spare capacity).
+  std::size_t peak_resident_bytes = 0;
+  std::size_t fp16_bytes = 0;
+  std::int64_t kv_tokens = 0;  // the most tokens the caches held
 };
 
 // Generate from `prompt` (may be empty). `on_piece` (optional) receives each decoded piece as it is

@@ -2,15 +2,19 @@
 //
 // Per layer: RMSNorm (eps 1e-5) -> q, k, v projections -> RoPE on interleaved pairs (theta 10000;
 // pair i of a head rotates by pos / 10000^(2i/head_size)) applied to q and k BEFORE the cache, so
-// keys are cached post-RoPE -> cache.update_and_fetch(K, V) once per layer for the whole chunk ->
-// causal grouped-query attention over what the cache returned (n_heads / n_kv_heads query heads
-// share a KV head) -> wo -> residual; RMSNorm -> SwiGLU FFN w2(silu(w1 x) * w3 x) -> residual.
-// Final RMSNorm and the classifier give the logits. Arithmetic follows run.c (float32 throughout,
-// same operation order per element, including each matmul output's sum in input order), except
-// that the attention softmax uses a vectorisable exp within 2 ulp of expf.
+// keys are cached post-RoPE -> cache.update(K, V) once per layer for the whole chunk ->
+// cache.attend(Q, 1/sqrt(head_size)): causal grouped-query attention computed by the cache over
+// what it holds (n_heads / n_kv_heads query heads share a KV head) -> wo -> residual; RMSNorm ->
+// SwiGLU FFN w2(silu(w1 x) * w3 x) -> residual. Final RMSNorm and the classifier give the logits.
+// Arithmetic outside attention follows run.c (float32 throughout, same operation order per
+// element, including each matmul output's sum in input order). Attention is the cache's
+// online-softmax loop (cache/attention.hpp: float32, tiled, a vectorisable exp within 2 ulp of
+// expf), so logits agree with run.c within float32 rounding rather than bit for bit; the greedy
+// sample of stories260K is unchanged (tested).
 //
-// Attention reads keys and values only from what update_and_fetch returned: a lossy cache changes
-// the logits, which is what the evaluation measures.
+// Attention reads keys and values only through the cache (a resident cache reads its codes and
+// never materialises a dense K/V): a lossy cache changes the logits, which is what the evaluation
+// measures.
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -33,11 +37,12 @@ class Transformer {
   ModelDescription description() const;
 
   // Run `tokens` at positions pos0 .. pos0 + n - 1, where pos0 = caches[0]->offset() (all caches
-  // must agree), calling caches[l]->update_and_fetch once per layer with [1, n_kv_heads, n,
-  // head_size] float32 K and V. Returns the logits of every position, row-major [n, vocab_size].
-  // Query i of the chunk attends to cache positions 0 .. pos0 + i. Throws InvalidArgument on a bad
-  // token id, a wrong number of caches, disagreeing offsets, pos0 + n > seq_len, or a cache that
-  // returns tensors of the wrong shape.
+  // must agree), calling caches[l]->update once per layer with [1, n_kv_heads, n, head_size]
+  // float32 K and V, then caches[l]->attend with [1, n_heads, n, head_size] float32 queries.
+  // Returns the logits of every position, row-major [n, vocab_size]. Query i of the chunk attends
+  // to cache positions 0 .. pos0 + i. Throws InvalidArgument on a bad token id, a wrong number of
+  // caches, disagreeing offsets, pos0 + n > seq_len, or a cache that does not hold pos0 + n tokens
+  // of the model's layout after the update.
   std::vector<float> forward(std::span<const int> tokens, std::vector<std::shared_ptr<KVCache>>& caches);
 
  private:
@@ -50,16 +55,13 @@ class Transformer {
   int dim_pad_ = 0, kv_pad_ = 0, hidden_pad_ = 0, vocab_pad_ = 0;
   std::vector<float> rope_cos_, rope_sin_;  // [seq_len, head_size / 2]
   int capacity_ = 0;                        // tokens the scratch buffers hold
-  std::vector<float> x_, xb_, att_out_, kscratch_, vscratch_;
+  std::vector<float> x_, xb_, att_out_;
   std::vector<float> qkv_;  // [n, dim_pad + 2 kv_pad]: q, k, v of each token
   std::vector<float> hb_;   // [n, 2 hidden_pad]: w1 x (then the SwiGLU product), w3 x
-  std::vector<float> scores_;       // [n_heads, scores_ld_]
-  std::size_t scores_ld_ = 0;
+  std::vector<float> qbuf_;         // Q in [n_heads, n, head_size] for attend
   std::vector<float> kbuf_, vbuf_;  // K/V in [n_kv_heads, n, head_size] for the caches
-  Tensor kin_, vin_;                // kbuf_/vbuf_ wrapped for a chunk of wrapped_n_ tokens
+  Tensor qin_, kin_, vin_;          // qbuf_/kbuf_/vbuf_ wrapped for a chunk of wrapped_n_ tokens
   int wrapped_n_ = 0;
-  std::vector<const float*> kp_, vp_;  // per KV head: row 0 of the fetched K / V, as float32
-  std::vector<std::int64_t> ks_, vs_;  // per KV head: their row strides in floats
 };
 
 // One plain float32 KVCache per layer.

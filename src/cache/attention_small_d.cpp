@@ -1,0 +1,201 @@
+// The small-head-dim step of the attention loop; see attention_small_d.hpp.
+#include "attention_small_d.hpp"
+
+#include <algorithm>
+#include <cmath>
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(__SANITIZE_ADDRESS__)
+#include <immintrin.h>
+#define VQ_SMALL_D_AVX2 1
+#endif
+
+#include "exp_nonpositive.hpp"
+#include "veloxquant/core/kernel_clones.hpp"
+
+namespace vq::detail {
+
+namespace {
+
+constexpr std::int64_t kMaxSmallD = 16;
+
+std::int64_t round_up8(std::int64_t v) { return (v + 7) / 8 * 8; }
+
+// x[j] = exp(x[j] - mx) for j < n. Out of line so that it stays a loop of its own (and vectorises)
+// rather than merging with the sequential sums around it.
+VQ_KERNEL __attribute__((noinline)) void exp_shifted(float* __restrict x, std::int64_t n, float mx) {
+  for (std::int64_t j = 0; j < n; ++j) x[j] = exp_nonpositive(x[j] - mx);
+}
+
+template <int D>
+VQ_KERNEL void small_d_tile(const SmallDTile& a) {
+  const std::int64_t n = a.n, ld = round_up8(n);
+  float* __restrict kt = a.scratch;       // [D, ld]: the tile's keys, token-minor
+  float* __restrict s = a.scratch + D * ld;  // [ld]: one row's scores, then its weights
+  for (std::int64_t j = 0; j < n; ++j)
+    for (int d = 0; d < D; ++d) kt[d * ld + j] = a.K[j * D + d];
+  for (int d = 0; d < D; ++d)
+    for (std::int64_t j = n; j < ld; ++j) kt[d * ld + j] = 0.0f;
+  for (std::int64_t r = 0; r < a.rows; ++r) {
+    const std::int64_t i = r % a.Sq, last = a.T - a.Sq + i;  // the last token query i sees
+    const std::int64_t visible = std::min(n, last - a.t0 + 1);
+    if (visible <= 0) continue;
+    const float* __restrict q = a.q + r * D;
+    float qd[D];
+    for (int d = 0; d < D; ++d) qd[d] = q[d];
+    // Scores of whole groups of 8 tokens (the padding past n scores 0 and is never read).
+    const std::int64_t vis8 = round_up8(visible);
+    for (std::int64_t j = 0; j < vis8; ++j) {
+      float t = qd[0] * kt[j];
+      for (int d = 1; d < D; ++d) t += qd[d] * kt[d * ld + j];
+      s[j] = a.scale * t;
+    }
+    // The max in eight independent lanes (exact in any order).
+    float mx8[8];
+    for (int k = 0; k < 8; ++k) mx8[k] = a.m[r];
+    std::int64_t j = 0;
+    for (; j + 8 <= visible; j += 8)
+      for (int k = 0; k < 8; ++k) mx8[k] = std::max(mx8[k], s[j + k]);
+    float mx = mx8[0];
+    for (int k = 1; k < 8; ++k) mx = std::max(mx, mx8[k]);
+    for (; j < visible; ++j) mx = std::max(mx, s[j]);
+    float* __restrict acc = a.acc + r * D;
+    if (mx > a.m[r]) {  // rescale what came before to the new max (exp(-inf) = 0 on the first tile)
+      const float c = std::exp(a.m[r] - mx);
+      a.l[r] *= c;
+      for (int d = 0; d < D; ++d) acc[d] *= c;
+      a.m[r] = mx;
+    }
+    exp_shifted(s, visible, mx);
+    // The sum in eight lanes; the value update one D-wide vector per token.
+    float sum8[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    j = 0;
+    for (; j + 8 <= visible; j += 8)
+      for (int k = 0; k < 8; ++k) sum8[k] += s[j + k];
+    float sum = ((sum8[0] + sum8[4]) + (sum8[1] + sum8[5])) + ((sum8[2] + sum8[6]) + (sum8[3] + sum8[7]));
+    for (; j < visible; ++j) sum += s[j];
+    a.l[r] += sum;
+    float o[D];
+    for (int d = 0; d < D; ++d) o[d] = acc[d];
+    const float* __restrict v = a.V;
+    for (j = 0; j < visible; ++j) {
+      const float p = s[j];
+      for (int d = 0; d < D; ++d) o[d] += p * v[j * D + d];
+    }
+    for (int d = 0; d < D; ++d) acc[d] = o[d];
+  }
+}
+
+
+#ifdef VQ_SMALL_D_AVX2
+#define VQ_AVX2 __attribute__((target("avx2")))
+
+// In-place 8x8 transpose: afterwards r[j] holds column j of the rows r[0..7].
+VQ_AVX2 inline void transpose8(__m256 r[8]) {
+  const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+  const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+  const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+  const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+  const __m256 u0 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(1, 0, 1, 0)), u1 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(3, 2, 3, 2));
+  const __m256 u2 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(1, 0, 1, 0)), u3 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(3, 2, 3, 2));
+  const __m256 u4 = _mm256_shuffle_ps(t4, t6, _MM_SHUFFLE(1, 0, 1, 0)), u5 = _mm256_shuffle_ps(t4, t6, _MM_SHUFFLE(3, 2, 3, 2));
+  const __m256 u6 = _mm256_shuffle_ps(t5, t7, _MM_SHUFFLE(1, 0, 1, 0)), u7 = _mm256_shuffle_ps(t5, t7, _MM_SHUFFLE(3, 2, 3, 2));
+  r[0] = _mm256_permute2f128_ps(u0, u4, 0x20);
+  r[1] = _mm256_permute2f128_ps(u1, u5, 0x20);
+  r[2] = _mm256_permute2f128_ps(u2, u6, 0x20);
+  r[3] = _mm256_permute2f128_ps(u3, u7, 0x20);
+  r[4] = _mm256_permute2f128_ps(u0, u4, 0x31);
+  r[5] = _mm256_permute2f128_ps(u1, u5, 0x31);
+  r[6] = _mm256_permute2f128_ps(u2, u6, 0x31);
+  r[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
+}
+
+VQ_AVX2 inline float hmax(__m256 v) {
+  __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+  x = _mm_max_ss(x, _mm_shuffle_ps(x, x, 1));
+  return _mm_cvtss_f32(x);
+}
+
+VQ_AVX2 inline float hsum(__m256 v) {
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  x = _mm_add_ss(x, _mm_shuffle_ps(x, x, 1));
+  return _mm_cvtss_f32(x);
+}
+
+// small_d_tile<8> with explicit AVX2: keys transposed in 8x8 blocks, scores of 8 tokens per
+// vector, the max and sum in vectors, one 8-wide multiply-add per token for the values.
+VQ_AVX2 void small_d8_avx2(const SmallDTile& a) {
+  const std::int64_t n = a.n, ld = round_up8(n);
+  float* kt = a.scratch;           // [8, ld]
+  float* s = a.scratch + 8 * ld;   // [ld]
+  for (std::int64_t j = 0; j < ld; j += 8) {
+    __m256 r[8];
+    if (j + 8 <= n) {
+      for (int k = 0; k < 8; ++k) r[k] = _mm256_loadu_ps(a.K + (j + k) * 8);
+    } else {
+      for (int k = 0; k < 8; ++k) r[k] = j + k < n ? _mm256_loadu_ps(a.K + (j + k) * 8) : _mm256_setzero_ps();
+    }
+    transpose8(r);
+    for (int d = 0; d < 8; ++d) _mm256_storeu_ps(kt + d * ld + j, r[d]);
+  }
+  const __m256 vscale = _mm256_set1_ps(a.scale);
+  for (std::int64_t row = 0; row < a.rows; ++row) {
+    const std::int64_t i = row % a.Sq, last = a.T - a.Sq + i;
+    const std::int64_t visible = std::min(n, last - a.t0 + 1);
+    if (visible <= 0) continue;
+    const float* q = a.q + row * 8;
+    __m256 qd[8];
+    for (int d = 0; d < 8; ++d) qd[d] = _mm256_set1_ps(q[d]);
+    const std::int64_t full = visible / 8 * 8;
+    __m256 mv = _mm256_set1_ps(a.m[row]);
+    for (std::int64_t j = 0; j < visible; j += 8) {
+      __m256 t = _mm256_mul_ps(qd[0], _mm256_loadu_ps(kt + j));
+      for (int d = 1; d < 8; ++d) t = _mm256_add_ps(t, _mm256_mul_ps(qd[d], _mm256_loadu_ps(kt + d * ld + j)));
+      t = _mm256_mul_ps(vscale, t);
+      _mm256_storeu_ps(s + j, t);
+      if (j < full) mv = _mm256_max_ps(mv, t);
+    }
+    float mx = hmax(mv);
+    for (std::int64_t j = full; j < visible; ++j) mx = std::max(mx, s[j]);
+    float* acc = a.acc + row * 8;
+    if (mx > a.m[row]) {
+      const float c = std::exp(a.m[row] - mx);
+      a.l[row] *= c;
+      for (int d = 0; d < 8; ++d) acc[d] *= c;
+      a.m[row] = mx;
+    }
+    exp_shifted(s, visible, mx);
+    __m256 sv = _mm256_setzero_ps();
+    for (std::int64_t j = 0; j < full; j += 8) sv = _mm256_add_ps(sv, _mm256_loadu_ps(s + j));
+    float sum = hsum(sv);
+    for (std::int64_t j = full; j < visible; ++j) sum += s[j];
+    a.l[row] += sum;
+    __m256 o0 = _mm256_loadu_ps(acc), o1 = _mm256_setzero_ps();
+    std::int64_t j = 0;
+    for (; j + 2 <= visible; j += 2) {
+      o0 = _mm256_add_ps(o0, _mm256_mul_ps(_mm256_broadcast_ss(s + j), _mm256_loadu_ps(a.V + j * 8)));
+      o1 = _mm256_add_ps(o1, _mm256_mul_ps(_mm256_broadcast_ss(s + j + 1), _mm256_loadu_ps(a.V + (j + 1) * 8)));
+    }
+    if (j < visible) o0 = _mm256_add_ps(o0, _mm256_mul_ps(_mm256_broadcast_ss(s + j), _mm256_loadu_ps(a.V + j * 8)));
+    _mm256_storeu_ps(acc, _mm256_add_ps(o0, o1));
+  }
+}
+#endif
+
+}  // namespace
+
+SmallDKernel pick_small_d_kernel(std::int64_t Dk, std::int64_t Dv) {
+  if (Dk != Dv) return nullptr;
+#ifdef VQ_SMALL_D_AVX2
+  static const bool avx2 = __builtin_cpu_supports("avx2");
+  if (Dk == 8 && avx2) return &small_d8_avx2;
+#endif
+  if (Dk == 8) return &small_d_tile<8>;
+  if (Dk == 16) return &small_d_tile<16>;
+  return nullptr;
+}
+
+std::int64_t small_d_scratch_floats(std::int64_t tile) { return (kMaxSmallD + 1) * round_up8(tile); }
+
+}  // namespace vq::detail
