@@ -179,13 +179,21 @@ void Fp8KVCache::score_key_tile(std::int64_t b, std::int64_t h, std::int64_t t0,
 #ifdef VQ_ATTN_HAVE_AVX2
   if (codes_direct(keys_buf_)) {
     const std::int64_t B = keys_buf_.dim(0), H = keys_buf_.dim(1), D = keys_buf_.dim(3);
-    thread_local std::vector<float> sc;
-    sc.resize(static_cast<std::size_t>(n));
-    token_scales(key_scales_, call_starts_, keys_buf_, b, h, t0, n, sc.data());
+    float sc[256];  // the loop's tiles hold at most 256 tokens; longer ones go in pieces
+    if (n > 256) {
+      for (std::int64_t j = 0; j < n; j += 256) {
+        const std::int64_t m = std::min<std::int64_t>(256, n - j);
+        std::vector<float> part(static_cast<std::size_t>(nq * m));
+        score_key_tile(b, h, t0 + j, m, queries, nq, part.data(), scratch);
+        for (std::int64_t r = 0; r < nq; ++r) std::copy(part.begin() + r * m, part.begin() + (r + 1) * m, scores + r * n + j);
+      }
+      return;
+    }
+    token_scales(key_scales_, call_starts_, keys_buf_, b, h, t0, n, sc);
     if (h == 0) prefetch_next_tile(key_codes_, B * H * D, b * H * D, t0 + n, n, H * D);
     peer_attention::score_fp8(key_codes_.data() + ((t0 * B + b) * H + h) * D, B * H * D, n, D, queries, nq, scores);
     for (std::int64_t r = 0; r < nq; ++r)
-      for (std::int64_t j = 0; j < n; ++j) scores[r * n + j] *= sc[static_cast<std::size_t>(j)];
+      for (std::int64_t j = 0; j < n; ++j) scores[r * n + j] *= sc[j];
     return;
   }
 #endif
@@ -197,12 +205,16 @@ void Fp8KVCache::accumulate_value_tile(std::int64_t b, std::int64_t h, std::int6
 #ifdef VQ_ATTN_HAVE_AVX2
   if (codes_direct(values_buf_)) {
     const std::int64_t B = values_buf_.dim(0), H = values_buf_.dim(1), D = values_buf_.dim(3);
-    thread_local std::vector<float> w;  // n scales, then the weights times them
-    w.resize(static_cast<std::size_t>((nq + 1) * n));
-    token_scales(value_scales_, call_starts_, values_buf_, b, h, t0, n, w.data());
-    float* ws = w.data() + n;
+    // n scales, then the weights times them: on the stack when small (no allocation per tile, and
+    // nothing held between calls that nbytes() would not count).
+    float small[2048];
+    std::vector<float> large;
+    float* w = small;
+    if ((nq + 1) * n > 2048) large.resize(static_cast<std::size_t>((nq + 1) * n)), w = large.data();
+    token_scales(value_scales_, call_starts_, values_buf_, b, h, t0, n, w);
+    float* ws = w + n;
     for (std::int64_t r = 0; r < nq; ++r)
-      for (std::int64_t j = 0; j < n; ++j) ws[r * n + j] = weights[r * n + j] * w[static_cast<std::size_t>(j)];
+      for (std::int64_t j = 0; j < n; ++j) ws[r * n + j] = weights[r * n + j] * w[j];
     if (h == 0) prefetch_next_tile(value_codes_, B * H * D, b * H * D, t0 + n, n, H * D);
     peer_attention::accumulate_fp8(value_codes_.data() + ((t0 * B + b) * H + h) * D, B * H * D, n, D, ws, nq, acc);
     return;
