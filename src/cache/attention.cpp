@@ -10,6 +10,7 @@
 #include <fmt/format.h>
 
 #include "attention_small_d.hpp"
+#include "veloxquant/cache/attention_kernels.hpp"
 #include "veloxquant/cache/kv_cache.hpp"
 #include "veloxquant/core/error.hpp"
 
@@ -47,46 +48,6 @@ std::int64_t tile_tokens(std::int64_t d) {
   return std::clamp<std::int64_t>(static_cast<std::int64_t>(kAttentionTileBytes / 4) / std::max<std::int64_t>(d, 1), 16, 256);
 }
 
-// Eight partial sums: vectorised over the eight lanes, never reassociated, so every build (and the
-// AVX2 clone below) computes the same roundings.
-inline float dot(const float* a, const float* b, std::int64_t n) {
-  float s[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  std::int64_t i = 0;
-  for (; i + 8 <= n; i += 8)
-    for (int j = 0; j < 8; ++j) s[j] += a[i + j] * b[i + j];
-  float r = ((s[0] + s[4]) + (s[1] + s[5])) + ((s[2] + s[6]) + (s[3] + s[7]));
-  for (; i < n; ++i) r += a[i] * b[i];
-  return r;
-}
-
-// One query row against the first `visible` tokens of a tile: the online-softmax step. m, l and
-// acc[Dv] are the row's running max, sum and accumulator; s is scratch for `visible` scores.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-__attribute__((target_clones("avx2", "default")))
-#endif
-void row_tile(const float* __restrict q, const float* __restrict K, const float* __restrict V, std::int64_t visible, std::int64_t Dk,
-              std::int64_t Dv, float scale, float* __restrict s, float& m, float& l, float* __restrict acc) {
-  float mx = m;
-  for (std::int64_t j = 0; j < visible; ++j) {
-    s[j] = scale * dot(q, K + j * Dk, Dk);
-    mx = std::max(mx, s[j]);
-  }
-  if (mx > m) {  // rescale what came before to the new max (exp(-inf) = 0 on the first tile)
-    const float c = std::exp(m - mx);
-    l *= c;
-    for (std::int64_t d = 0; d < Dv; ++d) acc[d] *= c;
-    m = mx;
-  }
-  float sum = 0.0f;
-  for (std::int64_t j = 0; j < visible; ++j) {
-    const float p = std::exp(s[j] - mx);
-    sum += p;
-    const float* __restrict vj = V + j * Dv;
-    for (std::int64_t d = 0; d < Dv; ++d) acc[d] += p * vj[d];
-  }
-  l += sum;
-}
-
 }  // namespace
 
 Tensor attend_tiled(const KVCache& cache, const Tensor& queries, float scale) {
@@ -96,54 +57,65 @@ Tensor attend_tiled(const KVCache& cache, const Tensor& queries, float scale) {
   const std::int64_t tile = tile_tokens(std::max(Dk, Dv));
   Tensor out = Tensor::uninitialized({B, Hq, Sq, Dv}, DType::F32);
   const auto U = [](std::int64_t x) { return static_cast<std::size_t>(x); };
-  std::vector<float> q(U(rows * Dk)), acc(U(rows * Dv)), m(U(rows)), l(U(rows));
-  std::vector<float> s(U(tile));
+  // Per KV head h: its rows' mapped queries, accumulators, running maxima and sums.
+  std::vector<float> q(U(Hkv * rows * Dk)), acc(U(Hkv * rows * Dv)), m(U(Hkv * rows)), l(U(Hkv * rows));
+  std::vector<float> s(U(rows * tile));
   // Tile scratch, written by the cache before it is read: not zero-filled (at D = 8 the fill cost
   // as much as a decode step's attention over a short context).
   const auto kscratch = std::make_unique_for_overwrite<float[]>(U(tile * Dk));
   const auto vscratch = std::make_unique_for_overwrite<float[]>(U(tile * Dv));
-  // Small head dims (D = 8, 16) take a kernel that vectorises across a tile's tokens (its scratch
-  // left uninitialised: it is written before it is read).
+  // Small head dims (D = 8, 16; stories260K) take a kernel that vectorises across a tile's tokens
+  // (attention_small_d.hpp) over the float tiles; other dims score and accumulate through the
+  // cache's hooks (score_key_tile / accumulate_value_tile, which the block caches run on their codes).
   const detail::SmallDKernel small_d = detail::pick_small_d_kernel(Dk, Dv);
   std::unique_ptr<float[]> small_scratch;
   if (small_d) small_scratch = std::make_unique_for_overwrite<float[]>(U(detail::small_d_scratch_floats(tile)));
-  for (std::int64_t b = 0; b < B; ++b)
-    for (std::int64_t h = 0; h < Hkv; ++h) {
-      // Row r = g * Sq + i: query head h * G + g, query token i.
+  for (std::int64_t b = 0; b < B; ++b) {
+    // Row r = g * Sq + i of KV head h: query head h * G + g, query token i.
+    for (std::int64_t h = 0; h < Hkv; ++h)
       for (std::int64_t g = 0; g < G; ++g)
         for (std::int64_t i = 0; i < Sq; ++i) {
-          float* qr = q.data() + (g * Sq + i) * Dk;
+          float* qr = q.data() + (h * rows + g * Sq + i) * Dk;
           to_f32(queries.row(b, h * G + g, i), queries.dtype(), qr, U(Dk));
           cache.map_query(qr);
         }
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
-      std::fill(l.begin(), l.end(), 0.0f);
-      for (std::int64_t t0 = 0; t0 < T; t0 += tile) {
-        const std::int64_t n = std::min(tile, T - t0);
-        const float* K = cache.read_key_tile(b, h, t0, n, kscratch.get());
-        const float* V = cache.read_value_tile(b, h, t0, n, vscratch.get());
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
+    std::fill(l.begin(), l.end(), 0.0f);
+    // Tiles outside, heads inside: caches that store token-major (a token's row of every head
+    // together: the llama.cpp blocks, fp8) are then read front to back, each token's row used by
+    // all heads while it is in cache, instead of once per head with a stride the prefetchers
+    // lose at every page.
+    for (std::int64_t t0 = 0; t0 < T; t0 += tile) {
+      const std::int64_t n = std::min(tile, T - t0);
+      for (std::int64_t h = 0; h < Hkv; ++h) {
+        float* ah = acc.data() + h * rows * Dv;
         if (small_d) {
-          small_d({q.data(), K, V, rows, Sq, T, t0, n, scale, m.data(), l.data(), acc.data(), small_scratch.get()});
+          const float* K = cache.read_key_tile(b, h, t0, n, kscratch.get());
+          const float* V = cache.read_value_tile(b, h, t0, n, vscratch.get());
+          small_d({q.data() + h * rows * Dk, K, V, rows, Sq, T, t0, n, scale, m.data() + h * rows, l.data() + h * rows, ah, small_scratch.get()});
           continue;
         }
+        // Every row is scored against the whole tile; a row's masked tokens get weight 0.
+        cache.score_key_tile(b, h, t0, n, q.data() + h * rows * Dk, rows, s.data(), kscratch.get());
         for (std::int64_t r = 0; r < rows; ++r) {
           const std::int64_t i = r % Sq, last = T - Sq + i;  // the last token query i sees
-          const std::int64_t visible = std::min(n, last - t0 + 1);
-          if (visible <= 0) continue;
-          row_tile(q.data() + r * Dk, K, V, visible, Dk, Dv, scale, s.data(), m[U(r)], l[U(r)], acc.data() + r * Dv);
+          attn::softmax_step(s.data() + r * n, n, last - t0 + 1, scale, m[U(h * rows + r)], l[U(h * rows + r)], ah + r * Dv, Dv);
         }
+        cache.accumulate_value_tile(b, h, t0, n, s.data(), rows, ah, vscratch.get());
       }
+    }
+    for (std::int64_t h = 0; h < Hkv; ++h)
       for (std::int64_t g = 0; g < G; ++g)
         for (std::int64_t i = 0; i < Sq; ++i) {
-          const std::int64_t r = g * Sq + i;
+          const std::int64_t r = h * rows + g * Sq + i;
           float* a = acc.data() + r * Dv;
           const float inv = 1.0f / l[U(r)];  // l >= 1: the max's own term is exp(0)
           for (std::int64_t d = 0; d < Dv; ++d) a[d] *= inv;
           cache.unmap_output(a);
           std::copy(a, a + Dv, reinterpret_cast<float*>(out.row(b, h * G + g, i)));
         }
-    }
+  }
   return out;
 }
 

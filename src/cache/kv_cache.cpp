@@ -2,10 +2,12 @@
 
 #include <algorithm>
 #include <cstring>
+#include <typeinfo>
 
 #include <fmt/format.h>
 
 #include "veloxquant/cache/attention.hpp"
+#include "veloxquant/cache/attention_kernels.hpp"
 #include "veloxquant/core/error.hpp"
 
 namespace vq {
@@ -146,6 +148,31 @@ const float* KVCache::read_key_tile(std::int64_t b, std::int64_t h, std::int64_t
 
 const float* KVCache::read_value_tile(std::int64_t b, std::int64_t h, std::int64_t t0, std::int64_t n, float* scratch) const {
   return dense_tile(values_buf_, b, h, t0, n, scratch);
+}
+
+namespace {
+// The plain cache's float16 rows are scored and summed in registers, with no float32 tile. Only
+// for the class itself: a subclass may hold other rows in these buffers than its read_*_tile
+// returns (or none at all), so it gets the defaults' tile path.
+bool dense_f16_rows(const KVCache& c, const Tensor& buf) {
+  return typeid(c) == typeid(KVCache) && buf.dtype() == DType::F16 && buf.strides()[2] == buf.dim(3);
+}
+}  // namespace
+
+void KVCache::score_key_tile(std::int64_t b, std::int64_t h, std::int64_t t0, std::int64_t n, const float* queries, std::int64_t nq,
+                             float* scores, float* scratch) const {
+  const std::int64_t D = key_dim();
+  if (dense_f16_rows(*this, keys_buf_))
+    return attn::score_f16(reinterpret_cast<const std::uint16_t*>(keys_buf_.row(b, h, t0)), n, D, D, queries, nq, scores);
+  attn::score_f32(read_key_tile(b, h, t0, n, scratch), n, D, D, queries, nq, scores);
+}
+
+void KVCache::accumulate_value_tile(std::int64_t b, std::int64_t h, std::int64_t t0, std::int64_t n, const float* weights,
+                                    std::int64_t nq, float* acc, float* scratch) const {
+  const std::int64_t D = value_dim();
+  if (dense_f16_rows(*this, values_buf_))
+    return attn::accumulate_f16(reinterpret_cast<const std::uint16_t*>(values_buf_.row(b, h, t0)), n, D, D, weights, nq, acc);
+  attn::accumulate_f32(read_value_tile(b, h, t0, n, scratch), n, D, D, weights, nq, acc);
 }
 
 std::size_t KVCache::nbytes() const { return keys_buf_.nbytes() + values_buf_.nbytes(); }

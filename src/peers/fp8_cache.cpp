@@ -7,6 +7,7 @@
 
 #include <fmt/format.h>
 
+#include "peer_attention.hpp"
 #include "veloxquant/core/error.hpp"
 
 namespace vq {
@@ -146,6 +147,80 @@ const float* Fp8KVCache::read_key_tile(std::int64_t b, std::int64_t h, std::int6
 const float* Fp8KVCache::read_value_tile(std::int64_t b, std::int64_t h, std::int64_t t0, std::int64_t n, float* scratch) const {
   decode_rows(value_codes_, value_scales_, call_starts_, values_buf_, b, h, t0, n, scratch);
   return scratch;
+}
+
+namespace {
+// Each token's scale in [t0, t0 + n) of (b, h), times 256 (peer_attention.hpp's decode reads a
+// code's value times 2^-8).
+void token_scales(const std::vector<float>& scales, const std::vector<std::int64_t>& call_starts, const Tensor& layout, std::int64_t b,
+                  std::int64_t h, std::int64_t t0, std::int64_t n, float* out) {
+  const std::int64_t B = layout.dim(0), H = layout.dim(1);
+  auto call = std::upper_bound(call_starts.begin(), call_starts.end(), t0) - call_starts.begin() - 1;
+  for (std::int64_t i = 0; i < n; ++i) {
+    while (call + 1 < static_cast<std::ptrdiff_t>(call_starts.size()) && call_starts[static_cast<std::size_t>(call + 1)] <= t0 + i) ++call;
+    out[i] = scales[static_cast<std::size_t>((call * B + b) * H + h)] * 256.0f;
+  }
+}
+
+// While head 0 works on a tile, fetch the next tile's token rows (batch b's codes of every head)
+// that exist: the attention loop runs tiles outside heads.
+[[maybe_unused]] void prefetch_next_tile(const std::vector<std::uint8_t>& codes, std::int64_t token_bytes, std::int64_t b_offset,
+                                         std::int64_t t1, std::int64_t n, std::int64_t row_bytes) {
+  const std::int64_t rows = std::min(n, static_cast<std::int64_t>(codes.size()) / token_bytes - t1);
+  if (rows > 0) peer_attention::prefetch_rows(codes.data() + t1 * token_bytes + b_offset, rows, row_bytes, token_bytes);
+}
+
+// Codes are read directly when the SIMD kernels run and the tiles would be their float32 values.
+[[maybe_unused]] bool codes_direct(const Tensor& layout) { return attn::simd_enabled() && layout.dtype() == DType::F32; }
+}  // namespace
+
+void Fp8KVCache::score_key_tile(std::int64_t b, std::int64_t h, std::int64_t t0, std::int64_t n, const float* queries, std::int64_t nq,
+                                float* scores, float* scratch) const {
+#ifdef VQ_ATTN_HAVE_AVX2
+  if (codes_direct(keys_buf_)) {
+    const std::int64_t B = keys_buf_.dim(0), H = keys_buf_.dim(1), D = keys_buf_.dim(3);
+    float sc[256];  // the loop's tiles hold at most 256 tokens; longer ones go in pieces
+    if (n > 256) {
+      for (std::int64_t j = 0; j < n; j += 256) {
+        const std::int64_t m = std::min<std::int64_t>(256, n - j);
+        std::vector<float> part(static_cast<std::size_t>(nq * m));
+        score_key_tile(b, h, t0 + j, m, queries, nq, part.data(), scratch);
+        for (std::int64_t r = 0; r < nq; ++r) std::copy(part.begin() + r * m, part.begin() + (r + 1) * m, scores + r * n + j);
+      }
+      return;
+    }
+    token_scales(key_scales_, call_starts_, keys_buf_, b, h, t0, n, sc);
+    if (h == 0) prefetch_next_tile(key_codes_, B * H * D, b * H * D, t0 + n, n, H * D);
+    peer_attention::score_fp8(key_codes_.data() + ((t0 * B + b) * H + h) * D, B * H * D, n, D, queries, nq, scores);
+    for (std::int64_t r = 0; r < nq; ++r)
+      for (std::int64_t j = 0; j < n; ++j) scores[r * n + j] *= sc[j];
+    return;
+  }
+#endif
+  KVCache::score_key_tile(b, h, t0, n, queries, nq, scores, scratch);
+}
+
+void Fp8KVCache::accumulate_value_tile(std::int64_t b, std::int64_t h, std::int64_t t0, std::int64_t n, const float* weights,
+                                       std::int64_t nq, float* acc, float* scratch) const {
+#ifdef VQ_ATTN_HAVE_AVX2
+  if (codes_direct(values_buf_)) {
+    const std::int64_t B = values_buf_.dim(0), H = values_buf_.dim(1), D = values_buf_.dim(3);
+    // n scales, then the weights times them: on the stack when small (no allocation per tile, and
+    // nothing held between calls that nbytes() would not count).
+    float small[2048];
+    std::vector<float> large;
+    float* w = small;
+    if ((nq + 1) * n > 2048) large.resize(static_cast<std::size_t>((nq + 1) * n)), w = large.data();
+    token_scales(value_scales_, call_starts_, values_buf_, b, h, t0, n, w);
+    float* ws = w + n;
+    for (std::int64_t r = 0; r < nq; ++r)
+      for (std::int64_t j = 0; j < n; ++j) ws[r * n + j] = weights[r * n + j] * w[j];
+    if (h == 0) prefetch_next_tile(value_codes_, B * H * D, b * H * D, t0 + n, n, H * D);
+    peer_attention::accumulate_fp8(value_codes_.data() + ((t0 * B + b) * H + h) * D, B * H * D, n, D, ws, nq, acc);
+    return;
+  }
+#endif
+  KVCache::accumulate_value_tile(b, h, t0, n, weights, nq, acc, scratch);
 }
 
 std::int64_t Fp8KVCache::trim(std::int64_t n) {

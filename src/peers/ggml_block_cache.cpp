@@ -4,6 +4,7 @@
 
 #include <fmt/format.h>
 
+#include "peer_attention.hpp"
 #include "peer_rows.hpp"
 #include "veloxquant/core/error.hpp"
 
@@ -122,6 +123,54 @@ const float* GgmlBlockCache<Traits>::read_key_tile(std::int64_t b, std::int64_t 
 template <class Traits>
 const float* GgmlBlockCache<Traits>::read_value_tile(std::int64_t b, std::int64_t h, std::int64_t t0, std::int64_t n, float* scratch) const {
   return read_tile(value_blocks_, values_buf_, value_rotation_, b, h, t0, n, scratch);
+}
+
+namespace {
+// Whether attention may run on a side's blocks directly: SIMD kernels on, whole blocks per head,
+// and tiles that are the blocks' float32 values (read_tile rounds unrotated tiles through a
+// float16 / bfloat16 input dtype; those take the tile path).
+// The attention loop runs tiles outside heads: while head 0 works on a tile, fetch the next
+// tile's token rows (every head's blocks of batch b) that exist.
+template <class Block>
+[[maybe_unused]] void prefetch_next_tile(const std::vector<Block>& blocks, std::int64_t B, std::int64_t nblk, std::int64_t b,
+                                         std::int64_t t1, std::int64_t n) {
+  const std::int64_t tokens = static_cast<std::int64_t>(blocks.size()) / (B * nblk), rows = std::min(n, tokens - t1);
+  if (rows > 0)
+    peer_attention::prefetch_rows(blocks.data() + (t1 * B + b) * nblk, rows, nblk * static_cast<std::int64_t>(sizeof(Block)),
+                                  B * nblk * static_cast<std::int64_t>(sizeof(Block)));
+}
+
+[[maybe_unused]] bool blocks_direct(const Tensor& layout, bool rotated) {
+  return attn::simd_enabled() && layout.dim(3) % ggml::QK == 0 && (layout.dtype() == DType::F32 || rotated);
+}
+}  // namespace
+
+template <class Traits>
+void GgmlBlockCache<Traits>::score_key_tile(std::int64_t b, std::int64_t h, std::int64_t t0, std::int64_t n, const float* queries,
+                                            std::int64_t nq, float* scores, float* scratch) const {
+#ifdef VQ_ATTN_HAVE_AVX2
+  if (blocks_direct(keys_buf_, key_rotation_.has_value())) {
+    const std::int64_t B = keys_buf_.dim(0), D = keys_buf_.dim(3), nblk = keys_buf_.dim(1) * D / ggml::QK;
+    const Block* first = key_blocks_.data() + (t0 * B + b) * nblk + h * D / ggml::QK;
+    if (h == 0) prefetch_next_tile(key_blocks_, B, nblk, b, t0 + n, n);
+    return peer_attention::score_blocks(first, B * nblk, n, D, queries, nq, scores);
+  }
+#endif
+  KVCache::score_key_tile(b, h, t0, n, queries, nq, scores, scratch);
+}
+
+template <class Traits>
+void GgmlBlockCache<Traits>::accumulate_value_tile(std::int64_t b, std::int64_t h, std::int64_t t0, std::int64_t n, const float* weights,
+                                                   std::int64_t nq, float* acc, float* scratch) const {
+#ifdef VQ_ATTN_HAVE_AVX2
+  if (blocks_direct(values_buf_, value_rotation_.has_value())) {
+    const std::int64_t B = values_buf_.dim(0), D = values_buf_.dim(3), nblk = values_buf_.dim(1) * D / ggml::QK;
+    const Block* first = value_blocks_.data() + (t0 * B + b) * nblk + h * D / ggml::QK;
+    if (h == 0) prefetch_next_tile(value_blocks_, B, nblk, b, t0 + n, n);
+    return peer_attention::accumulate_blocks(first, B * nblk, n, D, weights, nq, acc);
+  }
+#endif
+  KVCache::accumulate_value_tile(b, h, t0, n, weights, nq, acc, scratch);
 }
 
 template <class Traits>

@@ -1,6 +1,7 @@
 // attend over a plain KVCache (the shared online-softmax loop and its reference): causal mask,
 // grouped-query heads, batches, head dims, tile boundaries, and the errors.
 #include "veloxquant/cache/attention.hpp"
+#include "veloxquant/cache/attention_kernels.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -50,14 +51,22 @@ void expect_attend_matches_ref(const Case& c) {
   EXPECT_LE(d, 2e-6 * (1.0 + m));   // float32 accumulation vs double
 }
 
-TEST(Attend, MatchesTheReferenceOverEveryShape) {
-  for (const Case& c : {Case{1, 1, 1, 8, 1, 1, DType::F32}, Case{1, 4, 4, 8, 37, 1, DType::F32}, Case{1, 4, 16, 8, 600, 1, DType::F32},
+const Case kShapes[] = {Case{1, 1, 1, 8, 1, 1, DType::F32}, Case{1, 4, 4, 8, 37, 1, DType::F32}, Case{1, 4, 16, 8, 600, 1, DType::F32},
                         Case{2, 4, 8, 8, 600, 9, DType::F32}, Case{3, 2, 6, 13, 77, 5, DType::F32}, Case{1, 8, 32, 128, 300, 1, DType::F32},
                         Case{2, 2, 4, 128, 70, 70, DType::F32}, Case{2, 3, 6, 13, 90, 4, DType::F16}, Case{1, 2, 4, 128, 65, 2, DType::F16},
-                        Case{1, 2, 2, 8, 40, 3, DType::BF16},
+                        Case{1, 2, 2, 8, 40, 3, DType::BF16}, Case{1, 2, 10, 24, 333, 3, DType::F16},
                         // D = 16 and D = 8 with tile tails: the small-head-dim kernels (attention_small_d.cpp)
-                        Case{1, 2, 4, 16, 300, 1, DType::F32}, Case{2, 2, 4, 16, 70, 7, DType::F16}, Case{1, 1, 2, 8, 263, 5, DType::F32}})
-    expect_attend_matches_ref(c);
+                        Case{1, 2, 4, 16, 300, 1, DType::F32}, Case{2, 2, 4, 16, 70, 7, DType::F16}, Case{1, 1, 2, 8, 263, 5, DType::F32}};
+
+TEST(Attend, MatchesTheReferenceOverEveryShape) {
+  for (const Case& c : kShapes) expect_attend_matches_ref(c);
+}
+
+// The scalar kernels (what a CPU without AVX2 runs) as well.
+TEST(Attend, ScalarPathMatchesTheReferenceOverEveryShape) {
+  const bool was = vq::attn::set_simd_enabled(false);
+  for (const Case& c : kShapes) expect_attend_matches_ref(c);
+  vq::attn::set_simd_enabled(was);
 }
 
 // Query i of Sq sees exactly tokens 0 .. offset - Sq + i: the same as one query over a cache cut there.

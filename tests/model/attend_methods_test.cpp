@@ -10,6 +10,7 @@
 #include <gtest/gtest.h>
 
 #include "veloxquant/cache/attention.hpp"
+#include "veloxquant/cache/attention_kernels.hpp"
 #include "veloxquant/model/checkpoint.hpp"
 #include "veloxquant/model/method_spec.hpp"
 #include "veloxquant/model/transformer.hpp"
@@ -91,6 +92,8 @@ const Case kCases[] = {
     {2, 32, 64, 13, 70, 3}, // an odd head dim
     {1, 2, 8, 128, 70, 1},  // GQA 4:1 at D = 128
     {2, 1, 3, 128, 45, 7},
+    {1, 2, 6, 64, 100, 2},  // two blocks per head, a tile's tail of 4 tokens
+    {1, 2, 6, 16, 600, 3},  // tiles of 256 tokens and a tail of 88
 };
 
 TEST(AttendMethods, EqualsDenseAttentionOverTheReconstruction) {
@@ -99,6 +102,41 @@ TEST(AttendMethods, EqualsDenseAttentionOverTheReconstruction) {
       // cachegen_paper's profile (of stories260K) fixes the channels per token: its layout only.
       if (MethodSpec::parse(spec).kind == MethodSpec::Kind::CachegenPaper && c.Hkv * c.D != 4 * 8) continue;
       expect_attend_matches_dense(spec, c);
+    }
+}
+
+// The scalar path (what a CPU without AVX2 runs, and the reference the caches' own SIMD kernels on
+// blocks and codes are held against) equals dense attention as well, so the two paths agree
+// within twice the float32 budget.
+TEST(AttendMethods, ScalarPathEqualsDenseAttentionToo) {
+  const bool was = vq::attn::set_simd_enabled(false);
+  for (const auto& spec : method_specs())
+    for (const Case& c : kCases) {
+      if (MethodSpec::parse(spec).kind == MethodSpec::Kind::CachegenPaper && c.Hkv * c.D != 4 * 8) continue;
+      expect_attend_matches_dense(spec, c);
+    }
+  vq::attn::set_simd_enabled(was);
+}
+
+// Float16 input: block and fp8 caches, whose tiles round through float16, take the tile path;
+// it equals dense attention over the (float16) reconstruction with the SIMD kernels on and off.
+// (Rotated caches read float32 rotated rows, within float16 rounding of state(): docs/cache.md.)
+TEST(AttendMethods, Float16InputEqualsDenseAttention) {
+  for (const char* spec : {"q8_0", "q4_0", "q4_1", "fp8"})
+    for (bool simd : {true, false}) {
+      SCOPED_TRACE(::testing::Message() << spec << (simd ? " simd" : " scalar"));
+      const bool was = vq::attn::set_simd_enabled(simd);
+      auto cache = make_cache(spec, 128);
+      const Tensor k = vqtest::random_walk({1, 2, 77, 128}, 41, vq::DType::F16), v = vqtest::random_walk({1, 2, 77, 128}, 42, vq::DType::F16);
+      cache->update(k, v);
+      const Tensor q = vqtest::random_uniform({1, 8, 3, 128}, 43);
+      const Tensor out = cache->attend(q, 0.09f), ref = vq::attend_ref(*cache, q, 0.09);
+      const auto x = out.to_f32_vector(), y = ref.to_f32_vector();
+      double diff = 0, mag = 0;
+      for (std::size_t i = 0; i < x.size(); ++i) diff = std::max(diff, std::fabs(double(x[i]) - y[i])), mag = std::max(mag, std::fabs(double(y[i])));
+      EXPECT_GT(mag, 0.1);
+      EXPECT_LE(diff, 2e-6 * (1.0 + mag));
+      vq::attn::set_simd_enabled(was);
     }
 }
 

@@ -2,12 +2,16 @@
 // cache's own storage a tile of tokens at a time (flash decoding).
 //
 // What a reader must know first:
-// - The loop knows nothing of codes. It asks the cache for a tile of float32 K rows and V rows
-//   (KVCache::read_key_tile / read_value_tile), scores the tile against every query that shares
-//   its KV head, and keeps per query row a running max m, a running sum l and an accumulator
-//   acc[Dv] (online softmax): after each tile, acc and l are rescaled by exp(m_old - m_new). Only
-//   one tile of each side lives at a time (kTileBytes of float32 per side: in L1/L2), never the
-//   whole K or V. A cache may store in a transformed space (a rotation): it maps the query once
+// - The loop knows nothing of codes. Per tile of tokens and KV head it asks the cache to score
+//   the tile's K rows against every query row that shares the KV head
+//   (KVCache::score_key_tile), runs the online-softmax step per row (attention_kernels.hpp: a
+//   running max m, a running sum l and an accumulator acc[Dv]; after each tile, acc and l are
+//   rescaled by exp(m_old - m_new)), and asks the cache to add the tile's weighted V rows
+//   (KVCache::accumulate_value_tile). The defaults of those two read float32 tiles
+//   (KVCache::read_key_tile / read_value_tile, kTileBytes of float32 per side: in L1/L2); a cache
+//   may override them to work on its codes in registers. Never the whole K or V at once.
+// - Order: batch, then tiles, then KV heads inside a tile, so a token-major cache (a token's row
+//   of every head together) is read front to back. A cache may store in a transformed space (a rotation): it maps the query once
 //   before the loop and the output once after it (KVCache::map_query / unmap_output).
 // - Causality: the queries are the cache's last Sq tokens. Query i (0-based) sees tokens
 //   0 .. offset - Sq + i, inclusive.

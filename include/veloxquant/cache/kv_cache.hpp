@@ -91,6 +91,18 @@ class KVCache {
   // Defaults: identity. `q` has key_dim() floats, `out` value_dim().
   virtual void map_query(float* /*q*/) const {}
   virtual void unmap_output(float* /*out*/) const {}
+  // The two steps of a tile that touch K and V, for caches that can do them on their codes
+  // without a float32 tile (optional: the defaults read tiles through read_key_tile /
+  // read_value_tile into `scratch` and run attention_kernels.hpp's float kernels). `queries`
+  // holds nq mapped query rows of key_dim() floats; `scores` gets nq rows of n: scores[r * n + j]
+  // = q_r . k_{t0+j}, unscaled. `weights` holds nq rows of n (0 for tokens a row does not see);
+  // acc[r * value_dim() + e] += sum_j weights[r * n + j] * v_{t0+j}[e]. `scratch` holds
+  // n * key_dim() (value_dim()) floats. Results equal the defaults' within float32 rounding (the
+  // order of sums may differ). The caller checks the range.
+  virtual void score_key_tile(std::int64_t b, std::int64_t h, std::int64_t t0, std::int64_t n, const float* queries, std::int64_t nq,
+                              float* scores, float* scratch) const;
+  virtual void accumulate_value_tile(std::int64_t b, std::int64_t h, std::int64_t t0, std::int64_t n, const float* weights,
+                                     std::int64_t nq, float* acc, float* scratch) const;
 
  protected:
   // from_state for caches that quantize what they are fed: empties the buffers, calls `forget` to

@@ -11,7 +11,8 @@
 // host chunks its calls (unlike q8_0/q4_x and KIVI).
 // Stored and billed: 1 byte per element + 4 bytes per scale (K and V each).
 // Resident: the cache holds the codes, the scales and the calls' first tokens, nothing else
-// (nbytes() = their vectors' capacity). attend decodes a tile of codes at a time;
+// (nbytes() = their vectors' capacity). attend decodes codes in registers (float32 input) or a tile
+// of codes at a time;
 // update_and_fetch and state() decode everything into fresh dense tensors in the input dtype on
 // each call (O(offset) work, and a dense cache's bytes while the caller holds them).
 #pragma once
@@ -42,6 +43,13 @@ class Fp8KVCache : public KVCache {
   std::string kind() const override { return "Fp8KVCache"; }
   const float* read_key_tile(std::int64_t b, std::int64_t h, std::int64_t t0, std::int64_t n, float* scratch) const override;
   const float* read_value_tile(std::int64_t b, std::int64_t h, std::int64_t t0, std::int64_t n, float* scratch) const override;
+  // With float32 input and the SIMD kernels on: scores and weighted sums straight on the codes
+  // (src/peers/peer_attention.hpp), each token's scale factored out; otherwise the KVCache
+  // defaults over read_*_tile.
+  void score_key_tile(std::int64_t b, std::int64_t h, std::int64_t t0, std::int64_t n, const float* queries, std::int64_t nq,
+                      float* scores, float* scratch) const override;
+  void accumulate_value_tile(std::int64_t b, std::int64_t h, std::int64_t t0, std::int64_t n, const float* weights, std::int64_t nq,
+                             float* acc, float* scratch) const override;
 
   // Codes token-major [token][batch][head][d]; scales [call][batch][head]; call_starts[i] = the
   // first token of call i.

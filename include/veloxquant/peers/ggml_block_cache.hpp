@@ -16,7 +16,9 @@
 // Memory (what nbytes() reports, exactly the allocations): the two vectors of blocks (their
 // capacity: they grow geometrically), with rotate the two sign vectors (4 bytes per head dim
 // each), and nothing per token besides. No dense copy is kept.
-// - attend() dequantizes a tile of blocks at a time into the loop's scratch (cache/attention.hpp).
+// - attend() scores K and sums V straight on the blocks (src/peers/peer_attention.hpp: each block
+//   decoded in registers, 16 values at a time), or dequantizes a tile of blocks at a time into the
+//   loop's scratch where those kernels do not apply (cache/attention.hpp).
 // - update_and_fetch() and state() materialise: they dequantize every block into fresh dense
 //   tensors [B, H, offset, D] in the input dtype, owned by the caller (the cache keeps no reference;
 //   they are freed when the caller drops them). Cost per call: O(offset * H * D) dequantization and
@@ -63,6 +65,13 @@ class GgmlBlockCache : public KVCache {
   const float* read_value_tile(std::int64_t b, std::int64_t h, std::int64_t t0, std::int64_t n, float* scratch) const override;
   void map_query(float* q) const override;
   void unmap_output(float* out) const override;
+  // Scores and weighted sums straight on the blocks (no float32 tile) where the SIMD kernels run
+  // and every head owns whole blocks (D % 32 == 0) whose dequantized values are what attention
+  // reads (float32 input, or rotated); otherwise the KVCache defaults over read_*_tile.
+  void score_key_tile(std::int64_t b, std::int64_t h, std::int64_t t0, std::int64_t n, const float* queries, std::int64_t nq,
+                      float* scores, float* scratch) const override;
+  void accumulate_value_tile(std::int64_t b, std::int64_t h, std::int64_t t0, std::int64_t n, const float* weights, std::int64_t nq,
+                             float* acc, float* scratch) const override;
 
   bool rotate() const { return rotate_; }
   // The packed blocks, token-major: [token][batch][block of the H*D row].

@@ -1,0 +1,141 @@
+// AVX2 tile kernels on llama.cpp blocks and fp8 codes (peer_attention.hpp): each storage form only
+// says how to decode 16 of its values (a Source of cache/attention_simd.hpp).
+#include "peer_attention.hpp"
+
+#ifdef VQ_ATTN_HAVE_AVX2
+#include "veloxquant/cache/attention_simd.hpp"
+#include "veloxquant/peers/fp8_cache.hpp"
+
+#define VQ_ATTN_AVX2 __attribute__((target("avx2,fma,f16c")))
+
+namespace vq::peer_attention {
+
+namespace {
+
+using ggml::block_q4_0;
+using ggml::block_q4_1;
+using ggml::block_q8_0;
+
+template <class Block>
+struct Blocks;
+
+// Values e .. e+15 of a block: (int8) q * d.
+template <>
+struct Blocks<block_q8_0> {
+  const block_q8_0* p;
+  std::int64_t stride;
+  VQ_ATTN_INLINE void load16(std::int64_t t, std::int64_t e, __m256& lo, __m256& hi) const {
+    const block_q8_0& b = p[t * stride + e / ggml::QK];
+    const __m256 d = _mm256_set1_ps(_cvtsh_ss(b.d));
+    const std::int8_t* c = b.qs + (e % ggml::QK);
+    lo = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c)))), d);
+    hi = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + 8)))), d);
+  }
+  VQ_ATTN_INLINE __m256 load8(std::int64_t, std::int64_t) const { return _mm256_setzero_ps(); }  // never called: d % 32 == 0
+  VQ_ATTN_INLINE float scalar(std::int64_t, std::int64_t) const { return 0.0f; }
+};
+
+// The 16 nibbles of values e .. e+15 (low nibbles for the block's first half, high for its second).
+VQ_ATTN_INLINE __m128i nibbles(const std::uint8_t* qs, std::int64_t e) {
+  __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  if (e % ggml::QK >= ggml::QK / 2) x = _mm_srli_epi16(x, 4);
+  return _mm_and_si128(x, _mm_set1_epi8(0x0F));
+}
+
+// (q - 8) * d.
+template <>
+struct Blocks<block_q4_0> {
+  const block_q4_0* p;
+  std::int64_t stride;
+  VQ_ATTN_INLINE void load16(std::int64_t t, std::int64_t e, __m256& lo, __m256& hi) const {
+    const block_q4_0& b = p[t * stride + e / ggml::QK];
+    const __m256 d = _mm256_set1_ps(_cvtsh_ss(b.d));
+    const __m128i x = _mm_sub_epi8(nibbles(b.qs, e), _mm_set1_epi8(8));
+    lo = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(x)), d);
+    hi = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(x, 8))), d);
+  }
+  VQ_ATTN_INLINE __m256 load8(std::int64_t, std::int64_t) const { return _mm256_setzero_ps(); }
+  VQ_ATTN_INLINE float scalar(std::int64_t, std::int64_t) const { return 0.0f; }
+};
+
+// q * d + m (two roundings, as the dequantizer; q * d is exact).
+template <>
+struct Blocks<block_q4_1> {
+  const block_q4_1* p;
+  std::int64_t stride;
+  VQ_ATTN_INLINE void load16(std::int64_t t, std::int64_t e, __m256& lo, __m256& hi) const {
+    const block_q4_1& b = p[t * stride + e / ggml::QK];
+    const __m256 d = _mm256_set1_ps(_cvtsh_ss(b.d)), m = _mm256_set1_ps(_cvtsh_ss(b.m));
+    const __m128i x = nibbles(b.qs, e);
+    lo = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(x)), d), m);
+    hi = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(x, 8))), d), m);
+  }
+  VQ_ATTN_INLINE __m256 load8(std::int64_t, std::int64_t) const { return _mm256_setzero_ps(); }
+  VQ_ATTN_INLINE float scalar(std::int64_t, std::int64_t) const { return 0.0f; }
+};
+
+// e4m3 code c -> the float16 bits of c's value * 2^-8: sign to bit 15, exponent and mantissa
+// (7 bits) to bits 13..7.
+VQ_ATTN_INLINE __m256i fp8_to_f16_bits(__m256i c16) {
+  return _mm256_or_si256(_mm256_and_si256(_mm256_slli_epi16(c16, 8), _mm256_set1_epi16(static_cast<short>(0x8000))),
+                         _mm256_and_si256(_mm256_slli_epi16(c16, 7), _mm256_set1_epi16(0x3F80)));
+}
+
+struct Fp8Rows {
+  const std::uint8_t* p;
+  std::int64_t stride;
+  VQ_ATTN_INLINE void load16(std::int64_t t, std::int64_t e, __m256& lo, __m256& hi) const {
+    const __m256i h = fp8_to_f16_bits(_mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + t * stride + e))));
+    lo = _mm256_cvtph_ps(_mm256_castsi256_si128(h)), hi = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+  }
+  VQ_ATTN_INLINE __m256 load8(std::int64_t t, std::int64_t e) const {
+    const __m256i h = fp8_to_f16_bits(_mm256_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + t * stride + e))));
+    return _mm256_cvtph_ps(_mm256_castsi256_si128(h));
+  }
+  VQ_ATTN_INLINE float scalar(std::int64_t t, std::int64_t e) const { return fp8::e4m3_to_f32(p[t * stride + e]) * 0x1p-8f; }
+};
+
+}  // namespace
+
+VQ_ATTN_AVX2 void score_blocks(const block_q8_0* first, std::int64_t token_stride, std::int64_t n, std::int64_t d, const float* q,
+                               std::int64_t nq, float* s) {
+  attn::simd::score(Blocks<block_q8_0>{first, token_stride}, n, d, q, nq, s);
+}
+
+VQ_ATTN_AVX2 void accumulate_blocks(const block_q8_0* first, std::int64_t token_stride, std::int64_t n, std::int64_t d, const float* w,
+                                    std::int64_t nq, float* acc) {
+  attn::simd::accumulate(Blocks<block_q8_0>{first, token_stride}, n, d, w, nq, acc);
+}
+
+VQ_ATTN_AVX2 void score_blocks(const block_q4_0* first, std::int64_t token_stride, std::int64_t n, std::int64_t d, const float* q,
+                               std::int64_t nq, float* s) {
+  attn::simd::score(Blocks<block_q4_0>{first, token_stride}, n, d, q, nq, s);
+}
+
+VQ_ATTN_AVX2 void accumulate_blocks(const block_q4_0* first, std::int64_t token_stride, std::int64_t n, std::int64_t d, const float* w,
+                                    std::int64_t nq, float* acc) {
+  attn::simd::accumulate(Blocks<block_q4_0>{first, token_stride}, n, d, w, nq, acc);
+}
+
+VQ_ATTN_AVX2 void score_blocks(const block_q4_1* first, std::int64_t token_stride, std::int64_t n, std::int64_t d, const float* q,
+                               std::int64_t nq, float* s) {
+  attn::simd::score(Blocks<block_q4_1>{first, token_stride}, n, d, q, nq, s);
+}
+
+VQ_ATTN_AVX2 void accumulate_blocks(const block_q4_1* first, std::int64_t token_stride, std::int64_t n, std::int64_t d, const float* w,
+                                    std::int64_t nq, float* acc) {
+  attn::simd::accumulate(Blocks<block_q4_1>{first, token_stride}, n, d, w, nq, acc);
+}
+
+VQ_ATTN_AVX2 void score_fp8(const std::uint8_t* first, std::int64_t token_stride, std::int64_t n, std::int64_t d, const float* q,
+                            std::int64_t nq, float* s) {
+  attn::simd::score(Fp8Rows{first, token_stride}, n, d, q, nq, s);
+}
+
+VQ_ATTN_AVX2 void accumulate_fp8(const std::uint8_t* first, std::int64_t token_stride, std::int64_t n, std::int64_t d, const float* w,
+                                 std::int64_t nq, float* acc) {
+  attn::simd::accumulate(Fp8Rows{first, token_stride}, n, d, w, nq, acc);
+}
+
+}  // namespace vq::peer_attention
+#endif  // VQ_ATTN_HAVE_AVX2
