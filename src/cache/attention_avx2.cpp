@@ -1,5 +1,5 @@
 // AVX2 + FMA + F16C tile kernels over float32 and float16 rows (attention_avx2.hpp), built on the
-// shared templates of include/veloxquant/cache/attention_simd.hpp, and the softmax step with an
+// shared templates of src/cache/attention_simd.hpp, and the softmax step with an
 // eight-lane exp. Compiled with target attributes (no -mavx2 for the file); reached only through
 // attention_kernels.cpp when the CPU has the instructions.
 #include "attention_avx2.hpp"
@@ -10,7 +10,7 @@
 #include <cmath>
 #include <limits>
 
-#include "veloxquant/cache/attention_simd.hpp"
+#include "attention_simd.hpp"
 
 #define VQ_ATTN_AVX2 __attribute__((target("avx2,fma,f16c")))
 

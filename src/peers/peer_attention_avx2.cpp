@@ -1,9 +1,9 @@
 // AVX2 tile kernels on llama.cpp blocks and fp8 codes (peer_attention.hpp): each storage form only
-// says how to decode 16 of its values (a Source of cache/attention_simd.hpp).
+// says how to decode 16 of its values (a Source of src/cache/attention_simd.hpp).
 #include "peer_attention.hpp"
 
 #ifdef VQ_ATTN_HAVE_AVX2
-#include "veloxquant/cache/attention_simd.hpp"
+#include "../cache/attention_simd.hpp"
 #include "veloxquant/peers/fp8_cache.hpp"
 
 #define VQ_ATTN_AVX2 __attribute__((target("avx2,fma,f16c")))

@@ -6,6 +6,8 @@
 
 #include <algorithm>
 #include <charconv>
+#include <memory>
+#include <mutex>
 
 #include <fmt/core.h>
 #include <nlohmann/json.hpp>
@@ -139,8 +141,10 @@ Blob encode_chunk(const Transformer& model, std::uint64_t fingerprint, const std
 }
 
 ChunkKV decode_chunk(std::span<const std::uint8_t> blob, std::uint64_t fingerprint, const std::string& level, int index,
-                     std::span<const int> tokens) {
-  PromptCache pc = deserialize_prompt_cache(blob);
+                     std::span<const int> tokens, const VqLayerModelSource& vq_models) {
+  VqkvLoadOptions lo;
+  lo.vq_models = vq_models;
+  PromptCache pc = deserialize_prompt_cache(blob, lo);
   const auto meta = [&](const char* k) {
     const auto it = pc.metadata.find(k);
     return it == pc.metadata.end() ? std::string("(none)") : it->second;
@@ -159,6 +163,25 @@ ChunkKV decode_chunk(std::span<const std::uint8_t> blob, std::uint64_t fingerpri
     out.push_back({s.keys.to(DType::F32), s.values.to(DType::F32)});
   }
   return out;
+}
+
+VqLayerModelSource chunk_vq_models(const Transformer& model) {
+  // Non-owning: the caller keeps the model alive for as long as it uses the source.
+  const std::shared_ptr<const Checkpoint> ck(std::shared_ptr<const Checkpoint>(), &model.checkpoint());
+  struct Memo {
+    std::mutex mu;
+    std::vector<std::pair<VqModelSource, std::shared_ptr<const VqLayerModel>>> built;
+  };
+  auto memo = std::make_shared<Memo>();
+  VqLayerModelSource build = vq_layer_models(ck);
+  return [memo, build](const VqModelSource& want) {
+    std::lock_guard<std::mutex> lock(memo->mu);
+    for (const auto& [k, m] : memo->built)
+      if (k == want) return m;
+    auto m = build(want);
+    memo->built.emplace_back(want, m);
+    return m;
+  };
 }
 
 Blob encode_directory(const ChunkDirectory& dir) {

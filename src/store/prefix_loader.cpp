@@ -174,6 +174,7 @@ LoadReport load_prefix(KVStore& store, Transformer& model, std::vector<std::shar
     });
   };
 
+  const VqLayerModelSource vq_models = chunk_vq_models(model);  // vq levels' layer models, built once
   const auto& mc = model.config();
   const Shape4 want{1, mc.n_kv_heads, static_cast<std::int64_t>(C), mc.head_size()};
   int choice = n > 0 ? choose(0) : -1;
@@ -202,7 +203,7 @@ LoadReport load_prefix(KVStore& store, Transformer& model, std::vector<std::shar
       const auto& entry = dirs[static_cast<std::size_t>(i)].entries[static_cast<std::size_t>(choice)];
       ChunkKV kv;
       try {
-        kv = decode_chunk(*f->blob, scheme.model_fingerprint, entry.level, i, chunk_tokens(i));
+        kv = decode_chunk(*f->blob, scheme.model_fingerprint, entry.level, i, chunk_tokens(i), vq_models);
         if (kv.size() != caches.size()) throw FormatError(fmt::format("{} layers, the model has {}", kv.size(), caches.size()));
         for (const auto& l : kv)
           if (l.keys.shape() != want || l.values.shape() != want)

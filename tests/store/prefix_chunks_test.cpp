@@ -86,33 +86,30 @@ TEST(PrefixChunks, ModelFingerprintSeesEveryWeight) {
 
 // The definition: chunk i at level L is what a fresh cache of L held after one update with the
 // chunk's exact K/V. fp32 is therefore the exact rows of the live prefill; every level round-trips
-// bit for bit; a level the format cannot hold yet is refused naming it.
+// bit for bit (vq levels given the model's layer models).
 TEST(PrefixChunks, ChunksDecodeToWhatALiveCacheHeld) {
   const Context& c = context();
   const int C = 16;
   ASSERT_GE(static_cast<int>(c.tokens.size()), 2 * C);
-  for (const std::string level : {"fp32", "fp16", "cachegen:bits=4,group=8", "cachegen:bits=2,schedule=off,group=4", "vq:bits=2"}) {
+  for (const std::string level : {"fp32", "fp16", "cachegen:bits=4,group=8", "cachegen:bits=2,schedule=off,group=4", "vq:bits=2", "vq:bits=2,calib=8"}) {
     SCOPED_TRACE(level);
     const std::string canon = vq::MethodSpec::parse(level).to_string();
     for (int i = 0; i < 2; ++i) {
       const auto toks = std::span<const int>(c.tokens).subspan(static_cast<std::size_t>(i * C), C);
       const vq::ChunkKV exact = slice_chunk(c.exact, i, C);
-      vq::Blob blob;
-      try {
-        blob = vq::encode_chunk(*c.model, c.fp, canon, i, toks, exact);
-      } catch (const vq::InvalidArgument& e) {
-        EXPECT_NE(std::string(e.what()).find(canon), std::string::npos) << e.what();
-        continue;  // the .vqkv format does not hold this class yet (vq before issue 15)
-      }
+      const vq::Blob blob = vq::encode_chunk(*c.model, c.fp, canon, i, toks, exact);
       const vq::ChunkKV live = vq::level_chunk_kv(*c.model, canon, exact);
-      const vq::ChunkKV loaded = vq::decode_chunk(blob, c.fp, canon, i, toks);
+      const vq::ChunkKV loaded = vq::decode_chunk(blob, c.fp, canon, i, toks, vq::chunk_vq_models(*c.model));
+      if (canon.rfind("vq", 0) == 0) {  // a vq chunk needs the model's layer models to load
+        EXPECT_THROW(vq::decode_chunk(blob, c.fp, canon, i, toks), vq::FormatError);
+      }
       expect_bit_equal(loaded, live);
       if (canon == "fp32") expect_bit_equal(loaded, exact);
       if (canon == "fp16") {
         for (std::size_t l = 0; l < exact.size(); ++l)
           EXPECT_TRUE(loaded[l].keys.bit_equal(exact[l].keys.to(vq::DType::F16).to(vq::DType::F32)));
       }
-      if (canon.rfind("cachegen", 0) == 0) {
+      if (canon.rfind("cachegen", 0) == 0 || canon.find("calib=8") != std::string::npos) {
         EXPECT_FALSE(loaded[0].keys.bit_equal(exact[0].keys));  // lossy, yet exactly the live cache
       }
     }

@@ -119,11 +119,14 @@ class RedisServers {
 
  private:
   void wait_ping(int port) const {
-    for (int i = 0; i < 200; ++i) {
+    // A wall-clock deadline, generous: on a loaded 2-core machine (ctest -j2 beside a build) a
+    // server and each redis-cli call can take seconds to get scheduled.
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+    while (std::chrono::steady_clock::now() < deadline) {
       if (std::system(fmt::format("redis-cli -h 127.0.0.1 -p {} PING 2>&1 | grep -qE 'PONG|NOAUTH'", port).c_str()) == 0) return;
       std::this_thread::sleep_for(std::chrono::milliseconds(25));
     }
-    throw std::runtime_error(fmt::format("redis-server on 127.0.0.1:{} did not answer PING within 5 s", port));
+    throw std::runtime_error(fmt::format("redis-server on 127.0.0.1:{} did not answer PING within 60 s", port));
   }
   void wait_cluster_ok(int port) const {
     for (int i = 0; i < 400; ++i) {

@@ -101,7 +101,9 @@ TEST(StoreCli, GenerateWithOnlyFp32StoredMatchesPlainGenerate) {
     EXPECT_GT(c.at("bytes").get<int>(), 0);
     EXPECT_TRUE(c.contains("index") && c.contains("fetch_ms") && c.contains("decode_ms"));
   }
-  EXPECT_EQ(stored.err, "");
+  // stderr holds only generate's line on the caches' resident memory (no warning).
+  EXPECT_EQ(stored.err.find("kv cache: peak resident"), 0u) << stored.err;
+  EXPECT_EQ(std::count(stored.err.begin(), stored.err.end(), '\n'), 1) << stored.err;
   // The streamed form prints the same text too.
   const auto streamed = gen("--store '" + s.url() + "' --levels fp32 --chunk-tokens 8");
   EXPECT_EQ(streamed.out, plain.out);
@@ -149,7 +151,7 @@ TEST(StoreCli, FaultsWarnRecomputeAndExitZero) {
   EXPECT_NE(r.err.find("missing"), std::string::npos) << r.err;
   // A store that is down (nothing listens on a fresh free port).
   r = gen(fmt::format("--store redis://127.0.0.1:{}?timeout_ms=200 --chunk-tokens 8", vqtest::free_port()));
-  EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 2) << r.err;  // the warning, then the report line
+  EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 3) << r.err;  // the warning, the report line, the memory line
   EXPECT_EQ(r.code, 0) << r.err;
   EXPECT_EQ(r.out, plain.out);
   EXPECT_NE(r.err.find("warning: chunk 0"), std::string::npos) << r.err;

@@ -31,6 +31,7 @@
 #include "veloxquant/cache/kv_cache.hpp"
 #include "veloxquant/core/tensor.hpp"
 #include "veloxquant/store/kv_store.hpp"
+#include "veloxquant/vq/basis.hpp"
 
 namespace vq {
 
@@ -74,9 +75,13 @@ ChunkKV level_chunk_kv(const Transformer& model, const std::string& level, const
 Blob encode_chunk(const Transformer& model, std::uint64_t model_fingerprint, const std::string& level, int index,
                   std::span<const int> tokens, const ChunkKV& exact);
 // Decode a blob and check that it is chunk `index` of these tokens at this level for this model.
-// Throws FormatError (corrupt blob, or one of another model/level/index/tokens).
+// Throws FormatError (corrupt blob, or one of another model/level/index/tokens). `vq_models`
+// rebuilds the layer models of vq levels (chunk_vq_models(model)); without it a vq chunk is refused.
 ChunkKV decode_chunk(std::span<const std::uint8_t> blob, std::uint64_t model_fingerprint, const std::string& level, int index,
-                     std::span<const int> tokens);
+                     std::span<const int> tokens, const VqLayerModelSource& vq_models = {});
+// The layer models of `model` for decode_chunk, built once per (layer, basis) and shared by every
+// chunk a loader decodes (thread-safe). `model` must outlive the returned function.
+VqLayerModelSource chunk_vq_models(const Transformer& model);
 
 // One chunk's directory: each level's key and blob size, in the scheme's level order.
 struct ChunkDirectory {
