@@ -1,7 +1,9 @@
 // GGUF reader: a llama-architecture GGUF file into a Checkpoint and a Tokenizer. A decoder of
 // untrusted bytes: every count and size is checked against the bytes left before it is used.
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <map>
 #include <optional>
 
@@ -295,8 +297,16 @@ class Parser {
     std::string file(4, '\0');
     std::int32_t max_len = 1;
     for (int i = 0; i < vocab; ++i) {
-      std::string p = tc.str("a token");
-      for (std::size_t at; (at = p.find(kSpaceMark)) != std::string::npos;) p.replace(at, 3, " ");
+      const std::string raw = tc.str("a token");
+      std::string p;
+      for (std::size_t k = 0; k < raw.size(); ++k) {
+        if (raw.compare(k, 3, kSpaceMark) == 0) {
+          p += ' ';
+          k += 2;
+        } else {
+          p += raw[k];
+        }
+      }
       if (p.size() > (1u << 16)) c_.fail(fmt::format("token {} is {} bytes long (at most 65536)", i, p.size()));
       max_len = std::max<std::int32_t>(max_len, static_cast<std::int32_t>(p.size()));
       const float s = sc.raw<float>("a score");
@@ -375,6 +385,9 @@ class Parser {
 GgufModel parse_gguf(std::span<const std::byte> bytes, const std::string& name) { return Parser(bytes, name).parse(); }
 
 bool is_gguf_file(const std::string& path) {
+  // Only a regular file is opened: opening a FIFO here would block before the loader could refuse it.
+  std::error_code ec;
+  if (!std::filesystem::is_regular_file(path, ec)) return false;
   std::FILE* f = std::fopen(path.c_str(), "rb");
   if (!f) return false;
   char magic[4] = {};

@@ -179,7 +179,7 @@ TEST(Gguf, CliConvertsAndEveryModelCommandTakesTheGgufAlone) {
   r = vqtest::run_cli("convert " + vqtest::model_path() + " --tokenizer " + vqtest::tokenizer_path() + " -o " + padded + " --pad-head 32");
   ASSERT_EQ(r.code, 0) << r.err;
   // No tokenizer beside the GGUF files: the vocabulary comes from the file.
-  const auto want = vqtest::run_cli("generate --model " + vqtest::model_path() + " --steps 64");
+  const auto want = vqtest::run_cli("generate --model " + vqtest::model_path() + " --tokenizer " + vqtest::tokenizer_path() + " --steps 64");
   ASSERT_EQ(want.code, 0) << want.err;
   for (const auto& m : {out, padded}) {
     const auto got = vqtest::run_cli("generate --model " + m + " --steps 64");
