@@ -1,5 +1,6 @@
 // GGUF writer: a llama2.c checkpoint and its vocabulary as a llama-architecture GGUF v3 file, and
 // the head padding. See gguf.hpp and docs/gguf.md.
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -124,7 +125,8 @@ std::vector<std::byte> gguf_bytes(const Checkpoint& ck_in, const Tokenizer& tok,
   m.str("general.architecture", "llama");
   m.str("general.name", "veloxquant-convert");
   m.u32("general.alignment", static_cast<std::uint32_t>(kDefaultAlignment));
-  m.u32("general.file_type", options.f16 ? 1 : 0);  // llama_ftype: all F32, or mostly F16
+  const auto mt = options.matrices;
+  m.u32("general.file_type", mt == GgufMatrixType::F32 ? 0 : mt == GgufMatrixType::F16 ? 1 : 7);  // llama_ftype: F32, mostly F16, mostly Q8_0
   m.u32("llama.vocab_size", static_cast<std::uint32_t>(c.vocab_size));
   m.u32("llama.context_length", static_cast<std::uint32_t>(c.seq_len));
   m.u32("llama.embedding_length", static_cast<std::uint32_t>(c.dim));
@@ -174,11 +176,16 @@ std::vector<std::byte> gguf_bytes(const Checkpoint& ck_in, const Tokenizer& tok,
   out.raw<std::uint64_t>(ts.size());
   out.raw<std::uint64_t>(m.count);
   out.out.insert(out.out.end(), m.b.out.begin(), m.b.out.end());
-  auto type_of = [&](const TensorOut& t) { return options.f16 && t.ne.size() == 2 ? kTensorF16 : kTensorF32; };
+  // Q8_0 needs rows of whole blocks; a matrix whose rows are not stays F16.
+  auto type_of = [&](const TensorOut& t) {
+    if (t.ne.size() != 2 || mt == GgufMatrixType::F32) return kTensorF32;
+    return mt == GgufMatrixType::Q8_0 && t.ne[0] % kQ8BlockValues == 0 ? kTensorQ8_0 : kTensorF16;
+  };
   auto bytes_of = [&](const TensorOut& t) {
     std::uint64_t elems = 1;
     for (auto e : t.ne) elems *= e;
-    return elems * (type_of(t) == kTensorF16 ? 2 : 4);
+    const auto type = type_of(t);
+    return type == kTensorQ8_0 ? elems / kQ8BlockValues * kQ8BlockBytes : elems * (type == kTensorF16 ? 2 : 4);
   };
   std::uint64_t offset = 0;
   for (const auto& t : ts) {
@@ -193,9 +200,20 @@ std::vector<std::byte> gguf_bytes(const Checkpoint& ck_in, const Tokenizer& tok,
     out.pad_to(kDefaultAlignment);
     const std::size_t at = out.out.size(), bytes = static_cast<std::size_t>(bytes_of(t));
     out.out.resize(at + bytes);
-    if (type_of(t) == kTensorF16)
+    if (type_of(t) == kTensorF16) {
       from_f32(t.data, out.out.data() + at, DType::F16, bytes / 2);
-    else
+    } else if (type_of(t) == kTensorQ8_0) {
+      for (std::size_t blk = 0; blk < bytes / kQ8BlockBytes; ++blk) {
+        const float* x = t.data + blk * kQ8BlockValues;
+        float amax = 0.0f;
+        for (std::size_t k = 0; k < kQ8BlockValues; ++k) amax = std::max(amax, std::fabs(x[k]));
+        const float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
+        std::byte* b = out.out.data() + at + blk * kQ8BlockBytes;
+        const std::uint16_t dh = f32_to_f16(d);
+        std::memcpy(b, &dh, 2);
+        for (std::size_t k = 0; k < kQ8BlockValues; ++k) b[2 + k] = static_cast<std::byte>(static_cast<std::int8_t>(std::lround(x[k] * inv)));
+      }
+    } else
       std::memcpy(out.out.data() + at, t.data, bytes);
   }
   return std::move(out.out);

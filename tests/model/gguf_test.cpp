@@ -123,13 +123,36 @@ TEST(Gguf, PaddedHeadsComputeTheSameFunction) {
 TEST(Gguf, F16MatricesLoadAsTheRoundedWeights) {
   const auto& s = source();
   vq::GgufWriteOptions o;
-  o.f16 = true;
+  o.matrices = vq::GgufMatrixType::F16;
   const vq::GgufModel m = vq::parse_gguf(vq::gguf_bytes(s.ck, s.tok, o));
   std::vector<float> rounded(s.ck.wq.size());
   for (std::size_t i = 0; i < rounded.size(); ++i) rounded[i] = vq::f16_to_f32(vq::f32_to_f16(s.ck.wq[i]));
   EXPECT_TRUE(same_bits(m.checkpoint.wq, rounded));
   EXPECT_TRUE(same_bits(m.checkpoint.rms_att, s.ck.rms_att));  // norms stay float32
   EXPECT_FALSE(same_bits(m.checkpoint.wq, s.ck.wq));
+}
+
+// Q8_0 (dequantized at load): every weight within half a quantization step (d / 2, d = the
+// block's max |x| / 127 as F16) of the original, and the model still runs close to the original.
+TEST(Gguf, Q8_0MatricesLoadWithinHalfAStep) {
+  const auto& s = source();
+  vq::GgufWriteOptions o;
+  o.matrices = vq::GgufMatrixType::Q8_0;
+  vq::GgufModel m = vq::parse_gguf(vq::gguf_bytes(s.ck, s.tok, o));
+  const auto& a = m.checkpoint.w1;
+  const auto& b = s.ck.w1;
+  ASSERT_EQ(a.size(), b.size());
+  for (std::size_t blk = 0; blk < b.size() / 32; ++blk) {
+    float amax = 0;
+    for (std::size_t k = 0; k < 32; ++k) amax = std::max(amax, std::fabs(b[blk * 32 + k]));
+    const float d = vq::f16_to_f32(vq::f32_to_f16(amax / 127.0f));
+    for (std::size_t k = 0; k < 32; ++k)
+      ASSERT_LE(std::fabs(a[blk * 32 + k] - b[blk * 32 + k]), 0.5f * d + 1e-3f * amax) << blk << " " << k;
+  }
+  EXPECT_FALSE(same_bits(a, b));
+  vq::Transformer from_bin(s.ck), q8(std::move(m.checkpoint));
+  const double want = perplexity(from_bin, s.tok, 256), got = perplexity(q8, m.tokenizer, 256);
+  EXPECT_NEAR(got, want, 0.02 * want);  // a named budget: Q8_0 weights move perplexity by under 2 %
 }
 
 TEST(Gguf, RefusesTruncatedAndCorruptFiles) {

@@ -2,7 +2,7 @@
 // and read back into one (weights + vocabulary). Field-by-field layout, the metadata keys, the
 // tensor names and the head padding: docs/gguf.md.
 //
-// Writer: GGUF v3, little-endian, float32 tensors (matrices float16 on request), alignment 32. Matrices keep llama2.c's
+// Writer: GGUF v3, little-endian, float32 tensors (matrices F16 or Q8_0 on request), alignment 32. Matrices keep llama2.c's
 // [out, in] row-major layout, which GGUF describes as ne = {in, out}. llama2.c's RoPE rotates
 // adjacent pairs, which is llama.cpp's "normal" RoPE for the llama architecture, so q/k are
 // written unpermuted. A shared classifier writes no output.weight (llama.cpp then reuses
@@ -29,9 +29,14 @@
 
 namespace vq {
 
+// How the 2-D tensors (embedding, projections, classifier) are stored; norms are always F32, as
+// llama.cpp's converter keeps them. F16 rounds to nearest even; Q8_0 is ggml's block format (per 32
+// values of a row: an F16 scale d = max|x| / 127, then 32 int8 round(x / d)).
+enum class GgufMatrixType { F32, F16, Q8_0 };
+
 struct GgufWriteOptions {
   int pad_head = 0;  // 0 (or head_size): heads as they are; else widen each head to this many dims
-  bool f16 = false;  // matrices as F16 (rounded to nearest even); norms stay F32, as llama.cpp's converter
+  GgufMatrixType matrices = GgufMatrixType::F32;
 };
 
 // `ck` with every head widened to P dims as described above (config.head_dim = P); P == head_size
