@@ -176,8 +176,10 @@ void validate_model_config(const ModelConfig& c, const std::string& name) {
   if (c.hidden_dim < 1 || c.hidden_dim > kMaxHidden) bad(fmt::format("hidden_dim must be in 1..{}", kMaxHidden));
   if (c.n_layers < 1 || c.n_layers > kMaxLayers) bad(fmt::format("n_layers must be in 1..{}", kMaxLayers));
   if (c.n_heads < 1 || c.n_heads > c.dim) bad("n_heads must be in 1..dim");
-  if (c.dim % c.n_heads != 0) bad("dim must be a multiple of n_heads");
-  if (c.head_size() % 2 != 0) bad("head size dim/n_heads must be even for RoPE");
+  if (c.head_dim < 0 || c.head_dim > kMaxDim) bad(fmt::format("head_dim must be in 0..{}", kMaxDim));
+  if (c.head_dim == 0 && c.dim % c.n_heads != 0) bad("dim must be a multiple of n_heads");
+  if (static_cast<std::int64_t>(c.n_heads) * c.head_size() > kMaxDim) bad(fmt::format("n_heads * head_dim must be at most {}", kMaxDim));
+  if (c.head_size() % 2 != 0) bad("head size must be even for RoPE");
   if (c.n_kv_heads < 1 || c.n_kv_heads > c.n_heads) bad("n_kv_heads must be in 1..n_heads");
   if (c.n_heads % c.n_kv_heads != 0) bad("n_kv_heads must divide n_heads");
   if (c.vocab_size < 1 || c.vocab_size > kMaxVocab) bad(fmt::format("vocab_size must be in 1..{}", kMaxVocab));

@@ -6,6 +6,7 @@
 #include <fmt/core.h>
 
 #include "veloxquant/core/error.hpp"
+#include "veloxquant/model/gguf.hpp"
 
 namespace vq {
 
@@ -39,7 +40,19 @@ ModelFiles resolve_model_files(const std::optional<std::filesystem::path>& model
                               "(Hugging Face, folder stories260K) and pass {} or set VELOXQUANT_MODEL_DIR",
                               file, where, flag));
   };
-  return ModelFiles{resolve(model, kDefaultModelFile, "--model"), resolve(tokenizer, kDefaultTokenizerFile, "--tokenizer")};
+  const auto model_path = resolve(model, kDefaultModelFile, "--model");
+  if (is_gguf_file(model_path.string())) return ModelFiles{model_path, {}};
+  return ModelFiles{model_path, resolve(tokenizer, kDefaultTokenizerFile, "--tokenizer")};
+}
+
+LoadedModel load_model(const ModelFiles& files) {
+  if (is_gguf_file(files.model.string())) {
+    GgufModel m = load_gguf(files.model.string());
+    return LoadedModel{std::move(m.checkpoint), std::move(m.tokenizer)};
+  }
+  Checkpoint ck = Checkpoint::load(files.model.string());
+  const int vocab = ck.config.vocab_size;
+  return LoadedModel{std::move(ck), Tokenizer::load(files.tokenizer.string(), vocab)};
 }
 
 }  // namespace vq

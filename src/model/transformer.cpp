@@ -190,13 +190,14 @@ Transformer::Transformer(Checkpoint checkpoint) : ck_(std::move(checkpoint)) {
     }
   const int L = c.n_layers;
   dim_pad_ = round_up8(c.dim);
+  q_pad_ = round_up8(c.q_dim());
   kv_pad_ = round_up8(c.kv_dim());
   hidden_pad_ = round_up8(c.hidden_dim);
   vocab_pad_ = round_up8(c.vocab_size);
-  wqkv_t_ = side_by_side({transpose_layers(ck_.wq, L, c.dim, c.dim, dim_pad_), transpose_layers(ck_.wk, L, c.kv_dim(), c.dim, kv_pad_),
+  wqkv_t_ = side_by_side({transpose_layers(ck_.wq, L, c.q_dim(), c.dim, q_pad_), transpose_layers(ck_.wk, L, c.kv_dim(), c.dim, kv_pad_),
                           transpose_layers(ck_.wv, L, c.kv_dim(), c.dim, kv_pad_)},
-                         {dim_pad_, kv_pad_, kv_pad_}, L, c.dim);
-  wo_t_ = transpose_layers(ck_.wo, L, c.dim, c.dim, dim_pad_);
+                         {q_pad_, kv_pad_, kv_pad_}, L, c.dim);
+  wo_t_ = transpose_layers(ck_.wo, L, c.dim, c.q_dim(), dim_pad_);
   w13_t_ = side_by_side({transpose_layers(ck_.w1, L, c.hidden_dim, c.dim, hidden_pad_), transpose_layers(ck_.w3, L, c.hidden_dim, c.dim, hidden_pad_)},
                         {hidden_pad_, hidden_pad_}, L, c.dim);
   w2_t_ = transpose_layers(ck_.w2, L, c.dim, c.hidden_dim, dim_pad_);
@@ -212,9 +213,9 @@ void Transformer::ensure_capacity(int n) {
   const std::size_t N = sz(n);
   x_.resize(N * sz(c.dim));
   xb_.resize(N * sz(c.dim));
-  att_out_.resize(N * sz(c.dim));
-  qkv_.resize(N * sz(dim_pad_ + 2 * kv_pad_));
-  qbuf_.resize(N * sz(c.dim));
+  att_out_.resize(N * sz(c.q_dim()));
+  qkv_.resize(N * sz(q_pad_ + 2 * kv_pad_));
+  qbuf_.resize(N * sz(c.q_dim()));
   kbuf_.resize(N * sz(c.kv_dim()));
   vbuf_.resize(N * sz(c.kv_dim()));
   hb_.resize(N * 2 * sz(hidden_pad_));
@@ -245,7 +246,8 @@ std::vector<float> Transformer::forward(std::span<const int> tokens, std::vector
   const int dim = c.dim, hs = c.head_size(), hidden = c.hidden_dim, half = hs / 2;
   const int n_kv = c.n_kv_heads;
   const std::size_t D = sz(dim), H = sz(hidden), HS = sz(hs);
-  const std::size_t DP = sz(dim_pad_), KVP = sz(kv_pad_), HP = sz(hidden_pad_), QKV = DP + 2 * KVP;
+  // QP: the q block's width in a qkv row (q_dim rounded up to 8); QD: the attention output's width.
+  const std::size_t DP = sz(dim_pad_), QP = sz(q_pad_), QD = sz(c.q_dim()), KVP = sz(kv_pad_), HP = sz(hidden_pad_), QKV = QP + 2 * KVP;
   float* const qkv = qkv_.data();
   const float inv_sqrt_hs = 1.0f / std::sqrt(static_cast<float>(hs));
   const std::int64_t T = pos0 + n;
@@ -265,7 +267,7 @@ std::vector<float> Transformer::forward(std::span<const int> tokens, std::vector
   for (int l = 0; l < c.n_layers; ++l) {
     const std::size_t L = sz(l);
     for (int i = 0; i < n; ++i) rmsnorm(xb_.data() + sz(i) * D, x_.data() + sz(i) * D, ck_.rms_att.data() + L * D, dim);
-    // q, k, v of token i at qkv + i QKV + {0, DP, DP + KVP}.
+    // q, k, v of token i at qkv + i QKV + {0, QP, QP + KVP}.
     matmul_t(qkv, QKV, xb_.data(), D, wqkv_t_.data() + L * QKV * D, QKV, n, dim, static_cast<int>(QKV));
 
     // RoPE on q and k (interleaved pairs), then Q into [n_heads, n, hs] for attend and K/V into
@@ -283,11 +285,11 @@ std::vector<float> Transformer::forward(std::span<const int> tokens, std::vector
       };
       float* row = qkv + sz(i) * QKV;
       rotate(row, c.n_heads);
-      rotate(row + DP, n_kv);
+      rotate(row + QP, n_kv);
       for (int h = 0; h < c.n_heads; ++h) std::copy_n(row + sz(h * hs), hs, qbuf_.data() + (sz(h) * sz(n) + sz(i)) * HS);
       for (int h = 0; h < n_kv; ++h) {
-        std::copy_n(row + DP + sz(h * hs), hs, kbuf_.data() + (sz(h) * sz(n) + sz(i)) * HS);
-        std::copy_n(row + DP + KVP + sz(h * hs), hs, vbuf_.data() + (sz(h) * sz(n) + sz(i)) * HS);
+        std::copy_n(row + QP + sz(h * hs), hs, kbuf_.data() + (sz(h) * sz(n) + sz(i)) * HS);
+        std::copy_n(row + QP + KVP + sz(h * hs), hs, vbuf_.data() + (sz(h) * sz(n) + sz(i)) * HS);
       }
     }
     // Append, then attend through the cache's own loop: a resident cache reads its codes tile by
@@ -298,10 +300,10 @@ std::vector<float> Transformer::forward(std::span<const int> tokens, std::vector
     const Tensor att = caches[L]->attend(qin_, inv_sqrt_hs);
     for (int h = 0; h < c.n_heads; ++h) {
       const float* head = reinterpret_cast<const float*>(att.row(0, h, 0));  // attend's output is contiguous
-      for (int i = 0; i < n; ++i) std::copy_n(head + sz(i) * HS, HS, att_out_.data() + sz(i) * D + sz(h) * HS);
+      for (int i = 0; i < n; ++i) std::copy_n(head + sz(i) * HS, HS, att_out_.data() + sz(i) * QD + sz(h) * HS);
     }
 
-    matmul_t(xb_.data(), D, att_out_.data(), D, wo_t_.data() + L * DP * D, DP, n, dim, dim);
+    matmul_t(xb_.data(), D, att_out_.data(), QD, wo_t_.data() + L * DP * QD, DP, n, c.q_dim(), dim);
     for (std::size_t j = 0; j < sz(n) * D; ++j) x_[j] += xb_[j];
 
     for (int i = 0; i < n; ++i) rmsnorm(xb_.data() + sz(i) * D, x_.data() + sz(i) * D, ck_.rms_ffn.data() + L * D, dim);

@@ -9,6 +9,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
@@ -50,7 +51,11 @@ class RedisServers {
 
   // One server; returns its index. extra: more redis-server arguments.
   std::size_t start(const std::vector<std::string>& extra = {}) {
-    const int port = free_port();
+    // A cluster node also listens on its bus port, port + 10000: the port must leave room for it
+    // (an ephemeral port above 55535 would make redis-server refuse to start), and both be free.
+    const bool cluster = std::find(extra.begin(), extra.end(), "--cluster-enabled") != extra.end();
+    int port = free_port();
+    for (int tries = 0; cluster && tries < 1000 && !(port <= 55535 && port_is_free(port + 10000)); ++tries) port = free_port();
     std::vector<std::string> args{"redis-server", "--port", std::to_string(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
                                   "--dir", dir_.string(), "--daemonize", "no", "--loglevel", "warning",
                                   "--logfile", (dir_ / fmt::format("redis-{}.log", port)).string()};
@@ -67,7 +72,7 @@ class RedisServers {
       ::_exit(127);
     }
     servers_.push_back({port, pid});
-    wait_ping(port);
+    wait_ping(port, pid);
     return servers_.size() - 1;
   }
 
@@ -118,12 +123,25 @@ class RedisServers {
   }
 
  private:
-  void wait_ping(int port) const {
+  static bool port_is_free(int port) {
+    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    a.sin_port = htons(static_cast<std::uint16_t>(port));
+    const bool ok = fd >= 0 && ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0;
+    if (fd >= 0) ::close(fd);
+    return ok;
+  }
+  void wait_ping(int port, pid_t pid) const {
     // A wall-clock deadline, generous: on a loaded 2-core machine (ctest -j2 beside a build) a
     // server and each redis-cli call can take seconds to get scheduled.
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
     while (std::chrono::steady_clock::now() < deadline) {
       if (std::system(fmt::format("redis-cli -h 127.0.0.1 -p {} PING 2>&1 | grep -qE 'PONG|NOAUTH'", port).c_str()) == 0) return;
+      if (::waitpid(pid, nullptr, WNOHANG) == pid)  // it exited: say why (its log), do not wait on
+        throw std::runtime_error(fmt::format("redis-server on 127.0.0.1:{} exited at start; see {}", port,
+                                             (dir_ / fmt::format("redis-{}.log", port)).string()));
       std::this_thread::sleep_for(std::chrono::milliseconds(25));
     }
     throw std::runtime_error(fmt::format("redis-server on 127.0.0.1:{} did not answer PING within 60 s", port));

@@ -104,8 +104,9 @@ std::string run_model_windows(const BenchOptions& o, const vq::MethodSpec& spec,
   if (text_path.empty()) text_path = beside("tinystories_val.txt");
   vq::require(!text_path.empty(), "--text is required (no tinystories_val.txt beside the model)");
   const vq::ModelFiles files = vq::resolve_model_files(opt(o.model), opt(tok_path));
-  vq::Transformer model(vq::Checkpoint::load(files.model.string()));
-  const vq::Tokenizer tok = vq::Tokenizer::load(files.tokenizer.string(), model.config().vocab_size);
+  vq::LoadedModel loaded = vq::load_model(files);
+  vq::Transformer model(std::move(loaded.checkpoint));
+  const vq::Tokenizer tok = std::move(loaded.tokenizer);
   std::string text = vq::read_input_text(text_path, "text");
   const int window = model.config().seq_len;
   const std::size_t want = static_cast<std::size_t>(o.windows) * static_cast<std::size_t>(window) * 16;

@@ -102,8 +102,9 @@ int run_eval(EvalCliOptions o) {
     if (!o.model.empty() || !o.tokenizer.empty()) throw;  // an explicit path that is wrong is an error
     return run_synthetic(o, e.what());
   }
-  vq::Transformer model(vq::Checkpoint::load(files.model.string()));
-  const vq::Tokenizer tok = vq::Tokenizer::load(files.tokenizer.string(), model.config().vocab_size);
+  vq::LoadedModel loaded = vq::load_model(files);
+  vq::Transformer model(std::move(loaded.checkpoint));
+  const vq::Tokenizer tok = std::move(loaded.tokenizer);
   o.eval.validate(model.config().seq_len);
 
   const std::string text_path = text_path_or_default(o.text);

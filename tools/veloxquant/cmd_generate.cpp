@@ -78,8 +78,9 @@ int run_generate(const GenerateOptions& o) {
   vq::require(o.use_store || (!o.slo_ms && !o.bandwidth_mbps), "--slo-ms and --bandwidth need --store");
   auto opt = [](const std::string& s) { return s.empty() ? std::nullopt : std::optional<std::filesystem::path>(s); };
   const vq::ModelFiles files = vq::resolve_model_files(opt(o.model), opt(o.tokenizer));
-  vq::Transformer model(vq::Checkpoint::load(files.model.string()));
-  const vq::Tokenizer tok = vq::Tokenizer::load(files.tokenizer.string(), model.config().vocab_size);
+  vq::LoadedModel loaded = vq::load_model(files);
+  vq::Transformer model(std::move(loaded.checkpoint));
+  const vq::Tokenizer tok = std::move(loaded.tokenizer);
   auto caches = vq::make_caches(o.method, model);
 
   vq::GenerateConfig cfg;

@@ -58,8 +58,9 @@ int run_profile(const ProfileCliOptions& o) {
     if (std::filesystem::is_regular_file(beside)) tokenizer = beside.string();
   }
   const vq::ModelFiles files = vq::resolve_model_files(opt(o.model), opt(tokenizer));
-  vq::Transformer model(vq::Checkpoint::load(files.model.string()));
-  const vq::Tokenizer tok = vq::Tokenizer::load(files.tokenizer.string(), model.config().vocab_size);
+  vq::LoadedModel loaded = vq::load_model(files);
+  vq::Transformer model(std::move(loaded.checkpoint));
+  const vq::Tokenizer tok = std::move(loaded.tokenizer);
   vq::require(o.window >= 2 && o.window <= model.config().seq_len,
               "--window must be in 2..{} (the model's seq_len), got {}", model.config().seq_len, o.window);
 

@@ -102,8 +102,9 @@ int run_rd(RdOptions o) {
   if (o.tokenizer.empty()) o.tokenizer = beside_model(o.model, "tok512.bin");
   if (o.text.empty()) o.text = beside_model(o.model, "tinystories_val.txt");
   const vq::ModelFiles files = vq::resolve_model_files(opt(o.model), opt(o.tokenizer));
-  vq::Transformer model(vq::Checkpoint::load(files.model.string()));
-  const vq::Tokenizer tok = vq::Tokenizer::load(files.tokenizer.string(), model.config().vocab_size);
+  vq::LoadedModel loaded = vq::load_model(files);
+  vq::Transformer model(std::move(loaded.checkpoint));
+  const vq::Tokenizer tok = std::move(loaded.tokenizer);
   eval.validate(model.config().seq_len);
   const std::int64_t scored = eval.protocol == vq::EvalProtocol::Stream ? eval.window - 1 : eval.window - eval.ctx;
   eval.max_tokens = scored * o.windows;

@@ -41,8 +41,9 @@ int run_put(const StoreOptions& o) {
   scheme.chunk_tokens = o.chunk_tokens;
   scheme.levels = vq::parse_levels(o.levels);  // bad specs fail before the model loads
   const vq::ModelFiles files = vq::resolve_model_files(opt(o.model), opt(o.tokenizer));
-  vq::Transformer model(vq::Checkpoint::load(files.model.string()));
-  const vq::Tokenizer tok = vq::Tokenizer::load(files.tokenizer.string(), model.config().vocab_size);
+  vq::LoadedModel loaded = vq::load_model(files);
+  vq::Transformer model(std::move(loaded.checkpoint));
+  const vq::Tokenizer tok = std::move(loaded.tokenizer);
   const std::string text = o.prompt_given ? o.prompt : read_text(o.text);
   std::vector<int> tokens = tok.encode(text, /*bos=*/true, /*eos=*/false);
   const int seq_len = model.config().seq_len;

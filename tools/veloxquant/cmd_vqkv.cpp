@@ -103,8 +103,9 @@ int run_compress(const CompressOptions& o) {
     vq::require(o.ctx > 0, "--ctx N (tokens of --text to run through the model) is required with --model/--text");
     const vq::ModelFiles files = vq::resolve_model_files(o.model.empty() ? std::nullopt : std::optional<std::filesystem::path>(o.model),
                                                          o.tokenizer.empty() ? std::nullopt : std::optional<std::filesystem::path>(o.tokenizer));
-    vq::Transformer model(vq::Checkpoint::load(files.model.string()));
-    const vq::Tokenizer tok = vq::Tokenizer::load(files.tokenizer.string(), model.config().vocab_size);
+    vq::LoadedModel loaded = vq::load_model(files);
+    vq::Transformer model(std::move(loaded.checkpoint));
+    const vq::Tokenizer tok = std::move(loaded.tokenizer);
     vq::require(o.ctx <= model.config().seq_len, "--ctx {} is longer than the model's context ({})", o.ctx, model.config().seq_len);
     const std::string text_path = text_path_or_default(o.text);
     const std::string text = read_text(text_path, static_cast<std::size_t>(o.ctx) * 64);  // plenty for ctx tokens

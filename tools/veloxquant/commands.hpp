@@ -21,5 +21,6 @@ Runner add_decompress(CLI::App& app);
 Runner add_inspect(CLI::App& app);
 Runner add_store(CLI::App& app);
 Runner add_demo(CLI::App& app);
+Runner add_convert(CLI::App& app);
 
 }  // namespace vqcli

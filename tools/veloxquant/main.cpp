@@ -30,6 +30,8 @@ int main(int argc, char** argv) {
   add("eval", "score KV cache methods against the exact fp32 cache on a real model (perplexity, KL, top-1, bits)", vqcli::add_eval);
   add("rd", "rate-distortion table: every method at its usual settings, actual coded bits against dPPL, KL and top-1, Pareto frontier",
       vqcli::add_rd);
+  add("convert", "write a llama2.c checkpoint and tokenizer as a llama-architecture GGUF file (optionally with padded heads)",
+      vqcli::add_convert);
   add("compress", "save a KV cache (from .npy, safetensors or a model run) as a .vqkv file", vqcli::add_compress);
   add("decompress", "load a .vqkv file and write its K/V as safetensors or .npy", vqcli::add_decompress);
   add("inspect", "show a .vqkv file's shape, configuration and where its bytes go", vqcli::add_inspect);

@@ -14,8 +14,8 @@
 namespace vqcli {
 
 inline void add_model_options(CLI::App& app, std::string& model, std::string& tokenizer) {
-  app.add_option("--model", model, "llama2.c checkpoint (default: stories260K.bin in $VELOXQUANT_MODEL_DIR, ./models, ../shared/models)");
-  app.add_option("--tokenizer", tokenizer, "llama2.c tokenizer (default: tok512.bin, looked up like --model)");
+  app.add_option("--model", model, "llama2.c checkpoint or llama GGUF file (default: stories260K.bin in $VELOXQUANT_MODEL_DIR, ./models, ../shared/models)");
+  app.add_option("--tokenizer", tokenizer, "llama2.c tokenizer (default: tok512.bin, looked up like --model; not used with a GGUF model)");
 }
 
 // A file named `name` beside an explicit --model ("" when there is none or no such file).

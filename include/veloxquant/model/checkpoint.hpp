@@ -45,9 +45,14 @@ struct ModelConfig {
   int vocab_size = 0;      // always positive here
   int seq_len = 0;         // maximum context the model was trained for
   bool shared_classifier = true;  // classifier weights == token embedding
+  // Per-head width of q, k and v when it is not dim / n_heads (a GGUF file's attention.key_length,
+  // e.g. a model whose heads were padded, docs/gguf.md); 0 (every llama2.c file): dim / n_heads.
+  // wq is then [L, q_dim, dim] and wo [L, dim, q_dim].
+  int head_dim = 0;
 
-  int head_size() const { return dim / n_heads; }
-  int kv_dim() const { return dim / n_heads * n_kv_heads; }
+  int head_size() const { return head_dim ? head_dim : dim / n_heads; }
+  int q_dim() const { return n_heads * head_size(); }
+  int kv_dim() const { return head_size() * n_kv_heads; }
   bool operator==(const ModelConfig&) const = default;
 };
 
@@ -56,10 +61,10 @@ struct Checkpoint {
   CheckpointLayout layout = CheckpointLayout::Legacy;
   std::vector<float> token_embedding;  // [vocab, dim]
   std::vector<float> rms_att;          // [L, dim]
-  std::vector<float> wq;               // [L, dim, dim]
+  std::vector<float> wq;               // [L, q_dim, dim]
   std::vector<float> wk;               // [L, kv_dim, dim]
   std::vector<float> wv;               // [L, kv_dim, dim]
-  std::vector<float> wo;               // [L, dim, dim]
+  std::vector<float> wo;               // [L, dim, q_dim]
   std::vector<float> rms_ffn;          // [L, dim]
   std::vector<float> w1;               // [L, hidden, dim]
   std::vector<float> w2;               // [L, dim, hidden]

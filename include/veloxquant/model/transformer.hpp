@@ -50,13 +50,13 @@ class Transformer {
   Checkpoint ck_;
   // Weights transposed to [in, out_pad] per layer (out_pad: out rounded up to a multiple of 8,
   // zero-filled), for matmuls vectorised over outputs. wqkv_t_ holds wq, wk, wv side by side
-  // ([dim, dim_pad + 2 kv_pad]), w13_t_ w1 and w3 ([dim, 2 hidden_pad]): one matmul each.
+  // ([dim, q_pad + 2 kv_pad]; q_pad: q_dim = n_heads * head_size rounded up), w13_t_ w1 and w3 ([dim, 2 hidden_pad]): one matmul each.
   std::vector<float> wqkv_t_, wo_t_, w13_t_, w2_t_, wcls_t_;
-  int dim_pad_ = 0, kv_pad_ = 0, hidden_pad_ = 0, vocab_pad_ = 0;
+  int dim_pad_ = 0, q_pad_ = 0, kv_pad_ = 0, hidden_pad_ = 0, vocab_pad_ = 0;
   std::vector<float> rope_cos_, rope_sin_;  // [seq_len, head_size / 2]
   int capacity_ = 0;                        // tokens the scratch buffers hold
   std::vector<float> x_, xb_, att_out_;
-  std::vector<float> qkv_;  // [n, dim_pad + 2 kv_pad]: q, k, v of each token
+  std::vector<float> qkv_;  // [n, q_pad + 2 kv_pad]: q, k, v of each token
   std::vector<float> hb_;   // [n, 2 hidden_pad]: w1 x (then the SwiGLU product), w3 x
   std::vector<float> qbuf_;         // Q in [n_heads, n, head_size] for attend
   std::vector<float> kbuf_, vbuf_;  // K/V in [n_kv_heads, n, head_size] for the caches
