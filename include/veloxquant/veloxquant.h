@@ -42,7 +42,10 @@ typedef enum vq_status {
 } vq_status;
 
 /* Element types of K/V buffers. Numbers are part of the ABI: never renumbered. */
-typedef enum vq_dtype { VQ_DTYPE_F32 = 0, VQ_DTYPE_F16 = 1 } vq_dtype;
+/* vq_dtype is a plain int32_t, not an enum type, so any value a caller passes is well defined and
+   an unknown one is refused with VQ_ERR_INVALID_ARGUMENT. */
+typedef int32_t vq_dtype;
+enum { VQ_DTYPE_F32 = 0, VQ_DTYPE_F16 = 1 };
 
 /* One KV cache per layer of a model (opaque). */
 typedef struct vq_caches vq_caches;

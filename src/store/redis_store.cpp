@@ -553,7 +553,9 @@ class RedisStore : public KVStore {
     std::vector<std::string> heads;
     for (const auto& k : keys) heads.push_back(head_key(k));
     std::vector<Cmd> cmds;
-    for (const auto& h : heads) cmds.push_back({h, {"GETRANGE", h, "0", std::to_string(kManifestBytes - 1)}});
+    // Argv holds views: the range end must outlive cmds, so it is a named string, not a temporary.
+    const std::string last = std::to_string(kManifestBytes - 1);
+    for (const auto& h : heads) cmds.push_back({h, {"GETRANGE", h, "0", last}});
     for (const auto& h : heads) cmds.push_back({h, {"STRLEN", h}});
     auto rs = router_->exec(cmds);
     for (std::size_t i = 0; i < heads.size(); ++i) {
