@@ -49,6 +49,22 @@ vq::ChunkKV slice_chunk(const std::vector<vq::KVState>& exact, int i, int C) {
   return out;
 }
 
+// A scheme of 12-token chunks for the context's model at `levels`.
+vq::ChunkScheme scheme_of(const Context& c, const char* levels) {
+  vq::ChunkScheme scheme;
+  scheme.model_fingerprint = c.fp;
+  scheme.chunk_tokens = 12;
+  scheme.levels = vq::parse_levels(levels);
+  return scheme;
+}
+
+// An empty directory for a test's file store (removed first if a previous run left it).
+fs::path fresh_dir(const char* name) {
+  const fs::path dir = fs::temp_directory_path() / fmt::format("{}-{}", name, ::getpid());
+  fs::remove_all(dir);
+  return dir;
+}
+
 void expect_bit_equal(const vq::ChunkKV& a, const vq::ChunkKV& b) {
   ASSERT_EQ(a.size(), b.size());
   for (std::size_t l = 0; l < a.size(); ++l) {
@@ -149,13 +165,9 @@ TEST(PrefixChunks, DecodeRefusesOtherModelMethodChunkTokensAndCorruption) {
 
 TEST(PrefixChunks, PutContextStoresEveryWholeChunkOnceAtEveryLevel) {
   const Context& c = context();
-  const fs::path dir = fs::temp_directory_path() / fmt::format("vq-prefix-test-{}", ::getpid());
-  fs::remove_all(dir);
+  const fs::path dir = fresh_dir("vq-prefix-test");
   vq::FileStore store(dir);
-  vq::ChunkScheme scheme;
-  scheme.model_fingerprint = c.fp;
-  scheme.chunk_tokens = 12;
-  scheme.levels = vq::parse_levels("fp16;cachegen:bits=4,group=4");
+  const vq::ChunkScheme scheme = scheme_of(c, "fp16;cachegen:bits=4,group=4");
   const std::size_t n = c.tokens.size() / 12 * 12;
   std::vector<vq::KVState> exact;
   for (const auto& s : c.exact) exact.push_back({s.keys.slice(2, 0, static_cast<std::int64_t>(n)), s.values.slice(2, 0, static_cast<std::int64_t>(n))});
@@ -192,13 +204,10 @@ TEST(PrefixChunks, PutContextStoresEveryWholeChunkOnceAtEveryLevel) {
 // one (the C API's overload): both give each chunk's level K/V bit for bit.
 TEST(PrefixChunks, ForcedLevelLoadsThatLevelWithAndWithoutAModel) {
   const Context& c = context();
-  const fs::path dir = fs::temp_directory_path() / fmt::format("vq-prefix-level-test-{}", ::getpid());
-  fs::remove_all(dir);
+  const fs::path dir = fresh_dir("vq-prefix-level-test");
   vq::FileStore store(dir);
   vq::LoaderOptions o;
-  o.scheme.model_fingerprint = c.fp;
-  o.scheme.chunk_tokens = 12;
-  o.scheme.levels = vq::parse_levels("cachegen:bits=4,group=4");
+  o.scheme = scheme_of(c, "cachegen:bits=4,group=4");
   const std::size_t n = c.tokens.size() / 12 * 12;
   const auto rep = vq::put_context(store, *c.model, o.scheme, std::span<const int>(c.tokens).first(n), c.exact);
   const int loadable = std::min(rep.chunks, static_cast<int>((c.tokens.size() - 1) / 12));
