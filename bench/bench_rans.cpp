@@ -10,9 +10,7 @@
 #include <benchmark/benchmark.h>
 #include <emmintrin.h>
 
-#ifdef VQ_HAVE_ZSTD
-#include <zstd.h>
-#endif
+#include "zstd_loops.hpp"
 
 #include "veloxquant/cache/cachegen_cache.hpp"
 #include "veloxquant/entropy/context_coder.hpp"
@@ -130,36 +128,20 @@ BENCHMARK(BM_RansDecode)->ArgsProduct({{4, 8}, {0, 1}})->Unit(benchmark::kMicros
 #ifdef VQ_HAVE_ZSTD
 void BM_Zstd1Compress(benchmark::State& state) {
   const int bits = static_cast<int>(state.range(0));
-  const auto packed = pack(make_codes(bits, kN, 1), bits);
-  std::vector<std::uint8_t> out(ZSTD_compressBound(packed.size()));
-  std::size_t n = 0;
-  ZSTD_CCtx* cctx = ZSTD_createCCtx();
-  for (auto _ : state) {
-    n = ZSTD_compressCCtx(cctx, out.data(), out.size(), packed.data(), packed.size(), 1);
-    benchmark::DoNotOptimize(out.data());
-  }
-  ZSTD_freeCCtx(cctx);
+  const std::size_t n = vqbench::zstd1_compress_loop(state, pack(make_codes(bits, kN, 1), bits));
   state.SetItemsProcessed(static_cast<std::int64_t>(state.iterations() * kN));
   state.counters["bits_per_sym"] = 8.0 * static_cast<double>(n) / kN;
   state.SetLabel("bit-packed codes");
 }
 BENCHMARK(BM_Zstd1Compress)->Arg(4)->Arg(8)->Unit(benchmark::kMicrosecond);
 
-// Times zstd -1 decompressing `packed` (compressed once, outside the loop); `symbols` codes per
-// pass. Returns the compressed size.
+// Times zstd -1 decompressing `packed` (vqbench::zstd1_decompress_loop); `symbols` codes per pass.
+// Returns the compressed size.
 std::size_t zstd1_decompress_loop(benchmark::State& state, const std::vector<std::uint8_t>& packed, std::size_t symbols) {
-  std::vector<std::uint8_t> comp(ZSTD_compressBound(packed.size())), out(packed.size());
-  comp.resize(ZSTD_compress(comp.data(), comp.size(), packed.data(), packed.size(), 1));
-  ZSTD_DCtx* dctx = ZSTD_createDCtx();
-  for (auto _ : state) {
-    benchmark::DoNotOptimize(ZSTD_decompressDCtx(dctx, out.data(), out.size(), comp.data(), comp.size()));
-    benchmark::ClobberMemory();
-  }
-  ZSTD_freeDCtx(dctx);
-  if (out != packed) state.SkipWithError("zstd round trip failed");
+  const std::size_t comp = vqbench::zstd1_decompress_loop(state, packed);
   state.SetItemsProcessed(static_cast<std::int64_t>(state.iterations() * symbols));
   state.SetLabel("bit-packed codes");
-  return comp.size();
+  return comp;
 }
 
 void BM_Zstd1Decompress(benchmark::State& state) {

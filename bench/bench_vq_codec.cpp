@@ -12,9 +12,7 @@
 #include <benchmark/benchmark.h>
 #include <fmt/format.h>
 
-#ifdef VQ_HAVE_ZSTD
-#include <zstd.h>
-#endif
+#include "zstd_loops.hpp"
 
 #include "veloxquant/core/error.hpp"
 #include "veloxquant/synth/synthetic_kv.hpp"
@@ -106,33 +104,10 @@ void BM_VqDecode(benchmark::State& state) {
 BENCHMARK(BM_VqDecode)->Unit(benchmark::kMillisecond);
 
 #ifdef VQ_HAVE_ZSTD
-void BM_VqZstd1Compress(benchmark::State& state) {
-  const auto raw = raw_codes();
-  std::vector<std::uint8_t> out(ZSTD_compressBound(raw.size()));
-  ZSTD_CCtx* cctx = ZSTD_createCCtx();
-  std::size_t n = 0;
-  for (auto _ : state) {
-    n = ZSTD_compressCCtx(cctx, out.data(), out.size(), raw.data(), raw.size(), 1);
-    benchmark::DoNotOptimize(out.data());
-  }
-  ZSTD_freeCCtx(cctx);
-  report(state, n);
-}
+void BM_VqZstd1Compress(benchmark::State& state) { report(state, vqbench::zstd1_compress_loop(state, raw_codes())); }
 BENCHMARK(BM_VqZstd1Compress)->Unit(benchmark::kMillisecond);
 
-void BM_VqZstd1Decompress(benchmark::State& state) {
-  const auto raw = raw_codes();
-  std::vector<std::uint8_t> comp(ZSTD_compressBound(raw.size())), out(raw.size());
-  comp.resize(ZSTD_compress(comp.data(), comp.size(), raw.data(), raw.size(), 1));
-  ZSTD_DCtx* dctx = ZSTD_createDCtx();
-  for (auto _ : state) {
-    benchmark::DoNotOptimize(ZSTD_decompressDCtx(dctx, out.data(), out.size(), comp.data(), comp.size()));
-    benchmark::ClobberMemory();
-  }
-  ZSTD_freeDCtx(dctx);
-  if (out != raw) state.SkipWithError("zstd round trip differs");
-  report(state, comp.size());
-}
+void BM_VqZstd1Decompress(benchmark::State& state) { report(state, vqbench::zstd1_decompress_loop(state, raw_codes())); }
 BENCHMARK(BM_VqZstd1Decompress)->Unit(benchmark::kMillisecond);
 #endif
 

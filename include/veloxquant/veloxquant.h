@@ -19,8 +19,11 @@
  * - Memory the library allocates for the caller (vq_caches_encode's bytes) is released with
  *   vq_bytes_free; handles with vq_caches_free. Both accept NULL.
  *
- * The prefix store (put/get a prefix's caches by key) will join this API once the store issue
- * lands; see docs/c_api.md. Details and an example: docs/c_api.md.
+ * - A vq_store handle is a prefix store (docs/store.md): a context's caches in chunks of tokens,
+ *   each chunk at several quality levels, under keys chained over the token ids, so prompts sharing
+ *   a prefix share its chunks. Release it with vq_store_close (NULL: nothing).
+ *
+ * Details and examples: docs/c_api.md.
  */
 #ifndef VELOXQUANT_VELOXQUANT_H
 #define VELOXQUANT_VELOXQUANT_H
@@ -104,6 +107,52 @@ vq_status vq_caches_decode(const uint8_t* bytes, size_t size, vq_caches** out);
 /* The same through a file, written atomically (a failed save leaves the previous file or none). */
 vq_status vq_caches_save(const vq_caches* caches, const char* path);
 vq_status vq_caches_load(const char* path, vq_caches** out);
+
+/* ---- The prefix store (docs/c_api.md, docs/store.md) ---------------------------------------- */
+
+/* A store of prefix chunks (opaque). */
+typedef struct vq_store vq_store;
+
+/* Open a store by URL: "file:DIR" (DIR is created when missing; "?capacity=BYTES" evicts the least
+ * recently used blobs above BYTES), "redis://[:password@]host:port[/db]" or
+ * "redis-cluster://host:port[,host:port...]" (connections are opened at the first use); "" is
+ * "file:./.vqkv-store". A malformed URL is VQ_ERR_INVALID_ARGUMENT, a directory that cannot be
+ * created VQ_ERR_IO. */
+vq_status vq_store_open(const char* url, vq_store** out);
+/* Release a store handle (NULL: nothing to do). What was put stays stored. */
+vq_status vq_store_close(vq_store* store);
+
+/* Store the prefix chunks of a context whose K/V `caches` holds: every layer must hold exactly the
+ * n_tokens tokens whose ids are `tokens` (batch 1). The first floor(n_tokens / chunk_tokens) chunks
+ * are stored at every level of `levels` (method specs separated by ';', e.g.
+ * "vq:bits=2;cachegen:bits=4"; NULL: "vq:bits=1;vq:bits=2;vq:bits=4"; "fp32", the exact level, is
+ * always added), keyed by `model_id` (any non-empty string that names the model exactly: chunks
+ * stored under one identity are found only under it). Chunks already stored are skipped. The K/V
+ * stored is what the handle reads back (vq_cache_read), so put from an "fp32" handle for exact
+ * chunks. *tokens_stored = the tokens now stored (whole chunks). A level the .vqkv format cannot
+ * hold is VQ_ERR_INVALID_ARGUMENT naming it; a store failure VQ_ERR_IO. */
+vq_status vq_store_put(vq_store* store, const char* model_id, int32_t chunk_tokens, const char* levels,
+                       const int32_t* tokens, int64_t n_tokens, const vq_caches* caches, int64_t* tokens_stored);
+
+/* Load the longest stored prefix of `tokens` into `caches` (empty: no layer holds a token yet; its
+ * layers, KV heads and head dim those of the stored context), leaving at least the last token for
+ * the caller to compute (its logits start the generation); model_id, chunk_tokens and levels must
+ * be those of the put. `level` NULL loads each chunk at the best quality stored ("fp32"), else at
+ * that level (one of `levels`). The loaded chunks are appended as float32 K/V: later appends to
+ * the handle must be VQ_DTYPE_F32. *tokens_reused = the tokens loaded (a multiple of chunk_tokens;
+ * 0 when nothing is stored). Faults in the store (a missing, corrupt or foreign blob, a failed or
+ * timed-out fetch) never give a wrong cache: loading stops before the chunk at fault, the status is
+ * VQ_OK with fewer tokens reused, and vq_store_warnings says why. Bad arguments are errors. */
+vq_status vq_store_get(vq_store* store, const char* model_id, int32_t chunk_tokens, const char* levels, const char* level,
+                       const int32_t* tokens, int64_t n_tokens, vq_caches* caches, int64_t* tokens_reused);
+
+/* The warnings of this handle's last vq_store_get, one line each ("" when it had none). Valid
+ * until the handle's next call. */
+vq_status vq_store_warnings(const vq_store* store, const char** out);
+/* How many blobs (chunk levels and chunk directories) the store holds, and their bytes. */
+vq_status vq_store_stats(vq_store* store, uint64_t* blobs, uint64_t* bytes);
+/* Remove every blob the store holds (under a Redis URL: every key under its prefix). */
+vq_status vq_store_clear(vq_store* store);
 
 #ifdef __cplusplus
 }

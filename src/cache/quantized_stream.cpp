@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "../core/dtype_round.hpp"
 #include "veloxquant/core/error.hpp"
 #include "veloxquant/entropy/entropy_estimate.hpp"
 #include "veloxquant/quant/fused_group_quant.hpp"
@@ -410,15 +411,8 @@ void QuantizedStream::read_tile(std::int64_t slice, std::int64_t t0, std::int64_
       o += static_cast<std::size_t>(m) * d;
       t += m;
     }
-    if (dtype_ != DType::F32) {  // what state() holds: the reconstruction rounded to the dtype
-      std::uint16_t half[1024];
-      const std::size_t total = static_cast<std::size_t>(closed_end - t0) * d;
-      for (std::size_t i = 0; i < total; i += 1024) {
-        const std::size_t m = std::min<std::size_t>(1024, total - i);
-        from_f32(out + i, half, dtype_, m);
-        to_f32(half, dtype_, out + i, m);
-      }
-    }
+    // what state() holds: the reconstruction rounded to the dtype
+    round_through(out, static_cast<std::size_t>(closed_end - t0) * d, dtype_);
   }
   const std::int64_t r0 = std::max(t0, quantized_);
   if (r0 < end) residual_.read_f32(slice, r0 - quantized_, end - r0, o);

@@ -19,10 +19,20 @@
 #include "veloxquant/core/tensor.hpp"
 #include "veloxquant/format/vqkv.hpp"
 #include "veloxquant/model/method_spec.hpp"
+#include "veloxquant/store/kv_store.hpp"
+#include "veloxquant/store/prefix_chunks.hpp"
+#include "veloxquant/store/prefix_loader.hpp"
+
+static_assert(sizeof(int) == sizeof(int32_t), "token ids cross the C API as int32_t and the library's as int");
 
 struct vq_caches {
   std::vector<std::shared_ptr<vq::KVCache>> layers;
   std::int64_t kv_heads = 0, head_dim = 0;  // 0: not fixed yet (a decoded handle whose caches are empty)
+};
+
+struct vq_store {
+  std::unique_ptr<vq::KVStore> store;
+  std::string warnings;  // of the last vq_store_get, one per line
 };
 
 namespace {
@@ -100,6 +110,24 @@ std::int64_t numel4(std::int64_t b, std::int64_t h, std::int64_t s, std::int64_t
     fail("shape [" + std::to_string(b) + ", " + std::to_string(h) + ", " + std::to_string(s) + ", " +
          std::to_string(d) + "] has a negative dimension");
   return vq::checked_numel({b, h, s, d});
+}
+
+// The prefix scheme of a put or get: the C API's model identity, chunk size and level list.
+vq::ChunkScheme scheme_of(const char* model_id, int32_t chunk_tokens, const char* levels) {
+  need(model_id, "model_id");
+  if (*model_id == '\0') fail("model_id is empty (it must name the model, e.g. a hash of its weights)");
+  if (chunk_tokens < 1) fail("chunk_tokens " + std::to_string(chunk_tokens) + " must be at least 1");
+  vq::ChunkScheme scheme;
+  scheme.model_fingerprint = vq::named_model_fingerprint(model_id);
+  scheme.chunk_tokens = chunk_tokens;
+  scheme.levels = vq::parse_levels(levels ? levels : vq::kDefaultLevels);
+  return scheme;
+}
+
+std::span<const int> tokens_of(const int32_t* tokens, int64_t n_tokens) {
+  need(tokens, "tokens");
+  if (n_tokens < 0) fail("n_tokens " + std::to_string(n_tokens) + " is negative");
+  return {reinterpret_cast<const int*>(tokens), static_cast<std::size_t>(n_tokens)};
 }
 
 vq_caches* adopt(std::vector<std::shared_ptr<vq::KVCache>> layers) {
@@ -284,6 +312,99 @@ vq_status vq_caches_load(const char* path, vq_caches** out) {
     vq::PromptCache pc = vq::load_prompt_cache(path);
     if (pc.caches.empty()) throw vq::FormatError(std::string(path) + ": the file holds no layers");
     *out = adopt(std::move(pc.caches));
+  });
+}
+
+vq_status vq_store_open(const char* url, vq_store** out) {
+  return guarded([&] {
+    need(url, "url");
+    need(out, "out");
+    auto handle = std::make_unique<vq_store>();
+    handle->store = vq::open_store(url);
+    *out = handle.release();
+  });
+}
+
+vq_status vq_store_close(vq_store* store) {
+  return guarded([&] { delete store; });
+}
+
+vq_status vq_store_put(vq_store* store, const char* model_id, int32_t chunk_tokens, const char* levels,
+                       const int32_t* tokens, int64_t n_tokens, const vq_caches* caches, int64_t* tokens_stored) {
+  return guarded([&] {
+    need(store, "store");
+    need(caches, "caches");
+    need(tokens_stored, "tokens_stored");
+    const vq::ChunkScheme scheme = scheme_of(model_id, chunk_tokens, levels);
+    const std::span<const int> ids = tokens_of(tokens, n_tokens);
+    for (std::size_t l = 0; l < caches->layers.size(); ++l)
+      if (caches->layers[l]->offset() != n_tokens)
+        fail("layer " + std::to_string(l) + " holds " + std::to_string(caches->layers[l]->offset()) +
+             " tokens, not the n_tokens " + std::to_string(n_tokens) + " whose ids are given");
+    const std::int64_t chunks = n_tokens / chunk_tokens;
+    if (chunks > 0) {
+      // Each level is coded as a fresh cache of its method over the handle's own layer shape.
+      const auto model = vq::ModelDescription::uniform(static_cast<int>(caches->layers.size()), static_cast<int>(caches->head_dim));
+      const vq::LevelCaches fresh = [&](const std::string& level) { return vq::make_caches(vq::MethodSpec::parse(level), model); };
+      std::vector<vq::KVState> exact;
+      for (const auto& c : caches->layers) {
+        vq::KVState st = c->state();
+        if (st.keys.dim(0) != 1) fail("a prefix is stored from batch 1 caches, the handle holds batch " + std::to_string(st.keys.dim(0)));
+        exact.push_back({st.keys.to(vq::DType::F32), st.values.to(vq::DType::F32)});
+      }
+      vq::put_context(*store->store, fresh, scheme, ids.first(static_cast<std::size_t>(chunks * chunk_tokens)), exact);
+    }
+    *tokens_stored = chunks * chunk_tokens;
+  });
+}
+
+vq_status vq_store_get(vq_store* store, const char* model_id, int32_t chunk_tokens, const char* levels, const char* level,
+                       const int32_t* tokens, int64_t n_tokens, vq_caches* caches, int64_t* tokens_reused) {
+  return guarded([&] {
+    need(store, "store");
+    need(caches, "caches");
+    need(tokens_reused, "tokens_reused");
+    vq::LoaderOptions options;
+    options.scheme = scheme_of(model_id, chunk_tokens, levels);
+    const std::span<const int> ids = tokens_of(tokens, n_tokens);
+    if (level) options.level = vq::MethodSpec::parse(level).to_string();
+    for (std::size_t l = 0; l < caches->layers.size(); ++l)
+      if (caches->layers[l]->offset() != 0)
+        fail("layer " + std::to_string(l) + " already holds " + std::to_string(caches->layers[l]->offset()) +
+             " tokens: a prefix is loaded into empty caches");
+    if (caches->kv_heads == 0) fail("the handle's KV heads are not known (a decoded handle without tokens): create one");
+    store->warnings.clear();
+    std::string warnings;
+    const vq::LoadReport rep = vq::load_prefix(*store->store, vq::ChunkShape{caches->kv_heads, caches->head_dim}, caches->layers, ids,
+                                               options, [&](const std::string& w) { warnings += (warnings.empty() ? "" : "\n") + w; });
+    store->warnings = std::move(warnings);
+    *tokens_reused = rep.tokens_reused;
+  });
+}
+
+vq_status vq_store_warnings(const vq_store* store, const char** out) {
+  return guarded([&] {
+    need(store, "store");
+    need(out, "out");
+    *out = store->warnings.c_str();
+  });
+}
+
+vq_status vq_store_stats(vq_store* store, uint64_t* blobs, uint64_t* bytes) {
+  return guarded([&] {
+    need(store, "store");
+    need(blobs, "blobs");
+    need(bytes, "bytes");
+    const vq::StoreStats st = store->store->stats();
+    *blobs = st.blobs;
+    *bytes = st.bytes;
+  });
+}
+
+vq_status vq_store_clear(vq_store* store) {
+  return guarded([&] {
+    need(store, "store");
+    for (const std::string& key : store->store->list()) store->store->remove(key);
   });
 }
 

@@ -1,6 +1,8 @@
 #include "veloxquant/core/dtype.hpp"
+#include "dtype_round.hpp"
 #include "veloxquant/core/cpu_features.hpp"
 
+#include <algorithm>
 #include <bit>
 #include <cstring>
 
@@ -167,6 +169,16 @@ void from_f32(const float* src, void* dst, DType dst_dtype, std::size_t n) {
       for (std::size_t i = 0; i < n; ++i) d[i] = f32_to_bf16(src[i]);
       return;
     }
+  }
+}
+
+void round_through(float* x, std::size_t n, DType dtype) {
+  if (dtype == DType::F32) return;
+  std::uint16_t narrow[1024];
+  for (std::size_t i = 0; i < n; i += 1024) {
+    const std::size_t m = std::min<std::size_t>(1024, n - i);
+    from_f32(x + i, narrow, dtype, m);
+    to_f32(narrow, dtype, x + i, m);
   }
 }
 

@@ -6,6 +6,7 @@
 
 #include <fmt/format.h>
 
+#include "../core/dtype_round.hpp"
 #include "veloxquant/core/dtype.hpp"
 #include "veloxquant/core/error.hpp"
 #include "veloxquant/core/kernel_clones.hpp"
@@ -31,17 +32,6 @@ void quantize_group(const float* x, std::int64_t n, std::int64_t stride, int bit
   const float scale = f16_to_f32(scale16), zero = f16_to_f32(zero16);
   for (std::int64_t i = 0; i < n; ++i)
     q[i * qstride] = static_cast<std::uint8_t>(scale > 0.0f ? std::clamp(std::nearbyint((x[i * stride] - zero) / scale), 0.0f, qmax) : 0.0f);
-}
-
-// Round a tile's dequantized values through the dtype: what state() holds.
-void round_through(float* x, std::size_t n, DType dtype) {
-  if (dtype == DType::F32) return;
-  std::uint16_t half[1024];
-  for (std::size_t i = 0; i < n; i += 1024) {
-    const std::size_t m = std::min<std::size_t>(1024, n - i);
-    from_f32(x + i, half, dtype, m);
-    to_f32(half, dtype, x + i, m);
-  }
 }
 
 // Scratch floats for per-tile parameters: on the stack up to 1024 of them.

@@ -55,6 +55,12 @@ std::uint64_t model_fingerprint(const Transformer& model) {
   return h;
 }
 
+std::uint64_t named_model_fingerprint(std::string_view identity) { return XXH64(identity.data(), identity.size(), 0); }
+
+LevelCaches model_level_caches(const Transformer& model) {
+  return [&model](const std::string& level) { return make_caches(level, model); };
+}
+
 std::vector<std::string> parse_levels(const std::string& list) {
   std::vector<std::string> out;
   std::size_t start = 0;
@@ -113,7 +119,12 @@ ChunkKV level_chunk_kv(const Transformer& model, const std::string& level, const
 
 Blob encode_chunk(const Transformer& model, std::uint64_t fingerprint, const std::string& level, int index, std::span<const int> tokens,
                   const ChunkKV& exact) {
-  auto caches = make_caches(level, model);
+  return encode_chunk(model_level_caches(model), fingerprint, level, index, tokens, exact);
+}
+
+Blob encode_chunk(const LevelCaches& fresh, std::uint64_t fingerprint, const std::string& level, int index, std::span<const int> tokens,
+                  const ChunkKV& exact) {
+  auto caches = fresh(level);
   require(caches.size() == exact.size(), "encode_chunk: {} layers of K/V for a model of {} layers", exact.size(), caches.size());
   for (std::size_t l = 0; l < caches.size(); ++l) {
     require(exact[l].keys.dim(2) == static_cast<std::int64_t>(tokens.size()), "encode_chunk: layer {} holds {} tokens, the chunk {}", l,
@@ -206,6 +217,11 @@ ChunkDirectory decode_directory(std::span<const std::uint8_t> blob) {
 
 PutReport put_context(KVStore& store, const Transformer& model, const ChunkScheme& scheme, std::span<const int> tokens,
                       const std::vector<KVState>& exact) {
+  return put_context(store, model_level_caches(model), scheme, tokens, exact);
+}
+
+PutReport put_context(KVStore& store, const LevelCaches& fresh, const ChunkScheme& scheme, std::span<const int> tokens,
+                      const std::vector<KVState>& exact) {
   require(scheme.chunk_tokens >= 1, "chunk tokens must be >= 1, got {}", scheme.chunk_tokens);
   require(!scheme.levels.empty(), "put_context: no levels");
   const std::size_t C = static_cast<std::size_t>(scheme.chunk_tokens);
@@ -229,7 +245,7 @@ PutReport put_context(KVStore& store, const Transformer& model, const ChunkSchem
     ChunkDirectory dir;
     for (std::size_t l = 0; l < scheme.levels.size(); ++l) {
       const std::string key = chunk_key(scheme.levels[l], prev[l]);
-      const Blob blob = encode_chunk(model, scheme.model_fingerprint, scheme.levels[l], i, toks, chunk);
+      const Blob blob = encode_chunk(fresh, scheme.model_fingerprint, scheme.levels[l], i, toks, chunk);
       store.put(key, blob);
       rep.bytes_written += blob.size();
       dir.entries.push_back({scheme.levels[l], key, blob.size()});

@@ -62,16 +62,19 @@ struct Fetched {
   std::string error;
   double fetch_ms = 0;
 };
-}  // namespace
 
-LoadReport load_prefix(KVStore& store, Transformer& model, std::vector<std::shared_ptr<KVCache>>& caches, std::span<const int> tokens,
-                       const LoaderOptions& o, const std::function<void(const std::string&)>& warn_fn) {
+// Both overloads: `model` null means no recompute and no model layer transforms for vq levels.
+LoadReport load(KVStore& store, Transformer* model, const ChunkShape& shape, std::vector<std::shared_ptr<KVCache>>& caches,
+                std::span<const int> tokens, const LoaderOptions& o, const std::function<void(const std::string&)>& warn_fn) {
   const auto t0 = Clock::now();
   const ChunkScheme& scheme = o.scheme;
   require(scheme.chunk_tokens >= 1, "chunk tokens must be >= 1, got {}", scheme.chunk_tokens);
   for (const auto& c : caches) require(c && c->offset() == 0, "load_prefix needs empty caches");
+  require(!o.level || std::find(scheme.levels.begin(), scheme.levels.end(), *o.level) != scheme.levels.end(),
+          "level '{}' is not one of the stored levels", o.level.value_or(""));
   const auto C = static_cast<std::size_t>(scheme.chunk_tokens);
   LoadReport rep;
+  const char* const rest = model ? "recomputing" : "left to the caller";  // what happens to the chunk at fault
   const auto warn = [&](std::string msg) {
     if (warn_fn) warn_fn(msg);
     rep.warnings.push_back(std::move(msg));
@@ -100,7 +103,7 @@ LoadReport load_prefix(KVStore& store, Transformer& model, std::vector<std::shar
     try {
       got = store.get_many(dkeys);
     } catch (const std::exception& e) {
-      warn(fmt::format("chunk 0: store {} failed ({}); recomputing", store.describe(), e.what()));
+      warn(fmt::format("chunk 0: store {} failed ({}); {}", store.describe(), e.what(), rest));
     }
     for (int i = 0; i < static_cast<int>(got.size()) && got[static_cast<std::size_t>(i)]; ++i) {
       try {
@@ -111,7 +114,7 @@ LoadReport load_prefix(KVStore& store, Transformer& model, std::vector<std::shar
         if (!ok) throw FormatError("its levels or keys are not those of this model, method list and token sequence");
         dirs.push_back(std::move(d));
       } catch (const FormatError& e) {
-        warn(fmt::format("chunk {}: corrupt directory blob ({}); recomputing", i, e.what()));
+        warn(fmt::format("chunk {}: corrupt directory blob ({}); {}", i, e.what(), rest));
         break;
       }
     }
@@ -120,12 +123,14 @@ LoadReport load_prefix(KVStore& store, Transformer& model, std::vector<std::shar
   const int n = rep.chunks_stored;
 
   // Recompute cost per token: a short forward on scratch caches, refined by real recomputes.
+  // Without a model (or with a forced level) recomputing is never chosen.
+  const bool may_recompute = model != nullptr && !o.level;
   double recompute_ms_per_token = 0;
-  if (n > 0) {
-    auto scratch = make_caches("fp32", model);
+  if (n > 0 && may_recompute) {
+    auto scratch = make_caches("fp32", *model);
     const std::size_t probe = std::min<std::size_t>(C, 16);
     const auto tp = Clock::now();
-    model.forward(tokens.first(probe), scratch);
+    model->forward(tokens.first(probe), scratch);
     recompute_ms_per_token = ms_since(tp) / static_cast<double>(probe);
   }
   rep.prefill_ms_estimate = recompute_ms_per_token * static_cast<double>(static_cast<std::size_t>(n) * C);
@@ -145,6 +150,9 @@ LoadReport load_prefix(KVStore& store, Transformer& model, std::vector<std::shar
       const double b = static_cast<double>(e[static_cast<std::size_t>(k)].bytes);
       return b / link.bytes_per_ms() + b * decode_ms_per_byte;
     };
+    if (o.level)
+      for (std::size_t k = 0; k < e.size(); ++k)
+        if (e[k].level == *o.level) return static_cast<int>(k);
     int pick = order.front();
     if (o.slo_ms) {
       const double per_chunk = (*o.slo_ms - ms_since(t0)) / static_cast<double>(n - i);
@@ -155,7 +163,7 @@ LoadReport load_prefix(KVStore& store, Transformer& model, std::vector<std::shar
           break;
         }
     }
-    if (recompute_ms_per_token * static_cast<double>(C) < est(pick)) return -1;
+    if (may_recompute && recompute_ms_per_token * static_cast<double>(C) < est(pick)) return -1;
     return pick;
   };
   const auto start_fetch = [&](int i, int k) {
@@ -174,9 +182,9 @@ LoadReport load_prefix(KVStore& store, Transformer& model, std::vector<std::shar
     });
   };
 
-  const VqLayerModelSource vq_models = chunk_vq_models(model);  // vq levels' layer models, built once
-  const auto& mc = model.config();
-  const Shape4 want{1, mc.n_kv_heads, static_cast<std::int64_t>(C), mc.head_size()};
+  // vq levels' layer models, built once (none without a model: only data-derived transforms decode)
+  const VqLayerModelSource vq_models = model ? chunk_vq_models(*model) : VqLayerModelSource{};
+  const Shape4 want{1, shape.kv_heads, static_cast<std::int64_t>(C), shape.head_dim};
   int choice = n > 0 ? choose(0) : -1;
   std::future<Fetched> fut;
   if (n > 0 && choice >= 0) fut = start_fetch(0, choice);
@@ -187,7 +195,7 @@ LoadReport load_prefix(KVStore& store, Transformer& model, std::vector<std::shar
     if (choice >= 0) {
       f = fut.get();
       if (!f->blob) {
-        warn(fmt::format("chunk {}: {}; recomputing", i, f->error));
+        warn(fmt::format("chunk {}: {}; {}", i, f->error, rest));
         break;
       }
     }
@@ -209,7 +217,7 @@ LoadReport load_prefix(KVStore& store, Transformer& model, std::vector<std::shar
           if (l.keys.shape() != want || l.values.shape() != want)
             throw FormatError(fmt::format("K/V of shape {}, the model's chunk is {}", shape_string(l.keys.shape()), shape_string(want)));
       } catch (const std::exception& e) {
-        warn(fmt::format("chunk {}: level {} blob rejected ({}); recomputing", i, entry.level, e.what()));
+        warn(fmt::format("chunk {}: level {} blob rejected ({}); {}", i, entry.level, e.what(), rest));
         break;  // `next` finishes in its destructor; nothing of this chunk was fed
       }
       for (std::size_t l = 0; l < caches.size(); ++l) caches[l]->update(kv[l].keys, kv[l].values);
@@ -219,7 +227,7 @@ LoadReport load_prefix(KVStore& store, Transformer& model, std::vector<std::shar
       rc.decode_ms = ms_since(td);
       decode_ms_per_byte = rc.decode_ms / std::max<double>(1.0, static_cast<double>(rc.bytes));
     } else {
-      model.forward(chunk_tokens(i), caches);
+      model->forward(chunk_tokens(i), caches);  // choose() returns -1 only with a model
       rc.level = "recompute";
       rc.decode_ms = ms_since(td);
       recompute_ms_per_token = rc.decode_ms / static_cast<double>(C);
@@ -232,6 +240,20 @@ LoadReport load_prefix(KVStore& store, Transformer& model, std::vector<std::shar
   }
   rep.load_ms = ms_since(t0);
   return rep;
+}
+}  // namespace
+
+LoadReport load_prefix(KVStore& store, Transformer& model, std::vector<std::shared_ptr<KVCache>>& caches, std::span<const int> tokens,
+                       const LoaderOptions& options, const std::function<void(const std::string&)>& warn) {
+  const auto& mc = model.config();
+  return load(store, &model, ChunkShape{mc.n_kv_heads, mc.head_size()}, caches, tokens, options, warn);
+}
+
+LoadReport load_prefix(KVStore& store, const ChunkShape& shape, std::vector<std::shared_ptr<KVCache>>& caches, std::span<const int> tokens,
+                       const LoaderOptions& options, const std::function<void(const std::string&)>& warn) {
+  require(shape.kv_heads >= 1 && shape.head_dim >= 1, "load_prefix: chunk shape needs kv_heads and head_dim >= 1, got {} and {}",
+          shape.kv_heads, shape.head_dim);
+  return load(store, nullptr, shape, caches, tokens, options, warn);
 }
 
 }  // namespace vq

@@ -7,6 +7,7 @@
 
 #include <fmt/format.h>
 
+#include "../core/dtype_round.hpp"
 #include "veloxquant/core/dtype.hpp"
 #include "veloxquant/core/error.hpp"
 #include "veloxquant/core/kernel_clones.hpp"
@@ -76,17 +77,6 @@ void reconstruct_head(const float* __restrict inv, int n, const float* __restric
     }
   } else {
     for (int i = 0; i < d; ++i) out[i] = x[i];
-  }
-}
-
-// Round float32 rows through `dtype` (what a fetch in that dtype holds), in place.
-void round_through(DType dtype, float* x, std::size_t n) {
-  if (dtype == DType::F32) return;
-  std::uint16_t half[256];
-  for (std::size_t i = 0; i < n; i += 256) {
-    const std::size_t m = std::min<std::size_t>(256, n - i);
-    from_f32(x + i, half, dtype, m);
-    to_f32(half, dtype, x + i, m);
   }
 }
 
@@ -471,7 +461,7 @@ void VqKVCache::read_rows(int side, std::int64_t b, std::int64_t h, std::int64_t
         yhat[sz(c - c0)] = sq.mean[sz(c)] + static_cast<float>(q) * sq.step;
       }
       reconstruct_head(whole ? tr.inv.data() : nullptr, nc, yhat.data(), whole ? static_cast<int>(h) : 0, d, freq, t, acc.data(), o);
-      round_through(dtype, o, sz(d));
+      round_through(o, sz(d), dtype);  // what a fetch in that dtype holds
     }
   }
 }

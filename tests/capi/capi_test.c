@@ -1,11 +1,15 @@
 /* The C API (veloxquant/veloxquant.h) from C: every function, its results and every error path
  * (NULL handles and pointers, bad specs, wrong shapes and dtypes, small buffers, corrupt bytes,
- * unreadable files). Compiled as C11 and run by ctest (capi_test); argv[1] is a scratch directory.
+ * unreadable files), and the prefix store through a file: store (put/get round trips, exact and
+ * lossy levels, bad URLs, faulty blobs). Compiled as C11 and run by ctest (capi_test); argv[1] is a scratch directory.
  * Prints one line per failed check and exits 1 if any failed. */
+#define _POSIX_C_SOURCE 200809L /* opendir, stat */
+#include <dirent.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include "veloxquant/veloxquant.h"
 
@@ -94,6 +98,320 @@ static void attend_last(const float* k, const float* v, const float* q, int64_t 
       out[qh * D + d] = (float)(acc / sum);
     }
   }
+}
+
+/* ---- the prefix store (file: backend; Redis is covered by the C++ integration test) ---------- */
+
+/* The vq:bits=2 level's error budget, as relative RMS error over K and V: that of the optimal 2-bit
+ * scalar quantizer of a Gaussian (Lloyd-Max, MSE 0.1175 sigma^2 -> 0.343). vq spends 2 bits per
+ * element with entropy coding and must do no worse (measured 0.19 on this test's data). */
+#define VQ2_REL_RMS_BUDGET 0.343
+enum { CT = 64, NT = 2 * CT + 3, SL = 2 }; /* tokens per chunk, context tokens (2 whole chunks), layers */
+#define PN ((size_t)H * NT * D)
+
+/* The first `n` tokens of [1, H, NT, D] rows, as a contiguous [1, H, n, D]. */
+static void prefix_rows(const float* all, int64_t n, int64_t from, float* out) {
+  for (int64_t h = 0; h < H; ++h) memcpy(out + h * n * D, all + (h * NT + from) * D, sizeof(float) * (size_t)(n * D));
+}
+
+/* The blob files of a file: store, with their sizes. */
+enum { MAX_BLOBS = 64 };
+typedef struct {
+  int n;
+  char name[MAX_BLOBS][256];
+  long size[MAX_BLOBS];
+} blob_list;
+
+static void list_blobs(const char* dir, blob_list* out) {
+  char path[4400];
+  out->n = 0;
+  snprintf(path, sizeof path, "%s/blobs", dir);
+  DIR* d = opendir(path);
+  CHECK(d != NULL);
+  if (!d) return;
+  for (struct dirent* e; (e = readdir(d)) != NULL && out->n < MAX_BLOBS;) {
+    if (e->d_name[0] == '.') continue;
+    struct stat st;
+    snprintf(path, sizeof path, "%s/blobs/%s", dir, e->d_name);
+    if (stat(path, &st) != 0 || !S_ISREG(st.st_mode)) continue;
+    snprintf(out->name[out->n], sizeof out->name[0], "%s", e->d_name);
+    out->size[out->n++] = (long)st.st_size;
+  }
+  closedir(d);
+}
+
+static int listed(const blob_list* l, const char* name) {
+  for (int i = 0; i < l->n; ++i)
+    if (strcmp(l->name[i], name) == 0) return 1;
+  return 0;
+}
+
+/* A new handle of SL fp32 layers. */
+static vq_caches* fresh_fp32(void) {
+  vq_caches* c = NULL;
+  EXPECT_OK(vq_caches_create("fp32", SL, H, D, &c));
+  return c;
+}
+
+/* Every layer of `c` holds exactly the first `n` tokens of `pk`/`pv`, bit for bit. */
+static int holds_prefix(const vq_caches* c, float pk[SL][PN], float pv[SL][PN], int64_t n) {
+  static float want_k[PN], want_v[PN], got_k[PN], got_v[PN];
+  int ok = 1;
+  for (int32_t l = 0; l < SL; ++l) {
+    int64_t t = -1;
+    ok &= vq_cache_tokens(c, l, &t) == VQ_OK && t == n;
+    if (!ok || n == 0) continue;
+    prefix_rows(pk[l], n, 0, want_k);
+    prefix_rows(pv[l], n, 0, want_v);
+    ok &= vq_cache_read(c, l, VQ_DTYPE_F32, got_k, got_v, PN) == VQ_OK;
+    ok &= memcmp(got_k, want_k, sizeof(float) * (size_t)(H * n * D)) == 0 &&
+          memcmp(got_v, want_v, sizeof(float) * (size_t)(H * n * D)) == 0;
+  }
+  return ok;
+}
+
+/* vq_store_get into a new fp32 handle; returns the tokens reused (-1 on error) and the handle. */
+static int64_t get_into(vq_store* st, const char* model, int32_t ct, const char* levels, const char* level, const int32_t* ids,
+                        int64_t n, vq_caches** out) {
+  int64_t reused = -1;
+  *out = fresh_fp32();
+  EXPECT_OK(vq_store_get(st, model, ct, levels, level, ids, n, *out, &reused));
+  return reused;
+}
+
+static void test_store(const char* scratch) {
+  static float pk[SL][PN], pv[SL][PN], ck[PN], cv[PN], rk[PN], rv[PN], gk[PN], gv[PN];
+  int32_t ids[NT];
+  for (int i = 0; i < NT; ++i) ids[i] = 1 + (i * 7919) % 500;
+  for (int l = 0; l < SL; ++l) fill(pk[l], pv[l], NT, 10 + l);
+  const char* model = "capi-test-model";
+  const char* levels = "vq:bits=2";
+  char dir[4200], url[4300], path[4400];
+  snprintf(dir, sizeof dir, "%s/store", scratch);
+  snprintf(url, sizeof url, "file:%s", dir);
+
+  /* open: bad URLs and a directory that cannot be created */
+  vq_store* st = NULL;
+  EXPECT_ERR(vq_store_open(NULL, &st), VQ_ERR_INVALID_ARGUMENT, "url is NULL");
+  EXPECT_ERR(vq_store_open(url, NULL), VQ_ERR_INVALID_ARGUMENT, "out is NULL");
+  EXPECT_ERR(vq_store_open("ftp://example.org/x", &st), VQ_ERR_INVALID_ARGUMENT, "is not one of file:DIR");
+  EXPECT_ERR(vq_store_open("file:", &st), VQ_ERR_INVALID_ARGUMENT, "needs a directory");
+  EXPECT_ERR(vq_store_open("file:/tmp/x?capacity=lots", &st), VQ_ERR_INVALID_ARGUMENT, "capacity");
+  EXPECT_ERR(vq_store_open("redis://localhost:notaport", &st), VQ_ERR_INVALID_ARGUMENT, "");
+  snprintf(path, sizeof path, "%s/blocker", scratch); /* a regular file where a directory must go */
+  FILE* f = fopen(path, "wb");
+  CHECK(f != NULL);
+  if (f) fclose(f);
+  snprintf(path, sizeof path, "file:%s/blocker/store", scratch);
+  EXPECT_ERR(vq_store_open(path, &st), VQ_ERR_IO, "");
+  CHECK(st == NULL);
+  EXPECT_OK(vq_store_close(NULL));
+
+  EXPECT_OK(vq_store_open(url, &st));
+  EXPECT_OK(vq_store_clear(st)); /* the scratch directory may hold a previous run's blobs */
+  uint64_t blobs = 99, bytes = 99;
+  EXPECT_OK(vq_store_stats(st, &blobs, &bytes));
+  CHECK(blobs == 0 && bytes == 0);
+
+  /* the source: exact (fp32) caches of the context, and of its first chunk alone */
+  vq_caches *src = fresh_fp32(), *src1 = fresh_fp32(), *dst = NULL;
+  for (int32_t l = 0; l < SL; ++l) {
+    EXPECT_OK(vq_cache_append(src, l, VQ_DTYPE_F32, pk[l], pv[l], 1, H, NT, D));
+    prefix_rows(pk[l], CT, 0, ck);
+    prefix_rows(pv[l], CT, 0, cv);
+    EXPECT_OK(vq_cache_append(src1, l, VQ_DTYPE_F32, ck, cv, 1, H, CT, D));
+  }
+
+  /* put: bad arguments change nothing */
+  int64_t stored = -1, reused = -1;
+  EXPECT_ERR(vq_store_put(NULL, model, CT, levels, ids, NT, src, &stored), VQ_ERR_INVALID_ARGUMENT, "store is NULL");
+  EXPECT_ERR(vq_store_put(st, NULL, CT, levels, ids, NT, src, &stored), VQ_ERR_INVALID_ARGUMENT, "model_id is NULL");
+  EXPECT_ERR(vq_store_put(st, "", CT, levels, ids, NT, src, &stored), VQ_ERR_INVALID_ARGUMENT, "model_id is empty");
+  EXPECT_ERR(vq_store_put(st, model, 0, levels, ids, NT, src, &stored), VQ_ERR_INVALID_ARGUMENT, "chunk_tokens 0");
+  EXPECT_ERR(vq_store_put(st, model, CT, "nosuch", ids, NT, src, &stored), VQ_ERR_INVALID_ARGUMENT, "nosuch");
+  EXPECT_ERR(vq_store_put(st, model, CT, levels, NULL, NT, src, &stored), VQ_ERR_INVALID_ARGUMENT, "tokens is NULL");
+  EXPECT_ERR(vq_store_put(st, model, CT, levels, ids, -1, src, &stored), VQ_ERR_INVALID_ARGUMENT, "negative");
+  EXPECT_ERR(vq_store_put(st, model, CT, levels, ids, NT - 1, src, &stored), VQ_ERR_INVALID_ARGUMENT, "holds 131 tokens");
+  EXPECT_ERR(vq_store_put(st, model, CT, levels, ids, NT, NULL, &stored), VQ_ERR_INVALID_ARGUMENT, "caches is NULL");
+  EXPECT_ERR(vq_store_put(st, model, CT, levels, ids, NT, src, NULL), VQ_ERR_INVALID_ARGUMENT, "tokens_stored is NULL");
+  EXPECT_ERR(vq_store_put(st, model, CT, "q8_0", ids, NT, src, &stored), VQ_ERR_INVALID_ARGUMENT, "level 'q8_0' cannot be stored");
+  CHECK(stored == -1);
+  EXPECT_OK(vq_store_stats(st, &blobs, &bytes));
+  CHECK(blobs == 0);
+
+  /* put the first chunk alone, then the whole context: the first chunk's blobs are shared */
+  EXPECT_OK(vq_store_put(st, model, CT, levels, ids, CT, src1, &stored));
+  CHECK(stored == CT);
+  blob_list first, all;
+  list_blobs(dir, &first);
+  CHECK(first.n == 3); /* fp32, vq:bits=2 and the directory */
+  EXPECT_OK(vq_store_put(st, model, CT, levels, ids, NT, src, &stored));
+  CHECK(stored == 2 * CT);
+  EXPECT_OK(vq_store_stats(st, &blobs, &bytes));
+  CHECK(blobs == 6 && bytes > 2 * SL * 2 * sizeof(float) * H * CT * D);
+  EXPECT_OK(vq_store_put(st, model, CT, levels, ids, NT, src, &stored)); /* idempotent */
+  EXPECT_OK(vq_store_stats(st, &blobs, &bytes));
+  CHECK(blobs == 6);
+  list_blobs(dir, &all);
+  CHECK(all.n == 6);
+  /* chunk 1's blobs, by size: fp32 (largest), vq:bits=2, directory (smallest) */
+  int fp32_1 = -1, vq_1 = -1, dir_1 = -1;
+  for (int i = 0; i < all.n; ++i) {
+    if (listed(&first, all.name[i])) continue;
+    if (fp32_1 < 0 || all.size[i] > all.size[fp32_1]) fp32_1 = i;
+    if (dir_1 < 0 || all.size[i] < all.size[dir_1]) dir_1 = i;
+  }
+  for (int i = 0; i < all.n; ++i)
+    if (!listed(&first, all.name[i]) && i != fp32_1 && i != dir_1) vq_1 = i;
+  CHECK(fp32_1 >= 0 && vq_1 >= 0 && dir_1 >= 0);
+
+  /* get: the exact level gives the stored prefix bit for bit, leaving the last token */
+  const char* warnings = NULL;
+  CHECK(get_into(st, model, CT, levels, NULL, ids, NT, &dst) == 2 * CT);
+  CHECK(holds_prefix(dst, pk, pv, 2 * CT));
+  EXPECT_OK(vq_store_warnings(st, &warnings));
+  CHECK(warnings != NULL && warnings[0] == '\0');
+  /* the handle keeps working: the caller appends the rest */
+  for (int32_t l = 0; l < SL; ++l) {
+    prefix_rows(pk[l], NT - 2 * CT, 2 * CT, rk);
+    prefix_rows(pv[l], NT - 2 * CT, 2 * CT, rv);
+    EXPECT_OK(vq_cache_append(dst, l, VQ_DTYPE_F32, rk, rv, 1, H, NT - 2 * CT, D));
+  }
+  CHECK(holds_prefix(dst, pk, pv, NT));
+  /* errors: bad arguments, and a handle that is not empty */
+  EXPECT_ERR(vq_store_get(st, model, CT, levels, NULL, ids, NT, dst, &reused), VQ_ERR_INVALID_ARGUMENT, "already holds");
+  EXPECT_OK(vq_caches_free(dst));
+  dst = fresh_fp32();
+  EXPECT_ERR(vq_store_get(NULL, model, CT, levels, NULL, ids, NT, dst, &reused), VQ_ERR_INVALID_ARGUMENT, "store is NULL");
+  EXPECT_ERR(vq_store_get(st, NULL, CT, levels, NULL, ids, NT, dst, &reused), VQ_ERR_INVALID_ARGUMENT, "model_id is NULL");
+  EXPECT_ERR(vq_store_get(st, model, -3, levels, NULL, ids, NT, dst, &reused), VQ_ERR_INVALID_ARGUMENT, "chunk_tokens -3");
+  EXPECT_ERR(vq_store_get(st, model, CT, "vq:bits=99", NULL, ids, NT, dst, &reused), VQ_ERR_INVALID_ARGUMENT, "bits");
+  EXPECT_ERR(vq_store_get(st, model, CT, levels, "vq:bits=4", ids, NT, dst, &reused), VQ_ERR_INVALID_ARGUMENT, "not one of");
+  EXPECT_ERR(vq_store_get(st, model, CT, levels, "nosuch", ids, NT, dst, &reused), VQ_ERR_INVALID_ARGUMENT, "nosuch");
+  EXPECT_ERR(vq_store_get(st, model, CT, levels, NULL, NULL, NT, dst, &reused), VQ_ERR_INVALID_ARGUMENT, "tokens is NULL");
+  EXPECT_ERR(vq_store_get(st, model, CT, levels, NULL, ids, -1, dst, &reused), VQ_ERR_INVALID_ARGUMENT, "negative");
+  EXPECT_ERR(vq_store_get(st, model, CT, levels, NULL, ids, NT, NULL, &reused), VQ_ERR_INVALID_ARGUMENT, "caches is NULL");
+  EXPECT_ERR(vq_store_get(st, model, CT, levels, NULL, ids, NT, dst, NULL), VQ_ERR_INVALID_ARGUMENT, "tokens_reused is NULL");
+  CHECK(reused == -1 && holds_prefix(dst, pk, pv, 0));
+  EXPECT_ERR(vq_store_warnings(NULL, &warnings), VQ_ERR_INVALID_ARGUMENT, "store is NULL");
+  EXPECT_ERR(vq_store_warnings(st, NULL), VQ_ERR_INVALID_ARGUMENT, "out is NULL");
+  EXPECT_ERR(vq_store_stats(NULL, &blobs, &bytes), VQ_ERR_INVALID_ARGUMENT, "store is NULL");
+  EXPECT_ERR(vq_store_stats(st, NULL, &bytes), VQ_ERR_INVALID_ARGUMENT, "blobs is NULL");
+  EXPECT_ERR(vq_store_stats(st, &blobs, NULL), VQ_ERR_INVALID_ARGUMENT, "bytes is NULL");
+  EXPECT_ERR(vq_store_clear(NULL), VQ_ERR_INVALID_ARGUMENT, "store is NULL");
+  EXPECT_OK(vq_caches_free(dst));
+
+  /* what is found: whole chunks of a prefix under the same identity, scheme and tokens only */
+  CHECK(get_into(st, model, CT, levels, NULL, ids, 2 * CT, &dst) == CT); /* the last token is left */
+  CHECK(holds_prefix(dst, pk, pv, CT));
+  EXPECT_OK(vq_caches_free(dst));
+  CHECK(get_into(st, model, CT, levels, NULL, ids, CT, &dst) == 0);
+  EXPECT_OK(vq_caches_free(dst));
+  CHECK(get_into(st, "another-model", CT, levels, NULL, ids, NT, &dst) == 0);
+  EXPECT_OK(vq_caches_free(dst));
+  CHECK(get_into(st, model, CT / 2, levels, NULL, ids, NT, &dst) == 0);
+  EXPECT_OK(vq_caches_free(dst));
+  CHECK(get_into(st, model, CT, "vq:bits=4", NULL, ids, NT, &dst) == 0);
+  EXPECT_OK(vq_caches_free(dst));
+  ids[CT + 1] += 1; /* a prompt that shares only the first chunk */
+  CHECK(get_into(st, model, CT, levels, NULL, ids, NT, &dst) == CT);
+  CHECK(holds_prefix(dst, pk, pv, CT));
+  EXPECT_OK(vq_caches_free(dst));
+  ids[CT + 1] -= 1;
+
+  /* a lossy level: each chunk is what a fresh vq:bits=2 cache fed that chunk reads back, bit for
+   * bit, and within the level's error budget of the exact K/V */
+  CHECK(get_into(st, model, CT, levels, "vq:bits=2", ids, NT, &dst) == 2 * CT);
+  {
+    double err2 = 0, ref2 = 0;
+    for (int32_t l = 0; l < SL; ++l) {
+      EXPECT_OK(vq_cache_read(dst, l, VQ_DTYPE_F32, gk, gv, PN));
+      for (int64_t i = 0; i < 2; ++i) {
+        vq_caches* one = NULL;
+        EXPECT_OK(vq_caches_create("vq:bits=2", 1, H, D, &one));
+        prefix_rows(pk[l], CT, i * CT, ck);
+        prefix_rows(pv[l], CT, i * CT, cv);
+        EXPECT_OK(vq_cache_append(one, 0, VQ_DTYPE_F32, ck, cv, 1, H, CT, D));
+        EXPECT_OK(vq_cache_read(one, 0, VQ_DTYPE_F32, rk, rv, PN));
+        for (int64_t h = 0; h < H; ++h) {
+          const float* got_k = gk + (h * 2 * CT + i * CT) * D;
+          const float* got_v = gv + (h * 2 * CT + i * CT) * D;
+          CHECK(memcmp(got_k, rk + h * CT * D, sizeof(float) * CT * D) == 0);
+          CHECK(memcmp(got_v, rv + h * CT * D, sizeof(float) * CT * D) == 0);
+          for (int64_t j = 0; j < CT * D; ++j) {
+            const double ek = got_k[j] - ck[h * CT * D + j], ev = got_v[j] - cv[h * CT * D + j];
+            err2 += ek * ek + ev * ev;
+            ref2 += (double)ck[h * CT * D + j] * ck[h * CT * D + j] + (double)cv[h * CT * D + j] * cv[h * CT * D + j];
+          }
+        }
+        EXPECT_OK(vq_caches_free(one));
+      }
+    }
+    /* 2-bit codes: the error's energy is a small part of the signal's, yet not zero (lossy) */
+    const double rel = sqrt(err2 / ref2);
+    printf("capi_test: vq:bits=2 level, relative RMS error %.4f\n", rel);
+    CHECK(rel > 0.0 && rel < VQ2_REL_RMS_BUDGET);
+  }
+  EXPECT_OK(vq_caches_free(dst));
+
+  /* faults never give a wrong cache: loading stops before the chunk at fault, with a warning */
+  snprintf(path, sizeof path, "%s/blobs/%s", dir, all.name[fp32_1]);
+  f = fopen(path, "r+b"); /* one flipped byte in chunk 1's exact blob: a checksum fails */
+  CHECK(f != NULL);
+  if (f) {
+    fseek(f, all.size[fp32_1] / 2, SEEK_SET);
+    int byte = fgetc(f);
+    fseek(f, all.size[fp32_1] / 2, SEEK_SET);
+    fputc(byte ^ 0x10, f);
+    fclose(f);
+  }
+  CHECK(get_into(st, model, CT, levels, NULL, ids, NT, &dst) == CT);
+  CHECK(holds_prefix(dst, pk, pv, CT));
+  EXPECT_OK(vq_store_warnings(st, &warnings));
+  CHECK(strstr(warnings, "chunk 1: level fp32 blob rejected") != NULL && strstr(warnings, "left to the caller") != NULL);
+  EXPECT_OK(vq_caches_free(dst));
+  CHECK(get_into(st, model, CT, levels, "vq:bits=2", ids, NT, &dst) == 2 * CT); /* the other level is intact */
+  EXPECT_OK(vq_caches_free(dst));
+  snprintf(path, sizeof path, "%s/blobs/%s", dir, all.name[vq_1]);
+  CHECK(remove(path) == 0); /* a missing blob */
+  CHECK(get_into(st, model, CT, levels, "vq:bits=2", ids, NT, &dst) == CT);
+  EXPECT_OK(vq_store_warnings(st, &warnings));
+  CHECK(strstr(warnings, "chunk 1:") != NULL && strstr(warnings, "missing") != NULL);
+  EXPECT_OK(vq_caches_free(dst));
+  snprintf(path, sizeof path, "%s/blobs/%s", dir, all.name[dir_1]);
+  f = fopen(path, "wb"); /* a directory blob that is not one */
+  CHECK(f != NULL);
+  if (f) {
+    fputs("{\"garbage\": true}", f);
+    fclose(f);
+  }
+  CHECK(get_into(st, model, CT, levels, NULL, ids, NT, &dst) == CT);
+  EXPECT_OK(vq_store_warnings(st, &warnings));
+  CHECK(strstr(warnings, "chunk 1: corrupt directory blob") != NULL);
+  EXPECT_OK(vq_caches_free(dst));
+  /* a handle of another shape: nothing loads */
+  EXPECT_OK(vq_caches_create("fp32", SL, H, D / 2, &dst));
+  EXPECT_OK(vq_store_get(st, model, CT, levels, NULL, ids, NT, dst, &reused));
+  CHECK(reused == 0);
+  EXPECT_OK(vq_store_warnings(st, &warnings));
+  CHECK(strstr(warnings, "chunk 0:") != NULL);
+  EXPECT_OK(vq_cache_tokens(dst, 0, &reused));
+  CHECK(reused == 0);
+  EXPECT_OK(vq_caches_free(dst));
+  EXPECT_OK(vq_caches_create("fp32", SL + 1, H, D, &dst));
+  EXPECT_OK(vq_store_get(st, model, CT, levels, NULL, ids, NT, dst, &reused));
+  CHECK(reused == 0);
+  EXPECT_OK(vq_caches_free(dst));
+
+  /* clear */
+  EXPECT_OK(vq_store_clear(st));
+  EXPECT_OK(vq_store_stats(st, &blobs, &bytes));
+  CHECK(blobs == 0 && bytes == 0);
+  CHECK(get_into(st, model, CT, levels, NULL, ids, NT, &dst) == 0);
+  EXPECT_OK(vq_caches_free(dst));
+  EXPECT_OK(vq_caches_free(src));
+  EXPECT_OK(vq_caches_free(src1));
+  EXPECT_OK(vq_store_close(st));
 }
 
 int main(int argc, char** argv) {
@@ -310,6 +628,8 @@ int main(int argc, char** argv) {
   }
   EXPECT_ERR(vq_caches_encode(c, &bytes, &size), VQ_ERR_INVALID_ARGUMENT, "");
   EXPECT_OK(vq_caches_free(c));
+
+  test_store(argv[1]);
 
   /* the message is per thread and cleared by a success */
   EXPECT_ERR(vq_caches_create("nosuch", 1, 1, 1, &c), VQ_ERR_INVALID_ARGUMENT, "nosuch");

@@ -12,6 +12,7 @@
 #include <gtest/gtest.h>
 
 #include "../model/model_support.hpp"
+#include "../support/file_mode.hpp"
 #include "../support/test_util.hpp"
 #include "veloxquant/core/npy.hpp"
 #include "veloxquant/format/vqkv.hpp"
@@ -38,11 +39,7 @@ void expect_one_line_errors(const std::vector<std::pair<std::string, std::string
   }
 }
 
-mode_t mode_of(const std::string& path) {
-  struct stat st {};
-  EXPECT_EQ(::lstat(path.c_str(), &st), 0) << path;
-  return st.st_mode;
-}
+using vqtest::mode_of;
 // Names in a directory that look like a writer's temporary.
 std::vector<std::string> temporaries(const std::string& d) {
   std::vector<std::string> out;

@@ -13,6 +13,7 @@
 
 #include <gtest/gtest.h>
 
+#include "../support/file_mode.hpp"
 #include "../support/test_util.hpp"
 #include "veloxquant/core/error.hpp"
 
@@ -29,11 +30,7 @@ std::string dir(const std::string& name) {
 }
 using vqtest::slurp;
 using vqtest::spit;
-mode_t mode_of(const std::string& p) {
-  struct stat st {};
-  EXPECT_EQ(::lstat(p.c_str(), &st), 0) << p;
-  return st.st_mode;
-}
+using vqtest::mode_of;
 // The names in a directory, sorted.
 std::vector<std::string> names(const std::string& d) {
   std::vector<std::string> out;

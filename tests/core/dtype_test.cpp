@@ -8,6 +8,7 @@
 
 #include <gtest/gtest.h>
 
+#include "../../src/core/dtype_round.hpp"
 #include "veloxquant/core/error.hpp"
 
 namespace {
@@ -83,6 +84,27 @@ TEST(DType, BulkConversionsEqualScalar) {
       ASSERT_EQ(std::bit_cast<std::uint32_t>(back[i]), std::bit_cast<std::uint32_t>(f)) << i;
     }
   }
+}
+
+// round_through (the caches' reconstruction rounding, src/core/dtype_round.hpp): each element is
+// the scalar round trip, across the 1024-element blocks it converts in; float32 is left alone.
+TEST(DType, RoundThroughEqualsTheScalarRoundTrip) {
+  std::mt19937 rng(5);
+  std::normal_distribution<float> n(0.0f, 100.0f);
+  std::vector<float> src(2 * 1024 + 37);
+  for (auto& x : src) x = n(rng);
+  for (auto dt : {vq::DType::F16, vq::DType::BF16}) {
+    std::vector<float> x = src;
+    vq::round_through(x.data(), x.size(), dt);
+    for (std::size_t i = 0; i < src.size(); ++i) {
+      const float want = dt == vq::DType::F16 ? vq::f16_to_f32(vq::f32_to_f16(src[i])) : vq::bf16_to_f32(vq::f32_to_bf16(src[i]));
+      ASSERT_EQ(std::bit_cast<std::uint32_t>(x[i]), std::bit_cast<std::uint32_t>(want)) << i;
+    }
+    EXPECT_NE(x, src);  // the values do change (not a no-op)
+  }
+  std::vector<float> x = src;
+  vq::round_through(x.data(), x.size(), vq::DType::F32);
+  EXPECT_EQ(x, src);
 }
 
 TEST(DType, BF16TiesToEvenAndNan) {

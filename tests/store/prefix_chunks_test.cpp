@@ -13,6 +13,7 @@
 #include "veloxquant/model/tokenizer.hpp"
 #include "veloxquant/model/transformer.hpp"
 #include "veloxquant/store/file_store.hpp"
+#include "veloxquant/store/prefix_loader.hpp"
 
 namespace fs = std::filesystem;
 
@@ -46,6 +47,22 @@ vq::ChunkKV slice_chunk(const std::vector<vq::KVState>& exact, int i, int C) {
   vq::ChunkKV out;
   for (const auto& s : exact) out.push_back({s.keys.slice(2, i * C, (i + 1) * C).contiguous(true), s.values.slice(2, i * C, (i + 1) * C).contiguous(true)});
   return out;
+}
+
+// A scheme of 12-token chunks for the context's model at `levels`.
+vq::ChunkScheme scheme_of(const Context& c, const char* levels) {
+  vq::ChunkScheme scheme;
+  scheme.model_fingerprint = c.fp;
+  scheme.chunk_tokens = 12;
+  scheme.levels = vq::parse_levels(levels);
+  return scheme;
+}
+
+// An empty directory for a test's file store (removed first if a previous run left it).
+fs::path fresh_dir(const char* name) {
+  const fs::path dir = fs::temp_directory_path() / fmt::format("{}-{}", name, ::getpid());
+  fs::remove_all(dir);
+  return dir;
 }
 
 void expect_bit_equal(const vq::ChunkKV& a, const vq::ChunkKV& b) {
@@ -148,13 +165,9 @@ TEST(PrefixChunks, DecodeRefusesOtherModelMethodChunkTokensAndCorruption) {
 
 TEST(PrefixChunks, PutContextStoresEveryWholeChunkOnceAtEveryLevel) {
   const Context& c = context();
-  const fs::path dir = fs::temp_directory_path() / fmt::format("vq-prefix-test-{}", ::getpid());
-  fs::remove_all(dir);
+  const fs::path dir = fresh_dir("vq-prefix-test");
   vq::FileStore store(dir);
-  vq::ChunkScheme scheme;
-  scheme.model_fingerprint = c.fp;
-  scheme.chunk_tokens = 12;
-  scheme.levels = vq::parse_levels("fp16;cachegen:bits=4,group=4");
+  const vq::ChunkScheme scheme = scheme_of(c, "fp16;cachegen:bits=4,group=4");
   const std::size_t n = c.tokens.size() / 12 * 12;
   std::vector<vq::KVState> exact;
   for (const auto& s : c.exact) exact.push_back({s.keys.slice(2, 0, static_cast<std::int64_t>(n)), s.values.slice(2, 0, static_cast<std::int64_t>(n))});
@@ -184,6 +197,44 @@ TEST(PrefixChunks, PutContextStoresEveryWholeChunkOnceAtEveryLevel) {
   const auto again = vq::put_context(store, *c.model, scheme, std::span<const int>(c.tokens).first(n), exact);
   EXPECT_EQ(again.chunks_written, 0);
   EXPECT_EQ(again.bytes_written, 0u);
+  fs::remove_all(dir);
+}
+
+// LoaderOptions::level loads every chunk at that level (no recompute), with the model and without
+// one (the C API's overload): both give each chunk's level K/V bit for bit.
+TEST(PrefixChunks, ForcedLevelLoadsThatLevelWithAndWithoutAModel) {
+  const Context& c = context();
+  const fs::path dir = fresh_dir("vq-prefix-level-test");
+  vq::FileStore store(dir);
+  vq::LoaderOptions o;
+  o.scheme = scheme_of(c, "cachegen:bits=4,group=4");
+  const std::size_t n = c.tokens.size() / 12 * 12;
+  const auto rep = vq::put_context(store, *c.model, o.scheme, std::span<const int>(c.tokens).first(n), c.exact);
+  const int loadable = std::min(rep.chunks, static_cast<int>((c.tokens.size() - 1) / 12));
+  ASSERT_GE(loadable, 2);
+  o.level = o.scheme.levels[0];
+  const auto& mc = c.model->config();
+  for (const bool with_model : {true, false}) {
+    auto caches = vq::make_caches("fp32", *c.model);
+    const auto r = with_model ? vq::load_prefix(store, *c.model, caches, c.tokens, o)
+                              : vq::load_prefix(store, vq::ChunkShape{mc.n_kv_heads, mc.head_size()}, caches, c.tokens, o);
+    EXPECT_TRUE(r.warnings.empty()) << r.warnings.front();
+    EXPECT_EQ(r.tokens_reused, loadable * 12) << "with_model " << with_model;
+    EXPECT_EQ(r.tokens_filled, r.tokens_reused);
+    for (int i = 0; i < loadable; ++i) {
+      vq::ChunkKV got;
+      for (const auto& k : caches) {
+        const vq::KVState st = k->state();
+        got.push_back({st.keys.slice(2, i * 12, (i + 1) * 12).contiguous(true), st.values.slice(2, i * 12, (i + 1) * 12).contiguous(true)});
+      }
+      expect_bit_equal(got, vq::level_chunk_kv(*c.model, o.scheme.levels[0], slice_chunk(c.exact, i, 12)));
+    }
+  }
+  auto caches = vq::make_caches("fp32", *c.model);
+  vq::LoaderOptions bad = o;
+  bad.level = "fp16";  // not one of the scheme's levels
+  EXPECT_THROW(vq::load_prefix(store, *c.model, caches, c.tokens, bad), vq::InvalidArgument);
+  EXPECT_THROW(vq::load_prefix(store, vq::ChunkShape{}, caches, c.tokens, o), vq::InvalidArgument);
   fs::remove_all(dir);
 }
 

@@ -23,9 +23,11 @@
 //   key and size, written after the levels, so a loader learns what exists and its cost in one get.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "veloxquant/cache/kv_cache.hpp"
@@ -55,6 +57,16 @@ struct ChunkScheme {
 
 // A hash of everything that decides a model's K/V: its configuration and every weight.
 std::uint64_t model_fingerprint(const Transformer& model);
+// The fingerprint of a model known only by a caller-given identity (the C API: an engine names its
+// model, e.g. by a hash of its weights file): xxHash64 of the identity's bytes. The caller must
+// make it differ whenever the K/V differ; chunks stored under one identity never match another.
+std::uint64_t named_model_fingerprint(std::string_view identity);
+
+// Fresh caches of a level's method, one per layer. With a model: make_caches(level, model) (vq
+// levels get the model's layer transforms); without one: make_caches(level, ModelDescription)
+// (vq levels derive their transforms from the data, which needs no model to decode).
+using LevelCaches = std::function<std::vector<std::shared_ptr<KVCache>>(const std::string& level)>;
+LevelCaches model_level_caches(const Transformer& model);  // `model` must outlive the result
 
 // Parse a ';'-separated level list into canonical specs, appending "fp32" when absent; duplicates
 // removed, order kept. Throws InvalidArgument on a bad spec.
@@ -73,6 +85,8 @@ ChunkKV level_chunk_kv(const Transformer& model, const std::string& level, const
 
 // Encode chunk `index` (its token ids `tokens`) at `level` from the exact K/V: the blob.
 Blob encode_chunk(const Transformer& model, std::uint64_t model_fingerprint, const std::string& level, int index,
+                  std::span<const int> tokens, const ChunkKV& exact);
+Blob encode_chunk(const LevelCaches& fresh, std::uint64_t model_fingerprint, const std::string& level, int index,
                   std::span<const int> tokens, const ChunkKV& exact);
 // Decode a blob and check that it is chunk `index` of these tokens at this level for this model.
 // Throws FormatError (corrupt blob, or one of another model/level/index/tokens). `vq_models`
@@ -103,6 +117,9 @@ struct PutReport {
   std::vector<ChunkDirectory> directories;
 };
 PutReport put_context(KVStore& store, const Transformer& model, const ChunkScheme& scheme, std::span<const int> tokens,
+                      const std::vector<KVState>& exact);
+// The same without a model (the C API): `fresh` makes each level's caches.
+PutReport put_context(KVStore& store, const LevelCaches& fresh, const ChunkScheme& scheme, std::span<const int> tokens,
                       const std::vector<KVState>& exact);
 
 }  // namespace vq

@@ -14,6 +14,11 @@
 //   drop_after_bytes have been fetched): a fetch of b bytes ends no earlier than the bucket allows.
 // - Fetching chunk i+1 (a second thread) overlaps decoding chunk i; chunks are fed to the caches in
 //   order (caches[l]->update with the decoded K/V, or a forward pass for a recomputed chunk).
+// - LoaderOptions::level forces one level for every chunk (no choice, no recompute; the level must
+//   be one of the scheme's).
+// - Without a model (the C API's overload): chunks are never recomputed (loading stops at the first
+//   chunk it cannot load), vq levels decode only when their transforms came from the data, and the
+//   caller gives the chunk shape the caches take.
 // - Faults never give a wrong cache: a store error or timeout, a missing blob, a corrupt blob or a
 //   blob of another model, method or token sequence produces one warning (via `warn`) naming the
 //   chunk and the cause, and loading stops there: the chunk and the rest are left to the host's
@@ -41,6 +46,7 @@ struct LoaderOptions {
   std::optional<double> bandwidth_mbps;     // emulated link (megabits per second); unset: measured
   std::optional<double> bandwidth_after_mbps;  // the emulated link after drop_after_bytes
   std::uint64_t drop_after_bytes = 0;
+  std::optional<std::string> level;         // load every chunk at this level (canonical spec); unset: choose
 };
 
 struct LoadedChunk {
@@ -63,6 +69,14 @@ struct LoadReport {
 // Fill `caches` (empty, one per layer, the host's live caches) with the longest stored prefix of
 // `tokens`. Never throws for store faults (see above); throws InvalidArgument on bad arguments.
 LoadReport load_prefix(KVStore& store, Transformer& model, std::vector<std::shared_ptr<KVCache>>& caches, std::span<const int> tokens,
+                       const LoaderOptions& options, const std::function<void(const std::string&)>& warn = {});
+
+// The same without a model: each layer's chunk K/V must be [1, kv_heads, C, head_dim]; nothing is
+// recomputed, so tokens_filled == tokens_reused.
+struct ChunkShape {
+  std::int64_t kv_heads = 0, head_dim = 0;
+};
+LoadReport load_prefix(KVStore& store, const ChunkShape& shape, std::vector<std::shared_ptr<KVCache>>& caches, std::span<const int> tokens,
                        const LoaderOptions& options, const std::function<void(const std::string&)>& warn = {});
 
 }  // namespace vq
