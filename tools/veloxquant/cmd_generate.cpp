@@ -120,6 +120,7 @@ int run_generate(const GenerateOptions& o) {
     for (const auto& c : sr.report.chunks)
       chunks.push_back({{"index", c.index}, {"level", c.level}, {"bytes", c.bytes}, {"fetch_ms", c.fetch_ms}, {"decode_ms", c.decode_ms}});
     fmt::print("{}\n", json_text({{"text", r.text},
+                                  {"tokens", r.tokens},
                                   {"tokens_reused", sr.report.tokens_reused},
                                   {"ttft_ms", r.ttft_ms},
                                   {"prefill_ms_estimate", sr.report.prefill_ms_estimate},
@@ -175,7 +176,7 @@ Runner add_generate(CLI::App& app) {
   app.add_option("--chunk-tokens", o->chunk_tokens, "with --store: tokens per chunk, as stored")
       ->capture_default_str()
       ->transform(integer_in(1, 1 << 20));
-  app.add_flag("--json", o->json, "print {text, tokens_reused, ttft_ms, prefill_ms_estimate, chunks} as JSON instead of streaming the text");
+  app.add_flag("--json", o->json, "print {text, tokens, tokens_reused, ttft_ms, prefill_ms_estimate, chunks} as JSON instead of streaming the text");
   return [o] { return run_generate(*o); };
 }
 

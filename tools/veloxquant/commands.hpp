@@ -22,5 +22,6 @@ Runner add_inspect(CLI::App& app);
 Runner add_store(CLI::App& app);
 Runner add_demo(CLI::App& app);
 Runner add_convert(CLI::App& app);
+Runner add_tokenize(CLI::App& app);
 
 }  // namespace vqcli

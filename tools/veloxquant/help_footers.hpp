@@ -56,6 +56,8 @@ inline const std::map<std::string, HelpText>& help_texts() {
       {"store rm", {"veloxquant store rm [--store URL] (--all | KEY...)", "veloxquant store rm --all"}},
       {"convert", {"veloxquant convert M.bin --tokenizer T -o M.gguf [--pad-head P]",
                    "veloxquant convert ../shared/models/stories260K.bin --tokenizer ../shared/models/tok512.bin -o stories260K.gguf"}},
+      {"tokenize", {"veloxquant tokenize [--model M] [--tokenizer T] (--text F | --prompt TEXT) [--bos] [--json]",
+                    "veloxquant tokenize --prompt 'Once upon a time' --bos"}},
       {"bench", {"veloxquant bench (codec | attention) [OPTIONS]", "veloxquant bench codec --synthetic --bits 4"}},
       {"bench codec", {"veloxquant bench codec [--keys K.npy --values V.npy | --model M [--tokenizer T] [--text F] [--windows N] "
                        "| --synthetic] [--bits N | --method vq:bits=B,...] [--json]",
