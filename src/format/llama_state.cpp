@@ -123,7 +123,8 @@ LlamaState read_llama_state(std::span<const std::uint8_t> bytes, const LlamaStat
   const auto n_token = c.get<std::uint32_t>("token count");
   c.need(std::uint64_t{n_token} * 4, "the token ids");
   st.tokens.resize(n_token);
-  std::memcpy(st.tokens.data(), c.take(std::uint64_t{n_token} * 4, "the token ids"), std::size_t{n_token} * 4);
+  const std::uint8_t* tokens = c.take(std::uint64_t{n_token} * 4, "the token ids");
+  if (n_token > 0) std::memcpy(st.tokens.data(), tokens, std::size_t{n_token} * 4);  // data() may be null when empty
   for (std::size_t i = 0; i < st.tokens.size(); ++i)
     if (st.tokens[i] < 0) c.fail(fmt::format("token {} is {} (byte {}): token ids are not negative", i, st.tokens[i], 12 + 4 * i));
 

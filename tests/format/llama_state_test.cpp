@@ -68,6 +68,12 @@ TEST(LlamaState, RoundTripIsExactForEveryTypeAndLayout) {
       }
 }
 
+TEST(LlamaState, NoTokenIdsIsAValidState) {
+  auto st = make_state(vq::DType::F16, true, 2);
+  st.tokens.clear();  // llama.cpp saves whatever prompt its caller passes, possibly none
+  expect_same(vq::read_llama_state(vq::write_llama_state(st), kModel), st);
+}
+
 TEST(LlamaState, SeveralStreamsKeepTheOneThatHoldsTheCells) {
   const auto st = make_state(vq::DType::F16, true, 7, 4, 2);
   expect_same(vq::read_llama_state(vq::write_llama_state(st), kModel), st);

@@ -5,7 +5,7 @@
 // the sequence's state (saveStateToFile). Every state below is loaded into the same context
 // (loadStateFromFile) and continued over the next 256 tokens, asking llama.cpp for the full
 // next-token distribution at each:
-// - the state as llama.cpp saved it: the reference distributions;
+// - the state as llama.cpp saved it: the reference distributions (equal to the live sequence's);
 // - exact round trips (`compress --llama-state --method fp16|fp32`, `decompress --llama-state-out`):
 //   the same state bytes, and every probability equal bit for bit to the reference;
 // - lossy round trips (vq:bits=2, cachegen): llama.cpp's perplexity of the continuation against the
@@ -99,7 +99,11 @@ for (const flashAttention of [false, true]) {
   const state = path.join(scratch, `fa${flashAttention}.state`);
   const {fileSize} = await seq.saveStateToFile(state);
   console.log(`flash attention ${flashAttention}: llama.cpp saved ${fileSize} bytes (${PROMPT} tokens, F16 KV)`);
+  // The sequence continued without saving gives what its loaded state gives: loading restores it.
+  const direct = await continuation(seq);
   const ref = await fromState(seq, state);
+  const same = identical(direct, ref);
+  check(same === null, `llama.cpp's own state continues as the live sequence did (${same})`);
   const refPpl = ppl(ref);
   console.log(`  reference (llama.cpp's own state): continuation ppl ${refPpl.toFixed(6)} over ${CONT} tokens`);
 
@@ -123,6 +127,7 @@ for (const flashAttention of [false, true]) {
     check(ratio >= budget.minRatio, `${method}: ${ratio.toFixed(2)}x smaller, budget ${budget.minRatio}x`);
     check(Math.abs(dppl) <= budget.maxDppl, `${method}: |dPPL| ${(100 * dppl).toFixed(3)} %, budget ${100 * budget.maxDppl} %`);
     check(kl <= budget.maxKl, `${method}: KL ${kl}, budget ${budget.maxKl}`);
+    check(kl > 0, `${method}: a lossy state changes the distributions (KL ${kl} > 0: the loaded K/V are the ones used)`);
   }
   await ctx.dispose();
 }
