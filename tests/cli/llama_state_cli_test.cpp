@@ -113,7 +113,7 @@ TEST(LlamaStateCli, BadInputIsOneLineAndExitOne) {
   ASSERT_EQ(r.code, 0) << r.err;
   r = run("decompress " + p("g.vqkv") + " --llama-state-out " + p("g2.bin") + " -o " + p("g2.safetensors"));
   EXPECT_EQ(r.code, 1);
-  EXPECT_NE(r.err.find("give one output"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("give either -o"), std::string::npos) << r.err;
   r = run("compress --model " + model + " --tokenizer " + vqtest::tokenizer_path() + " --text " + vqtest::models_dir() +
           "/tinystories_val.txt --ctx 20 --method fp32 -o " + p("m.vqkv"));
   ASSERT_EQ(r.code, 0) << r.err;

@@ -279,7 +279,7 @@ vq::LlamaState llama_state_of(const vq::PromptCache& pc, const std::string& in) 
 int run_decompress(const DecompressOptions& o) {
   const bool npy = !o.keys_out.empty() || !o.values_out.empty();
   vq::require((npy ? 1 : 0) + !o.out.empty() + !o.llama_state_out.empty() == 1,
-              "give one output: -o OUT.safetensors, --keys-out K.npy --values-out V.npy, or --llama-state-out OUT");
+              "give either -o OUT.safetensors, --keys-out K.npy --values-out V.npy or --llama-state-out OUT (one output)");
   vq::require(!npy || (!o.keys_out.empty() && !o.values_out.empty()), "--keys-out and --values-out go together");
   if (npy) require_distinct_outputs(o.keys_out, "--keys-out", o.values_out, "--values-out");
   vq::VqkvLoadOptions lo;
