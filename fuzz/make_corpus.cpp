@@ -14,6 +14,7 @@
 
 #include "veloxquant/cache/cachegen_cache.hpp"
 #include "veloxquant/entropy/rans.hpp"
+#include "veloxquant/format/llama_state.hpp"
 #include "veloxquant/format/vqkv.hpp"
 #include "veloxquant/peers/cachegen_paper_cache.hpp"
 #include "veloxquant/peers/lmcache_cache.hpp"
@@ -268,6 +269,31 @@ int main(int argc, char** argv) {
     write_seeds(vl, n++, b, b.size() * 2 / 3, b.size() / 2, 0x08);
   }
   write(vl, "empty", {});
+  // llama.cpp states (fuzz_llama_state): the two model shapes the target reads against, F32/F16/BF16,
+  // V per cell and transposed, one stream and three (cells in the middle one); a cut and a flipped
+  // copy of each (the flip lands in the cell metadata).
+  const auto ls = root / "fuzz_llama_state";
+  n = 0;
+  for (auto [layers, heads, dim, cells, dtype, v_trans, streams] :
+       {std::tuple{5, 4, 8, 3, vq::DType::F16, true, 1u}, {5, 4, 8, 2, vq::DType::F16, false, 1u}, {2, 1, 4, 4, vq::DType::F32, true, 3u},
+        {2, 1, 4, 3, vq::DType::BF16, false, 1u}}) {
+    vq::LlamaState st;
+    st.tokens = {1, 301, 427};
+    st.dtype = dtype;
+    st.v_trans = v_trans;
+    st.n_stream = streams;
+    st.stream = streams / 2;
+    std::normal_distribution<float> nd;
+    for (int l = 0; l < layers; ++l) {
+      std::vector<float> x(static_cast<std::size_t>(2 * heads * cells * dim));
+      for (auto& v : x) v = nd(vrng);
+      st.layers.push_back({vq::Tensor::from_f32({1, heads, cells, dim}, std::span<const float>(x).first(x.size() / 2), dtype),
+                           vq::Tensor::from_f32({1, heads, cells, dim}, std::span<const float>(x).last(x.size() / 2), dtype)});
+    }
+    const auto b = vq::write_llama_state(st);
+    write_seeds(ls, n++, b, b.size() * 2 / 3, 12 + 12 + 4 * streams + 4, 0x01);
+  }
+  write(ls, "empty", {});
   std::printf("corpus written under %s\n", root.c_str());
   return 0;
 }

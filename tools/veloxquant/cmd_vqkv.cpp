@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <sstream>
 #include <string>
 
@@ -18,9 +19,11 @@
 #include "numeric_options.hpp"
 #include "veloxquant/core/error.hpp"
 #include "veloxquant/core/npy.hpp"
+#include "veloxquant/format/llama_state.hpp"
 #include "veloxquant/format/safetensors.hpp"
 #include "veloxquant/format/vqkv.hpp"
 #include "veloxquant/model/checkpoint.hpp"
+#include "veloxquant/model/gguf.hpp"
 #include "veloxquant/model/method_spec.hpp"
 #include "veloxquant/model/model_files.hpp"
 #include "veloxquant/model/tokenizer.hpp"
@@ -34,13 +37,20 @@ using Clock = std::chrono::steady_clock;
 double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
 struct CompressOptions {
-  std::string keys, values, kv, model, tokenizer, text, out, method = "cachegen", flush;
+  std::string keys, values, kv, llama_state, model, tokenizer, text, out, method = "cachegen", flush;
   int ctx = 0, bits = 0, group_size = 0;
   std::int64_t chunk = 0, chunk_tokens = vq::VqkvSaveOptions{}.chunk_tokens;
   bool json = false;
 };
 
+// A model file as the checkpoint it holds: a GGUF file or a llama2.c checkpoint (no tokenizer read).
+vq::Checkpoint load_checkpoint(const std::string& path) {
+  if (vq::is_gguf_file(path)) return vq::load_gguf(path).checkpoint;
+  return vq::Checkpoint::load(path);
+}
+
 // The method: --method, with --bits / --group-size / --flush overriding a cachegen spec's keys.
+// A llama.cpp state also takes fp16 (its rows stored as float16: exact for an F16 state).
 vq::MethodSpec method_of(const CompressOptions& o) {
   vq::MethodSpec spec = vq::MethodSpec::parse(o.method);
   const bool overrides = o.bits != 0 || o.group_size != 0 || !o.flush.empty();
@@ -51,8 +61,9 @@ vq::MethodSpec method_of(const CompressOptions& o) {
     if (!o.flush.empty()) spec.cachegen.cachegen_flush = vq::flush_mode_from_name(o.flush);
     spec.cachegen.validate();
   }
-  vq::require(spec.kind == vq::MethodSpec::Kind::CacheGen || spec.kind == vq::MethodSpec::Kind::Fp32 || spec.kind == vq::MethodSpec::Kind::Vq,
-              "--method {}: a .vqkv file holds cachegen, vq or fp32 caches", o.method);
+  vq::require(spec.kind == vq::MethodSpec::Kind::CacheGen || spec.kind == vq::MethodSpec::Kind::Fp32 || spec.kind == vq::MethodSpec::Kind::Vq ||
+                  (spec.kind == vq::MethodSpec::Kind::Fp16 && !o.llama_state.empty()),
+              "--method {}: a .vqkv file holds cachegen, vq or fp32 caches (and fp16 from --llama-state)", o.method);
   return spec;
 }
 
@@ -66,9 +77,49 @@ void feed(vq::KVCache& cache, const vq::Tensor& k, const vq::Tensor& v, std::int
   }
 }
 
+// The .vqkv metadata that lets decompress write the state back as llama.cpp saved it: the fields the
+// K/V tensors do not carry, and the token ids (decimal, comma-separated: the format's metadata is
+// where a file keeps what is not a cache; 256 tokens of stories260K take about 1 KB).
+constexpr const char* kLlamaStateKey = "llama_state";
+constexpr const char* kLlamaTokensKey = "llama_state.tokens";
+
+void put_llama_state_metadata(vq::PromptMetadata& meta, const vq::LlamaState& st) {
+  meta[kLlamaStateKey] = fmt::format("type={},v_trans={},n_stream={},stream={},seq_id={}", vq::ggml_type_name(vq::ggml_type_of(st.dtype)),
+                                     st.v_trans ? 1 : 0, st.n_stream, st.stream, st.seq_id);
+  std::string t;
+  for (std::size_t i = 0; i < st.tokens.size(); ++i) t += (i ? "," : "") + std::to_string(st.tokens[i]);
+  meta[kLlamaTokensKey] = t;
+}
+
+// Compress a llama.cpp state: one cache per layer of the model it was saved from, fed its K/V in
+// calls of --chunk cells. fp16 stores the rows as float16 in plain caches.
+std::vector<std::shared_ptr<vq::KVCache>> compress_llama_state(const CompressOptions& o, vq::MethodSpec spec, vq::PromptMetadata& meta,
+                                                               double& input_fp16_bytes) {
+  vq::require(!o.model.empty(), "--llama-state needs --model M (the model the state was saved from: its layers, KV heads and head size)");
+  vq::require(o.ctx == 0 && o.text.empty() && o.tokenizer.empty(), "--llama-state takes no --ctx, --text or --tokenizer (the state holds the cache)");
+  vq::Transformer model(load_checkpoint(o.model));
+  const auto& c = model.config();
+  const vq::LlamaState st = vq::load_llama_state(o.llama_state, {c.n_layers, c.n_kv_heads, c.head_size(), c.head_size()});
+  const bool fp16 = spec.kind == vq::MethodSpec::Kind::Fp16;
+  if (fp16) spec = vq::MethodSpec::parse("fp32");
+  auto caches = vq::make_caches(spec, model);
+  for (std::size_t i = 0; i < st.layers.size(); ++i) {
+    const auto& l = st.layers[i];
+    if (fp16) feed(*caches[i], l.keys.to(vq::DType::F16), l.values.to(vq::DType::F16), o.chunk);
+    else feed(*caches[i], l.keys, l.values, o.chunk);
+    input_fp16_bytes += 2.0 * static_cast<double>(l.keys.numel() + l.values.numel());
+  }
+  put_llama_state_metadata(meta, st);
+  meta["source"] = std::filesystem::path(o.llama_state).filename().string();
+  meta["model"] = std::filesystem::path(o.model).filename().string();
+  return caches;
+}
+
 int run_compress(const CompressOptions& o) {
-  const int sources = (!o.keys.empty() || !o.values.empty()) + !o.kv.empty() + (o.ctx > 0 || !o.model.empty() || !o.text.empty());
-  vq::require(sources == 1, "give exactly one input: --keys K.npy --values V.npy, --kv FILE.safetensors, or --model/--text with --ctx N");
+  const int sources = (!o.keys.empty() || !o.values.empty()) + !o.kv.empty() + !o.llama_state.empty() +
+                      (o.llama_state.empty() && (o.ctx > 0 || !o.model.empty() || !o.text.empty()));
+  vq::require(sources == 1,
+              "give exactly one input: --keys K.npy --values V.npy, --kv FILE.safetensors, --llama-state FILE --model M, or --model/--text with --ctx N");
   const vq::MethodSpec spec = method_of(o);
   vq::PromptMetadata meta{{"method", spec.to_string()}, {"writer", "veloxquant 0.1.0"}};
   std::vector<std::shared_ptr<vq::KVCache>> caches;
@@ -95,6 +146,8 @@ int run_compress(const CompressOptions& o) {
                 "{} is {} but {} is {}", o.keys, vq::dtype_name(p.keys.dtype()), o.values, vq::dtype_name(p.values.dtype()));
     meta["source"] = fmt::format("{} {}", std::filesystem::path(o.keys).filename().string(), std::filesystem::path(o.values).filename().string());
     feed_layers({p});
+  } else if (!o.llama_state.empty()) {
+    caches = compress_llama_state(o, spec, meta, input_fp16_bytes);
   } else if (!o.kv.empty()) {
     const auto layers = vq::read_kv_safetensors(o.kv);
     meta["source"] = std::filesystem::path(o.kv).filename().string();
@@ -131,6 +184,7 @@ int run_compress(const CompressOptions& o) {
     nlohmann::json j{{"path", o.out},           {"bytes", bytes},   {"layers", caches.size()},
                      {"tokens", caches[0]->offset()}, {"method", spec.to_string()}, {"fp16_bytes", input_fp16_bytes},
                      {"bits_per_element", bits}, {"seconds", secs}};
+    if (!o.llama_state.empty()) j["llama_state_bytes"] = std::filesystem::file_size(o.llama_state);
     fmt::print("{}\n", json_text(j, -1));  // a path need not be UTF-8
   } else {
     fmt::print("wrote {}: {} bytes, {} layers x {} tokens, {}; {:.3f} bits/element ({:.2f}x smaller than fp16); {:.2f} s\n", o.out, bytes,
@@ -140,7 +194,7 @@ int run_compress(const CompressOptions& o) {
 }
 
 struct DecompressOptions {
-  std::string in, out, keys_out, values_out, model;
+  std::string in, out, keys_out, values_out, llama_state_out, model;
   int layer = -1;
 };
 
@@ -153,20 +207,89 @@ vq::VqLayerModelSource vq_models_of(const std::string& model) {
       const auto path = model.empty() ? vq::find_default_model() : std::optional<std::filesystem::path>(model);
       vq::require(path.has_value(), "a vq layer needs the model with fingerprint {:016x}: give it with --model (no {} in {})", want.fingerprint,
                   vq::kDefaultModelFile, "$VELOXQUANT_MODEL_DIR, ./models or ../shared/models");
-      *cached = vq::vq_layer_models(std::make_shared<const vq::Checkpoint>(vq::Checkpoint::load(path->string())));
+      *cached = vq::vq_layer_models(std::make_shared<const vq::Checkpoint>(load_checkpoint(path->string())));
     }
     return (*cached)(want);
   };
 }
 
+// The llama.cpp state held by a .vqkv compressed from one (its llama_state metadata), with the
+// caches' K/V converted back to the state's type.
+vq::LlamaState llama_state_of(const vq::PromptCache& pc, const std::string& in) {
+  const auto it = pc.metadata.find(kLlamaStateKey);
+  const auto tt = pc.metadata.find(kLlamaTokensKey);
+  if (it == pc.metadata.end() || tt == pc.metadata.end())
+    throw vq::FormatError(fmt::format("{}: not compressed from a llama.cpp state (no {} / {} metadata): use -o or --keys-out", in,
+                                      kLlamaStateKey, kLlamaTokensKey));
+  auto bad = [&](const std::string& why) -> vq::FormatError {
+    return vq::FormatError(fmt::format("{}: metadata {}: {}", in, kLlamaStateKey, why));
+  };
+  // Every field exactly as compress writes it: name=unsigned decimal (type: a name), in this order.
+  vq::LlamaState st;
+  std::map<std::string, std::string> f;
+  std::stringstream ss(it->second);
+  for (std::string kv; std::getline(ss, kv, ',');) {
+    const auto eq = kv.find('=');
+    if (eq == std::string::npos || f.count(kv.substr(0, eq))) throw bad(fmt::format("'{}' is not a new name=value field", printable(kv)));
+    f[kv.substr(0, eq)] = kv.substr(eq + 1);
+  }
+  auto number = [&](const char* key, std::uint64_t max) -> std::uint64_t {
+    const auto v = f.find(key);
+    if (v == f.end()) throw bad(fmt::format("no {} field", key));
+    const std::string& s = v->second;
+    if (s.empty() || s.size() > 10 || s.find_first_not_of("0123456789") != std::string::npos || std::stoull(s) > max)
+      throw bad(fmt::format("{}={} is not an integer in 0 .. {}", key, printable(s), max));
+    return std::stoull(s);
+  };
+  const auto type = f.find("type");
+  if (type == f.end()) throw bad("no type field");
+  if (type->second == "f32") st.dtype = vq::DType::F32;
+  else if (type->second == "f16") st.dtype = vq::DType::F16;
+  else if (type->second == "bf16") st.dtype = vq::DType::BF16;
+  else throw bad(fmt::format("type={} is not f32, f16 or bf16", printable(type->second)));
+  st.v_trans = number("v_trans", 1) == 1;
+  st.n_stream = static_cast<std::uint32_t>(number("n_stream", 0xffffffffu));
+  st.stream = static_cast<std::uint32_t>(number("stream", 0xffffffffu));
+  st.seq_id = static_cast<std::int32_t>(number("seq_id", 0x7fffffff));
+  if (f.size() != 5) throw bad("unknown fields (expected type, v_trans, n_stream, stream, seq_id)");
+  if (st.n_stream == 0 || st.stream >= st.n_stream) throw bad(fmt::format("stream {} of {} streams", st.stream, st.n_stream));
+  const std::string& toks = tt->second;
+  std::size_t p = 0;
+  while (p < toks.size()) {
+    const std::size_t e = std::min(toks.find(',', p), toks.size());
+    const std::string t = toks.substr(p, e - p);
+    if (t.empty() || t.size() > 10 || t.find_first_not_of("0123456789") != std::string::npos || std::stoull(t) > 0x7fffffffu)
+      throw vq::FormatError(fmt::format("{}: metadata {}: '{}' is not a token id", in, kLlamaTokensKey, printable(t)));
+    st.tokens.push_back(static_cast<std::int32_t>(std::stoull(t)));
+    p = e + 1;
+    if (e + 1 == toks.size()) throw vq::FormatError(fmt::format("{}: metadata {}: ends in a comma", in, kLlamaTokensKey));
+  }
+  for (const auto& c : pc.caches) {
+    const vq::KVState kv = c->state();
+    st.layers.push_back({kv.keys, kv.values});
+  }
+  if (st.layers.empty() || st.layers[0].keys.dim(2) == 0) throw vq::FormatError(fmt::format("{}: holds no tokens: no llama.cpp state to write", in));
+  if (st.layers[0].keys.dim(0) != 1) throw vq::FormatError(fmt::format("{}: holds a batch of {}: a llama.cpp state holds one sequence", in, st.layers[0].keys.dim(0)));
+  for (const auto& l : st.layers)
+    if (l.keys.dim(2) != st.layers[0].keys.dim(2))
+      throw vq::FormatError(fmt::format("{}: its layers hold different token counts: no llama.cpp state", in));
+  return st;
+}
+
 int run_decompress(const DecompressOptions& o) {
   const bool npy = !o.keys_out.empty() || !o.values_out.empty();
-  vq::require(npy != !o.out.empty(), "give either -o OUT.safetensors or --keys-out K.npy --values-out V.npy");
+  vq::require((npy ? 1 : 0) + !o.out.empty() + !o.llama_state_out.empty() == 1,
+              "give either -o OUT.safetensors, --keys-out K.npy --values-out V.npy or --llama-state-out OUT (one output)");
   vq::require(!npy || (!o.keys_out.empty() && !o.values_out.empty()), "--keys-out and --values-out go together");
   if (npy) require_distinct_outputs(o.keys_out, "--keys-out", o.values_out, "--values-out");
   vq::VqkvLoadOptions lo;
   lo.vq_models = vq_models_of(o.model);
   const vq::PromptCache pc = vq::load_prompt_cache(o.in, lo);
+  if (!o.llama_state_out.empty()) {
+    vq::require(o.layer < 0, "--layer applies to .npy output only");
+    vq::save_llama_state(o.llama_state_out, llama_state_of(pc, o.in));
+    return 0;
+  }
   if (npy) {
     const int n = static_cast<int>(pc.caches.size());
     vq::require(o.layer >= 0 || n == 1, "{} holds {} layers: choose one with --layer I, or write them all with -o OUT.safetensors", o.in, n);
@@ -285,10 +408,13 @@ Runner add_compress(CLI::App& app) {
   auto* kin = app.add_option("--keys", o->keys, "keys .npy [B, H, S, D], float32 or float16 (one layer)")->check(CLI::ExistingFile);
   app.add_option("--values", o->values, "values .npy [B, H, S, D]")->check(CLI::ExistingFile)->needs(kin);
   app.add_option("--kv", o->kv, "safetensors with layers.{i}.keys / layers.{i}.values [B, H, S, D]")->check(CLI::ExistingFile);
+  app.add_option("--llama-state", o->llama_state, "a sequence state saved by llama.cpp (saveStateToFile; f32/f16/bf16 cache), with --model "
+                                                  "the model it was saved from (docs/format.md)")->check(CLI::ExistingFile);
   add_model_options(app, o->model, o->tokenizer);
   app.add_option("--text", o->text, "text to run through the model (default: tinystories_val.txt beside the model)");
   app.add_option("--ctx", o->ctx, "tokens of the text (BOS first) to prefill through the model")->transform(integer_in(1, std::numeric_limits<int>::max()));
-  app.add_option("--method", o->method, "cache method spec: cachegen[:bits=..,group=..,flush=..,schedule=..], vq[:bits=..,...] or fp32 (default: cachegen)");
+  app.add_option("--method", o->method, "cache method spec: cachegen[:bits=..,group=..,flush=..,schedule=..], vq[:bits=..,...] or fp32 "
+                                        "(--llama-state: also fp16) (default: cachegen)");
   app.add_option("--bits", o->bits, "cachegen base bits (overrides the spec)")->transform(integer_in(1, 8));
   app.add_option("--group-size", o->group_size, "cachegen tokens per group (overrides the spec)")->transform(integer_in(1, std::numeric_limits<int>::max()));
   app.add_option("--flush", o->flush, "cachegen flush mode: per_call | group_aligned (overrides the spec)");
@@ -305,8 +431,10 @@ Runner add_decompress(CLI::App& app) {
   app.add_option("-o,--output", o->out, "output safetensors (layers.{i}.keys / layers.{i}.values)");
   app.add_option("--keys-out", o->keys_out, "output keys .npy (one layer)");
   app.add_option("--values-out", o->values_out, "output values .npy (one layer)");
+  app.add_option("--llama-state-out", o->llama_state_out, "output llama.cpp sequence state (loadStateFromFile), for a file compressed "
+                                                          "from --llama-state");
   app.add_option("--layer", o->layer, "layer to write as .npy (required when the file holds several)")->transform(integer_in(0, std::numeric_limits<int>::max()));
-  app.add_option("--model", o->model, "llama2.c checkpoint that vq layers were compressed with (default: looked up as compress does; "
+  app.add_option("--model", o->model, "model (llama2.c checkpoint or GGUF) that vq layers were compressed with (default: looked up as compress does; "
                                       "a file of another model's fingerprint is refused)");
   return [o] { return run_decompress(*o); };
 }

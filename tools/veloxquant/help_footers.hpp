@@ -38,11 +38,12 @@ inline const std::map<std::string, HelpText>& help_texts() {
       {"synth", {"veloxquant synth --keys-out K.npy --values-out V.npy [--tokens N] [--heads H] [--head-dim D] [--batch B] "
                  "[--seed S] [--dtype float16|float32]",
                  "veloxquant synth --keys-out k.npy --values-out v.npy --tokens 2048 --dtype float16"}},
-      {"compress", {"veloxquant compress (--keys K.npy --values V.npy | --kv FILE.safetensors | --model M --tokenizer T --text F "
-                    "--ctx N) [--method cachegen[:...]|fp32] [--bits N] [--group-size G] [--flush MODE] [--chunk S] "
+      {"compress", {"veloxquant compress (--keys K.npy --values V.npy | --kv FILE.safetensors | --llama-state FILE --model M.gguf | "
+                    "--model M --tokenizer T --text F --ctx N) [--method cachegen[:...]|vq[:...]|fp32|fp16] [--bits N] [--group-size G] [--flush MODE] [--chunk S] "
                     "[--chunk-tokens C] -o OUT.vqkv [--json]",
                     "veloxquant compress --keys k.npy --values v.npy --bits 4 -o kv.vqkv"}},
-      {"decompress", {"veloxquant decompress IN.vqkv (-o OUT.safetensors | --keys-out K.npy --values-out V.npy [--layer I])",
+      {"decompress", {"veloxquant decompress IN.vqkv (-o OUT.safetensors | --keys-out K.npy --values-out V.npy [--layer I] | "
+                      "--llama-state-out OUT) [--model M]",
                       "veloxquant decompress kv.vqkv --keys-out k2.npy --values-out v2.npy"}},
       {"inspect", {"veloxquant inspect IN.vqkv [--json]", "veloxquant inspect kv.vqkv"}},
       {"profile", {"veloxquant profile [--model M] [--tokenizer T] [--text F] [-o OUT] [--tokens N] [--skip N]",
