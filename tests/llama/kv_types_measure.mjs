@@ -16,6 +16,10 @@ import {paddedModel, loadModel, textWindows, scoreLlama, meanKl, ourEval, typeBi
 const args = process.argv.slice(2);
 const opt = (name, def) => { const i = args.indexOf(name); return i >= 0 ? args[i + 1] : def; };
 const nWindows = Number(opt("--windows", "16"));
+if (!Number.isInteger(nWindows) || nWindows < 1 || nWindows > 64) {
+  console.error(`kv_types_measure: --windows must be an integer 1..64, got '${opt("--windows")}'`);
+  process.exit(2);
+}
 const types = ["F16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "IQ4_NL"];  // K; V the same (F16 with flash attention off)
 
 async function pass(modelFile) {
