@@ -1,6 +1,12 @@
 #include "veloxquant/eval/evaluator.hpp"
 
 #include <algorithm>
+#include <atomic>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <thread>
 #include <cmath>
 #include <span>
 
@@ -148,6 +154,32 @@ WindowRun run_window(Transformer& model, const std::string& method, std::span<co
   return out;
 }
 
+// Runs fn(task, worker) for task = 0 .. n - 1 on `workers` threads (worker 0 is the calling
+// thread); which worker runs a task is not fixed, so fn must give the same result on any. The
+// first exception thrown is rethrown once all have stopped.
+void parallel_tasks(std::size_t n, std::size_t workers, const std::function<void(std::size_t, std::size_t)>& fn) {
+  workers = std::max<std::size_t>(1, std::min(workers, n));
+  std::atomic<std::size_t> next{0};
+  std::exception_ptr error;
+  std::mutex error_mu;
+  auto loop = [&](std::size_t w) {
+    for (std::size_t t; (t = next.fetch_add(1)) < n;) {
+      try {
+        fn(t, w);
+      } catch (...) {
+        const std::lock_guard<std::mutex> lock(error_mu);
+        if (!error) error = std::current_exception();
+        next = n;  // stop handing out tasks
+      }
+    }
+  };
+  std::vector<std::thread> pool;
+  for (std::size_t w = 1; w < workers; ++w) pool.emplace_back(loop, w);
+  loop(0);
+  for (auto& t : pool) t.join();
+  if (error) std::rethrow_exception(error);
+}
+
 }  // namespace
 
 std::vector<MethodResult> evaluate(Transformer& model, const std::vector<int>& tokens, const std::vector<std::string>& methods,
@@ -172,34 +204,58 @@ std::vector<MethodResult> evaluate(Transformer& model, const std::vector<int>& t
 
   std::vector<Accum> acc(methods.size());
   Accum ref;
-  std::vector<double> lp_ref, lp;
   std::vector<int> seq(static_cast<std::size_t>(o.window));
+  // Worker w forwards models[w]: the caller's model, then copies (Transformer.hpp: one model per
+  // thread).
+  const std::size_t n_threads = o.threads > 0 ? static_cast<std::size_t>(o.threads)
+                                              : std::max<std::size_t>(1, std::thread::hardware_concurrency());
+  const std::size_t workers = std::min(n_threads, methods.size() + 1);
+  std::vector<std::unique_ptr<Transformer>> copies;
+  std::vector<Transformer*> models{&model};
+  for (std::size_t w = 1; w < workers; ++w) {
+    copies.push_back(std::make_unique<Transformer>(model));
+    models.push_back(copies.back().get());
+  }
+  // The reference's log-probabilities of the window's scored positions, [scored, vocab], and top-1.
+  std::vector<double> lp_ref(static_cast<std::size_t>(scored_per_window) * static_cast<std::size_t>(vocab));
+  std::vector<std::ptrdiff_t> ref_top(static_cast<std::size_t>(scored_per_window));
   for (std::int64_t w = 0; w < n_windows; ++w) {
     seq[0] = 1;  // BOS
     std::copy_n(tokens.begin() + static_cast<std::ptrdiff_t>(w * text_per_window), text_per_window, seq.begin() + 1);
     const int first_target = o.protocol == EvalProtocol::Stream ? 1 : o.ctx;  // seq index of the first scored token
-    const WindowRun base = run_window(model, "fp32", seq, o);
-    std::vector<WindowRun> runs;
-    for (const auto& m : methods) runs.push_back(run_window(model, m, seq, o));
+    // Task 0: the fp32 reference; task 1 + m: method m. Each is a whole window on its own caches.
+    std::vector<WindowRun> runs(methods.size() + 1);
+    parallel_tasks(runs.size(), workers, [&](std::size_t t, std::size_t wk) {
+      runs[t] = run_window(*models[wk], t == 0 ? std::string("fp32") : methods[t - 1], seq, o);
+    });
+    const WindowRun& base = runs[0];
     for (std::int64_t i = 0; i < scored_per_window; ++i) {
       const int target = seq[static_cast<std::size_t>(first_target + i)];
       std::span<const float> rl(base.logits.data() + i * vocab, static_cast<std::size_t>(vocab));
-      log_softmax(rl, lp_ref);
-      const auto ref_top = std::max_element(rl.begin(), rl.end()) - rl.begin();
-      ref.nll -= lp_ref[static_cast<std::size_t>(target)];
+      std::vector<double> lp;
+      log_softmax(rl, lp);
+      std::copy(lp.begin(), lp.end(), lp_ref.begin() + i * vocab);
+      ref_top[static_cast<std::size_t>(i)] = std::max_element(rl.begin(), rl.end()) - rl.begin();
+      ref.nll -= lp[static_cast<std::size_t>(target)];
       ++ref.tokens;
-      for (std::size_t m = 0; m < methods.size(); ++m) {
-        std::span<const float> ml(runs[m].logits.data() + i * vocab, static_cast<std::size_t>(vocab));
+    }
+    // Method m's sums in position order on one thread, as a single-threaded run forms them.
+    parallel_tasks(methods.size(), workers, [&](std::size_t m, std::size_t) {
+      std::vector<double> lp;
+      for (std::int64_t i = 0; i < scored_per_window; ++i) {
+        const int target = seq[static_cast<std::size_t>(first_target + i)];
+        const double* lr = lp_ref.data() + i * vocab;
+        std::span<const float> ml(runs[m + 1].logits.data() + i * vocab, static_cast<std::size_t>(vocab));
         log_softmax(ml, lp);
         double kl = 0;
-        for (int v = 0; v < vocab; ++v) kl += std::exp(lp_ref[static_cast<std::size_t>(v)]) * (lp_ref[static_cast<std::size_t>(v)] - lp[static_cast<std::size_t>(v)]);
+        for (int v = 0; v < vocab; ++v) kl += std::exp(lr[v]) * (lr[v] - lp[static_cast<std::size_t>(v)]);
         acc[m].kl += std::max(0.0, kl);
         acc[m].nll -= lp[static_cast<std::size_t>(target)];
-        acc[m].agree += (std::max_element(ml.begin(), ml.end()) - ml.begin()) == ref_top;
+        acc[m].agree += (std::max_element(ml.begin(), ml.end()) - ml.begin()) == ref_top[static_cast<std::size_t>(i)];
         ++acc[m].tokens;
       }
-    }
-    for (std::size_t m = 0; m < methods.size(); ++m) acc[m].bits.add(runs[m].bits);
+    });
+    for (std::size_t m = 0; m < methods.size(); ++m) acc[m].bits.add(runs[m + 1].bits);
     if (o.progress) o.progress(static_cast<double>(w + 1) / static_cast<double>(n_windows));
   }
   const double ppl_ref = std::exp(ref.nll / static_cast<double>(ref.tokens));

@@ -253,12 +253,15 @@ std::vector<float> Transformer::forward(std::span<const int> tokens, std::vector
   const std::int64_t T = pos0 + n;
 
   // The cache input: wrapped once per chunk length (Tensor::wrap validates and allocates).
-  if (wrapped_n_ != n) {
+  // Also when kbuf_ is not the buffer wrapped: a copy of a Transformer has its own buffers, but
+  // its Tensors still wrap the original's.
+  if (wrapped_n_ != n || wrapped_base_ != kbuf_.data()) {
     const Shape4 shape{1, n_kv, n, hs};
     kin_ = Tensor::wrap(kbuf_.data(), shape, DType::F32);
     vin_ = Tensor::wrap(vbuf_.data(), shape, DType::F32);
     qin_ = Tensor::wrap(qbuf_.data(), Shape4{1, c.n_heads, n, hs}, DType::F32);
     wrapped_n_ = n;
+    wrapped_base_ = kbuf_.data();
   }
 
   for (int i = 0; i < n; ++i)

@@ -144,7 +144,7 @@ FrequencyTable low_table(int shift) {
 }
 
 // The frequencies of (amax, param)'s table (vq_table's, before the cumulative sums).
-std::vector<std::uint32_t> vq_frequencies(int amax, std::uint8_t param) {
+std::vector<std::uint32_t> vq_frequencies(int amax, std::uint8_t param, int scale) {
   require(amax >= 0 && amax <= kVqMaxCode, "vq_table: amax {} outside 0..{}", amax, kVqMaxCode);
   const bool laplace = (param & 0x80) != 0;
   // sigma = 2^((i - 48) / 8): an exact power of two times 2^(j/8), j = 0..7, from a table of
@@ -161,7 +161,7 @@ std::vector<std::uint32_t> vq_frequencies(int amax, std::uint8_t param) {
   const int q = e >= 0 ? e / 8 : -((-e + 7) / 8);
   const double s = std::ldexp(kEighths[e - 8 * q], q);
   const int m = 2 * amax + 1;
-  const std::uint32_t total = 1u << kVqScaleBits;
+  const std::uint32_t total = 1u << scale;
   std::vector<double> p(sz(m));
   // Symmetric: compute k >= 0 from lower tails (accurate far out), mirror.
   for (int k = 0; k <= amax; ++k) {
@@ -194,13 +194,13 @@ std::vector<std::uint32_t> vq_frequencies(int amax, std::uint8_t param) {
 // log2(total / freq) of each symbol of (amax, param)'s table, what FrequencyTable::cost_bits sums
 // (same expression, so the same choices). Built once per (amax, param) per process, shared by all
 // threads, never freed: only encoders (valid data, amax <= 255) fill it, a few KiB an entry.
-const double* model_costs(int amax, std::uint8_t param) {
-  static std::atomic<const std::vector<double>*> cache[(kVqMaxCode + 1) * 256];
-  auto& slot = cache[sz(amax) * 256 + param];
+const double* model_costs(int amax, std::uint8_t param, int scale) {
+  static std::atomic<const std::vector<double>*> cache[2 * (kVqMaxCode + 1) * 256];
+  auto& slot = cache[(scale == kVqScaleBits ? 0 : (kVqMaxCode + 1) * 256) + sz(amax) * 256 + param];
   if (const auto* c = slot.load(std::memory_order_acquire)) return c->data();
-  const auto f = vq_frequencies(amax, param);
+  const auto f = vq_frequencies(amax, param, scale);
   auto made = std::make_unique<std::vector<double>>(f.size());
-  const double M = static_cast<double>(1u << kVqScaleBits);
+  const double M = static_cast<double>(1u << scale);
   for (std::size_t i = 0; i < f.size(); ++i) (*made)[i] = std::log2(M / static_cast<double>(f[i]));
   const std::vector<double>* expected = nullptr;
   if (slot.compare_exchange_strong(expected, made.get(), std::memory_order_acq_rel)) return made.release()->data();
@@ -208,7 +208,7 @@ const double* model_costs(int amax, std::uint8_t param) {
 }
 
 // vq_best_param without building tables: the candidates' costs from model_costs.
-std::uint8_t best_param(const std::uint32_t* hist, int amax) {
+std::uint8_t best_param(const std::uint32_t* hist, int amax, int scale) {
   const int size = 2 * amax + 1;
   double n = 0, m2 = 0;
   for (int i = 0; i < size; ++i) {
@@ -222,7 +222,7 @@ std::uint8_t best_param(const std::uint32_t* hist, int amax) {
   for (int family = 0; family < 2; ++family)
     for (int i = std::max(0, i0 - 3); i <= std::min(127, i0 + 3); ++i) {
       const auto param = static_cast<std::uint8_t>(family << 7 | i);
-      const double* cost = model_costs(amax, param);
+      const double* cost = model_costs(amax, param, scale);
       double bits = 0.0;
       for (int k = 0; k < size; ++k)
         if (hist[k]) bits += static_cast<double>(hist[k]) * cost[k];
@@ -244,7 +244,8 @@ bool has_shifts(const VqSideCodes& s) {
 // amax and the best parameter of every coefficient of a side from its hi parts [rows, n]: one
 // row-major pass for the maxima, one for the histograms (all coefficients' in one array,
 // coefficient c's centred at hoff[c]).
-void side_models(const std::int16_t* hi, std::size_t n, std::size_t R, std::vector<int>& amax, std::vector<std::uint8_t>& param) {
+void side_models(const std::int16_t* hi, std::size_t n, std::size_t R, std::vector<int>& amax, std::vector<std::uint8_t>& param,
+                 int& scale) {
   std::vector<std::int16_t> mx(n, 0);  // |hi| <= 255 (check_hi)
   for (std::size_t r = 0; r < R; ++r)
     for (std::size_t c = 0; c < n; ++c) {
@@ -252,6 +253,7 @@ void side_models(const std::int16_t* hi, std::size_t n, std::size_t R, std::vect
       mx[c] = std::max(mx[c], static_cast<std::int16_t>(v < 0 ? -v : v));
     }
   amax.assign(mx.begin(), mx.end());
+  scale = vq_side_scale_bits(*std::max_element(amax.begin(), amax.end()));
   param.assign(n, 0);
   std::vector<std::int32_t> hoff(n);
   std::size_t total = 0;
@@ -263,7 +265,7 @@ void side_models(const std::int16_t* hi, std::size_t n, std::size_t R, std::vect
   for (std::size_t r = 0; r < R; ++r)
     for (std::size_t c = 0; c < n; ++c) ++hist[static_cast<std::size_t>(hoff[c] + hi[r * n + c])];
   for (std::size_t c = 0; c < n; ++c)
-    if (amax[c] > 0) param[c] = best_param(hist.data() + hoff[c] - amax[c], amax[c]);
+    if (amax[c] > 0) param[c] = best_param(hist.data() + hoff[c] - amax[c], amax[c], scale);
 }
 
 // The distinct (amax, param) tables of one encode or decode call.
@@ -271,10 +273,11 @@ struct CallTables {
   std::vector<FrequencyTable> tables;
   std::vector<int> amax;
   std::unordered_map<std::uint32_t, int> index;
-  int get(int a, std::uint8_t param) {
-    const auto [it, fresh] = index.try_emplace(static_cast<std::uint32_t>(a) << 8 | param, static_cast<int>(tables.size()));
+  int get(int a, std::uint8_t param, int scale) {
+    const auto [it, fresh] =
+        index.try_emplace(static_cast<std::uint32_t>(scale) << 16 | static_cast<std::uint32_t>(a) << 8 | param, static_cast<int>(tables.size()));
     if (fresh) {
-      tables.push_back(vq_table(a, param));
+      tables.push_back(vq_table(a, param, scale));
       amax.push_back(a);
     }
     return it->second;
@@ -285,13 +288,14 @@ struct CallTables {
 struct SideModel {
   std::vector<int> amax;
   std::vector<std::uint8_t> param;
+  int scale = kVqScaleBits;  // its tables' precision (vq_side_scale_bits; 12 in versions 1 and 2)
   // Derived: the coded columns (amax > 0) in order, their call table and amax; the split columns.
   std::vector<int> cols, table, col_amax, low_cols;
   void derive(const VqSideCodes& s, CallTables& t) {
     for (int c = 0; c < s.n; ++c) {
       if (amax[sz(c)] > 0) {
         cols.push_back(c);
-        table.push_back(t.get(amax[sz(c)], param[sz(c)]));
+        table.push_back(t.get(amax[sz(c)], param[sz(c)], scale));
         col_amax.push_back(amax[sz(c)]);
       }
       if (!s.shift.empty() && s.shift[sz(c)] > 0) low_cols.push_back(c);
@@ -308,7 +312,7 @@ std::vector<std::int32_t> wrapped(const std::vector<std::int32_t>& per_col) {
 }
 
 constexpr std::uint32_t kL = rans_detail::kL;
-constexpr std::uint32_t kMask = (1u << kVqScaleBits) - 1;
+constexpr std::uint32_t kField = (1u << 12) - 1;  // the packed decoder entry's freq - 1 and bias fields
 
 // The reference encoder step (rans.cpp's encode_scalar): x' = (x / f) * M + x % f + c.
 inline void enc_put(std::uint32_t& x, std::uint32_t f, std::uint32_t c, int s, std::uint16_t*& ptr) {
@@ -336,27 +340,35 @@ std::uint16_t* encode_region_scalar(std::uint32_t* x, const std::int16_t* hi, st
   for (std::size_t i = i1; i-- > i0;) {
     const FrequencyTable& tb = t.tables[sz(sm.table[j])];
     const int sym = hi[i] + sm.col_amax[j];
-    enc_put(x[(base + i) & 31], tb.freq(sym), tb.cum(sym), kVqScaleBits, ptr);
+    enc_put(x[(base + i) & 31], tb.freq(sym), tb.cum(sym), sm.scale, ptr);
     j = j == 0 ? m - 1 : j - 1;
   }
   return ptr;
 }
 
 // Decoder slot tables of a call: sym[table << 12 | slot] (scalar reference) or the packed entries
-// of codec_kernels.hpp (fast kernel; tables with amax <= 127 only). 16 KiB a table, so only up to
+// of codec_kernels.hpp (fast kernel; tables with amax <= 127 only), 2^scale entries a table from
+// packed_off[table] on. Up to 16 KiB a table, so only up to
 // kMaxPoolTables distinct tables (a hostile header names up to 65,280): beyond, the reference
 // finds each symbol by a binary search over the cumulative frequencies instead.
 constexpr std::size_t kMaxPoolTables = 1024;
 struct DecodePools {
   std::vector<std::uint16_t> sym;
   std::vector<std::uint32_t> packed;
+  std::vector<std::int32_t> packed_off;
   void build(const CallTables& t, bool fast) {
     if (t.tables.size() > kMaxPoolTables) return;
     const std::size_t M = sz(1) << kVqScaleBits;
-    if (fast)
-      packed.resize(t.tables.size() * M);
-    else
+    if (fast) {
+      std::size_t total = 0;
+      for (const FrequencyTable& tb : t.tables) {
+        packed_off.push_back(static_cast<std::int32_t>(total));
+        total += tb.total();
+      }
+      packed.resize(total);
+    } else {
       sym.resize(t.tables.size() * M);
+    }
     for (std::size_t k = 0; k < t.tables.size(); ++k) {
       const FrequencyTable& tb = t.tables[k];
       const int a = t.amax[k];
@@ -368,8 +380,8 @@ struct DecodePools {
           continue;
         }
         const std::uint32_t e0 = (f - 1) | static_cast<std::uint32_t>(static_cast<std::uint8_t>(s - a)) << 24;
-        std::uint32_t* e = packed.data() + k * M + c;
-        for (std::uint32_t i = 0; i < f; ++i) e[i] = e0 | i << kVqScaleBits;
+        std::uint32_t* e = packed.data() + packed_off[k] + c;
+        for (std::uint32_t i = 0; i < f; ++i) e[i] = e0 | i << 12;
       }
     }
   }
@@ -400,9 +412,9 @@ const std::uint8_t* decode_region_scalar(std::uint32_t* x, std::int16_t* hi, std
     const std::size_t k = sz(sm.table[j]);
     const FrequencyTable& tb = t.tables[k];
     std::uint32_t& xi = x[(base + i) & 31];
-    const std::uint32_t slot = xi & kMask;
+    const std::uint32_t slot = xi & (tb.total() - 1);
     const int s = sym ? sym[(k << kVqScaleBits) + slot] : find_symbol(tb, slot);
-    xi = tb.freq(s) * (xi >> kVqScaleBits) + slot - tb.cum(s);
+    xi = tb.freq(s) * (xi >> tb.scale_bits()) + slot - tb.cum(s);
     refill(xi, p, end);
     hi[i] = static_cast<std::int16_t>(s - sm.col_amax[j]);
     if (++j == m) j = 0;
@@ -417,8 +429,8 @@ const std::uint8_t* decode_region_packed(std::uint32_t* x, std::int16_t* hi, std
   std::size_t j = i0 % rt.m;
   for (std::size_t i = i0; i < i1; ++i) {
     std::uint32_t& xi = x[(base + i) & 31];
-    const std::uint32_t e = rt.dec_pool[sz(rt.dec_off[j]) + (xi & kMask)];
-    xi = ((e & kMask) + 1) * (xi >> kVqScaleBits) + ((e >> kVqScaleBits) & kMask);
+    const std::uint32_t e = rt.dec_pool[sz(rt.dec_off[j]) + (xi & ((1u << rt.scale) - 1))];
+    xi = ((e & kField) + 1) * (xi >> rt.scale) + ((e >> 12) & kField);
     refill(xi, p, end);
     hi[i] = static_cast<std::int16_t>(static_cast<std::int32_t>(e) >> 24);
     if (++j == rt.m) j = 0;
@@ -447,7 +459,7 @@ struct ParsedHeader {
   SideModel k, v;
 };
 
-ParsedHeader parse_header(ByteReader& r, std::uint64_t max_codes, CallTables& t) {
+ParsedHeader parse_header(ByteReader& r, int version, std::uint64_t max_codes, CallTables& t) {
   ParsedHeader h;
   VqLayerCodes& lc = h.lc;
   lc.batch = static_cast<std::int64_t>(r.varint(1u << 20, "batch"));
@@ -472,6 +484,7 @@ ParsedHeader parse_header(ByteReader& r, std::uint64_t max_codes, CallTables& t)
       sm->amax[sz(c)] = static_cast<int>(r.varint(kVqMaxCode, "amax"));
       if (sm->amax[sz(c)] > 0) sm->param[sz(c)] = r.u8();
     }
+    sm->scale = version >= 3 ? vq_side_scale_bits(*std::max_element(sm->amax.begin(), sm->amax.end())) : kVqScaleBits;
     sm->derive(*s, t);
   }
   return h;
@@ -522,14 +535,16 @@ void decode_v1(ByteReader& r, ParsedHeader& h, const CallTables& t, RansKernel k
 
 }  // namespace
 
-FrequencyTable vq_table(int amax, std::uint8_t param) {
-  return FrequencyTable::from_frequencies(vq_frequencies(amax, param), kVqScaleBits);
+FrequencyTable vq_table(int amax, std::uint8_t param, int scale_bits) {
+  require(scale_bits == kVqScaleBits || scale_bits == kVqSmallScaleBits, "vq_table: scale_bits {} is neither {} nor {}", scale_bits,
+          kVqScaleBits, kVqSmallScaleBits);
+  return FrequencyTable::from_frequencies(vq_frequencies(amax, param, scale_bits), scale_bits);
 }
 
 std::uint8_t vq_best_param(std::span<const std::uint32_t> hist, int amax) {
   require(amax >= 1 && amax <= kVqMaxCode && hist.size() == sz(2 * amax + 1),
           "vq_best_param: histogram size must be 2 * amax + 1 with amax in 1..{}", kVqMaxCode);
-  return best_param(hist.data(), amax);
+  return best_param(hist.data(), amax, kVqScaleBits);
 }
 
 std::vector<std::uint8_t> vq_encode(const VqLayerCodes& lc, RansKernel kernel) {
@@ -540,7 +555,7 @@ std::vector<std::uint8_t> vq_encode(const VqLayerCodes& lc, RansKernel kernel) {
   check_side(lc.v, rows, "V");
   const std::size_t R = sz(rows);
   std::vector<std::uint8_t> out;
-  out.push_back(2);
+  out.push_back(3);
   put_varint(out, static_cast<std::uint64_t>(lc.batch));
   put_varint(out, static_cast<std::uint64_t>(lc.tokens));
   put_varint(out, static_cast<std::uint64_t>(lc.k.n));
@@ -575,7 +590,7 @@ std::vector<std::uint8_t> vq_encode(const VqLayerCodes& lc, RansKernel kernel) {
     std::memcpy(&step_bits, &s.step, 4);
     for (int i = 0; i < 4; ++i) out.push_back(static_cast<std::uint8_t>(step_bits >> (8 * i)));
     write_shifts(out, s);
-    side_models(his, n, R, sd.sm.amax, sd.sm.param);
+    side_models(his, n, R, sd.sm.amax, sd.sm.param, sd.sm.scale);
     for (int c = 0; c < s.n; ++c) {
       const std::int64_t off = s.offset[sz(c)];
       put_varint(out, off < 0 ? static_cast<std::uint64_t>(-2 * off - 1) : static_cast<std::uint64_t>(2 * off));  // zigzag
@@ -609,7 +624,7 @@ std::vector<std::uint8_t> vq_encode(const VqLayerCodes& lc, RansKernel kernel) {
     for (const FrequencyTable& tb : tables.tables) {
       tbase.push_back(static_cast<std::int32_t>(enc_pool.size()));
       for (int s = 0; s < tb.alphabet_size(); ++s)
-        enc_pool.push_back(rans_detail::pack_enc(rans_detail::make_enc_sym(tb.freq(s), tb.cum(s), kVqScaleBits)));
+        enc_pool.push_back(rans_detail::pack_enc(rans_detail::make_enc_sym(tb.freq(s), tb.cum(s), tb.scale_bits())));
     }
   }
   std::unique_ptr<std::uint16_t[]> temp;
@@ -636,6 +651,7 @@ std::vector<std::uint8_t> vq_encode(const VqLayerCodes& lc, RansKernel kernel) {
     const auto enc_off = wrapped(per_col);
     vq_codec_detail::RegionTables rt;
     rt.m = m;
+    rt.scale = sd.sm.scale;
     rt.enc_off = enc_off.data();
     rt.enc_pool = enc_pool.data();
     // Whole groups of 32 start at stream indices divisible by 32; the rest goes through the reference.
@@ -662,9 +678,9 @@ VqLayerCodes vq_decode(std::span<const std::uint8_t> bytes, std::uint64_t max_co
   const bool fast = use_avx2(kernel);
   ByteReader r(bytes, "vq layer");
   const std::uint8_t version = r.u8();
-  if (version != 1 && version != 2) r.fail(fmt::format("unknown version {} (expected 1 or 2)", version));
+  if (version < 1 || version > 3) r.fail(fmt::format("unknown version {} (expected 1, 2 or 3)", version));
   CallTables tables;
-  ParsedHeader h = parse_header(r, max_codes, tables);
+  ParsedHeader h = parse_header(r, version, max_codes, tables);
   if (version == 1) {
     decode_v1(r, h, tables, kernel);
     return std::move(h.lc);
@@ -700,10 +716,11 @@ VqLayerCodes vq_decode(std::span<const std::uint8_t> bytes, std::uint64_t max_co
     const bool side_fast = fast && !pools.packed.empty() && std::all_of(sm->col_amax.begin(), sm->col_amax.end(), [](int a) { return a <= 127; });
     if (N > 0 && side_fast) {
       std::vector<std::int32_t> per_col(m);
-      for (std::size_t j = 0; j < m; ++j) per_col[j] = sm->table[j] << kVqScaleBits;
+      for (std::size_t j = 0; j < m; ++j) per_col[j] = pools.packed_off[sz(sm->table[j])];
       const auto dec_off = wrapped(per_col);
       vq_codec_detail::RegionTables rt;
       rt.m = m;
+      rt.scale = sm->scale;
       rt.dec_off = dec_off.data();
       rt.dec_pool = pools.packed.data();
       std::size_t i = std::min(N, (32 - base % 32) % 32);

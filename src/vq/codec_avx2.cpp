@@ -15,17 +15,17 @@ namespace {
 
 using namespace rans_detail::avx2;
 
-constexpr int kS = kVqScaleBits;
+constexpr int kF = 12;  // the packed entry's field width
 constexpr std::size_t kGroup = 32;
 
-VQ_AVX2 __m256i dec_step(__m256i x, __m256i& code, const RegionTables& t, std::size_t j) {
-  const __m256i mask = _mm256_set1_epi32((1 << kS) - 1);
-  const __m256i idx = _mm256_add_epi32(_mm256_and_si256(x, mask), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.dec_off + j)));
+VQ_AVX2 __m256i dec_step(__m256i x, __m256i& code, const RegionTables& t, std::size_t j, __m256i smask, __m128i scale) {
+  const __m256i fmask = _mm256_set1_epi32((1 << kF) - 1);
+  const __m256i idx = _mm256_add_epi32(_mm256_and_si256(x, smask), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.dec_off + j)));
   const __m256i e = _mm256_i32gather_epi32(reinterpret_cast<const int*>(t.dec_pool), idx, 4);
   code = _mm256_srai_epi32(e, 24);
-  const __m256i freq = _mm256_add_epi32(_mm256_and_si256(e, mask), _mm256_set1_epi32(1));
-  const __m256i bias = _mm256_and_si256(_mm256_srli_epi32(e, kS), mask);
-  return _mm256_add_epi32(_mm256_mullo_epi32(freq, _mm256_srli_epi32(x, kS)), bias);
+  const __m256i freq = _mm256_add_epi32(_mm256_and_si256(e, fmask), _mm256_set1_epi32(1));
+  const __m256i bias = _mm256_and_si256(_mm256_srli_epi32(e, kF), fmask);
+  return _mm256_add_epi32(_mm256_mullo_epi32(freq, _mm256_srl_epi32(x, scale)), bias);
 }
 
 // 16 int32 codes (two vectors, lane order) as 16 int16, in order.
@@ -42,9 +42,11 @@ __attribute__((target("avx2,popcnt"))) const std::uint8_t* decode_region_avx2(st
   for (int v = 0; v < 4; ++v) X[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 8 * v));
   const __m256i low = _mm256_set1_epi32(static_cast<int>(rans_detail::kL));
   const std::size_t step = kGroup % t.m;  // columns a group advances, mod m
+  const __m256i smask = _mm256_set1_epi32((1 << t.scale) - 1);
+  const __m128i scale = _mm_cvtsi32_si128(t.scale);
   while (n - i >= kGroup && static_cast<std::size_t>(end - p) >= 2 * kGroup) {
     __m256i C[4];
-    for (int v = 0; v < 4; ++v) X[v] = dec_step(X[v], C[v], t, j + 8 * v);
+    for (int v = 0; v < 4; ++v) X[v] = dec_step(X[v], C[v], t, j + 8 * v, smask, scale);
     for (int v = 0; v < 4; ++v) X[v] = refill(X[v], p, low);
     store16(codes + i, C[0], C[1]);
     store16(codes + i + 16, C[2], C[3]);
@@ -61,8 +63,8 @@ __attribute__((target("avx2,popcnt"))) std::uint16_t* encode_region_avx2(std::ui
                                                                          std::uint16_t* ptr) {
   __m256i X[4];
   for (int v = 0; v < 4; ++v) X[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 8 * v));
-  const __m256i total = _mm256_set1_epi32(1 << kS);
-  const __m128i xshift = _mm_cvtsi32_si128(31 - kS);
+  const __m256i total = _mm256_set1_epi32(1 << t.scale);
+  const __m128i xshift = _mm_cvtsi32_si128(31 - t.scale);
   const std::size_t step = kGroup % t.m;
   __m256i bad = _mm256_setzero_si256();
   std::size_t j = j1;

@@ -15,11 +15,11 @@ namespace vq::vq_codec_detail {
 // of 32 starting at column j reads them contiguously whatever m.
 struct RegionTables {
   std::size_t m = 0;                          // coded columns
-  // Decoder: one entry per slot, (freq - 1) | (slot - cum) << 12 | (code & 0xff) << 24, tables of
-  // 2^12 entries one after the other (16 KiB each: the ~120 tables of a 7B-shaped layer at 2 bits
-  // overflow L2, yet one gather per 8 lanes measured faster than a byte table in L2 plus a second
-  // gather for the entry).
-  const std::int32_t* dec_off = nullptr;      // column's table index << kVqScaleBits
+  int scale = 12;                             // the side's table precision: slots 2^scale
+  // Decoder: one entry per slot, (freq - 1) | (slot - cum) << 12 | (code & 0xff) << 24 (12-bit
+  // fields whatever the scale), tables of 2^scale entries one after the other (4 KiB each at
+  // scale 10, so the ~120 tables of a 7B-shaped layer at 2 bits fit L2: one gather per 8 lanes).
+  const std::int32_t* dec_off = nullptr;      // offset of the column's table in dec_pool
   const std::uint32_t* dec_pool = nullptr;
   const std::int32_t* enc_off = nullptr;      // encoder: index of the column's code 0 in enc_pool
   const std::uint64_t* enc_pool = nullptr;    // rans_detail::pack_enc of each table's symbols

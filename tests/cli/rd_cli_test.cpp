@@ -103,6 +103,23 @@ TEST(RdCli, TableMarksTheFrontier) {
   EXPECT_EQ(r.out.substr(line, r.out.find('\n', line) - line).back(), '*');
 }
 
+// Windows' settings run on threads side by side (--threads, default every core): the table must be
+// the single-threaded one byte for byte, whatever the threads (3: more than this machine's cores,
+// so tasks interleave; 0: the default). Methods whose caches quantise, code and keep state.
+TEST(RdCli, ThreadsGiveTheSameTable) {
+  const std::string methods = "--methods 'fp16;q4_0;kivi:bits=2;vq:bits=2;cachegen:bits=4,schedule=off' --windows 2";
+  const auto one = rd(methods + " --threads 1");
+  ASSERT_EQ(one.code, 0) << one.err;
+  EXPECT_NE(one.out.find("vq:bits=2"), std::string::npos) << one.out;
+  for (const char* t : {" --threads 3", ""}) {
+    const auto many = rd(methods + t);
+    ASSERT_EQ(many.code, 0) << many.err;
+    EXPECT_EQ(many.out, one.out) << t;
+  }
+  const auto bad = rd("--methods fp16 --windows 1 --threads -1");
+  EXPECT_EQ(bad.code, 2) << bad.err;
+}
+
 // The stream protocol ranks live caches by the memory they hold: sorted by, and Pareto on,
 // (resident bits, KL); reuse (above) stays on coded bits.
 TEST(RdCli, StreamParetoUsesResidentBits) {

@@ -1,6 +1,7 @@
 // Our method's coder (vq/codec.hpp): bit-exact round trips, the parametric tables, hostile input.
 #include "veloxquant/vq/codec.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <fstream>
@@ -40,6 +41,25 @@ vq::VqLayerCodes random_codes(std::int64_t batch, std::int64_t tokens, int nk, i
         s->codes[static_cast<std::size_t>(r * s->n + c)] = static_cast<std::int16_t>(std::clamp(q, -lim, lim));
       }
     if (lc.rows() > 0 && s->n > 1) s->codes[1] = static_cast<std::int16_t>(vq::vq_max_code(s->shift[1]));  // the extreme code
+  }
+  return lc;
+}
+
+// Small codes (every amax <= 31): version 3 codes such sides with 10-bit tables, version 2 with 12.
+// (The same function wrote tests/golden/vq_layer_v2_small.bin with the version 2 encoder.)
+vq::VqLayerCodes small_codes(std::int64_t batch, std::int64_t tokens, int n, std::uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  vq::VqLayerCodes lc;
+  lc.batch = batch;
+  lc.tokens = tokens;
+  for (vq::VqSideCodes* s : {&lc.k, &lc.v}) {
+    s->n = n;
+    s->step = 0.5f;
+    s->offset.assign(static_cast<std::size_t>(n), -3);
+    for (std::int64_t i = 0; i < lc.rows() * n; ++i) {
+      std::normal_distribution<double> g(0.0, 0.2 + static_cast<double>(i % n) / 8.0);
+      s->codes.push_back(static_cast<std::int16_t>(std::clamp<long>(std::lround(g(rng)), -31, 31)));
+    }
   }
   return lc;
 }
@@ -88,20 +108,22 @@ TEST(VqCodec, AllZeroSideCostsOnlyItsHeader) {
 }
 
 TEST(VqCodec, TablesAreValidSymmetricAndDeterministic) {
-  for (int amax : {1, 2, 7, 40, 255})
-    for (int param : {0, 1, 30, 48, 64, 100, 127, 128, 160, 176, 255}) {
-      const auto t = vq::vq_table(amax, static_cast<std::uint8_t>(param));
-      ASSERT_EQ(t.alphabet_size(), 2 * amax + 1);
-      ASSERT_EQ(t.scale_bits(), vq::kVqScaleBits);
-      std::uint32_t sum = 0;
-      for (int s = 0; s < t.alphabet_size(); ++s) {
-        EXPECT_GE(t.freq(s), 1u) << amax << " " << param;
-        sum += t.freq(s);
+  for (int scale : {vq::kVqScaleBits, vq::kVqSmallScaleBits})
+    for (int amax : {1, 2, 7, 31, 40, 255})
+      for (int param : {0, 1, 30, 48, 64, 100, 127, 128, 160, 176, 255}) {
+        const auto t = vq::vq_table(amax, static_cast<std::uint8_t>(param), scale);
+        ASSERT_EQ(t.alphabet_size(), 2 * amax + 1);
+        ASSERT_EQ(t.scale_bits(), scale);
+        std::uint32_t sum = 0;
+        for (int s = 0; s < t.alphabet_size(); ++s) {
+          EXPECT_GE(t.freq(s), 1u) << amax << " " << param;
+          sum += t.freq(s);
+        }
+        EXPECT_EQ(sum, 1u << scale);
+        for (int k = 1; k <= amax; ++k) EXPECT_EQ(t.freq(amax + k), t.freq(amax - k));
+        EXPECT_TRUE(t == vq::vq_table(amax, static_cast<std::uint8_t>(param), scale));
       }
-      EXPECT_EQ(sum, 1u << vq::kVqScaleBits);
-      for (int k = 1; k <= amax; ++k) EXPECT_EQ(t.freq(amax + k), t.freq(amax - k));
-      EXPECT_TRUE(t == vq::vq_table(amax, static_cast<std::uint8_t>(param)));
-    }
+  EXPECT_THROW(vq::vq_table(3, 0, 11), vq::InvalidArgument);
   EXPECT_EQ(vq::vq_table(0, 0).alphabet_size(), 1);
   EXPECT_THROW(vq::vq_table(256, 0), vq::InvalidArgument);
 }
@@ -150,7 +172,7 @@ TEST(VqCodec, DecodeRejectsEveryTruncationCorruptionAndTrailingByte) {
   EXPECT_THROW(vq::vq_decode(longer, max), vq::FormatError);
   EXPECT_THROW(vq::vq_decode(bytes, max - 1), vq::FormatError);  // more codes than the caller expects
   auto bad = bytes;
-  bad[0] = 3;  // version
+  bad[0] = 4;  // version
   EXPECT_THROW(vq::vq_decode(bad, max), vq::FormatError);
   // Any single flipped bit either fails cleanly or decodes to something (never crashes).
   for (const auto kernel : {vq::RansKernel::Scalar, vq::RansKernel::Auto})
@@ -168,7 +190,7 @@ TEST(VqCodec, DecodeRejectsEveryTruncationCorruptionAndTrailingByte) {
 // groups of 32 lanes with per-column tables; the scalar reference one symbol at a time).
 void expect_kernels_agree(const vq::VqLayerCodes& lc) {
   const auto bytes = vq::vq_encode(lc, vq::RansKernel::Scalar);
-  ASSERT_EQ(bytes[0], 2);
+  ASSERT_EQ(bytes[0], 3);
   const std::uint64_t max = static_cast<std::uint64_t>(lc.rows() * (lc.k.n + lc.v.n));
   expect_equal(lc, vq::vq_decode(bytes, max, vq::RansKernel::Scalar));
   if (!vq::rans_avx2_available()) GTEST_SKIP() << "no AVX2 on this CPU";
@@ -204,6 +226,50 @@ TEST(VqCodec, FastKernelEqualsTheScalarReferenceBitForBit) {
     }
   }
   expect_kernels_agree(lc);
+}
+
+// Version 3's two table precisions: a side whose amax are all <= 31 (10-bit tables) beside one
+// with a code of 32 (12-bit), each way round, at the boundary; and the fast kernel on both.
+TEST(VqCodec, SidesOfBothTablePrecisionsRoundTrip) {
+  for (int wide = 0; wide < 2; ++wide) {
+    auto lc = small_codes(2, 70, 40, 31 + static_cast<std::uint64_t>(wide));
+    lc.k.codes[5] = 31;
+    (wide ? lc.k : lc.v).codes[7] = -32;  // this side's amax 32: 12-bit tables
+    SCOPED_TRACE(wide);
+    expect_kernels_agree(lc);
+  }
+  // The 10-bit tables cost little: within 1 % of the 12-bit ones' coded size on Gaussian codes
+  // (the version 2 stream of the same codes, tests/golden/vq_layer_v2_small.bin, holds 12-bit).
+  const std::string path = std::string(VQ_SOURCE_DIR) + "/tests/golden/vq_layer_v2_small.bin";
+  std::ifstream in(path, std::ios::binary);
+  ASSERT_TRUE(in) << path;
+  const std::vector<std::uint8_t> v2((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const auto v3 = vq::vq_encode(small_codes(2, 150, 40, 1503));
+  EXPECT_LT(static_cast<double>(v3.size()), 1.01 * static_cast<double>(v2.size()));
+}
+
+// Version 2 streams (row-major like version 3, every table 12-bit; written by the version 2 encoder
+// of commit d0811c0 with these functions) still decode to their codes in both kernels, and fail
+// cleanly when cut.
+TEST(VqCodec, VersionTwoStreamsStillDecode) {
+  struct Golden {
+    const char* file;
+    vq::VqLayerCodes codes;
+  };
+  for (const Golden& g : {Golden{"vq_layer_v2.bin", random_codes(2, 37, 8, 12, 1502, true)},
+                          Golden{"vq_layer_v2_small.bin", small_codes(2, 150, 40, 1503)}}) {
+    SCOPED_TRACE(g.file);
+    std::ifstream in(std::string(VQ_SOURCE_DIR) + "/tests/golden/" + g.file, std::ios::binary);
+    ASSERT_TRUE(in);
+    const std::vector<std::uint8_t> file((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    ASSERT_EQ(file.at(0), 2);
+    const auto max = static_cast<std::uint64_t>(g.codes.rows() * (g.codes.k.n + g.codes.v.n));
+    for (const auto kernel : {vq::RansKernel::Scalar, vq::RansKernel::Auto}) {
+      expect_equal(g.codes, vq::vq_decode(file, max, kernel));
+      for (std::size_t n = 0; n < file.size(); n += 13) EXPECT_THROW(vq::vq_decode(std::span(file).first(n), max, kernel), vq::FormatError) << n;
+    }
+    EXPECT_EQ(vq::vq_encode(g.codes)[0], 3);  // what is written now
+  }
 }
 
 // Truncated and corrupt streams long enough for the AVX2 groups fail cleanly in both kernels.

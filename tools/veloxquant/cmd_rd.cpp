@@ -33,7 +33,7 @@ namespace {
 
 struct RdOptions {
   std::string model, tokenizer, text, methods, protocol = "reuse", plot;
-  int ctx = 256, window = 512, chunk = 64, windows = 40;
+  int ctx = 256, window = 512, chunk = 64, windows = 40, threads = 0;
   bool json = false;
 };
 
@@ -80,6 +80,7 @@ int run_rd(RdOptions o) {
   eval.ctx = o.ctx;
   eval.window = o.window;
   eval.chunk = o.chunk;
+  eval.threads = o.threads;
   const std::vector<std::string> items =
       o.methods.empty() ? rd::default_families() : vq::split_method_list(o.methods);
   const std::vector<std::string> methods = rd::expand_methods(items);
@@ -189,6 +190,11 @@ Runner add_rd(CLI::App& app) {
   app.add_option("--window", o->window, "tokens per window, BOS included")->capture_default_str()->transform(integer_in(2, std::numeric_limits<int>::max()));
   app.add_option("--chunk", o->chunk, "prefill chunk size")->capture_default_str()->transform(integer_in(1, std::numeric_limits<int>::max()));
   app.add_option("--windows", o->windows, "windows scored (fewer if the text is shorter)")->capture_default_str()->transform(integer_in(1, 1 << 20));
+  app.add_option("--threads", o->threads,
+                 "threads that run a window's settings side by side, each with a copy of the model (0 = every core); the table does "
+                 "not depend on it")
+      ->capture_default_str()
+      ->transform(integer_in(0, 1024));
   app.add_flag("--json", o->json,
                "print JSON: {model, protocol, results: [{method, bits_per_element, resident_bits_per_element, delta_ppl_pct, kl, top1, "
                "pareto}]}");

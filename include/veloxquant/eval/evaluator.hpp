@@ -40,6 +40,11 @@ struct EvalOptions {
   std::int64_t max_tokens = 4096;  // scored tokens per method (0 = the whole text)
   // Called after each window with the fraction done (for progress display).
   std::function<void(double)> progress;
+  // Threads that run a window's methods (and score them) side by side, each with its own copy of
+  // the model (memory: threads x the model's weights); 0 = every hardware thread. The results do
+  // not depend on it, bit for bit: every run is the same computation, and its sums are formed in
+  // the same order whatever the threads.
+  int threads = 1;
   void validate(int seq_len) const;  // throws InvalidArgument
 };
 

@@ -27,6 +27,9 @@
 
 namespace vq {
 
+// forward() uses the object's scratch buffers: one Transformer must not forward on two threads at
+// once. A copy shares nothing (weights and scratch are copied), so threads may each forward their
+// own copy (eval's `threads`).
 class Transformer {
  public:
   explicit Transformer(Checkpoint checkpoint);
@@ -62,6 +65,7 @@ class Transformer {
   std::vector<float> kbuf_, vbuf_;  // K/V in [n_kv_heads, n, head_size] for the caches
   Tensor qin_, kin_, vin_;          // qbuf_/kbuf_/vbuf_ wrapped for a chunk of wrapped_n_ tokens
   int wrapped_n_ = 0;
+  const float* wrapped_base_ = nullptr;  // kbuf_.data() when kin_ was wrapped
 };
 
 // One plain float32 KVCache per layer.

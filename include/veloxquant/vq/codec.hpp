@@ -24,7 +24,7 @@
 //   255 * 2^shift; the coder takes any q whose hi part is within +-255 (up to 256 * 2^shift - 1),
 //   shift <= 7, so every q fits int16.
 // - Format (integers little-endian, varint = unsigned LEB128):
-//     u8      version = 2 (1 still decodes; see below)
+//     u8      version = 3 (1 and 2 still decode; see below)
 //     varint  batch, tokens, n_k, n_v
 //     per side (K, then V):
 //       u32     step (float32 bits; finite, > 0: float16 could not hold the step of small data)
@@ -37,6 +37,8 @@
 //       the side's REGION: its hi parts + amax_c row by row (row r: the coded coefficients, those
 //         with amax_c > 0, in order), each with its coefficient's table; then
 //       per coefficient with shift_c > 0, in order: its `rows` low parts (uniform, shift_c bits).
+//     Every table of a side has 2^S slots: S = 10 when the side's largest amax_c is <= 31, else 12
+//     (vq_side_scale_bits; version 2 is version 3 with S = 12 always).
 //     Row-major coding puts 32 different coefficients in the 32 lanes of a step, so the decoder
 //     writes codes in the cache's own layout and the AVX2 kernels (src/vq/codec_avx2.cpp) decode
 //     32 symbols per step with one 8-lane gather per 8 lanes from the tables of the call's distinct
@@ -61,6 +63,14 @@ inline constexpr int kVqMaxCode = 255;
 // Table precision: 2^12 slots leave room for every symbol of a 511-symbol alphabet to keep a
 // frequency >= 1 while the mode keeps most of the range at small scales.
 inline constexpr int kVqScaleBits = 12;
+// Version 3: a side whose amax are all <= kVqSmallAmax codes with tables of 2^10 slots instead. Its
+// decoder tables are 4 KiB, so the ~120 distinct tables of a 7B-shaped layer at 2 bits (480 KiB)
+// stay in a core's L2 where 16 KiB ones (1.9 MiB) did not (the fast decoder's gathers were bound
+// by those misses); the coarser probabilities cost ~0.1-0.3 % of the size at such small alphabets
+// (docs/benchmarks.md, "The vq codec (issue 15)").
+inline constexpr int kVqSmallScaleBits = 10;
+inline constexpr int kVqSmallAmax = 31;
+inline constexpr int vq_side_scale_bits(int max_amax) { return max_amax <= kVqSmallAmax ? kVqSmallScaleBits : kVqScaleBits; }
 
 // Largest split of a code: 256 * 128 - 1 = 32767 still fits the int16 codes.
 inline constexpr int kVqMaxShift = 7;
@@ -84,17 +94,18 @@ struct VqLayerCodes {
   std::int64_t rows() const { return batch * tokens; }
 };
 
-// The table of a coefficient's model: alphabet 2 * amax + 1 (symbol = code + amax), kVqScaleBits.
-FrequencyTable vq_table(int amax, std::uint8_t param);
-// The parameter whose table codes `histogram` (over [-amax, amax]) in the fewest bits.
+// The table of a coefficient's model: alphabet 2 * amax + 1 (symbol = code + amax), 2^scale_bits
+// slots (kVqScaleBits or kVqSmallScaleBits).
+FrequencyTable vq_table(int amax, std::uint8_t param, int scale_bits = kVqScaleBits);
+// The parameter whose kVqScaleBits table codes `histogram` (over [-amax, amax]) in the fewest bits.
 std::uint8_t vq_best_param(std::span<const std::uint32_t> histogram, int amax);
 
 // Serialise; throws InvalidArgument on inconsistent sizes or a code outside +-kVqMaxCode.
-// Writes version 2. kernel: RansKernel::Scalar is the reference; Auto / Avx2 write the same bytes.
+// Writes version 3. kernel: RansKernel::Scalar is the reference; Auto / Avx2 write the same bytes.
 std::vector<std::uint8_t> vq_encode(const VqLayerCodes& codes, RansKernel kernel = RansKernel::Auto);
 // Parse and decode; max_codes bounds rows * (n_k + n_v) (the caller knows what it expects).
 // Throws FormatError on any malformed, truncated, oversized or trailing input.
-// Reads versions 1 and 2; every kernel returns the same codes.
+// Reads versions 1, 2 and 3; every kernel returns the same codes.
 VqLayerCodes vq_decode(std::span<const std::uint8_t> bytes, std::uint64_t max_codes, RansKernel kernel = RansKernel::Auto);
 
 }  // namespace vq
