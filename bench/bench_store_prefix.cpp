@@ -267,8 +267,8 @@ int main(int argc, char** argv) {
         t1.push_back(load(mem, vq2, std::nullopt, 1).load_ms);
         tn.push_back(load(mem, vq2, std::nullopt, threads).load_ms);
       }
-      fmt::print("\ngoal 2: vq:bits=2 load path from memory (median of {}): 1 thread {:.0f} ms = {:.2f} GB/s of fp16 output; {} threads "
-                 "{:.0f} ms = {:.2f} GB/s ({:.2f}x)\n",
+      fmt::print("\ngoal 2: vq:bits=2 load path from memory (median of {}): 1 thread {:.0f} ms = {:.4f} GB/s of fp16 output; {} threads "
+                 "{:.0f} ms = {:.4f} GB/s ({:.2f}x)\n",
                  a.reps, median(t1), fp16_bytes / median(t1) / 1e6, threads, median(tn), fp16_bytes / median(tn) / 1e6,
                  median(t1) / median(tn));
       std::fflush(stdout);
