@@ -16,6 +16,7 @@
 #include "veloxquant/format/vqkv.hpp"
 #include "veloxquant/model/method_spec.hpp"
 #include "veloxquant/model/transformer.hpp"
+#include "veloxquant/vq/vq_cache.hpp"
 
 namespace vq {
 
@@ -31,6 +32,24 @@ std::string tokens_text(std::span<const int> tokens) {
   std::string s;
   for (std::size_t i = 0; i < tokens.size(); ++i) s += fmt::format("{}{}", i ? "," : "", tokens[i]);
   return s;
+}
+
+// Fresh (empty) caches of a level for one chunk. A vq level's caches are rebuilt around the layer
+// models of `templates` (make_caches of that level, made once per put): building a layer model
+// (an eigen-decomposition per head) costs seconds at head_dim 128, far more than coding a chunk.
+// The same config and layer model make the same cache as make_caches would, bit for bit.
+std::vector<std::shared_ptr<KVCache>> fresh_caches(const std::string& level, const Transformer& model,
+                                                   const std::vector<std::shared_ptr<KVCache>>* templates) {
+  if (!templates) return make_caches(level, model);
+  std::vector<std::shared_ptr<KVCache>> out;
+  for (const auto& t : *templates) {
+    const auto* v = dynamic_cast<const VqKVCache*>(t.get());
+    if (!v || v->offset() != 0) return make_caches(level, model);  // other classes are cheap to make
+    std::shared_ptr<const VqLayerModel> layer;
+    if (!v->model_from_data() && v->layer_model()) layer = std::shared_ptr<const VqLayerModel>(t, v->layer_model());  // owned by `t`
+    out.push_back(std::make_shared<VqKVCache>(v->config(), layer));
+  }
+  return out;
 }
 
 void hash_floats(XXH64_state_t* st, const std::vector<float>& v) {
@@ -111,9 +130,10 @@ ChunkKV level_chunk_kv(const Transformer& model, const std::string& level, const
   return out;
 }
 
-Blob encode_chunk(const Transformer& model, std::uint64_t fingerprint, const std::string& level, int index, std::span<const int> tokens,
-                  const ChunkKV& exact) {
-  auto caches = make_caches(level, model);
+namespace {
+Blob encode_chunk_with(const Transformer& model, std::uint64_t fingerprint, const std::string& level, int index, std::span<const int> tokens,
+                       const ChunkKV& exact, const std::vector<std::shared_ptr<KVCache>>* templates) {
+  auto caches = fresh_caches(level, model, templates);
   require(caches.size() == exact.size(), "encode_chunk: {} layers of K/V for a model of {} layers", exact.size(), caches.size());
   for (std::size_t l = 0; l < caches.size(); ++l) {
     require(exact[l].keys.dim(2) == static_cast<std::int64_t>(tokens.size()), "encode_chunk: layer {} holds {} tokens, the chunk {}", l,
@@ -138,6 +158,12 @@ Blob encode_chunk(const Transformer& model, std::uint64_t fingerprint, const std
   } catch (const InvalidArgument& e) {
     throw InvalidArgument(fmt::format("level '{}' cannot be stored: {}", level, e.what()));
   }
+}
+}  // namespace
+
+Blob encode_chunk(const Transformer& model, std::uint64_t fingerprint, const std::string& level, int index, std::span<const int> tokens,
+                  const ChunkKV& exact) {
+  return encode_chunk_with(model, fingerprint, level, index, tokens, exact, nullptr);
 }
 
 ChunkKV decode_chunk(std::span<const std::uint8_t> blob, std::uint64_t fingerprint, const std::string& level, int index,
@@ -213,6 +239,7 @@ PutReport put_context(KVStore& store, const Transformer& model, const ChunkSchem
   rep.chunks = static_cast<int>(tokens.size() / C);
   std::vector<std::uint64_t> prev(scheme.levels.size(), 0);
   std::uint64_t dir_prev = 0;
+  std::vector<std::vector<std::shared_ptr<KVCache>>> templates(scheme.levels.size());  // made on first use, per level
   for (int i = 0; i < rep.chunks; ++i) {
     const auto toks = tokens.subspan(static_cast<std::size_t>(i) * C, C);
     dir_prev = directory_hash(dir_prev, scheme, toks);
@@ -229,7 +256,8 @@ PutReport put_context(KVStore& store, const Transformer& model, const ChunkSchem
     ChunkDirectory dir;
     for (std::size_t l = 0; l < scheme.levels.size(); ++l) {
       const std::string key = chunk_key(scheme.levels[l], prev[l]);
-      const Blob blob = encode_chunk(model, scheme.model_fingerprint, scheme.levels[l], i, toks, chunk);
+      if (templates[l].empty()) templates[l] = make_caches(scheme.levels[l], model);
+      const Blob blob = encode_chunk_with(model, scheme.model_fingerprint, scheme.levels[l], i, toks, chunk, &templates[l]);
       store.put(key, blob);
       rep.bytes_written += blob.size();
       dir.entries.push_back({scheme.levels[l], key, blob.size()});
