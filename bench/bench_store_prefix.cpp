@@ -167,11 +167,18 @@ int main(int argc, char** argv) {
     fmt::print("shape: {} layers x 8 KV heads x 128, {} tokens, chunks of {}: fp16 {:.1f} MB; {} decoder threads; setup {:.1f} s\n", a.layers,
                a.tokens, a.chunk_tokens, fp16_bytes / 1e6, threads, ms_since(tb) / 1e3);
 
+    const auto server_dir = std::filesystem::temp_directory_path() / fmt::format("vq-bench-prefix-{}", ::getpid());
+    struct RemoveDir {  // after the servers stopped (declared first, destroyed last): their logs go too
+      std::filesystem::path p;
+      ~RemoveDir() {
+        std::error_code ec;
+        std::filesystem::remove_all(p, ec);
+      }
+    } remove_dir{a.url.empty() ? server_dir : std::filesystem::path()};
     std::unique_ptr<vqtest::RedisServers> servers;
     std::string url = a.url;
     if (url.empty()) {
-      servers = std::make_unique<vqtest::RedisServers>(std::filesystem::temp_directory_path() /
-                                                       fmt::format("vq-bench-prefix-{}", ::getpid()));
+      servers = std::make_unique<vqtest::RedisServers>(server_dir);
       const auto s = servers->start();
       url = fmt::format("redis://127.0.0.1:{}", servers->port(s));
     }
