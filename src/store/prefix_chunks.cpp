@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <charconv>
+#include <map>
 #include <memory>
 #include <mutex>
 
@@ -16,6 +17,7 @@
 #include "veloxquant/format/vqkv.hpp"
 #include "veloxquant/model/method_spec.hpp"
 #include "veloxquant/model/transformer.hpp"
+#include "veloxquant/vq/vq_cache.hpp"
 
 namespace vq {
 
@@ -37,6 +39,24 @@ void hash_floats(XXH64_state_t* st, const std::vector<float>& v) {
   const std::uint64_t n = v.size();
   XXH64_update(st, &n, sizeof n);
   XXH64_update(st, v.data(), v.size() * sizeof(float));
+}
+
+// Fresh (empty) caches of a level for one chunk. A vq level's caches are rebuilt around the layer
+// models of `templates` (make_caches of that level, made once per put): building a layer model
+// (an eigen-decomposition per head) costs seconds at head_dim 128, far more than coding a chunk.
+// The same config and layer model make the same cache as make_caches would, bit for bit.
+std::vector<std::shared_ptr<KVCache>> fresh_caches(const std::string& level, const Transformer& model,
+                                                   const std::vector<std::shared_ptr<KVCache>>* templates) {
+  if (!templates) return make_caches(level, model);
+  std::vector<std::shared_ptr<KVCache>> out;
+  for (const auto& t : *templates) {
+    const auto* v = dynamic_cast<const VqKVCache*>(t.get());
+    if (!v || v->offset() != 0) return make_caches(level, model);  // other classes are cheap to make
+    std::shared_ptr<const VqLayerModel> layer;
+    if (!v->model_from_data() && v->layer_model()) layer = std::shared_ptr<const VqLayerModel>(t, v->layer_model());  // owned by `t`
+    out.push_back(std::make_shared<VqKVCache>(v->config(), layer));
+  }
+  return out;
 }
 }  // namespace
 
@@ -217,7 +237,14 @@ ChunkDirectory decode_directory(std::span<const std::uint8_t> blob) {
 
 PutReport put_context(KVStore& store, const Transformer& model, const ChunkScheme& scheme, std::span<const int> tokens,
                       const std::vector<KVState>& exact) {
-  return put_context(store, model_level_caches(model), scheme, tokens, exact);
+  // Each level's caches of the first chunk serve as templates for the rest (fresh_caches).
+  std::map<std::string, std::vector<std::shared_ptr<KVCache>>> templates;
+  const LevelCaches fresh = [&](const std::string& level) {
+    auto& t = templates[level];
+    if (t.empty()) t = make_caches(level, model);
+    return fresh_caches(level, model, &t);
+  };
+  return put_context(store, fresh, scheme, tokens, exact);
 }
 
 PutReport put_context(KVStore& store, const LevelCaches& fresh, const ChunkScheme& scheme, std::span<const int> tokens,

@@ -1,10 +1,13 @@
 // The prefix loader (store/prefix_loader.hpp): directory walk, per-chunk level choice under a
-// deadline, fetch of chunk i+1 overlapping decode of chunk i, faults turned into warnings.
+// deadline, a fetch thread overlapping decoder threads (chunks fed in order), faults turned into warnings.
 #include "veloxquant/store/prefix_loader.hpp"
 
 #include <algorithm>
 #include <chrono>
-#include <future>
+#include <condition_variable>
+#include <deque>
+#include <map>
+#include <mutex>
 #include <thread>
 
 #include <fmt/core.h>
@@ -19,12 +22,15 @@ namespace {
 using Clock = std::chrono::steady_clock;
 double ms_since(Clock::time_point t) { return std::chrono::duration<double, std::milli>(Clock::now() - t).count(); }
 
-// The link: an emulated token bucket (optional), and the throughput measured over every fetch.
+// The link: an emulated token bucket (optional), and the throughput measured over the fetches:
+// the last fetch's (CacheGen's estimate from the previous chunk, so a bandwidth drop shows at once),
+// or over all of them while fetches are too short to time.
 class Link {
  public:
   explicit Link(const LoaderOptions& o) : o_(o) {}
   // Bytes per millisecond expected for the next fetch.
   double bytes_per_ms() const {
+    if (last_ms_ > 0.5 && last_bytes_ > 0) return static_cast<double>(last_bytes_) / last_ms_;
     if (ms_ > 0.5 && bytes_ > 0) return static_cast<double>(bytes_) / ms_;
     if (o_.bandwidth_mbps) return rate_now() / 1000.0;
     return 125e6 / 1000.0;  // prior: 1 Gbps
@@ -43,6 +49,8 @@ class Link {
     const double ms = ms_since(start);
     bytes_ += bytes;
     ms_ += ms;
+    last_bytes_ = bytes;
+    last_ms_ = ms;
     return ms;
   }
 
@@ -53,16 +61,20 @@ class Link {
   }
   const LoaderOptions& o_;
   Clock::time_point free_at_{};
-  std::uint64_t sent_ = 0, bytes_ = 0;
-  double ms_ = 0;
+  std::uint64_t sent_ = 0, bytes_ = 0, last_bytes_ = 0;
+  double ms_ = 0, last_ms_ = 0;
 };
 
-struct Fetched {
-  std::optional<Blob> blob;
-  std::string error;
-  double fetch_ms = 0;
+// One chunk between its level choice and its feeding: fetched, then decoded (or failed).
+struct InFlight {
+  int choice = -1;                // index of the level in the chunk's directory; -1: recompute
+  std::optional<Blob> blob;       // fetched, waiting for a decoder
+  std::optional<ChunkKV> kv;      // decoded and checked
+  std::string error;              // the fault that stops the load at this chunk
+  std::uint64_t bytes = 0;
+  double fetch_ms = 0, decode_ms = 0;
+  bool ready = false;             // kv, error or a recompute choice is set
 };
-
 // Both overloads: `model` null means no recompute and no model layer transforms for vq levels.
 LoadReport load(KVStore& store, Transformer* model, const ChunkShape& shape, std::vector<std::shared_ptr<KVCache>>& caches,
                 std::span<const int> tokens, const LoaderOptions& o, const std::function<void(const std::string&)>& warn_fn) {
@@ -123,10 +135,10 @@ LoadReport load(KVStore& store, Transformer* model, const ChunkShape& shape, std
   const int n = rep.chunks_stored;
 
   // Recompute cost per token: a short forward on scratch caches, refined by real recomputes.
-  // Without a model (or with a forced level) recomputing is never chosen.
-  const bool may_recompute = model != nullptr && !o.level;
   double recompute_ms_per_token = 0;
-  if (n > 0 && may_recompute) {
+  // Without a model (or with a forced level, or recompute disallowed) recomputing is never chosen.
+  const bool may_recompute = model != nullptr && !o.level && o.allow_recompute;
+  if (n > 0 && model) {
     auto scratch = make_caches("fp32", *model);
     const std::size_t probe = std::min<std::size_t>(C, 16);
     const auto tp = Clock::now();
@@ -135,9 +147,24 @@ LoadReport load(KVStore& store, Transformer* model, const ChunkShape& shape, std
   }
   rep.prefill_ms_estimate = recompute_ms_per_token * static_cast<double>(static_cast<std::size_t>(n) * C);
 
-  Link link(o);
-  double decode_ms_per_byte = 1e-6;  // prior: 1 GB/s
-  const auto choose = [&](int i) -> int {  // index into the directory's entries, or -1: recompute
+  const int threads = std::max(1, std::min(n, o.threads > 0 ? o.threads : static_cast<int>(std::thread::hardware_concurrency())));
+  Link link(o);  // used by the fetch thread only
+  // Shared between the calling thread (feeds chunks in order, measures decode and recompute), the
+  // fetch thread (chooses levels, fetches) and the decoder threads; all of it under `mu`.
+  std::mutex mu;
+  std::condition_variable cv;
+  // Decode cost of a chunk, per level (one thread): the level's last measured chunk; a level not seen
+  // yet: the last chunk of any level; nothing seen yet: 1 GB/s of fp16 output. (Per chunk, not per
+  // blob byte: decode time follows the K/V it outputs, and a 2-bit blob outputs 8x more per byte.)
+  double last_decode_ms = 2.0 * 2.0 * static_cast<double>(caches.size()) * static_cast<double>(shape.kv_heads * shape.head_dim) *
+                          static_cast<double>(C) / 1e6;
+  std::map<std::string, double> decode_ms_of_level;
+  int fed = 0;                       // chunks fed to the caches so far
+  bool stop = false;                 // the calling thread is done (fault or end): threads leave
+  std::vector<InFlight> flight(static_cast<std::size_t>(n));
+  std::deque<int> decode_queue;      // fetched chunks waiting for a decoder, in chunk order
+
+  const auto choose = [&](int i) -> int {  // index into the directory's entries, or -1: recompute. Holds mu.
     const auto& e = dirs[static_cast<std::size_t>(i)].entries;
     std::vector<int> order(e.size());
     for (std::size_t k = 0; k < e.size(); ++k) order[k] = static_cast<int>(k);
@@ -146,13 +173,15 @@ LoadReport load(KVStore& store, Transformer* model, const ChunkShape& shape, std
       if (fa != fb) return fa;
       return e[static_cast<std::size_t>(a)].bytes > e[static_cast<std::size_t>(b)].bytes;
     });
-    const auto est = [&](int k) {
-      const double b = static_cast<double>(e[static_cast<std::size_t>(k)].bytes);
-      return b / link.bytes_per_ms() + b * decode_ms_per_byte;
-    };
     if (o.level)
       for (std::size_t k = 0; k < e.size(); ++k)
         if (e[k].level == *o.level) return static_cast<int>(k);
+    // Chunks decode `threads` at a time, so a chunk's decode costs the pipeline 1 / threads of its time.
+    const auto est = [&](int k) {
+      const double b = static_cast<double>(e[static_cast<std::size_t>(k)].bytes);
+      const auto seen = decode_ms_of_level.find(e[static_cast<std::size_t>(k)].level);
+      return b / link.bytes_per_ms() + (seen != decode_ms_of_level.end() ? seen->second : last_decode_ms) / threads;
+    };
     int pick = order.front();
     if (o.slo_ms) {
       const double per_chunk = (*o.slo_ms - ms_since(t0)) / static_cast<double>(n - i);
@@ -166,77 +195,147 @@ LoadReport load(KVStore& store, Transformer* model, const ChunkShape& shape, std
     if (may_recompute && recompute_ms_per_token * static_cast<double>(C) < est(pick)) return -1;
     return pick;
   };
-  const auto start_fetch = [&](int i, int k) {
-    const std::string key = dirs[static_cast<std::size_t>(i)].entries[static_cast<std::size_t>(k)].key;
-    return std::async(std::launch::async, [&store, &link, key] {
-      Fetched f;
+
+  // The fetch thread: chunk after chunk, at most `threads` ahead of the chunks fed; a fetched blob
+  // goes to the decoders, a failed fetch ends fetching (the load stops at that chunk).
+  const auto fetch_loop = [&] {
+    for (int i = 0; i < n; ++i) {
+      std::unique_lock<std::mutex> lock(mu);
+      cv.wait(lock, [&] { return stop || i <= fed + threads; });
+      if (stop) return;
+      const int choice = choose(i);
+      InFlight& f = flight[static_cast<std::size_t>(i)];
+      f.choice = choice;
+      if (choice < 0) {  // recomputed by the calling thread
+        f.ready = true;
+        cv.notify_all();
+        continue;
+      }
+      const std::string key = dirs[static_cast<std::size_t>(i)].entries[static_cast<std::size_t>(choice)].key;
+      lock.unlock();
+      std::optional<Blob> blob;
+      std::string error;
       const auto t = Clock::now();
       try {
-        f.blob = store.get(key);
-        if (!f.blob) f.error = fmt::format("blob '{}' missing", key);
+        blob = store.get(key);
+        if (!blob) error = fmt::format("blob '{}' missing", key);
       } catch (const std::exception& e) {  // IoError, FormatError, or a forged size's bad_alloc
-        f.error = fmt::format("store {} failed ({})", store.describe(), e.what());
+        error = fmt::format("store {} failed ({})", store.describe(), e.what());
       }
-      f.fetch_ms = link.finish(f.blob ? f.blob->size() : 0, t);
-      return f;
-    });
+      const double fetch_ms = link.finish(blob ? blob->size() : 0, t);
+      lock.lock();
+      f.fetch_ms = fetch_ms;
+      if (!blob) {
+        f.error = std::move(error);
+        f.ready = true;
+        cv.notify_all();
+        return;
+      }
+      f.blob = std::move(blob);
+      decode_queue.push_back(i);
+      cv.notify_all();
+    }
   };
 
-  // vq levels' layer models, built once (none without a model: only data-derived transforms decode)
-  const VqLayerModelSource vq_models = model ? chunk_vq_models(*model) : VqLayerModelSource{};
+  // A decoder thread: decode and check fetched chunks (any order of completion; fed in order later).
+  // vq levels' layer models, built once per load at most (none without a model: only data-derived
+  // transforms decode)
+  const VqLayerModelSource vq_models = o.vq_models ? o.vq_models : model ? chunk_vq_models(*model) : VqLayerModelSource{};
   const Shape4 want{1, shape.kv_heads, static_cast<std::int64_t>(C), shape.head_dim};
-  int choice = n > 0 ? choose(0) : -1;
-  std::future<Fetched> fut;
-  if (n > 0 && choice >= 0) fut = start_fetch(0, choice);
-  for (int i = 0; i < n; ++i) {
-    LoadedChunk rc;
-    rc.index = i;
-    std::optional<Fetched> f;
-    if (choice >= 0) {
-      f = fut.get();
-      if (!f->blob) {
-        warn(fmt::format("chunk {}: {}; {}", i, f->error, rest));
-        break;
-      }
-    }
-    // Start the next fetch now: it overlaps this chunk's decode.
-    int next_choice = -1;
-    std::future<Fetched> next;
-    if (i + 1 < n) {
-      next_choice = choose(i + 1);
-      if (next_choice >= 0) next = start_fetch(i + 1, next_choice);
-    }
-    const auto td = Clock::now();
-    if (choice >= 0) {
-      const auto& entry = dirs[static_cast<std::size_t>(i)].entries[static_cast<std::size_t>(choice)];
+  const auto decode_loop = [&] {
+    std::unique_lock<std::mutex> lock(mu);
+    for (;;) {
+      cv.wait(lock, [&] { return stop || !decode_queue.empty(); });
+      if (stop) return;
+      const int i = decode_queue.front();
+      decode_queue.pop_front();
+      InFlight& f = flight[static_cast<std::size_t>(i)];
+      const std::string level = dirs[static_cast<std::size_t>(i)].entries[static_cast<std::size_t>(f.choice)].level;
+      const Blob blob = std::move(*f.blob);
+      f.bytes = blob.size();
+      f.blob.reset();
+      lock.unlock();
+      const auto td = Clock::now();
       ChunkKV kv;
+      std::string error;
       try {
-        kv = decode_chunk(*f->blob, scheme.model_fingerprint, entry.level, i, chunk_tokens(i), vq_models);
+        kv = decode_chunk(blob, scheme.model_fingerprint, level, i, chunk_tokens(i), vq_models);
         if (kv.size() != caches.size()) throw FormatError(fmt::format("{} layers, the model has {}", kv.size(), caches.size()));
         for (const auto& l : kv)
           if (l.keys.shape() != want || l.values.shape() != want)
             throw FormatError(fmt::format("K/V of shape {}, the model's chunk is {}", shape_string(l.keys.shape()), shape_string(want)));
       } catch (const std::exception& e) {
-        warn(fmt::format("chunk {}: level {} blob rejected ({}); {}", i, entry.level, e.what(), rest));
-        break;  // `next` finishes in its destructor; nothing of this chunk was fed
+        error = fmt::format("level {} blob rejected ({})", level, e.what());
+        kv.clear();
       }
-      for (std::size_t l = 0; l < caches.size(); ++l) caches[l]->update(kv[l].keys, kv[l].values);
-      rc.level = entry.level;
-      rc.bytes = f->blob->size();
-      rc.fetch_ms = f->fetch_ms;
-      rc.decode_ms = ms_since(td);
-      decode_ms_per_byte = rc.decode_ms / std::max<double>(1.0, static_cast<double>(rc.bytes));
+      const double decode_ms = ms_since(td);
+      lock.lock();
+      f.decode_ms = decode_ms;
+      if (error.empty()) f.kv = std::move(kv);
+      else f.error = std::move(error);
+      f.ready = true;
+      cv.notify_all();
+    }
+  };
+
+  std::vector<std::thread> workers;
+  // Whatever happens on this thread (a fault, or an exception from the model or a cache), the
+  // threads are told to stop and joined before the locals they use go away.
+  struct Joiner {
+    std::mutex& mu;
+    std::condition_variable& cv;
+    bool& stop;
+    std::vector<std::thread>& workers;
+    ~Joiner() {
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        stop = true;
+      }
+      cv.notify_all();
+      for (auto& t : workers) t.join();
+    }
+  } joiner{mu, cv, stop, workers};
+  if (n > 0) {
+    workers.emplace_back(fetch_loop);
+    for (int t = 0; t < threads; ++t) workers.emplace_back(decode_loop);
+  }
+
+  // Feed the chunks in order.
+  for (int i = 0; i < n; ++i) {
+    InFlight f;
+    {
+      std::unique_lock<std::mutex> lock(mu);
+      cv.wait(lock, [&] { return flight[static_cast<std::size_t>(i)].ready; });
+      f = std::move(flight[static_cast<std::size_t>(i)]);
+    }
+    if (!f.error.empty()) {
+      warn(fmt::format("chunk {}: {}; {}", i, f.error, rest));
+      break;  // nothing of this chunk was fed; the joiner stops the threads
+    }
+    LoadedChunk rc;
+    rc.index = i;
+    const auto tf = Clock::now();
+    if (f.choice >= 0) {
+      for (std::size_t l = 0; l < caches.size(); ++l) caches[l]->update((*f.kv)[l].keys, (*f.kv)[l].values);
+      rc.level = dirs[static_cast<std::size_t>(i)].entries[static_cast<std::size_t>(f.choice)].level;
+      rc.bytes = f.bytes;
+      rc.fetch_ms = f.fetch_ms;
+      rc.decode_ms = f.decode_ms + ms_since(tf);  // decode on its thread, then the update
     } else {
       model->forward(chunk_tokens(i), caches);  // choose() returns -1 only with a model
       rc.level = "recompute";
-      rc.decode_ms = ms_since(td);
-      recompute_ms_per_token = rc.decode_ms / static_cast<double>(C);
+      rc.decode_ms = ms_since(tf);
     }
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      if (f.choice >= 0) decode_ms_of_level[rc.level] = last_decode_ms = rc.decode_ms;
+      else recompute_ms_per_token = rc.decode_ms / static_cast<double>(C);
+      fed = i + 1;
+    }
+    cv.notify_all();
     rep.chunks.push_back(rc);
     rep.tokens_filled += static_cast<int>(C);
-    if (choice >= 0) rep.tokens_reused += static_cast<int>(C);
-    choice = next_choice;
-    fut = std::move(next);
+    if (f.choice >= 0) rep.tokens_reused += static_cast<int>(C);
   }
   rep.load_ms = ms_since(t0);
   return rep;

@@ -167,29 +167,29 @@ TEST(PrefixChunks, PutContextStoresEveryWholeChunkOnceAtEveryLevel) {
   const Context& c = context();
   const fs::path dir = fresh_dir("vq-prefix-test");
   vq::FileStore store(dir);
-  const vq::ChunkScheme scheme = scheme_of(c, "fp16;cachegen:bits=4,group=4");
+  const vq::ChunkScheme scheme = scheme_of(c, "fp16;cachegen:bits=4,group=4;vq:bits=2");  // vq: layer models reused over chunks
   const std::size_t n = c.tokens.size() / 12 * 12;
   std::vector<vq::KVState> exact;
   for (const auto& s : c.exact) exact.push_back({s.keys.slice(2, 0, static_cast<std::int64_t>(n)), s.values.slice(2, 0, static_cast<std::int64_t>(n))});
   const auto rep = vq::put_context(store, *c.model, scheme, std::span<const int>(c.tokens).first(n), exact);
   EXPECT_EQ(rep.chunks, static_cast<int>(n / 12));
   EXPECT_EQ(rep.chunks_written, rep.chunks);
-  EXPECT_EQ(store.list().size(), static_cast<std::size_t>(rep.chunks) * 4);  // 3 levels + a directory each
+  EXPECT_EQ(store.list().size(), static_cast<std::size_t>(rep.chunks) * 5);  // 4 levels + a directory each
   // Walk the chain as a loader does and decode every chunk at every level.
-  std::vector<std::uint64_t> prev(3, 0);
+  std::vector<std::uint64_t> prev(4, 0);
   std::uint64_t dprev = 0;
   for (int i = 0; i < rep.chunks; ++i) {
     const auto toks = std::span<const int>(c.tokens).subspan(static_cast<std::size_t>(i * 12), 12);
     dprev = vq::directory_hash(dprev, scheme, toks);
     const auto d = vq::decode_directory(*store.get(vq::directory_key(dprev)));
-    ASSERT_EQ(d.entries.size(), 3u);
-    for (std::size_t l = 0; l < 3; ++l) {
+    ASSERT_EQ(d.entries.size(), 4u);
+    for (std::size_t l = 0; l < 4; ++l) {
       prev[l] = vq::chain_hash(prev[l], c.fp, scheme.levels[l], toks);
       EXPECT_EQ(d.entries[l].key, vq::chunk_key(scheme.levels[l], prev[l]));
       const auto blob = store.get(d.entries[l].key);
       ASSERT_TRUE(blob.has_value());
       EXPECT_EQ(blob->size(), d.entries[l].bytes);
-      expect_bit_equal(vq::decode_chunk(*blob, c.fp, scheme.levels[l], i, toks),
+      expect_bit_equal(vq::decode_chunk(*blob, c.fp, scheme.levels[l], i, toks, vq::chunk_vq_models(*c.model)),
                        vq::level_chunk_kv(*c.model, scheme.levels[l], slice_chunk(c.exact, i, 12)));
     }
   }

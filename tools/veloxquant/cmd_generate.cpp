@@ -39,6 +39,7 @@ struct GenerateOptions {
   bool use_store = false, json = false;
   int chunk_tokens = vq::kDefaultChunkTokens;
   std::optional<double> slo_ms, bandwidth_mbps;
+  std::optional<int> threads;  // --threads: the loader's decoder threads (default: all cores)
 };
 
 // What generate --store did, for the report.
@@ -75,7 +76,7 @@ void store_context(StoreRun& sr, vq::Transformer& model, const std::string& meth
 }
 
 int run_generate(const GenerateOptions& o) {
-  vq::require(o.use_store || (!o.slo_ms && !o.bandwidth_mbps), "--slo-ms and --bandwidth need --store");
+  vq::require(o.use_store || (!o.slo_ms && !o.bandwidth_mbps && !o.threads), "--slo-ms, --bandwidth and --threads need --store");
   auto opt = [](const std::string& s) { return s.empty() ? std::nullopt : std::optional<std::filesystem::path>(s); };
   const vq::ModelFiles files = vq::resolve_model_files(opt(o.model), opt(o.tokenizer));
   vq::LoadedModel loaded = vq::load_model(files);
@@ -97,6 +98,7 @@ int run_generate(const GenerateOptions& o) {
     sr.options.scheme.model_fingerprint = vq::model_fingerprint(model);
     sr.options.slo_ms = o.slo_ms;
     sr.options.bandwidth_mbps = o.bandwidth_mbps;
+    sr.options.threads = o.threads.value_or(0);
     try {
       sr.store = vq::open_store(o.store);
     } catch (const vq::IoError& e) {
@@ -172,6 +174,8 @@ Runner add_generate(CLI::App& app) {
       ->transform(finite_at_least(0.0));
   app.add_option("--bandwidth", o->bandwidth_mbps, "with --store: emulate a link of this many megabits per second (client-side token bucket)")
       ->transform(finite_at_least(0.001));
+  app.add_option("--threads", o->threads, "with --store: threads decoding the loaded chunks (default: all cores)")
+      ->transform(integer_in(1, 1024));
   app.add_option("--levels", o->levels, "with --store: the level list the prefix was stored with (store put --levels)")->capture_default_str();
   app.add_option("--chunk-tokens", o->chunk_tokens, "with --store: tokens per chunk, as stored")
       ->capture_default_str()

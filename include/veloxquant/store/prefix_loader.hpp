@@ -9,11 +9,15 @@
 //   evenly over the chunks left; when no level fits it takes the smallest, and it recomputes the
 //   chunk from its tokens (model forward over the live caches) whenever the recompute estimate is
 //   below the chosen level's. Quality order: fp32 first, then the other levels by size, largest first.
-// - Link: measured from its own transfers (bytes / fetch time, a 1 Gbps prior), or emulated with a
+// - Link: measured from its own transfers (the last fetch's bytes / time, a 1 Gbps prior), emulated or not; emulated with a
 //   client-side token bucket (bandwidth_mbps, optionally dropping to bandwidth_after_mbps once
 //   drop_after_bytes have been fetched): a fetch of b bytes ends no earlier than the bucket allows.
-// - Fetching chunk i+1 (a second thread) overlaps decoding chunk i; chunks are fed to the caches in
-//   order (caches[l]->update with the decoded K/V, or a forward pass for a recomputed chunk).
+// - Fetching runs on its own thread, one chunk after another (the link is one pipe), and overlaps
+//   decoding: each fetched chunk is decoded by one of `threads` decoder threads (all cores by
+//   default), so up to `threads` chunks decode at once while the next one is fetched. Chunks are fed
+//   to the caches in chunk order on the calling thread (caches[l]->update with the decoded K/V, or a
+//   forward pass for a recomputed chunk), so the caches hold exactly what a one-thread load gives.
+//   The fetcher runs at most `threads` chunks ahead of the last chunk fed (memory stays bounded).
 // - LoaderOptions::level forces one level for every chunk (no choice, no recompute; the level must
 //   be one of the scheme's).
 // - Without a model (the C API's overload): chunks are never recomputed (loading stops at the first
@@ -47,6 +51,12 @@ struct LoaderOptions {
   std::optional<double> bandwidth_after_mbps;  // the emulated link after drop_after_bytes
   std::uint64_t drop_after_bytes = 0;
   std::optional<std::string> level;         // load every chunk at this level (canonical spec); unset: choose
+  int threads = 0;              // decoder threads; 0: std::thread::hardware_concurrency()
+  bool allow_recompute = true;  // false: a stored chunk is always loaded, never recomputed by choice
+                                // (benchmarks that time loading alone); faults still stop the load
+  // The layer models vq levels decode with (chunk_vq_models(model)); unset: built during the load,
+  // on first use. A host that loads many prefixes of one model builds them once and passes them here.
+  VqLayerModelSource vq_models = {};
 };
 
 struct LoadedChunk {

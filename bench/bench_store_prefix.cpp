@@ -1,0 +1,346 @@
+// Prefix loading benchmark (issue 16's goals 1-3): a 7B-shaped prefix (32 layers, 8 KV heads x 128,
+// 4096 tokens; synthetic K/V from make_synthetic_kv) stored in a Redis server this bench starts
+// (127.0.0.1, a free port, stopped by pid: tests/store/redis_servers.hpp), loaded by load_prefix
+// (fetch + decode into fp32 host caches) in one run:
+//   1. at vq:bits=2 and at fp16 (exact for fp16 K/V), under an emulated 1 Gbps link, 10 Gbps and bare
+//      loopback: median load time of each, and the ratio fp16 / vq (goals: >= 5x, >= 2x, >= 1x);
+//   2. decode throughput of the load path on all cores: the vq:bits=2 prefix loaded from memory (an
+//      in-process store, no network), GB/s of fp16 output (goal >= 1.5), against one decoder thread;
+//   3. --slo-runs loads (100) with levels vq:bits=1;2;4 and fp16, a deadline (--slo-ms; default: the
+//      time the 1 Gbps -> 100 Mbps link needs for the first half at vq:bits=2 and the second at
+//      vq:bits=1, x 1.25, plus the loopback vq:bits=2 load time measured in step 1) and a link that drops from 1 Gbps to 100 Mbps after
+//      half the vq:bits=2 prefix's bytes: deadline hit rate (goal >= 95 %) and the levels chosen.
+// The model is random weights of the 7B KV shape (dim 1024 = 8 heads x 128, a 64-wide FFN): it names
+// the chunks (fingerprint), gives vq its layer transforms, and prices recomputes (far cheaper than a
+// real 7B's, so recompute is chosen less often than it would be there).
+//   vq_bench_store_prefix [--layers 32] [--tokens 4096] [--chunk-tokens 256] [--threads 0] [--reps 3]
+//                         [--slo-runs 100] [--slo-ms MS] [--url redis://...] [--skip-links]
+#include <time.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <map>
+#include <mutex>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "../tests/store/redis_servers.hpp"
+#include "veloxquant/core/error.hpp"
+#include "veloxquant/model/checkpoint.hpp"
+#include "veloxquant/model/method_spec.hpp"
+#include "veloxquant/model/transformer.hpp"
+#include "veloxquant/store/kv_store.hpp"
+#include "veloxquant/store/prefix_chunks.hpp"
+#include "veloxquant/store/prefix_loader.hpp"
+#include "veloxquant/synth/synthetic_kv.hpp"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double ms_since(Clock::time_point t) { return std::chrono::duration<double, std::milli>(Clock::now() - t).count(); }
+
+struct Args {
+  int layers = 32, tokens = 4096, chunk_tokens = 256, threads = 0, reps = 3, slo_runs = 100;
+  double slo_ms = 0;
+  std::string url;
+  bool skip_links = false;
+};
+
+// Random weights of the 7B KV shape: 8 heads (all KV heads) x 128 = dim 1024, tiny FFN and vocab.
+vq::Checkpoint random_checkpoint(int layers, int seq_len) {
+  vq::Checkpoint ck;
+  auto& c = ck.config;
+  c.dim = 1024, c.hidden_dim = 64, c.n_layers = layers, c.n_heads = 8, c.n_kv_heads = 8, c.vocab_size = 512, c.seq_len = seq_len;
+  c.shared_classifier = true;
+  std::mt19937 rng(7);
+  std::normal_distribution<float> nd(0.0f, 0.02f);
+  const auto fill = [&](std::vector<float>& v, std::size_t n) {
+    v.resize(n);
+    for (auto& x : v) x = nd(rng);
+  };
+  const std::size_t L = static_cast<std::size_t>(layers), D = 1024, H = 64, V = 512;
+  fill(ck.token_embedding, V * D);
+  ck.rms_att.assign(L * D, 1.0f);
+  fill(ck.wq, L * D * D);
+  fill(ck.wk, L * D * D);
+  fill(ck.wv, L * D * D);
+  fill(ck.wo, L * D * D);
+  ck.rms_ffn.assign(L * D, 1.0f);
+  fill(ck.w1, L * H * D);
+  fill(ck.w2, L * D * H);
+  fill(ck.w3, L * H * D);
+  ck.rms_final.assign(D, 1.0f);
+  return ck;
+}
+
+// An in-process store: the load path without a network (decode throughput).
+class MemoryStore final : public vq::KVStore {
+ public:
+  void put(std::string_view key, std::span<const std::uint8_t> blob) override {
+    std::lock_guard<std::mutex> l(mu_);
+    blobs_.emplace(std::string(key), vq::Blob(blob.begin(), blob.end()));
+  }
+  std::optional<vq::Blob> get(std::string_view key) override {
+    std::lock_guard<std::mutex> l(mu_);
+    const auto it = blobs_.find(std::string(key));
+    if (it == blobs_.end()) return std::nullopt;
+    return it->second;
+  }
+  bool exists(std::string_view key) override {
+    std::lock_guard<std::mutex> l(mu_);
+    return blobs_.count(std::string(key)) > 0;
+  }
+  bool remove(std::string_view key) override {
+    std::lock_guard<std::mutex> l(mu_);
+    return blobs_.erase(std::string(key)) > 0;
+  }
+  std::vector<std::string> list() override {
+    std::lock_guard<std::mutex> l(mu_);
+    std::vector<std::string> k;
+    for (const auto& [key, b] : blobs_) k.push_back(key);
+    return k;
+  }
+  vq::StoreStats stats() override { return {blobs_.size(), 0, 0, "memory"}; }
+  std::string describe() const override { return "memory:"; }
+
+ private:
+  std::mutex mu_;
+  std::map<std::string, vq::Blob> blobs_;
+};
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0 : v[v.size() / 2];
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);  // progress shows as it happens
+  Args a;
+  for (int i = 1; i < argc; ++i) {
+    const std::string k = argv[i];
+    const auto next = [&]() -> std::string {
+      if (i + 1 >= argc) {
+        std::fprintf(stderr, "vq_bench_store_prefix: %s needs a value\n", k.c_str());
+        std::exit(2);
+      }
+      return argv[++i];
+    };
+    if (k == "--layers") a.layers = std::stoi(next());
+    else if (k == "--tokens") a.tokens = std::stoi(next());
+    else if (k == "--chunk-tokens") a.chunk_tokens = std::stoi(next());
+    else if (k == "--threads") a.threads = std::stoi(next());
+    else if (k == "--reps") a.reps = std::stoi(next());
+    else if (k == "--slo-runs") a.slo_runs = std::stoi(next());
+    else if (k == "--slo-ms") a.slo_ms = std::stod(next());
+    else if (k == "--url") a.url = next();
+    else if (k == "--skip-links") a.skip_links = true;
+    else {
+      std::fprintf(stderr, "usage: vq_bench_store_prefix [--layers L] [--tokens N] [--chunk-tokens C] [--threads T] [--reps R] "
+                           "[--slo-runs N] [--slo-ms MS] [--url URL] [--skip-links]\n");
+      return 2;
+    }
+  }
+  try {
+    const int threads = a.threads > 0 ? a.threads : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+    const auto tb = Clock::now();
+    vq::Transformer model(random_checkpoint(a.layers, a.tokens + 8));
+    const std::uint64_t fp = vq::model_fingerprint(model);
+    std::vector<int> tokens(static_cast<std::size_t>(a.tokens) + 1);
+    for (std::size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<int>((i * 7919 + 1) % 512);
+    std::vector<vq::KVState> exact;
+    for (int l = 0; l < a.layers; ++l) {
+      vq::SyntheticKVConfig sc;
+      sc.heads = 8, sc.head_dim = 128, sc.tokens = a.tokens, sc.seed = static_cast<std::uint64_t>(l) + 1, sc.dtype = vq::DType::F32;
+      const auto kv = vq::make_synthetic_kv(sc);
+      // fp16 K/V, as a 7B model's cache holds them: the fp16 level is then exact.
+      exact.push_back({kv.keys.to(vq::DType::F16).to(vq::DType::F32), kv.values.to(vq::DType::F16).to(vq::DType::F32)});
+    }
+    const double fp16_bytes = 2.0 * 2.0 * a.layers * 8.0 * 128.0 * (a.tokens / a.chunk_tokens * a.chunk_tokens);
+    fmt::print("shape: {} layers x 8 KV heads x 128, {} tokens, chunks of {}: fp16 {:.1f} MB; {} decoder threads; setup {:.1f} s\n", a.layers,
+               a.tokens, a.chunk_tokens, fp16_bytes / 1e6, threads, ms_since(tb) / 1e3);
+
+    const auto server_dir = std::filesystem::temp_directory_path() / fmt::format("vq-bench-prefix-{}", ::getpid());
+    struct RemoveDir {  // after the servers stopped (declared first, destroyed last): their logs go too
+      std::filesystem::path p;
+      ~RemoveDir() {
+        std::error_code ec;
+        std::filesystem::remove_all(p, ec);
+      }
+    } remove_dir{a.url.empty() ? server_dir : std::filesystem::path()};
+    std::unique_ptr<vqtest::RedisServers> servers;
+    std::string url = a.url;
+    if (url.empty()) {
+      servers = std::make_unique<vqtest::RedisServers>(server_dir);
+      const auto s = servers->start();
+      url = fmt::format("redis://127.0.0.1:{}", servers->port(s));
+    }
+    auto store = vq::open_store(url);
+    const auto scheme_of = [&](std::vector<std::string> levels) {
+      vq::ChunkScheme s;
+      s.model_fingerprint = fp;
+      s.chunk_tokens = a.chunk_tokens;
+      for (const auto& l : levels) s.levels.push_back(vq::MethodSpec::parse(l).to_string());
+      return s;
+    };
+    const auto prefix = std::span<const int>(tokens).first(static_cast<std::size_t>(a.tokens));
+    const vq::ChunkScheme vq2 = scheme_of({"vq:bits=2"}), f16 = scheme_of({"fp16"}), rest = scheme_of({"vq:bits=1", "vq:bits=4"});
+    std::map<std::string, std::vector<vq::ChunkDirectory>> dirs;
+    for (const auto* s : {&vq2, &f16, &rest}) {
+      const auto tp = Clock::now();
+      const auto r = vq::put_context(*store, model, *s, prefix, exact);
+      fmt::print("put {}: {} chunks, {:.1f} MB, {:.1f} s\n", fmt::join(s->levels, ";"), r.chunks, r.bytes_written / 1e6, ms_since(tp) / 1e3);
+      dirs[s->levels.front()] = r.directories;
+    }
+    // The SLO scheme (vq:bits=1;2;4 and fp16) reuses those blobs: only its directories are new.
+    const vq::ChunkScheme slo_scheme = scheme_of({"vq:bits=1", "vq:bits=2", "vq:bits=4", "fp16"});
+    std::uint64_t vq2_bytes = 0;
+    {
+      std::uint64_t dprev = 0;
+      for (std::size_t i = 0; i < dirs[vq2.levels[0]].size(); ++i) {
+        dprev = vq::directory_hash(dprev, slo_scheme, prefix.subspan(i * static_cast<std::size_t>(a.chunk_tokens), static_cast<std::size_t>(a.chunk_tokens)));
+        const auto& r = dirs[rest.levels[0]][i].entries;
+        const vq::ChunkDirectory d{{r[0], dirs[vq2.levels[0]][i].entries[0], r[1], dirs[f16.levels[0]][i].entries[0]}};
+        vq2_bytes += dirs[vq2.levels[0]][i].entries[0].bytes;
+        store->put(vq::directory_key(dprev), vq::encode_directory(d));
+      }
+    }
+    std::map<std::string, std::uint64_t> level_bytes;
+    for (const auto& [name, ds] : dirs)
+      for (const auto& d : ds)
+        for (const auto& e : d.entries) level_bytes[e.level] += e.bytes;
+    for (const auto& [l, b] : level_bytes) fmt::print("  level {}: {:.1f} MB ({:.2f}x smaller than fp16)\n", l, b / 1e6, fp16_bytes / static_cast<double>(b));
+
+    // The vq layer models: built once (a host keeps them per model), by the first load below.
+    const vq::VqLayerModelSource vq_models = vq::chunk_vq_models(model);
+
+    const auto load = [&](vq::KVStore& st, const vq::ChunkScheme& s, std::optional<double> mbps, int nthreads, bool recompute = false,
+                          std::optional<double> slo = std::nullopt, std::optional<double> after = std::nullopt, std::uint64_t drop = 0) {
+      vq::LoaderOptions o;
+      o.scheme = s;
+      o.bandwidth_mbps = mbps;
+      o.bandwidth_after_mbps = after;
+      o.drop_after_bytes = drop;
+      o.slo_ms = slo;
+      o.threads = nthreads;
+      o.allow_recompute = recompute;
+      o.vq_models = vq_models;
+      auto caches = vq::make_caches("fp32", model);
+      auto r = vq::load_prefix(st, model, caches, tokens, o, [](const std::string& w) { fmt::print(stderr, "warning: {}\n", w); });
+      if (!slo && r.tokens_reused != a.tokens / a.chunk_tokens * a.chunk_tokens)
+        throw vq::Error(fmt::format("load of {} reused {} tokens only", s.levels.front(), r.tokens_reused));
+      return r;
+    };
+    // A first, untimed vq load: builds the layer models (cold cost reported) and warms the server.
+    {
+      const auto tc = Clock::now();
+      load(*store, vq2, std::nullopt, threads);
+      fmt::print("first vq:bits=2 load (builds the vq layer models): {:.0f} ms\n", ms_since(tc));
+    }
+
+    double loopback_vq_ms = 0;  // median vq:bits=2 load on loopback: the decode-bound part of a deadline
+    if (!a.skip_links) {
+      fmt::print("\ngoal 1: load time, median of {} loads (fetch + decode into fp32 caches, {} decoder threads)\n", a.reps, threads);
+      fmt::print("| link | vq:bits=2 ms | fp16 ms | fp16 / vq |\n|---|---:|---:|---:|\n");
+      for (const std::optional<double> mbps : {std::optional<double>(1000.0), std::optional<double>(10000.0), std::optional<double>()}) {
+        std::vector<double> tv, tf;
+        for (int r = 0; r < a.reps; ++r) {
+          tv.push_back(load(*store, vq2, mbps, threads).load_ms);
+          tf.push_back(load(*store, f16, mbps, threads).load_ms);
+        }
+        if (!mbps) loopback_vq_ms = median(tv);
+        fmt::print("| {} | {:.0f} | {:.0f} | {:.2f}x |\n", mbps ? fmt::format("{:.0f} Mbps (emulated)", *mbps) : std::string("loopback"),
+                   median(tv), median(tf), median(tf) / median(tv));
+        std::fflush(stdout);
+      }
+    }
+
+    {
+      MemoryStore mem;
+      for (const auto& d : dirs[vq2.levels[0]])
+        for (const auto& e : d.entries) mem.put(e.key, *store->get(e.key));
+      std::uint64_t dprev = 0;
+      for (std::size_t i = 0; i < dirs[vq2.levels[0]].size(); ++i) {
+        dprev = vq::directory_hash(dprev, vq2, prefix.subspan(i * static_cast<std::size_t>(a.chunk_tokens), static_cast<std::size_t>(a.chunk_tokens)));
+        mem.put(vq::directory_key(dprev), vq::encode_directory(dirs[vq2.levels[0]][i]));
+      }
+      // CPU seconds of the process per wall second during each load: ~threads when the decoder threads
+      // got the cores (on a shared machine they may not; then the ratio says why the speedup is low).
+      const auto cpu_ms = [] {
+        timespec ts{};
+        clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+        return static_cast<double>(ts.tv_sec) * 1e3 + static_cast<double>(ts.tv_nsec) / 1e6;
+      };
+      std::vector<double> t1, tn, c1, cn, overlap;
+      for (int r = 0; r < a.reps; ++r) {
+        double c = cpu_ms();
+        t1.push_back(load(mem, vq2, std::nullopt, 1).load_ms);
+        c1.push_back((cpu_ms() - c) / t1.back());
+        c = cpu_ms();
+        const auto rep = load(mem, vq2, std::nullopt, threads);
+        tn.push_back(rep.load_ms);
+        cn.push_back((cpu_ms() - c) / tn.back());
+        double dsum = 0;  // chunk decodes overlapping: their sum exceeds the wall time
+        for (const auto& ch : rep.chunks) dsum += ch.decode_ms;
+        overlap.push_back(dsum / rep.load_ms);
+      }
+      fmt::print("\ngoal 2: vq:bits=2 load path from memory (median of {}): 1 thread {:.0f} ms = {:.4f} GB/s of fp16 output; {} threads "
+                 "{:.0f} ms = {:.4f} GB/s ({:.2f}x)\n",
+                 a.reps, median(t1), fp16_bytes / median(t1) / 1e6, threads, median(tn), fp16_bytes / median(tn) / 1e6,
+                 median(t1) / median(tn));
+      fmt::print("  cores busy (process CPU time / wall time): 1 thread {:.2f}, {} threads {:.2f}; chunk decode ms summed / load ms "
+                 "with {} threads: {:.2f}\n", median(c1), threads, median(cn), threads, median(overlap));
+      std::fflush(stdout);
+    }
+
+    if (a.slo_runs > 0) {
+      // The default deadline: 1.25 x the link time of the first half of the vq:bits=2 bytes at 1 Gbps
+      // and of the second half at vq:bits=1 at 100 Mbps, plus the measured loopback vq:bits=2 load
+      // (the decode the link cannot hide).
+      const double half = static_cast<double>(vq2_bytes) / 2;
+      const double vq1_half = static_cast<double>(level_bytes[rest.levels[0]]) / 2;
+      const double slo = a.slo_ms > 0 ? a.slo_ms : 1.25 * (half / 125e3 + vq1_half / 12.5e3) + loopback_vq_ms;
+      fmt::print("\ngoal 3: {} loads, --slo-ms {:.0f}, link 1000 Mbps dropping to 100 Mbps after {:.1f} MB (half the vq:bits=2 prefix)\n",
+                 a.slo_runs, slo, half / 1e6);
+      int met = 0;
+      std::vector<double> times;
+      std::map<std::string, int> before, after;  // levels chosen before / after the drop
+      const int n_chunks = a.tokens / a.chunk_tokens;
+      for (int r = 0; r < a.slo_runs; ++r) {
+        const auto rep = load(*store, slo_scheme, 1000.0, threads, true, slo, 100.0, static_cast<std::uint64_t>(half));
+        times.push_back(rep.load_ms);
+        met += rep.load_ms <= slo && rep.tokens_filled == n_chunks * a.chunk_tokens;
+        std::uint64_t sent = 0;
+        for (const auto& c : rep.chunks) {
+          (sent < static_cast<std::uint64_t>(half) ? before : after)[c.level]++;
+          sent += c.bytes;
+        }
+        if (r == 0 || r + 1 == a.slo_runs) {
+          std::string levels;
+          for (const auto& c : rep.chunks) levels += fmt::format("{}{}", levels.empty() ? "" : " ", c.level == "recompute" ? "R" : c.level.substr(0, 9));
+          fmt::print("  run {}: {:.0f} ms, chunks: {}\n", r, rep.load_ms, levels);
+        }
+      }
+      std::sort(times.begin(), times.end());
+      fmt::print("deadline met in {} of {} loads ({:.0f} %); load ms p50 {:.0f} p95 {:.0f} max {:.0f}\n", met, a.slo_runs,
+                 100.0 * met / a.slo_runs, times[times.size() / 2], times[times.size() * 95 / 100], times.back());
+      const auto show = [](const std::map<std::string, int>& m) {
+        std::string s;
+        for (const auto& [l, c] : m) s += fmt::format("{}{} x{}", s.empty() ? "" : ", ", l, c);
+        return s;
+      };
+      fmt::print("levels chosen before the drop: {}\nlevels chosen after the drop: {}\n", show(before), show(after));
+    }
+    return 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "vq_bench_store_prefix: %s\n", e.what());
+    return 1;
+  }
+}

@@ -1,0 +1,179 @@
+// The prefix loader's parallel decode (store/prefix_loader.hpp): chunks decoded on several threads
+// and fed in order give the caches a one-thread load gives, bit for bit; faults still stop the load
+// at the faulty chunk with one warning, whatever the number of decoder threads. Real stories260K
+// model, file: backend.
+#include "veloxquant/store/prefix_loader.hpp"
+
+#include <gtest/gtest.h>
+
+#include <filesystem>
+
+#include <fmt/core.h>
+
+#include "../model/model_support.hpp"
+#include "veloxquant/model/checkpoint.hpp"
+#include "veloxquant/model/method_spec.hpp"
+#include "veloxquant/model/tokenizer.hpp"
+#include "veloxquant/model/transformer.hpp"
+#include "veloxquant/store/file_store.hpp"
+
+namespace fs = std::filesystem;
+
+namespace {
+
+constexpr int kC = 4;  // tokens per chunk: many chunks from one sentence, so many decode at once
+
+struct Context {
+  std::unique_ptr<vq::Transformer> model;
+  std::vector<int> tokens;          // the prompt: whole chunks plus one token
+  std::vector<vq::KVState> exact;   // fp32 caches after a prefill of the whole chunks
+  std::uint64_t fp = 0;
+};
+
+const Context& context() {
+  static const Context c = [] {
+    Context c;
+    c.model = std::make_unique<vq::Transformer>(vq::Checkpoint::load(vqtest::model_path()));
+    const auto tok = vq::Tokenizer::load(vqtest::tokenizer_path(), c.model->config().vocab_size);
+    c.tokens = tok.encode("Once upon a time, there was a little girl named Lily. She loved to play outside in the park with her "
+                          "friends. One day, she saw a big red ball under a tree and ran to get it.",
+                          true);
+    c.tokens.resize(c.tokens.size() / kC * kC + 1);
+    auto caches = vq::make_caches("fp32", *c.model);
+    c.model->forward(std::span<const int>(c.tokens).first(c.tokens.size() - 1), caches);
+    for (const auto& k : caches) c.exact.push_back(k->state());
+    c.fp = vq::model_fingerprint(*c.model);
+    return c;
+  }();
+  return c;
+}
+
+int whole_chunks() { return static_cast<int>(context().tokens.size() - 1) / kC; }
+
+// A fresh file store holding the context at `levels` (exactly these, no fp32 added: the loader then
+// has one choice per chunk, so runs are comparable).
+struct Stored {
+  fs::path dir;
+  std::unique_ptr<vq::FileStore> store;
+  vq::ChunkScheme scheme;
+  explicit Stored(std::vector<std::string> levels) {
+    static int counter = 0;
+    dir = fs::temp_directory_path() / fmt::format("vq-loader-test-{}-{}", ::getpid(), counter++);
+    fs::remove_all(dir);
+    store = std::make_unique<vq::FileStore>(dir);
+    const Context& c = context();
+    scheme.model_fingerprint = c.fp;
+    scheme.chunk_tokens = kC;
+    for (const auto& l : levels) scheme.levels.push_back(vq::MethodSpec::parse(l).to_string());
+    vq::put_context(*store, *c.model, scheme, std::span<const int>(c.tokens).first(c.tokens.size() - 1), c.exact);
+  }
+  ~Stored() { fs::remove_all(dir); }
+  // The key of `level` (index into scheme.levels) of chunk i, as the directory names it.
+  std::string level_key(int i, std::size_t level) const {
+    std::uint64_t h = 0;
+    for (int k = 0; k <= i; ++k)
+      h = vq::chain_hash(h, scheme.model_fingerprint, scheme.levels[level], std::span<const int>(context().tokens).subspan(k * kC, kC));
+    return vq::chunk_key(scheme.levels[level], h);
+  }
+};
+
+struct Loaded {
+  vq::LoadReport report;
+  std::vector<vq::KVState> state;
+};
+
+Loaded load(const Stored& s, int threads) {
+  const Context& c = context();
+  vq::LoaderOptions o;
+  o.scheme = s.scheme;
+  o.threads = threads;
+  o.allow_recompute = false;  // timing must not decide what is loaded here
+  auto caches = vq::make_caches("fp32", *c.model);
+  Loaded out;
+  out.report = vq::load_prefix(*s.store, *c.model, caches, c.tokens, o);
+  for (const auto& k : caches) out.state.push_back(k->state());
+  return out;
+}
+
+void expect_same_caches(const std::vector<vq::KVState>& a, const std::vector<vq::KVState>& b) {
+  ASSERT_EQ(a.size(), b.size());
+  for (std::size_t l = 0; l < a.size(); ++l) {
+    EXPECT_TRUE(a[l].keys.bit_equal(b[l].keys)) << "layer " << l;
+    EXPECT_TRUE(a[l].values.bit_equal(b[l].values)) << "layer " << l;
+  }
+}
+
+TEST(PrefixLoader, ParallelDecodeGivesTheCachesOfOneThread) {
+  const int n = whole_chunks();
+  ASSERT_GE(n, 8);
+  for (const std::string level : {"vq:bits=2", "cachegen:bits=4,group=4", "fp16", "fp32"}) {
+    SCOPED_TRACE(level);
+    const Stored s({level});
+    const Loaded one = load(s, 1);
+    ASSERT_TRUE(one.report.warnings.empty()) << one.report.warnings.front();
+    ASSERT_EQ(one.report.tokens_reused, n * kC);
+    ASSERT_EQ(one.report.chunks.size(), static_cast<std::size_t>(n));
+    for (int i = 0; i < n; ++i) {
+      EXPECT_EQ(one.report.chunks[static_cast<std::size_t>(i)].index, i);
+      EXPECT_EQ(one.report.chunks[static_cast<std::size_t>(i)].level, s.scheme.levels[0]);
+      EXPECT_GT(one.report.chunks[static_cast<std::size_t>(i)].bytes, 0u);
+    }
+    if (level == "fp32") expect_same_caches(one.state, context().exact);  // the exact prefill, chunk by chunk
+    for (const int threads : {2, 5, 0}) {
+      SCOPED_TRACE(threads);
+      const Loaded many = load(s, threads);
+      ASSERT_TRUE(many.report.warnings.empty()) << many.report.warnings.front();
+      EXPECT_EQ(many.report.tokens_reused, one.report.tokens_reused);
+      ASSERT_EQ(many.report.chunks.size(), one.report.chunks.size());
+      for (std::size_t i = 0; i < many.report.chunks.size(); ++i) {
+        EXPECT_EQ(many.report.chunks[i].index, static_cast<int>(i));
+        EXPECT_EQ(many.report.chunks[i].level, one.report.chunks[i].level);
+        EXPECT_EQ(many.report.chunks[i].bytes, one.report.chunks[i].bytes);
+      }
+      expect_same_caches(many.state, one.state);
+    }
+  }
+}
+
+// A corrupt blob at chunk k and a missing blob at chunk m > k: with any number of decoder threads
+// (chunks after k decode while k is rejected), one warning naming chunk k, exactly k chunks fed, and
+// the caches are the first k chunks of the clean load.
+TEST(PrefixLoader, FaultsStopAtTheFaultyChunkWithThreads) {
+  const int n = whole_chunks();
+  const int k = n / 2, m = n - 2;
+  const Stored clean({"vq:bits=2"});
+  const Loaded full = load(clean, 1);
+  ASSERT_EQ(full.report.tokens_reused, n * kC);
+  for (const std::string fault : {"corrupt", "missing"}) {
+    const Stored s({"vq:bits=2"});
+    const int bad = fault == "corrupt" ? k : m;
+    const std::string key = s.level_key(bad, 0);
+    auto blob = s.store->get(key);
+    ASSERT_TRUE(blob.has_value());
+    s.store->remove(key);
+    if (fault == "corrupt") {
+      (*blob)[blob->size() / 2] ^= 0x10;
+      s.store->put(key, *blob);
+      s.store->remove(s.level_key(m, 0));  // a later fault is never reported: the load stopped at k
+    }
+    for (const int threads : {1, 4}) {
+      SCOPED_TRACE(fault + " threads " + std::to_string(threads));
+      const Loaded r = load(s, threads);
+      ASSERT_EQ(r.report.warnings.size(), 1u);
+      const std::string& w = r.report.warnings.front();
+      EXPECT_EQ(w.rfind(fmt::format("chunk {}: ", bad), 0), 0u) << w;
+      EXPECT_NE(w.find(fault == "corrupt" ? "blob rejected" : "missing"), std::string::npos) << w;
+      EXPECT_NE(w.find("recomputing"), std::string::npos) << w;
+      EXPECT_EQ(r.report.tokens_filled, bad * kC);
+      EXPECT_EQ(r.report.chunks.size(), static_cast<std::size_t>(bad));
+      ASSERT_EQ(r.state.size(), full.state.size());
+      for (std::size_t l = 0; l < r.state.size(); ++l) {
+        ASSERT_EQ(r.state[l].keys.dim(2), bad * kC);
+        EXPECT_TRUE(r.state[l].keys.bit_equal(full.state[l].keys.slice(2, 0, bad * kC).contiguous(true))) << l;
+        EXPECT_TRUE(r.state[l].values.bit_equal(full.state[l].values.slice(2, 0, bad * kC).contiguous(true))) << l;
+      }
+    }
+  }
+}
+
+}  // namespace
