@@ -238,7 +238,30 @@ VqLayerModel make_vq_layer_model(const VqLayerWeights& w, const VqBasisOptions& 
     put_block(m.v.fwd, n, at, fwd, bn);
     put_block(m.v.inv, n, at, inv, bn);
   }
+  vq_index_inverse(m.k, H);
+  vq_index_inverse(m.v, H);
   return m;
+}
+
+void vq_index_inverse(VqSideTransform& side, int kv_heads) {
+  side.inv_cols.clear();
+  side.col_span = 0;
+  if (side.identity() || kv_heads <= 0 || side.n % kv_heads != 0) return;
+  const int n = side.n, d = n / kv_heads;
+  // Per-head blocks when every entry outside the head's own d columns is zero.
+  bool per_head = kv_heads > 1;
+  for (int r = 0; r < n && per_head; ++r)
+    for (int j = 0; j < n && per_head; ++j)
+      if (j / d != r / d && (side.inv[sz(r) * sz(n) + sz(j)] != 0.0f || side.fwd[sz(r) * sz(n) + sz(j)] != 0.0f)) per_head = false;
+  const int span = per_head ? d : n;
+  side.col_span = span;
+  side.inv_cols.assign(sz(kv_heads) * sz(span) * sz(d), 0.0f);
+  for (int h = 0; h < kv_heads; ++h) {
+    const int j0 = per_head ? h * d : 0;
+    for (int j = 0; j < span; ++j)
+      for (int i = 0; i < d; ++i)
+        side.inv_cols[(sz(h) * sz(span) + sz(j)) * sz(d) + sz(i)] = side.inv[sz(h * d + i) * sz(n) + sz(j0 + j)];
+  }
 }
 
 }  // namespace vq

@@ -42,10 +42,34 @@ void forward(const VqSideTransform& t, const double* x, double* y) {
     std::copy_n(x, n, y);
     return;
   }
-  for (int i = 0; i < n; ++i) {
+  // With per-head blocks (col_span = d < n) row i's nonzero columns are its head's: the terms
+  // skipped are exact zeros (acc never holds -0, so adding them changes no bit). Four rows at once
+  // give four independent sums, each in the same order as one row alone.
+  const int span = t.col_span > 0 && t.col_span < n && n % t.col_span == 0 ? t.col_span : n;
+  int i = 0;
+  if (span % 4 == 0)
+    for (; i + 4 <= n; i += 4) {
+      const int j0 = span == n ? 0 : i / span * span;
+      const float* r0 = t.fwd.data() + sz(i) * sz(n);
+      const float *r1 = r0 + n, *r2 = r1 + n, *r3 = r2 + n;
+      double a0 = 0, a1 = 0, a2 = 0, a3 = 0;
+      for (int j = j0; j < j0 + span; ++j) {
+        const double xj = x[j];
+        a0 += static_cast<double>(r0[j]) * xj;
+        a1 += static_cast<double>(r1[j]) * xj;
+        a2 += static_cast<double>(r2[j]) * xj;
+        a3 += static_cast<double>(r3[j]) * xj;
+      }
+      y[i] = a0;
+      y[i + 1] = a1;
+      y[i + 2] = a2;
+      y[i + 3] = a3;
+    }
+  for (; i < n; ++i) {
+    const int j0 = span == n ? 0 : i / span * span;
     double acc = 0;
     const float* row = t.fwd.data() + sz(i) * sz(n);
-    for (int j = 0; j < n; ++j) acc += static_cast<double>(row[j]) * x[j];
+    for (int j = j0; j < j0 + span; ++j) acc += static_cast<double>(row[j]) * x[j];
     y[i] = acc;
   }
 }
@@ -55,6 +79,20 @@ void forward(const VqSideTransform& t, const double* x, double* y) {
 // vectorise without reordering any sum; F^-1 is the layer model's own row-major matrix, nothing
 // copied per cache), then keys re-rotated in double. Shared by the cache's tiles, state() and
 // vq_reconstruct so all produce the same bits.
+// Keys re-rotated (freq), or copied, from x to out.
+inline void rotate_out(const float* __restrict x, int d, const std::vector<double>* freq, std::int64_t pos, float* __restrict out) {
+  if (freq && !freq->empty()) {
+    for (std::size_t p = 0; p < freq->size(); ++p) {
+      const double ang = static_cast<double>(pos) * (*freq)[p], c = std::cos(ang), s = std::sin(ang);
+      const double v0 = x[2 * p], v1 = x[2 * p + 1];
+      out[2 * p] = static_cast<float>(v0 * c - v1 * s);
+      out[2 * p + 1] = static_cast<float>(v0 * s + v1 * c);
+    }
+  } else {
+    for (int i = 0; i < d; ++i) out[i] = x[i];
+  }
+}
+
 VQ_KERNEL
 void reconstruct_head(const float* __restrict inv, int n, const float* __restrict yhat, int h, int d,
                       const std::vector<double>* freq, std::int64_t pos, float* __restrict acc, float* __restrict out) {
@@ -68,16 +106,23 @@ void reconstruct_head(const float* __restrict inv, int n, const float* __restric
     }
     x = acc;
   }
-  if (freq && !freq->empty()) {
-    for (std::size_t p = 0; p < freq->size(); ++p) {
-      const double ang = static_cast<double>(pos) * (*freq)[p], c = std::cos(ang), s = std::sin(ang);
-      const double v0 = x[2 * p], v1 = x[2 * p + 1];
-      out[2 * p] = static_cast<float>(v0 * c - v1 * s);
-      out[2 * p + 1] = static_cast<float>(v0 * s + v1 * c);
-    }
-  } else {
-    for (int i = 0; i < d; ++i) out[i] = x[i];
+  rotate_out(x, d, freq, pos, out);
+}
+
+// The same rows from the transform's column blocks (VqSideTransform::inv_cols): `cols` is head h's
+// block (span columns of d), `y` its span y_hat values. Every term reconstruct_head adds and this
+// skips is an exact zero times a finite value, and the rest are added in the same order, so the
+// result is the same bits; the columns are read contiguously (the d outputs vectorise).
+VQ_KERNEL
+void reconstruct_head_cols(const float* __restrict cols, int span, const float* __restrict y, int d,
+                           const std::vector<double>* freq, std::int64_t pos, float* __restrict acc, float* __restrict out) {
+  for (int i = 0; i < d; ++i) acc[i] = 0.0f;
+  for (int j = 0; j < span; ++j) {
+    const float yj = y[j];
+    const float* __restrict col = cols + sz(j) * sz(d);
+    for (int i = 0; i < d; ++i) acc[i] += col[i] * yj;
   }
+  rotate_out(acc, d, freq, pos, out);
 }
 
 // Packed fields: width w at bit position `bit` of a buffer with 8 bytes of slack past its rows.
@@ -436,7 +481,12 @@ void VqKVCache::read_rows(int side, std::int64_t b, std::int64_t h, std::int64_t
   // The identity reads head h's coefficients only (y_hat holds them at 0 .. d); a transform that
   // mixes heads needs the whole row. Scratch per call (a tile), freed on return.
   const bool whole = !tr.identity();
-  const int c0 = whole ? 0 : static_cast<int>(h) * d, c1 = whole ? nc : c0 + d;
+  // With the column blocks, only the coefficients of head h's block are read (its own d when the
+  // transform is per head).
+  const bool cols = whole && !tr.inv_cols.empty() && tr.col_span * static_cast<std::int64_t>(H) * d == static_cast<std::int64_t>(tr.inv_cols.size());
+  const int span = cols ? tr.col_span : 0;
+  const int c0 = whole ? (cols && span != nc ? static_cast<int>(h) * d : 0) : static_cast<int>(h) * d;
+  const int c1 = whole ? (cols ? c0 + span : nc) : c0 + d;
   std::vector<float> yhat(sz(c1 - c0)), acc(whole ? sz(d) : 0);
   for (std::int64_t i = 0; i < n; ++i) {
     const std::int64_t t = t0 + i;
@@ -460,7 +510,10 @@ void VqKVCache::read_rows(int side, std::int64_t b, std::int64_t h, std::int64_t
         }
         yhat[sz(c - c0)] = sq.mean[sz(c)] + static_cast<float>(q) * sq.step;
       }
-      reconstruct_head(whole ? tr.inv.data() : nullptr, nc, yhat.data(), whole ? static_cast<int>(h) : 0, d, freq, t, acc.data(), o);
+      if (cols)
+        reconstruct_head_cols(tr.inv_cols.data() + sz(h) * sz(span) * sz(d), span, yhat.data(), d, freq, t, acc.data(), o);
+      else
+        reconstruct_head(whole ? tr.inv.data() : nullptr, nc, yhat.data(), whole ? static_cast<int>(h) : 0, d, freq, t, acc.data(), o);
       round_through(o, sz(d), dtype);  // what a fetch in that dtype holds
     }
   }
@@ -724,8 +777,13 @@ KVState vq_reconstruct(const VqLayerCodes& lc, const VqLayerModel& layer, DType 
         const std::int16_t* q = c.codes.data() + sz(b * lc.tokens + tok) * sz(n);
         for (int i = 0; i < n; ++i) yhat[sz(i)] = mean[sz(i)] + static_cast<float>(q[i]) * c.step;
         for (int h = 0; h < H; ++h) {
-          reconstruct_head(tr.identity() ? nullptr : tr.inv.data(), n, yhat.data(), h, d, side == 0 ? &layer.rope_freq : nullptr, tok,
-                           acc.data(), row.data());
+          const int span = tr.col_span;
+          if (!tr.identity() && !tr.inv_cols.empty() && sz(span) * sz(H) * sz(d) == tr.inv_cols.size())
+            reconstruct_head_cols(tr.inv_cols.data() + sz(h) * sz(span) * sz(d), span, yhat.data() + (span == n ? 0 : sz(h) * sz(d)), d,
+                                  side == 0 ? &layer.rope_freq : nullptr, tok, acc.data(), row.data());
+          else
+            reconstruct_head(tr.identity() ? nullptr : tr.inv.data(), n, yhat.data(), h, d, side == 0 ? &layer.rope_freq : nullptr, tok,
+                             acc.data(), row.data());
           from_f32(row.data(), t.row(b, h, tok), dtype, sz(d));
         }
       }

@@ -92,15 +92,22 @@ TEST(StoreCli, GenerateWithOnlyFp32StoredMatchesPlainGenerate) {
   ASSERT_EQ(stored.code, 0) << stored.err;
   const auto j = nlohmann::json::parse(stored.out);
   EXPECT_EQ(j.at("text").get<std::string>() + "\n", plain.out);
-  EXPECT_GE(j.at("tokens_reused").get<int>(), 32);
   EXPECT_GT(j.at("ttft_ms").get<double>(), 0.0);
   EXPECT_GT(j.at("prefill_ms_estimate").get<double>(), 0.0);
-  ASSERT_EQ(j.at("chunks").size() * 8, static_cast<std::size_t>(j.at("tokens_reused").get<int>()));
+  // The whole stored prefix (>= 4 chunks of 8) is found. The loader may still recompute a chunk when
+  // its timing says that is faster than fetching it (8 tokens of this tiny model take well under a
+  // millisecond, so under load it sometimes does): every chunk is fp32 or a recompute, and the
+  // tokens reused are exactly the fp32 chunks'.
+  EXPECT_GE(j.at("chunks").size(), 4u);
+  std::size_t loaded = 0;
   for (const auto& c : j.at("chunks")) {
-    EXPECT_EQ(c.at("level"), "fp32");
+    EXPECT_TRUE(c.at("level") == "fp32" || c.at("level") == "recompute") << c.dump();
+    if (c.at("level") != "fp32") continue;
+    ++loaded;
     EXPECT_GT(c.at("bytes").get<int>(), 0);
     EXPECT_TRUE(c.contains("index") && c.contains("fetch_ms") && c.contains("decode_ms"));
   }
+  EXPECT_EQ(loaded * 8, static_cast<std::size_t>(j.at("tokens_reused").get<int>()));
   // stderr holds only generate's line on the caches' resident memory (no warning).
   EXPECT_EQ(stored.err.find("kv cache: peak resident"), 0u) << stored.err;
   EXPECT_EQ(std::count(stored.err.begin(), stored.err.end(), '\n'), 1) << stored.err;

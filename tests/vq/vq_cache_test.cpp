@@ -351,3 +351,47 @@ TEST(VqResident, SinksStayExact) {
 
 }  // namespace
 
+
+// The fast transforms (VqSideTransform::inv_cols / col_span: per-head column blocks read
+// contiguously, exact zeros of block-diagonal transforms skipped, four forward rows at once) give
+// the bits of the plain full-matrix walks: the same cache with a model whose index is cleared
+// encodes the same bytes and fetches the same K/V. Both a cross-head transform (n <= 256: one block)
+// and a per-head one (3 heads x 96 = 288 > 256).
+TEST(VqBasis, ColumnIndexGivesTheFullProductsBits) {
+  for (const int kv_heads : {2, 3}) {
+    const int hd = kv_heads == 2 ? 8 : 96, dim = 32, n = kv_heads * hd, nq = 2 * kv_heads;
+    std::mt19937_64 rng(11 + kv_heads);
+    std::normal_distribution<float> nd(0.0f, 0.3f);
+    std::vector<float> wq(static_cast<std::size_t>(nq * hd * dim)), wk(static_cast<std::size_t>(n * dim)),
+        wv(static_cast<std::size_t>(n * dim)), wo(static_cast<std::size_t>(dim * nq * hd)), g(static_cast<std::size_t>(dim));
+    for (auto* v : {&wq, &wk, &wv, &wo, &g})
+      for (auto& x : *v) x = nd(rng);
+    for (auto& x : g) x = 1.0f + std::fabs(x);
+    vq::VqLayerWeights w;
+    w.dim = dim, w.n_heads = nq, w.n_kv_heads = kv_heads, w.head_dim = hd;
+    w.wq = wq, w.wk = wk, w.wv = wv, w.wo = wo, w.rms_att = g;
+    auto fast = std::make_shared<vq::VqLayerModel>(vq::make_vq_layer_model(w, vq::VqBasisOptions{}));
+    ASSERT_EQ(fast->k.col_span, n > vq::kVqMaxCrossHead ? hd : n);
+    ASSERT_EQ(fast->v.col_span, fast->k.col_span);
+    auto plain = std::make_shared<vq::VqLayerModel>(*fast);
+    for (auto* s : {&plain->k, &plain->v}) {
+      s->inv_cols.clear();
+      s->col_span = 0;
+    }
+    vq::VqConfig cfg;
+    cfg.bits = 2;
+    cfg.calib = 16;
+    cfg.residual = 3;
+    vq::VqKVCache a(cfg, fast), b(cfg, plain);
+    const vq::Tensor K = vqtest::random_walk({1, kv_heads, 40, hd}, 21, vq::DType::F32);
+    const vq::Tensor V = vqtest::random_walk({1, kv_heads, 40, hd}, 22, vq::DType::F32);
+    const auto [ka, va] = feed(a, K, V, 9);
+    const auto [kb, vb] = feed(b, K, V, 9);
+    ASSERT_GT(a.quantized_tokens(), 0);
+    EXPECT_EQ(a.encode(), b.encode()) << n;
+    EXPECT_TRUE(ka.bit_equal(kb)) << n;
+    EXPECT_TRUE(va.bit_equal(vb)) << n;
+    const auto decoded = vq::vq_decode(a.encode(), 2 * a.quantized_tokens() * n);
+    EXPECT_TRUE(vq::vq_reconstruct(decoded, *fast, vq::DType::F32).keys.bit_equal(vq::vq_reconstruct(decoded, *plain, vq::DType::F32).keys));
+  }
+}

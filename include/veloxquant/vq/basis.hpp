@@ -41,7 +41,18 @@ struct VqSideTransform {
   int n = 0;
   std::vector<float> fwd, inv;
   bool identity() const { return fwd.empty(); }
+  // The decoder's copy of inv (vq_index_inverse): for each KV head h, the columns j0 .. j1 of its d
+  // rows that can be nonzero (the whole row when one block mixes every head, the head's own d
+  // coefficients when inv is block-diagonal per head), column-major: inv_cols[(h * (j1 - j0) + j - j0)
+  // * d + i] = inv[(h * d + i) * n + j]. Reconstruction then reads it contiguously and skips the
+  // block's zeros, with the same sums in the same order (bit for bit the full product). Empty: not
+  // built (the decoder walks inv itself).
+  int col_span = 0;  // j1 - j0 (d: fwd and inv are both block-diagonal per head; n: not)
+  std::vector<float> inv_cols;
 };
+
+// Builds side.inv_cols / col_span from side.inv for `kv_heads` heads (no-op for the identity).
+void vq_index_inverse(VqSideTransform& side, int kv_heads);
 
 struct VqBasisOptions {
   VqBasis basis = VqBasis::Weights;
