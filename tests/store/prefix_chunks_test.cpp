@@ -6,7 +6,7 @@
 
 #include <filesystem>
 
-#include "../model/model_support.hpp"
+#include "store_context.hpp"
 #include "veloxquant/core/error.hpp"
 #include "veloxquant/model/checkpoint.hpp"
 #include "veloxquant/model/method_spec.hpp"
@@ -19,27 +19,10 @@ namespace fs = std::filesystem;
 
 namespace {
 
-struct Context {
-  std::unique_ptr<vq::Transformer> model;
-  std::vector<int> tokens;
-  std::vector<vq::KVState> exact;  // the fp32 caches' state after one prefill of all tokens
-  std::uint64_t fp = 0;
-};
+using Context = vqtest::StoreContext;
 
 const Context& context() {
-  static const Context c = [] {
-    Context c;
-    c.model = std::make_unique<vq::Transformer>(vq::Checkpoint::load(vqtest::model_path()));
-    const auto tok = vq::Tokenizer::load(vqtest::tokenizer_path(), c.model->config().vocab_size);
-    c.tokens = tok.encode("Once upon a time, there was a little girl named Lily. She loved to play outside in the park with her "
-                          "friends. One day, she saw a big red ball under a tree and ran to get it.",
-                          true);
-    auto caches = vq::make_caches("fp32", *c.model);
-    c.model->forward(c.tokens, caches);
-    for (const auto& k : caches) c.exact.push_back(k->state());
-    c.fp = vq::model_fingerprint(*c.model);
-    return c;
-  }();
+  static const Context c = vqtest::make_store_context(0);
   return c;
 }
 

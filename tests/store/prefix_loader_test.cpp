@@ -10,7 +10,7 @@
 
 #include <fmt/core.h>
 
-#include "../model/model_support.hpp"
+#include "store_context.hpp"
 #include "veloxquant/model/checkpoint.hpp"
 #include "veloxquant/model/method_spec.hpp"
 #include "veloxquant/model/tokenizer.hpp"
@@ -23,28 +23,10 @@ namespace {
 
 constexpr int kC = 4;  // tokens per chunk: many chunks from one sentence, so many decode at once
 
-struct Context {
-  std::unique_ptr<vq::Transformer> model;
-  std::vector<int> tokens;          // the prompt: whole chunks plus one token
-  std::vector<vq::KVState> exact;   // fp32 caches after a prefill of the whole chunks
-  std::uint64_t fp = 0;
-};
+using Context = vqtest::StoreContext;
 
 const Context& context() {
-  static const Context c = [] {
-    Context c;
-    c.model = std::make_unique<vq::Transformer>(vq::Checkpoint::load(vqtest::model_path()));
-    const auto tok = vq::Tokenizer::load(vqtest::tokenizer_path(), c.model->config().vocab_size);
-    c.tokens = tok.encode("Once upon a time, there was a little girl named Lily. She loved to play outside in the park with her "
-                          "friends. One day, she saw a big red ball under a tree and ran to get it.",
-                          true);
-    c.tokens.resize(c.tokens.size() / kC * kC + 1);
-    auto caches = vq::make_caches("fp32", *c.model);
-    c.model->forward(std::span<const int>(c.tokens).first(c.tokens.size() - 1), caches);
-    for (const auto& k : caches) c.exact.push_back(k->state());
-    c.fp = vq::model_fingerprint(*c.model);
-    return c;
-  }();
+  static const Context c = vqtest::make_store_context(kC);
   return c;
 }
 

@@ -1,0 +1,46 @@
+// The prefix-store tests' shared context: the real stories260K model, one prompt's tokens, the fp32
+// caches' state after a prefill, and the model's fingerprint.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "../model/model_support.hpp"
+#include "veloxquant/model/checkpoint.hpp"
+#include "veloxquant/model/method_spec.hpp"
+#include "veloxquant/model/tokenizer.hpp"
+#include "veloxquant/model/transformer.hpp"
+#include "veloxquant/store/prefix_chunks.hpp"
+
+namespace vqtest {
+
+struct StoreContext {
+  std::unique_ptr<vq::Transformer> model;
+  std::vector<int> tokens;
+  std::vector<vq::KVState> exact;  // the fp32 caches' state after one prefill of the prefilled tokens
+  std::uint64_t fp = 0;
+};
+
+// chunk == 0: all the prompt's tokens, all prefilled. chunk > 0: the tokens cut to whole chunks plus
+// one (the token a host prefills itself), all but that last one prefilled.
+inline StoreContext make_store_context(int chunk) {
+  StoreContext c;
+  c.model = std::make_unique<vq::Transformer>(vq::Checkpoint::load(model_path()));
+  const auto tok = vq::Tokenizer::load(tokenizer_path(), c.model->config().vocab_size);
+  c.tokens = tok.encode("Once upon a time, there was a little girl named Lily. She loved to play outside in the park with her "
+                        "friends. One day, she saw a big red ball under a tree and ran to get it.",
+                        true);
+  std::span<const int> prefill(c.tokens);
+  if (chunk > 0) {
+    c.tokens.resize(c.tokens.size() / static_cast<std::size_t>(chunk) * static_cast<std::size_t>(chunk) + 1);
+    prefill = std::span<const int>(c.tokens).first(c.tokens.size() - 1);
+  }
+  auto caches = vq::make_caches("fp32", *c.model);
+  c.model->forward(prefill, caches);
+  for (const auto& k : caches) c.exact.push_back(k->state());
+  c.fp = vq::model_fingerprint(*c.model);
+  return c;
+}
+
+}  // namespace vqtest
