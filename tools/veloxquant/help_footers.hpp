@@ -27,7 +27,7 @@ inline const std::map<std::string, HelpText>& help_texts() {
                 "[--window N] [--chunk S] [--max-tokens N] [--json]",
                 "veloxquant eval --methods 'fp16;vq:bits=2;cachegen:flush=per_call' --protocol reuse --ctx 256 --window 512"}},
       {"rd", {"veloxquant rd [--model M] [--tokenizer T] [--text F] [--methods LIST] [--protocol reuse|stream] [--ctx N] "
-              "[--window N] [--chunk S] [--windows N] [--json] [--plot OUT.svg]",
+              "[--window N] [--chunk S] [--windows N] [--threads N] [--json] [--plot OUT.svg]",
               "veloxquant rd --methods 'vq,cachegen,q4_0' --windows 10 --plot rd.svg"}},
       {"generate", {"veloxquant generate [--model M] [--tokenizer T] [--prompt TEXT] [--steps N] [--temperature 0] [--topp P] "
                     "[--seed S] [--method SPEC] [--store URL] [--slo-ms N] [--bandwidth MBPS] [--threads N] [--json]",
