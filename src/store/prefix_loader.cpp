@@ -15,6 +15,7 @@
 #include "veloxquant/core/error.hpp"
 #include "veloxquant/model/method_spec.hpp"
 #include "veloxquant/model/transformer.hpp"
+#include "veloxquant/store/load_plan.hpp"
 
 namespace vq {
 
@@ -23,14 +24,15 @@ using Clock = std::chrono::steady_clock;
 double ms_since(Clock::time_point t) { return std::chrono::duration<double, std::milli>(Clock::now() - t).count(); }
 
 // The link: an emulated token bucket (optional), and the throughput measured over the fetches:
-// the last fetch's (CacheGen's estimate from the previous chunk, so a bandwidth drop shows at once),
-// or over all of them while fetches are too short to time.
+// the slower of the last fetch's (CacheGen's estimate from the previous chunk, so a bandwidth drop
+// shows at once) and a running average of ms per byte (a recovery shows over a few chunks), or over
+// all of them while fetches are too short to time.
 class Link {
  public:
   explicit Link(const LoaderOptions& o) : o_(o) {}
   // Bytes per millisecond expected for the next fetch.
   double bytes_per_ms() const {
-    if (last_ms_ > 0.5 && last_bytes_ > 0) return static_cast<double>(last_bytes_) / last_ms_;
+    if (last_ms_ > 0.5 && last_bytes_ > 0) return 1.0 / std::max(last_ms_ / static_cast<double>(last_bytes_), avg_ms_per_byte_);
     if (ms_ > 0.5 && bytes_ > 0) return static_cast<double>(bytes_) / ms_;
     if (o_.bandwidth_mbps) return rate_now() / 1000.0;
     return 125e6 / 1000.0;  // prior: 1 Gbps
@@ -51,6 +53,10 @@ class Link {
     ms_ += ms;
     last_bytes_ = bytes;
     last_ms_ = ms;
+    if (bytes > 0 && ms > 0.5) {
+      const double per_byte = ms / static_cast<double>(bytes);
+      avg_ms_per_byte_ = avg_ms_per_byte_ > 0 ? 0.5 * (avg_ms_per_byte_ + per_byte) : per_byte;
+    }
     return ms;
   }
 
@@ -62,7 +68,7 @@ class Link {
   const LoaderOptions& o_;
   Clock::time_point free_at_{};
   std::uint64_t sent_ = 0, bytes_ = 0, last_bytes_ = 0;
-  double ms_ = 0, last_ms_ = 0;
+  double ms_ = 0, last_ms_ = 0, avg_ms_per_byte_ = 0;
 };
 
 // One chunk between its level choice and its feeding: fetched, then decoded (or failed).
@@ -134,31 +140,60 @@ LoadReport load(KVStore& store, Transformer* model, const ChunkShape& shape, std
   rep.chunks_stored = static_cast<int>(dirs.size());
   const int n = rep.chunks_stored;
 
-  // Recompute cost per token: a short forward on scratch caches, refined by real recomputes.
+  // Costs per (level, chunk shape): the process's table unless the caller gives one.
+  LoadCostTable& costs = o.costs ? *o.costs : process_load_costs();
+  const std::string shape_key = cost_shape_key(caches.size(), shape.kv_heads, static_cast<std::int64_t>(C), shape.head_dim);
+  // Recompute cost per token: measured recomputes of this shape, else a short forward on scratch caches.
   double recompute_ms_per_token = 0;
   // Without a model (or with a forced level, or recompute disallowed) recomputing is never chosen.
   const bool may_recompute = model != nullptr && !o.level && o.allow_recompute;
   if (n > 0 && model) {
-    auto scratch = make_caches("fp32", *model);
-    const std::size_t probe = std::min<std::size_t>(C, 16);
-    const auto tp = Clock::now();
-    model->forward(tokens.first(probe), scratch);
-    recompute_ms_per_token = ms_since(tp) / static_cast<double>(probe);
+    if (const auto known = costs.get("recompute", shape_key)) {
+      recompute_ms_per_token = known->decode_ms / static_cast<double>(C);
+    } else {
+      auto scratch = make_caches("fp32", *model);
+      const std::size_t probe = std::min<std::size_t>(C, 16);
+      const auto tp = Clock::now();
+      model->forward(tokens.first(probe), scratch);
+      recompute_ms_per_token = ms_since(tp) / static_cast<double>(probe);
+    }
   }
   rep.prefill_ms_estimate = recompute_ms_per_token * static_cast<double>(static_cast<std::size_t>(n) * C);
 
   const int threads = std::max(1, std::min(n, o.threads > 0 ? o.threads : static_cast<int>(std::thread::hardware_concurrency())));
-  Link link(o);  // used by the fetch thread only
+  Link link(o);  // used by the fetch thread only (and by the probes below, before it starts)
+  // vq levels' layer models, built once per load at most (none without a model: only data-derived
+  // transforms decode)
+  const VqLayerModelSource vq_models = o.vq_models ? o.vq_models : model ? chunk_vq_models(*model) : VqLayerModelSource{};
+
+  // Probes: with a deadline, a level whose decode cost this process has not measured for this shape
+  // is measured now, by fetching and decoding chunk 0 at that level (over the link, in load_ms).
+  // A probe that fails records nothing: the fault, if real, shows when the chunk is loaded.
+  if (n > 0 && o.slo_ms && !o.level) {
+    const auto& entries = dirs[0].entries;
+    for (const auto& e : entries) {
+      if (costs.get(e.level, shape_key)) continue;
+      try {
+        const auto t = Clock::now();
+        const auto blob = store.get(e.key);
+        link.finish(blob ? blob->size() : 0, t);
+        if (!blob) continue;
+        const auto td = Clock::now();
+        const ChunkKV kv = decode_chunk(*blob, scheme.model_fingerprint, e.level, 0, chunk_tokens(0), vq_models);
+        costs.record(e.level, shape_key, ms_since(td), 0.0);
+      } catch (const std::exception&) {
+      }
+    }
+  }
   // Shared between the calling thread (feeds chunks in order, measures decode and recompute), the
   // fetch thread (chooses levels, fetches) and the decoder threads; all of it under `mu`.
   std::mutex mu;
   std::condition_variable cv;
-  // Decode cost of a chunk, per level (one thread): the level's last measured chunk; a level not seen
-  // yet: the last chunk of any level; nothing seen yet: 1 GB/s of fp16 output. (Per chunk, not per
-  // blob byte: decode time follows the K/V it outputs, and a 2-bit blob outputs 8x more per byte.)
-  double last_decode_ms = 2.0 * 2.0 * static_cast<double>(caches.size()) * static_cast<double>(shape.kv_heads * shape.head_dim) *
-                          static_cast<double>(C) / 1e6;
-  std::map<std::string, double> decode_ms_of_level;
+  // Decode cost of a chunk at a level the cost table does not know (no deadline, or a failed probe):
+  // the slowest level it knows, or 1 GB/s of fp16 output. (Per chunk, not per blob byte: decode
+  // time follows the K/V it outputs, and a 2-bit blob outputs 8x more per byte.)
+  const double default_decode_ms = 2.0 * 2.0 * static_cast<double>(caches.size()) * static_cast<double>(shape.kv_heads * shape.head_dim) *
+                                   static_cast<double>(C) / 1e6;
   int fed = 0;                       // chunks fed to the caches so far
   bool stop = false;                 // the calling thread is done (fault or end): threads leave
   std::vector<InFlight> flight(static_cast<std::size_t>(n));
@@ -166,34 +201,47 @@ LoadReport load(KVStore& store, Transformer* model, const ChunkShape& shape, std
 
   const auto choose = [&](int i) -> int {  // index into the directory's entries, or -1: recompute. Holds mu.
     const auto& e = dirs[static_cast<std::size_t>(i)].entries;
-    std::vector<int> order(e.size());
-    for (std::size_t k = 0; k < e.size(); ++k) order[k] = static_cast<int>(k);
-    std::stable_sort(order.begin(), order.end(), [&](int a, int b) {
-      const bool fa = e[static_cast<std::size_t>(a)].level == "fp32", fb = e[static_cast<std::size_t>(b)].level == "fp32";
-      if (fa != fb) return fa;
-      return e[static_cast<std::size_t>(a)].bytes > e[static_cast<std::size_t>(b)].bytes;
-    });
     if (o.level)
       for (std::size_t k = 0; k < e.size(); ++k)
         if (e[k].level == *o.level) return static_cast<int>(k);
-    // Chunks decode `threads` at a time, so a chunk's decode costs the pipeline 1 / threads of its time.
-    const auto est = [&](int k) {
-      const double b = static_cast<double>(e[static_cast<std::size_t>(k)].bytes);
-      const auto seen = decode_ms_of_level.find(e[static_cast<std::size_t>(k)].level);
-      return b / link.bytes_per_ms() + (seen != decode_ms_of_level.end() ? seen->second : last_decode_ms) / threads;
+    PlanCosts pc;
+    pc.link_bytes_per_ms = link.bytes_per_ms();
+    pc.threads = threads;
+    pc.unknown_decode_ms = 0;
+    for (const auto& entry : e)
+      if (const auto c = costs.get(entry.level, shape_key)) {
+        pc.decode_ms[entry.level] = c->decode_ms;
+        pc.feed_ms[entry.level] = c->feed_ms;
+        pc.unknown_decode_ms = std::max(pc.unknown_decode_ms, c->decode_ms);
+      }
+    if (pc.decode_ms.empty()) pc.unknown_decode_ms = default_decode_ms;
+    if (may_recompute) pc.recompute_ms = recompute_ms_per_token * static_cast<double>(C);
+    // The chunks already chosen and not fed yet (fed.. i-1): decoded ones wait to be fed, the others
+    // take a decoder for their whole decode (conservative: it may have begun).
+    PlanStart start;
+    start.decoder_free_ms.assign(static_cast<std::size_t>(threads), 0.0);
+    const auto cost = [](const std::map<std::string, double>& m, const std::string& l, double otherwise) {
+      const auto it = m.find(l);
+      return it != m.end() ? it->second : otherwise;
     };
-    int pick = order.front();
-    if (o.slo_ms) {
-      const double per_chunk = (*o.slo_ms - ms_since(t0)) / static_cast<double>(n - i);
-      pick = order.back();
-      for (const int k : order)
-        if (est(k) <= per_chunk) {
-          pick = k;
-          break;
+    for (int j = fed; j < i; ++j) {
+      const InFlight& f = flight[static_cast<std::size_t>(j)];
+      if (f.choice < 0) {
+        start.feed_free_ms += pc.recompute_ms.value_or(0.0);
+      } else {
+        const std::string& l = dirs[static_cast<std::size_t>(j)].entries[static_cast<std::size_t>(f.choice)].level;
+        if (!f.ready) {
+          auto d = std::min_element(start.decoder_free_ms.begin(), start.decoder_free_ms.end());
+          *d += cost(pc.decode_ms, l, pc.unknown_decode_ms);
+          start.feed_free_ms = std::max(start.feed_free_ms, *d);
         }
+        start.feed_free_ms += cost(pc.feed_ms, l, 0.0);
+      }
+      start.fed_at_ms.push_back(start.feed_free_ms);
     }
-    if (may_recompute && recompute_ms_per_token * static_cast<double>(C) < est(pick)) return -1;
-    return pick;
+    std::optional<double> time_left;
+    if (o.slo_ms) time_left = (*o.slo_ms - ms_since(t0)) * (1.0 - o.slo_margin);
+    return choose_level(std::span<const ChunkDirectory>(dirs).subspan(static_cast<std::size_t>(i)), 0, time_left, pc, start);
   };
 
   // The fetch thread: chunk after chunk, at most `threads` ahead of the chunks fed; a fetched blob
@@ -238,9 +286,6 @@ LoadReport load(KVStore& store, Transformer* model, const ChunkShape& shape, std
   };
 
   // A decoder thread: decode and check fetched chunks (any order of completion; fed in order later).
-  // vq levels' layer models, built once per load at most (none without a model: only data-derived
-  // transforms decode)
-  const VqLayerModelSource vq_models = o.vq_models ? o.vq_models : model ? chunk_vq_models(*model) : VqLayerModelSource{};
   const Shape4 want{1, shape.kv_heads, static_cast<std::int64_t>(C), shape.head_dim};
   const auto decode_loop = [&] {
     std::unique_lock<std::mutex> lock(mu);
@@ -320,16 +365,18 @@ LoadReport load(KVStore& store, Transformer* model, const ChunkShape& shape, std
       rc.level = dirs[static_cast<std::size_t>(i)].entries[static_cast<std::size_t>(f.choice)].level;
       rc.bytes = f.bytes;
       rc.fetch_ms = f.fetch_ms;
-      rc.decode_ms = f.decode_ms + ms_since(tf);  // decode on its thread, then the update
+      const double feed_ms = ms_since(tf);
+      rc.decode_ms = f.decode_ms + feed_ms;  // decode on its thread, then the update
+      costs.record(rc.level, shape_key, f.decode_ms, feed_ms);
     } else {
       model->forward(chunk_tokens(i), caches);  // choose() returns -1 only with a model
       rc.level = "recompute";
       rc.decode_ms = ms_since(tf);
+      costs.record("recompute", shape_key, rc.decode_ms, 0.0);
     }
     {
       std::lock_guard<std::mutex> lock(mu);
-      if (f.choice >= 0) decode_ms_of_level[rc.level] = last_decode_ms = rc.decode_ms;
-      else recompute_ms_per_token = rc.decode_ms / static_cast<double>(C);
+      if (f.choice < 0) recompute_ms_per_token = rc.decode_ms / static_cast<double>(C);
       fed = i + 1;
     }
     cv.notify_all();

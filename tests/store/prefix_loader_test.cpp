@@ -16,6 +16,7 @@
 #include "veloxquant/model/tokenizer.hpp"
 #include "veloxquant/model/transformer.hpp"
 #include "veloxquant/store/file_store.hpp"
+#include "veloxquant/store/load_plan.hpp"
 
 namespace fs = std::filesystem;
 
@@ -159,3 +160,62 @@ TEST(PrefixLoader, FaultsStopAtTheFaultyChunkWithThreads) {
 }
 
 }  // namespace
+
+// The level choice follows the cost table (store/load_plan.hpp): a level whose decode the table
+// prices far above the deadline is never loaded when another fits; priced cheaply, the best quality
+// is. Costs are injected (LoaderOptions::costs), the deadline generous: deterministic.
+TEST(PrefixLoaderCosts, PicksWhatTheCostTableSaysFits) {
+  const Context& c = context();
+  const int n = whole_chunks();
+  const Stored s({"fp32", "fp16"});
+  const std::string shape = vq::cost_shape_key(c.exact.size(), c.model->config().n_kv_heads, kC, c.model->config().head_size());
+  for (const double fp32_ms : {1e7, 0.0}) {
+    SCOPED_TRACE(fp32_ms);
+    vq::LoadCostTable costs;
+    costs.record("fp32", shape, fp32_ms, 0);
+    costs.record("fp16", shape, 0, 0);
+    vq::LoaderOptions o;
+    o.scheme = s.scheme;
+    o.threads = 2;
+    o.allow_recompute = false;
+    o.slo_ms = 60000;
+    o.costs = &costs;
+    auto caches = vq::make_caches("fp32", *c.model);
+    const auto r = vq::load_prefix(*s.store, *c.model, caches, c.tokens, o);
+    ASSERT_TRUE(r.warnings.empty()) << r.warnings.front();
+    ASSERT_EQ(r.chunks.size(), static_cast<std::size_t>(n));
+    for (const auto& ch : r.chunks) EXPECT_EQ(ch.level, fp32_ms > 0 ? "fp16" : "fp32") << ch.index;
+    // the table learned the level loaded; the other kept its injected price
+    EXPECT_EQ(costs.get(fp32_ms > 0 ? "fp16" : "fp32", shape)->samples, 1 + n);
+    EXPECT_EQ(costs.get(fp32_ms > 0 ? "fp32" : "fp16", shape)->samples, 1);
+  }
+}
+
+// With a deadline and an empty cost table, every level is measured once (a probe of chunk 0) before
+// the first choice, and not again by later loads: a level never chosen keeps its one probe.
+TEST(PrefixLoaderCosts, ProbesEachLevelOnce) {
+  const Context& c = context();
+  const Stored s({"vq:bits=2", "fp16"});
+  const std::string shape = vq::cost_shape_key(c.exact.size(), c.model->config().n_kv_heads, kC, c.model->config().head_size());
+  vq::LoadCostTable costs;
+  vq::LoaderOptions o;
+  o.scheme = s.scheme;
+  o.allow_recompute = false;
+  o.slo_ms = 60000;
+  o.costs = &costs;
+  std::string chosen;
+  for (int load = 0; load < 2; ++load) {
+    auto caches = vq::make_caches("fp32", *c.model);
+    const auto r = vq::load_prefix(*s.store, *c.model, caches, c.tokens, o);
+    ASSERT_TRUE(r.warnings.empty()) << r.warnings.front();
+    ASSERT_FALSE(r.chunks.empty());
+    chosen = r.chunks.front().level;
+    for (const auto& ch : r.chunks) EXPECT_EQ(ch.level, chosen);  // everything fits: the best quality throughout
+  }
+  for (const auto& level : s.scheme.levels) {
+    const auto got = costs.get(level, shape);
+    ASSERT_TRUE(got.has_value()) << level;
+    if (level != chosen) EXPECT_EQ(got->samples, 1) << level;
+    else EXPECT_EQ(got->samples, 1 + 2 * whole_chunks()) << level;
+  }
+}

@@ -4,14 +4,22 @@
 // - Given a prompt's tokens, the loader walks the directory chain (store/prefix_chunks.hpp; all
 //   directory keys fetched in one pipelined get) to find the longest stored prefix of whole chunks,
 //   leaving at least one prompt token for the host to prefill (its logits start the generation).
-// - Per chunk it picks a level: without a deadline the best quality stored (fp32 when stored);
-//   with one (slo_ms), the best level whose expected fetch + decode time fits the time left shared
-//   evenly over the chunks left; when no level fits it takes the smallest, and it recomputes the
-//   chunk from its tokens (model forward over the live caches) whenever the recompute estimate is
-//   below the chosen level's. Quality order: fp32 first, then the other levels by size, largest first.
-// - Link: measured from its own transfers (the last fetch's bytes / time, a 1 Gbps prior), emulated or not; emulated with a
-//   client-side token bucket (bandwidth_mbps, optionally dropping to bandwidth_after_mbps once
-//   drop_after_bytes have been fetched): a fetch of b bytes ends no earlier than the bucket allows.
+// - Per chunk it picks a level with store/load_plan.hpp's cost model, re-planning the chunks left
+//   before every fetch: without a deadline the best quality stored (fp32 when stored); with one
+//   (slo_ms), the best level that the predicted pipeline (fetch at the measured rate, decode on the
+//   decoder threads, feed in order; the chunks already in flight included) still finishes within
+//   the time left, less slo_margin of it; when nothing fits, what finishes soonest. A chunk is
+//   recomputed from its tokens (model forward over the live caches) when that finishes sooner.
+//   Quality order: fp32 (and recompute) first, then the other levels by size, largest first.
+// - Costs: decode and feed ms per (level, chunk shape) from LoadCostTable (LoaderOptions::costs, or
+//   the process's table), updated with every chunk; with a deadline, a level the table does not know
+//   yet is measured before planning by fetching and decoding chunk 0 at that level once (the first
+//   load of a process pays it, inside its load_ms); recompute: a 16-token forward, then measured.
+// - Link: measured from its own transfers, emulated or not: the slower of the last fetch's rate and
+//   a running average of ms per byte (a drop shows at once, a recovery over a few chunks; 1 Gbps
+//   before any fetch, or the emulated rate); emulated with a client-side token bucket
+//   (bandwidth_mbps, optionally dropping to bandwidth_after_mbps once drop_after_bytes have been
+//   fetched, which the planner is not told): a fetch of b bytes ends no earlier than the bucket allows.
 // - Fetching runs on its own thread, one chunk after another (the link is one pipe), and overlaps
 //   decoding: each fetched chunk is decoded by one of `threads` decoder threads (all cores by
 //   default), so up to `threads` chunks decode at once while the next one is fetched. Chunks are fed
@@ -38,6 +46,7 @@
 
 #include "veloxquant/cache/kv_cache.hpp"
 #include "veloxquant/store/kv_store.hpp"
+#include "veloxquant/store/load_plan.hpp"
 #include "veloxquant/store/prefix_chunks.hpp"
 
 namespace vq {
@@ -57,6 +66,11 @@ struct LoaderOptions {
   // The layer models vq levels decode with (chunk_vq_models(model)); unset: built during the load,
   // on first use. A host that loads many prefixes of one model builds them once and passes them here.
   VqLayerModelSource vq_models = {};
+  // Decode / feed / recompute costs per (level, chunk shape) (store/load_plan.hpp): read to plan,
+  // updated with every chunk loaded; unset: the table shared by the loads of this process.
+  LoadCostTable* costs = nullptr;
+  // With slo_ms: the share of the time left the plan keeps free (noise of the link and the cores).
+  double slo_margin = 0.15;
 };
 
 struct LoadedChunk {
