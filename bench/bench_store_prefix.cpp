@@ -6,7 +6,8 @@
 //      loopback: median load time of each, and the ratio fp16 / vq (goals: >= 5x, >= 2x, >= 1x);
 //   2. decode throughput of the load path on all cores: the vq:bits=2 prefix loaded from memory (an
 //      in-process store, no network), GB/s of fp16 output (goal >= 1.5), against one decoder thread;
-//   3. --slo-runs loads (100) with levels vq:bits=1;2;4 and fp16, a deadline (--slo-ms; default: the
+//   3. --slo-runs loads (100) with levels vq:bits=1;2;4 and fp16, a deadline (--slo-ms, repeatable: the
+//      runs once per deadline; default: the
 //      time the 1 Gbps -> 100 Mbps link needs for the first half at vq:bits=2 and the second at
 //      vq:bits=1, x 1.25, plus the loopback vq:bits=2 load time measured in step 1) and a link that drops from 1 Gbps to 100 Mbps after
 //      half the vq:bits=2 prefix's bytes: deadline hit rate (goal >= 95 %) and the levels chosen.
@@ -14,10 +15,17 @@
 // the chunks (fingerprint), gives vq its layer transforms, and prices recomputes (far cheaper than a
 // real 7B's, so recompute is chosen less often than it would be there).
 //   vq_bench_store_prefix [--layers 32] [--tokens 4096] [--chunk-tokens 256] [--threads 0] [--reps 3]
-//                         [--slo-runs 100] [--slo-ms MS] [--url redis://...] [--skip-links]
+//                         [--slo-runs 100] [--slo-ms MS]... [--slo-check 5] [--url redis://...] [--skip-links]
+// Goal 3 also prints: load ms p50 / p99, the plans the loader chose (levels per chunk, most frequent
+// first), the clairvoyant plan (every per-chunk assignment of the levels and recompute, priced by
+// the loader's own cost model with the costs this process measured and the drop known in advance:
+// the best quality whose predicted load fits the deadline), and --slo-check loads with each level
+// forced for every chunk under the same link and deadline (how often each uniform level meets it:
+// a check that the loader did not leave a better level that fits).
 #include <time.h>
 
 #include <algorithm>
+#include <cmath>
 #include <chrono>
 #include <cstdio>
 #include <map>
@@ -36,6 +44,7 @@
 #include "veloxquant/model/method_spec.hpp"
 #include "veloxquant/model/transformer.hpp"
 #include "veloxquant/store/kv_store.hpp"
+#include "veloxquant/store/load_plan.hpp"
 #include "veloxquant/store/prefix_chunks.hpp"
 #include "veloxquant/store/prefix_loader.hpp"
 #include "veloxquant/synth/synthetic_kv.hpp"
@@ -46,8 +55,8 @@ using Clock = std::chrono::steady_clock;
 double ms_since(Clock::time_point t) { return std::chrono::duration<double, std::milli>(Clock::now() - t).count(); }
 
 struct Args {
-  int layers = 32, tokens = 4096, chunk_tokens = 256, threads = 0, reps = 3, slo_runs = 100;
-  double slo_ms = 0;
+  int layers = 32, tokens = 4096, chunk_tokens = 256, threads = 0, reps = 3, slo_runs = 100, slo_check = 5;
+  std::vector<double> slo_ms;  // --slo-ms, repeatable: goal 3 once per deadline
   std::string url;
   bool skip_links = false;
 };
@@ -139,12 +148,13 @@ int main(int argc, char** argv) {
     else if (k == "--threads") a.threads = std::stoi(next());
     else if (k == "--reps") a.reps = std::stoi(next());
     else if (k == "--slo-runs") a.slo_runs = std::stoi(next());
-    else if (k == "--slo-ms") a.slo_ms = std::stod(next());
+    else if (k == "--slo-ms") a.slo_ms.push_back(std::stod(next()));
+    else if (k == "--slo-check") a.slo_check = std::stoi(next());
     else if (k == "--url") a.url = next();
     else if (k == "--skip-links") a.skip_links = true;
     else {
       std::fprintf(stderr, "usage: vq_bench_store_prefix [--layers L] [--tokens N] [--chunk-tokens C] [--threads T] [--reps R] "
-                           "[--slo-runs N] [--slo-ms MS] [--url URL] [--skip-links]\n");
+                           "[--slo-runs N] [--slo-ms MS] [--slo-check K] [--url URL] [--skip-links]\n");
       return 2;
     }
   }
@@ -202,6 +212,7 @@ int main(int argc, char** argv) {
     // The SLO scheme (vq:bits=1;2;4 and fp16) reuses those blobs: only its directories are new.
     const vq::ChunkScheme slo_scheme = scheme_of({"vq:bits=1", "vq:bits=2", "vq:bits=4", "fp16"});
     std::uint64_t vq2_bytes = 0;
+    std::vector<vq::ChunkDirectory> slo_dirs;  // the SLO scheme's directories (the clairvoyant plan below)
     {
       std::uint64_t dprev = 0;
       for (std::size_t i = 0; i < dirs[vq2.levels[0]].size(); ++i) {
@@ -210,6 +221,7 @@ int main(int argc, char** argv) {
         const vq::ChunkDirectory d{{r[0], dirs[vq2.levels[0]][i].entries[0], r[1], dirs[f16.levels[0]][i].entries[0]}};
         vq2_bytes += dirs[vq2.levels[0]][i].entries[0].bytes;
         store->put(vq::directory_key(dprev), vq::encode_directory(d));
+        slo_dirs.push_back(d);
       }
     }
     std::map<std::string, std::uint64_t> level_bytes;
@@ -306,37 +318,123 @@ int main(int argc, char** argv) {
       // (the decode the link cannot hide).
       const double half = static_cast<double>(vq2_bytes) / 2;
       const double vq1_half = static_cast<double>(level_bytes[rest.levels[0]]) / 2;
-      const double slo = a.slo_ms > 0 ? a.slo_ms : 1.25 * (half / 125e3 + vq1_half / 12.5e3) + loopback_vq_ms;
-      fmt::print("\ngoal 3: {} loads, --slo-ms {:.0f}, link 1000 Mbps dropping to 100 Mbps after {:.1f} MB (half the vq:bits=2 prefix)\n",
-                 a.slo_runs, slo, half / 1e6);
-      int met = 0;
-      std::vector<double> times;
-      std::map<std::string, int> before, after;  // levels chosen before / after the drop
-      const int n_chunks = a.tokens / a.chunk_tokens;
-      for (int r = 0; r < a.slo_runs; ++r) {
-        const auto rep = load(*store, slo_scheme, 1000.0, threads, true, slo, 100.0, static_cast<std::uint64_t>(half));
-        times.push_back(rep.load_ms);
-        met += rep.load_ms <= slo && rep.tokens_filled == n_chunks * a.chunk_tokens;
-        std::uint64_t sent = 0;
-        for (const auto& c : rep.chunks) {
-          (sent < static_cast<std::uint64_t>(half) ? before : after)[c.level]++;
-          sent += c.bytes;
-        }
-        if (r == 0 || r + 1 == a.slo_runs) {
+      std::vector<double> deadlines = a.slo_ms;
+      if (deadlines.empty()) deadlines.push_back(1.25 * (half / 125e3 + vq1_half / 12.5e3) + loopback_vq_ms);
+      for (const double slo : deadlines) {
+        fmt::print("\ngoal 3: {} loads, --slo-ms {:.0f}, link 1000 Mbps dropping to 100 Mbps after {:.1f} MB (half the vq:bits=2 prefix)\n",
+                   a.slo_runs, slo, half / 1e6);
+        int met = 0;
+        std::vector<double> times;
+        std::map<std::string, int> before, after;  // levels chosen before / after the drop
+        std::map<std::string, int> plans;          // the whole plan of each load
+        const int n_chunks = a.tokens / a.chunk_tokens;
+        const auto short_name = [](const std::string& l) { return l == "recompute" ? std::string("R") : l.substr(0, 9); };
+        for (int r = 0; r < a.slo_runs; ++r) {
+          const auto rep = load(*store, slo_scheme, 1000.0, threads, true, slo, 100.0, static_cast<std::uint64_t>(half));
+          times.push_back(rep.load_ms);
+          met += rep.load_ms <= slo && rep.tokens_filled == n_chunks * a.chunk_tokens;
+          std::uint64_t sent = 0;
           std::string levels;
-          for (const auto& c : rep.chunks) levels += fmt::format("{}{}", levels.empty() ? "" : " ", c.level == "recompute" ? "R" : c.level.substr(0, 9));
-          fmt::print("  run {}: {:.0f} ms, chunks: {}\n", r, rep.load_ms, levels);
+          for (const auto& c : rep.chunks) {
+            (sent < static_cast<std::uint64_t>(half) ? before : after)[c.level]++;
+            sent += c.bytes;
+            levels += fmt::format("{}{}", levels.empty() ? "" : " ", short_name(c.level));
+          }
+          plans[levels]++;
+          if (r == 0 || r + 1 == a.slo_runs) {
+            std::string detail;
+            for (const auto& c : rep.chunks) detail += fmt::format(" [{} {:.0f}+{:.0f}]", short_name(c.level), c.fetch_ms, c.decode_ms);
+            fmt::print("  run {}: {:.0f} ms, chunks (level fetch+decode ms):{}\n", r, rep.load_ms, detail);
+          }
+        }
+        std::sort(times.begin(), times.end());
+        const auto pct = [&](double p) { return times[static_cast<std::size_t>(std::ceil(p * static_cast<double>(times.size()))) - 1]; };
+        fmt::print("deadline {:.0f} ms met in {} of {} loads ({:.0f} %); load ms p50 {:.0f} p95 {:.0f} p99 {:.0f} max {:.0f}\n", slo, met,
+                   a.slo_runs, 100.0 * met / a.slo_runs, pct(0.5), pct(0.95), pct(0.99), times.back());
+        const auto show = [](const std::map<std::string, int>& m) {
+          std::string s;
+          for (const auto& [l, c] : m) s += fmt::format("{}{} x{}", s.empty() ? "" : ", ", l, c);
+          return s;
+        };
+        fmt::print("levels chosen before the drop: {}\nlevels chosen after the drop: {}\n", show(before), show(after));
+        std::vector<std::pair<int, std::string>> by_count;
+        for (const auto& [p, c] : plans) by_count.push_back({c, p});
+        std::sort(by_count.rbegin(), by_count.rend());
+        for (std::size_t k = 0; k < by_count.size() && k < 5; ++k) fmt::print("  plan [{}] x{}\n", by_count[k].second, by_count[k].first);
+
+        // The clairvoyant plan: the loader's cost model with this process's measured costs and the drop
+        // known in advance, over every assignment of levels (and recompute) to the chunks.
+        vq::PlanCosts pc;
+        pc.link_bytes_per_ms = 125e3;
+        pc.link_after_bytes_per_ms = 12.5e3;
+        pc.drop_after_bytes = static_cast<std::uint64_t>(half);
+        pc.threads = threads;
+        const std::string shape = vq::cost_shape_key(static_cast<std::size_t>(a.layers), 8, a.chunk_tokens, 128);
+        std::string cost_line;
+        for (const auto& l : slo_scheme.levels)
+          if (const auto c = vq::process_load_costs().get(l, shape)) {
+            pc.decode_ms[l] = c->decode_ms;
+            pc.feed_ms[l] = c->feed_ms;
+            cost_line += fmt::format("{}{} {:.1f}+{:.1f}", cost_line.empty() ? "" : ", ", l, c->decode_ms, c->feed_ms);
+          }
+        if (const auto c = vq::process_load_costs().get("recompute", shape)) {
+          pc.recompute_ms = c->decode_ms;
+          cost_line += fmt::format(", recompute {:.1f}", c->decode_ms);
+        }
+        fmt::print("costs measured (ms per chunk, decode + feed): {}\n", cost_line);
+        const auto order = vq::quality_order(slo_dirs[0]);
+        std::vector<int> options(order.begin(), order.end());
+        if (pc.recompute_ms) options.insert(options.begin(), vq::kRecompute);  // exact: the best quality
+        const auto n_opt = options.size();
+        std::size_t combos = 1;
+        for (int i = 0; i < n_chunks && combos <= 2000000; ++i) combos *= n_opt;
+        if (combos <= 2000000) {
+          std::vector<int> best;
+          int best_rank = 1 << 30;
+          double best_ms = 0;
+          std::vector<int> plan(static_cast<std::size_t>(n_chunks));
+          for (std::size_t code = 0; code < combos; ++code) {
+            std::size_t x = code;
+            int rank = 0;
+            for (auto& p : plan) {
+              const std::size_t o = x % n_opt;
+              x /= n_opt;
+              p = options[o];
+              rank += static_cast<int>(o) - (pc.recompute_ms && o > 0 ? 1 : 0);  // recompute ranks with the best level
+            }
+            const double ms = vq::predict_ms(slo_dirs, 0, plan, pc);
+            if (ms <= slo && (rank < best_rank || (rank == best_rank && ms < best_ms))) {
+              best = plan, best_rank = rank, best_ms = ms;
+            }
+          }
+          std::string b;
+          for (const int k : best)
+            b += fmt::format("{}{}", b.empty() ? "" : " ", k == vq::kRecompute ? std::string("R") : short_name(slo_dirs[0].entries[static_cast<std::size_t>(k)].level));
+          fmt::print("clairvoyant plan (drop known, same cost model, no margin): [{}], predicted {:.0f} ms\n", best.empty() ? "none fits" : b, best_ms);
+        }
+
+        // Each level forced for every chunk, same link and deadline.
+        for (int k = 0; k < static_cast<int>(order.size()) && a.slo_check > 0; ++k) {
+          const std::string& level = slo_dirs[0].entries[static_cast<std::size_t>(order[static_cast<std::size_t>(k)])].level;
+          std::vector<double> t;
+          int ok = 0;
+          for (int r = 0; r < a.slo_check; ++r) {
+            vq::LoaderOptions o;
+            o.scheme = slo_scheme;
+            o.bandwidth_mbps = 1000.0;
+            o.bandwidth_after_mbps = 100.0;
+            o.drop_after_bytes = static_cast<std::uint64_t>(half);
+            o.threads = threads;
+            o.level = level;
+            o.vq_models = vq_models;
+            auto caches = vq::make_caches("fp32", model);
+            const auto rep = vq::load_prefix(*store, model, caches, tokens, o);
+            t.push_back(rep.load_ms);
+            ok += rep.load_ms <= slo && rep.tokens_filled == n_chunks * a.chunk_tokens;
+          }
+          fmt::print("  every chunk at {}: met {} of {}, median {:.0f} ms\n", level, ok, a.slo_check, median(t));
         }
       }
-      std::sort(times.begin(), times.end());
-      fmt::print("deadline met in {} of {} loads ({:.0f} %); load ms p50 {:.0f} p95 {:.0f} max {:.0f}\n", met, a.slo_runs,
-                 100.0 * met / a.slo_runs, times[times.size() / 2], times[times.size() * 95 / 100], times.back());
-      const auto show = [](const std::map<std::string, int>& m) {
-        std::string s;
-        for (const auto& [l, c] : m) s += fmt::format("{}{} x{}", s.empty() ? "" : ", ", l, c);
-        return s;
-      };
-      fmt::print("levels chosen before the drop: {}\nlevels chosen after the drop: {}\n", show(before), show(after));
     }
     return 0;
   } catch (const std::exception& e) {

@@ -156,6 +156,7 @@ LoadReport load(KVStore& store, Transformer* model, const ChunkShape& shape, std
       const auto tp = Clock::now();
       model->forward(tokens.first(probe), scratch);
       recompute_ms_per_token = ms_since(tp) / static_cast<double>(probe);
+      costs.record("recompute", shape_key, recompute_ms_per_token * static_cast<double>(C), 0.0);  // once per process
     }
   }
   rep.prefill_ms_estimate = recompute_ms_per_token * static_cast<double>(static_cast<std::size_t>(n) * C);
