@@ -116,12 +116,25 @@ LoadReport load(KVStore& store, Transformer* model, const ChunkShape& shape, std
     level_keys.push_back(std::move(ks));
   }
   std::vector<ChunkDirectory> dirs;
+  std::string node_down;  // a directory that failed when got one by one: reported unless a chunk before it faults
   if (max_chunks > 0) {
     std::vector<std::optional<Blob>> got;
     try {
       got = store.get_many(dkeys);
-    } catch (const std::exception& e) {
-      warn(fmt::format("chunk 0: store {} failed ({}); {}", store.describe(), e.what(), rest));
+    } catch (const std::exception&) {
+      // One node down (a cluster) fails the whole batch: get the keys one by one, and keep the
+      // chunks before the first that fails (the warning names that chunk).
+      got.clear();
+      for (int i = 0; i < max_chunks; ++i) {
+        try {
+          got.push_back(store.get(dkeys[static_cast<std::size_t>(i)]));
+          if (!got.back()) break;
+        } catch (const std::exception& e) {
+          if (i == 0) warn(fmt::format("chunk 0: store {} failed ({}); {}", store.describe(), e.what(), rest));
+          else node_down = fmt::format("chunk {}: store {} failed ({}); {}", i, store.describe(), e.what(), rest);
+          break;
+        }
+      }
     }
     for (int i = 0; i < static_cast<int>(got.size()) && got[static_cast<std::size_t>(i)]; ++i) {
       try {
@@ -385,6 +398,7 @@ LoadReport load(KVStore& store, Transformer* model, const ChunkShape& shape, std
     rep.tokens_filled += static_cast<int>(C);
     if (f.choice >= 0) rep.tokens_reused += static_cast<int>(C);
   }
+  if (!node_down.empty() && rep.warnings.empty()) warn(node_down);
   rep.load_ms = ms_since(t0);
   return rep;
 }

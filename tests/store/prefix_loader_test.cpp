@@ -6,11 +6,13 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <filesystem>
 
 #include <fmt/core.h>
 
 #include "store_context.hpp"
+#include "veloxquant/core/error.hpp"
 #include "veloxquant/model/checkpoint.hpp"
 #include "veloxquant/model/method_spec.hpp"
 #include "veloxquant/model/tokenizer.hpp"
@@ -218,4 +220,58 @@ TEST(PrefixLoaderCosts, ProbesEachLevelOnce) {
     if (level != chosen) EXPECT_EQ(got->samples, 1) << level;
     else EXPECT_EQ(got->samples, 1 + 2 * whole_chunks()) << level;
   }
+}
+
+// A store with one node down (a cluster): every batch fails, and so do the keys of that node. The
+// loader keeps the chunks before the first directory on it (directories then come one by one), warns
+// once naming that chunk, and the caches hold exactly those chunks; when a chunk before it fails
+// too, that chunk is the one warning.
+class OneKeyDownStore final : public vq::KVStore {
+ public:
+  OneKeyDownStore(vq::KVStore& inner, std::vector<std::string> down) : inner_(inner), down_(std::move(down)) {}
+  void put(std::string_view k, std::span<const std::uint8_t> b) override { inner_.put(k, b); }
+  std::optional<vq::Blob> get(std::string_view k) override {
+    if (std::find(down_.begin(), down_.end(), k) != down_.end()) throw vq::IoError("node of '" + std::string(k) + "' is down");
+    return inner_.get(k);
+  }
+  std::vector<std::optional<vq::Blob>> get_many(std::span<const std::string>) override { throw vq::IoError("a node is down"); }
+  bool exists(std::string_view k) override { return inner_.exists(k); }
+  bool remove(std::string_view k) override { return inner_.remove(k); }
+  std::vector<std::string> list() override { return inner_.list(); }
+  vq::StoreStats stats() override { return inner_.stats(); }
+  std::string describe() const override { return "one-key-down:"; }
+
+ private:
+  vq::KVStore& inner_;
+  std::vector<std::string> down_;
+};
+
+TEST(PrefixLoader, ANodeDownKeepsTheChunksBeforeIt) {
+  const Context& c = context();
+  const int n = whole_chunks(), k = n / 2;
+  const Stored s({"fp32"});
+  std::uint64_t h = 0;
+  for (int i = 0; i <= k; ++i) h = vq::directory_hash(h, s.scheme, std::span<const int>(c.tokens).subspan(static_cast<std::size_t>(i * kC), kC));
+  OneKeyDownStore store(*s.store, {vq::directory_key(h)});
+  vq::LoaderOptions o;
+  o.scheme = s.scheme;
+  o.allow_recompute = false;
+  auto caches = vq::make_caches("fp32", *c.model);
+  const auto r = vq::load_prefix(store, *c.model, caches, c.tokens, o);
+  ASSERT_EQ(r.warnings.size(), 1u);
+  EXPECT_EQ(r.warnings.front().rfind(fmt::format("chunk {}: store one-key-down: failed", k), 0), 0u) << r.warnings.front();
+  EXPECT_EQ(r.chunks_stored, k);
+  EXPECT_EQ(r.tokens_reused, k * kC);
+  for (std::size_t l = 0; l < caches.size(); ++l) {
+    const auto st = caches[l]->state();
+    EXPECT_TRUE(st.keys.bit_equal(c.exact[l].keys.slice(2, 0, k * kC).contiguous(true))) << l;
+    EXPECT_TRUE(st.values.bit_equal(c.exact[l].values.slice(2, 0, k * kC).contiguous(true))) << l;
+  }
+  // Chunk 0's blob on that node too: one warning, for chunk 0.
+  OneKeyDownStore worse(*s.store, {vq::directory_key(h), s.level_key(0, 0)});
+  auto fresh = vq::make_caches("fp32", *c.model);
+  const auto r0 = vq::load_prefix(worse, *c.model, fresh, c.tokens, o);
+  ASSERT_EQ(r0.warnings.size(), 1u);
+  EXPECT_EQ(r0.warnings.front().rfind("chunk 0: store one-key-down: failed", 0), 0u) << r0.warnings.front();
+  EXPECT_EQ(r0.tokens_filled, 0);
 }
