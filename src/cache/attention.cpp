@@ -10,6 +10,7 @@
 #include <fmt/format.h>
 
 #include "attention_small_d.hpp"
+#include "attention_threads.hpp"
 #include "veloxquant/cache/attention_kernels.hpp"
 #include "veloxquant/cache/kv_cache.hpp"
 #include "veloxquant/core/error.hpp"
@@ -48,74 +49,170 @@ std::int64_t tile_tokens(std::int64_t d) {
   return std::clamp<std::int64_t>(static_cast<std::int64_t>(kAttentionTileBytes / 4) / std::max<std::int64_t>(d, 1), 16, 256);
 }
 
+// Calls with less work than this (tokens x query tokens x batch x KV heads) run their (batch,
+// KV head) pairs on the calling thread: handing them to the pool costs more than they take.
+constexpr std::int64_t kParallelPairsMinWork = std::int64_t{1} << 16;
+
+constexpr std::size_t U(std::int64_t x) { return static_cast<std::size_t>(x); }
+
+// The shape of one attend call and what every piece of it shares.
+struct Plan {
+  const KVCache& cache;
+  float scale;
+  std::int64_t B, Hq, Sq, Dk, Dv, Hkv, G, T, rows, tile;
+  detail::SmallDKernel small_d;
+  std::vector<float> q;  // [B, Hkv, rows, Dk] mapped queries; row r = g * Sq + i of KV head h
+};
+
+// One piece's tile scratch, written by the cache before it is read: not zero-filled (at D = 8 the
+// fill cost as much as a decode step's attention over a short context).
+struct TileScratch {
+  std::vector<float> s;
+  std::unique_ptr<float[]> k, v, small;
+  explicit TileScratch(const Plan& p)
+      : s(U(p.rows * p.tile)),
+        k(std::make_unique_for_overwrite<float[]>(U(p.tile * p.Dk))),
+        v(std::make_unique_for_overwrite<float[]>(U(p.tile * p.Dv))) {
+    if (p.small_d) small = std::make_unique_for_overwrite<float[]>(U(detail::small_d_scratch_floats(p.tile)));
+  }
+};
+
+// The online-softmax loop over tokens [t_begin, t_end) of batch b for KV heads [h0, h1): m, l and
+// acc hold the rows of those heads (head h's rows at (h - h0) * rows), started empty or carried on.
+void run_tiles(const Plan& p, std::int64_t b, std::int64_t h0, std::int64_t h1, std::int64_t t_begin, std::int64_t t_end, float* m,
+               float* l, float* acc, TileScratch& sc) {
+  const KVCache& cache = p.cache;
+  const std::int64_t rows = p.rows, Sq = p.Sq, T = p.T, Dk = p.Dk, Dv = p.Dv;
+  const float* qb = p.q.data() + b * p.Hkv * rows * Dk;
+  // Tiles outside, heads inside: caches that store token-major (a token's row of every head
+  // together: the llama.cpp blocks, fp8) are then read front to back, each token's row used by
+  // all heads while it is in cache, instead of once per head with a stride the prefetchers
+  // lose at every page.
+  for (std::int64_t t0 = t_begin; t0 < t_end; t0 += p.tile) {
+    const std::int64_t n = std::min(p.tile, t_end - t0);
+    for (std::int64_t h = h0; h < h1; ++h) {
+      const float* qh = qb + h * rows * Dk;
+      float *mh = m + (h - h0) * rows, *lh = l + (h - h0) * rows, *ah = acc + (h - h0) * rows * Dv;
+      // Small head dims (D = 8, 16; stories260K) take a kernel that vectorises across a tile's
+      // tokens (attention_small_d.hpp) over the float tiles; other dims score and accumulate
+      // through the cache's hooks (score_key_tile / accumulate_value_tile, which the block caches
+      // run on their codes).
+      if (p.small_d) {
+        const float* K = cache.read_key_tile(b, h, t0, n, sc.k.get());
+        const float* V = cache.read_value_tile(b, h, t0, n, sc.v.get());
+        p.small_d({qh, K, V, rows, Sq, T, t0, n, p.scale, mh, lh, ah, sc.small.get()});
+        continue;
+      }
+      // Every row is scored against the whole tile; a row's masked tokens get weight 0.
+      cache.score_key_tile(b, h, t0, n, qh, rows, sc.s.data(), sc.k.get());
+      for (std::int64_t r = 0; r < rows; ++r) {
+        const std::int64_t i = r % Sq, last = T - Sq + i;  // the last token query i sees
+        attn::softmax_step(sc.s.data() + r * n, n, last - t0 + 1, p.scale, mh[r], lh[r], ah + r * Dv, Dv);
+      }
+      cache.accumulate_value_tile(b, h, t0, n, sc.s.data(), rows, ah, sc.v.get());
+    }
+  }
+}
+
+// Running state of `count` rows, empty: m = -inf, l = 0, acc = 0.
+struct RowState {
+  std::vector<float> m, l, acc;
+  RowState(std::int64_t count, std::int64_t dv)
+      : m(U(count), -std::numeric_limits<float>::infinity()), l(U(count), 0.0f), acc(U(count * dv), 0.0f) {}
+};
+
+// Writes the finished rows of batch b (rows of every KV head, in `st`) to out.
+void finish(const Plan& p, std::int64_t b, RowState& st, Tensor& out) {
+  for (std::int64_t h = 0; h < p.Hkv; ++h)
+    for (std::int64_t g = 0; g < p.G; ++g)
+      for (std::int64_t i = 0; i < p.Sq; ++i) {
+        const std::int64_t r = h * p.rows + g * p.Sq + i;
+        float* a = st.acc.data() + r * p.Dv;
+        const float inv = 1.0f / st.l[U(r)];  // l >= 1: the max's own term is exp(0)
+        for (std::int64_t d = 0; d < p.Dv; ++d) a[d] *= inv;
+        p.cache.unmap_output(a);
+        std::copy(a, a + p.Dv, reinterpret_cast<float*>(out.row(b, h * p.G + g, i)));
+      }
+}
+
+// Folds split partials (in order) into `into`: per row, M = max of the maxima, l and acc the sums
+// of each part's scaled by e^(m_s - M). A part that saw no token of a row (m = -inf) adds nothing.
+void merge_splits(const RowState* parts, std::int64_t n_parts, std::int64_t dv, RowState& into) {
+  for (std::size_t r = 0; r < into.m.size(); ++r) {
+    float mx = -std::numeric_limits<float>::infinity();
+    for (std::int64_t i = 0; i < n_parts; ++i) mx = std::max(mx, parts[i].m[r]);
+    float l = 0.0f;
+    float* a = into.acc.data() + r * U(dv);
+    std::fill(a, a + dv, 0.0f);
+    for (std::int64_t i = 0; i < n_parts; ++i) {
+      const RowState& s = parts[i];
+      if (s.l[r] == 0.0f) continue;
+      const float c = std::exp(s.m[r] - mx);
+      l += c * s.l[r];
+      const float* sa = s.acc.data() + r * U(dv);
+      for (std::int64_t d = 0; d < dv; ++d) a[d] += c * sa[d];
+    }
+    into.m[r] = mx, into.l[r] = l;
+  }
+}
+
 }  // namespace
 
 Tensor attend_tiled(const KVCache& cache, const Tensor& queries, float scale) {
   check_attention_queries(cache, queries, scale);
   const std::int64_t B = queries.dim(0), Hq = queries.dim(1), Sq = queries.dim(2), Dk = cache.key_dim(), Dv = cache.value_dim();
   const std::int64_t Hkv = cache.kv_heads(), G = Hq / Hkv, T = cache.offset(), rows = G * Sq;
-  const std::int64_t tile = tile_tokens(std::max(Dk, Dv));
+  Plan p{cache, scale, B, Hq, Sq, Dk, Dv, Hkv, G, T, rows, tile_tokens(std::max(Dk, Dv)), detail::pick_small_d_kernel(Dk, Dv), {}};
   Tensor out = Tensor::uninitialized({B, Hq, Sq, Dv}, DType::F32);
-  const auto U = [](std::int64_t x) { return static_cast<std::size_t>(x); };
-  // Per KV head h: its rows' mapped queries, accumulators, running maxima and sums.
-  std::vector<float> q(U(Hkv * rows * Dk)), acc(U(Hkv * rows * Dv)), m(U(Hkv * rows)), l(U(Hkv * rows));
-  std::vector<float> s(U(rows * tile));
-  // Tile scratch, written by the cache before it is read: not zero-filled (at D = 8 the fill cost
-  // as much as a decode step's attention over a short context).
-  const auto kscratch = std::make_unique_for_overwrite<float[]>(U(tile * Dk));
-  const auto vscratch = std::make_unique_for_overwrite<float[]>(U(tile * Dv));
-  // Small head dims (D = 8, 16; stories260K) take a kernel that vectorises across a tile's tokens
-  // (attention_small_d.hpp) over the float tiles; other dims score and accumulate through the
-  // cache's hooks (score_key_tile / accumulate_value_tile, which the block caches run on their codes).
-  const detail::SmallDKernel small_d = detail::pick_small_d_kernel(Dk, Dv);
-  std::unique_ptr<float[]> small_scratch;
-  if (small_d) small_scratch = std::make_unique_for_overwrite<float[]>(U(detail::small_d_scratch_floats(tile)));
-  for (std::int64_t b = 0; b < B; ++b) {
-    // Row r = g * Sq + i of KV head h: query head h * G + g, query token i.
+  // Every row's query, converted to float32 and mapped into the cache's attention space once.
+  p.q.resize(U(B * Hkv * rows * Dk));
+  for (std::int64_t b = 0; b < B; ++b)
     for (std::int64_t h = 0; h < Hkv; ++h)
       for (std::int64_t g = 0; g < G; ++g)
         for (std::int64_t i = 0; i < Sq; ++i) {
-          float* qr = q.data() + (h * rows + g * Sq + i) * Dk;
+          float* qr = p.q.data() + ((b * Hkv + h) * rows + g * Sq + i) * Dk;
           to_f32(queries.row(b, h * G + g, i), queries.dtype(), qr, U(Dk));
           cache.map_query(qr);
         }
-    std::fill(acc.begin(), acc.end(), 0.0f);
-    std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
-    std::fill(l.begin(), l.end(), 0.0f);
-    // Tiles outside, heads inside: caches that store token-major (a token's row of every head
-    // together: the llama.cpp blocks, fp8) are then read front to back, each token's row used by
-    // all heads while it is in cache, instead of once per head with a stride the prefetchers
-    // lose at every page.
-    for (std::int64_t t0 = 0; t0 < T; t0 += tile) {
-      const std::int64_t n = std::min(tile, T - t0);
-      for (std::int64_t h = 0; h < Hkv; ++h) {
-        float* ah = acc.data() + h * rows * Dv;
-        if (small_d) {
-          const float* K = cache.read_key_tile(b, h, t0, n, kscratch.get());
-          const float* V = cache.read_value_tile(b, h, t0, n, vscratch.get());
-          small_d({q.data() + h * rows * Dk, K, V, rows, Sq, T, t0, n, scale, m.data() + h * rows, l.data() + h * rows, ah, small_scratch.get()});
-          continue;
-        }
-        // Every row is scored against the whole tile; a row's masked tokens get weight 0.
-        cache.score_key_tile(b, h, t0, n, q.data() + h * rows * Dk, rows, s.data(), kscratch.get());
-        for (std::int64_t r = 0; r < rows; ++r) {
-          const std::int64_t i = r % Sq, last = T - Sq + i;  // the last token query i sees
-          attn::softmax_step(s.data() + r * n, n, last - t0 + 1, scale, m[U(h * rows + r)], l[U(h * rows + r)], ah + r * Dv, Dv);
-        }
-        cache.accumulate_value_tile(b, h, t0, n, s.data(), rows, ah, vscratch.get());
-      }
+
+  const std::int64_t split = std::max<std::int64_t>(1, kAttentionSplitTokens / p.tile) * p.tile;
+  if (Sq <= kAttentionSplitMaxQueries && T > split) {
+    // Flash decoding across threads: split s of batch b covers tokens [s * split, (s + 1) * split).
+    const std::int64_t n_splits = (T + split - 1) / split;
+    std::vector<RowState> parts(U(B * n_splits), RowState(0, Dv));
+    detail::attention_parallel_for(U(B * n_splits), [&](std::size_t item) {
+      const auto b = static_cast<std::int64_t>(item) / n_splits, s = static_cast<std::int64_t>(item) % n_splits;
+      RowState st(Hkv * rows, Dv);
+      TileScratch sc(p);
+      run_tiles(p, b, 0, Hkv, s * split, std::min(T, (s + 1) * split), st.m.data(), st.l.data(), st.acc.data(), sc);
+      parts[item] = std::move(st);
+    });
+    for (std::int64_t b = 0; b < B; ++b) {
+      RowState st(Hkv * rows, Dv);
+      merge_splits(parts.data() + b * n_splits, n_splits, Dv, st);
+      finish(p, b, st, out);
     }
-    for (std::int64_t h = 0; h < Hkv; ++h)
-      for (std::int64_t g = 0; g < G; ++g)
-        for (std::int64_t i = 0; i < Sq; ++i) {
-          const std::int64_t r = h * rows + g * Sq + i;
-          float* a = acc.data() + r * Dv;
-          const float inv = 1.0f / l[U(r)];  // l >= 1: the max's own term is exp(0)
-          for (std::int64_t d = 0; d < Dv; ++d) a[d] *= inv;
-          cache.unmap_output(a);
-          std::copy(a, a + Dv, reinterpret_cast<float*>(out.row(b, h * G + g, i)));
-        }
+    return out;
   }
+
+  // Otherwise the (batch, KV head) pairs are independent: each runs the whole loop for its rows,
+  // side by side when there is work enough (the same arithmetic as running them in turn).
+  std::vector<RowState> states;
+  states.reserve(U(B));
+  for (std::int64_t b = 0; b < B; ++b) states.emplace_back(Hkv * rows, Dv);
+  const bool pairs = B * Hkv > 1 && T * Sq * B * Hkv >= kParallelPairsMinWork && attention_threads() > 1;
+  if (pairs) {
+    detail::attention_parallel_for(U(B * Hkv), [&](std::size_t item) {
+      const auto b = static_cast<std::int64_t>(item) / Hkv, h = static_cast<std::int64_t>(item) % Hkv;
+      RowState& st = states[U(b)];
+      TileScratch sc(p);
+      run_tiles(p, b, h, h + 1, 0, T, st.m.data() + h * rows, st.l.data() + h * rows, st.acc.data() + h * rows * Dv, sc);
+    });
+  } else {
+    TileScratch sc(p);
+    for (std::int64_t b = 0; b < B; ++b) run_tiles(p, b, 0, Hkv, 0, T, states[U(b)].m.data(), states[U(b)].l.data(), states[U(b)].acc.data(), sc);
+  }
+  for (std::int64_t b = 0; b < B; ++b) finish(p, b, states[U(b)], out);
   return out;
 }
 

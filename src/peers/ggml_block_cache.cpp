@@ -12,10 +12,10 @@ namespace vq {
 
 namespace {
 
-// Quantize every token row of `t` into blocks (token-major, appended to `blocks`), each head's
+// Quantize every token row of `t` into blocks (token-major, written from `out` on), each head's
 // D values rotated first when `rot` is set.
 template <class Traits>
-void quantize_rows(const Tensor& t, const std::optional<HeadRotation>& rot, std::vector<typename Traits::block>& blocks) {
+void quantize_rows(const Tensor& t, const std::optional<HeadRotation>& rot, typename Traits::block* out) {
   const std::int64_t B = t.dim(0), H = t.dim(1), S = t.dim(2), D = t.dim(3), row = H * D, nblk = row / ggml::QK;
   std::vector<float> x(static_cast<std::size_t>(row));
   for (std::int64_t s = 0; s < S; ++s)
@@ -26,7 +26,7 @@ void quantize_rows(const Tensor& t, const std::optional<HeadRotation>& rot, std:
       for (std::int64_t j = 0; j < nblk; ++j) {
         typename Traits::block blk{};
         Traits::quantize(x.data() + j * ggml::QK, blk);
-        blocks.push_back(blk);
+        *out++ = blk;
       }
     }
 }
@@ -57,29 +57,36 @@ void GgmlBlockCache<Traits>::update(const Tensor& keys, const Tensor& values) {
             t->dim(1), t->dim(3), row, ggml::QK);
     require(t->all_finite(), "{}: keys and values must be finite (no NaN or Inf)", Traits::name);
   }
-  // Everything is computed before the cache changes, so a throw leaves it as it was.
+  // Everything that can throw happens before the cache changes, so a throw leaves it as it was:
+  // the rotations, then room for the chunk's blocks (a failed second append gives back the first).
   std::optional<HeadRotation> kr, vr;
   if (rotate_) kr.emplace(keys.dim(3)), vr.emplace(values.dim(3));
-  std::vector<Block> kb, vb;
-  kb.reserve(static_cast<std::size_t>(keys.dim(0) * keys.dim(2) * keys.dim(1) * keys.dim(3) / ggml::QK));
-  vb.reserve(static_cast<std::size_t>(values.dim(0) * values.dim(2) * values.dim(1) * values.dim(3) / ggml::QK));
-  quantize_rows<Traits>(keys, kr, kb);
-  quantize_rows<Traits>(values, vr, vb);
   if (offset_ == 0) {
     key_blocks_.clear();
     value_blocks_.clear();
+  }
+  const std::size_t k_old = key_blocks_.size();
+  Block* kb = key_blocks_.append(static_cast<std::size_t>(keys.dim(0) * keys.dim(2) * keys.dim(1) * keys.dim(3) / ggml::QK));
+  Block* vb = nullptr;
+  try {
+    vb = value_blocks_.append(static_cast<std::size_t>(values.dim(0) * values.dim(2) * values.dim(1) * values.dim(3) / ggml::QK));
+  } catch (...) {
+    key_blocks_.shrink(k_old);
+    throw;
+  }
+  quantize_rows<Traits>(keys, kr, kb);
+  quantize_rows<Traits>(values, vr, vb);
+  if (offset_ == 0) {
     keys_buf_ = layout_of(keys);
     values_buf_ = layout_of(values);
     key_rotation_ = std::move(kr);
     value_rotation_ = std::move(vr);
   }
-  key_blocks_.insert(key_blocks_.end(), kb.begin(), kb.end());
-  value_blocks_.insert(value_blocks_.end(), vb.begin(), vb.end());
   offset_ += keys.dim(2);
 }
 
 template <class Traits>
-const float* GgmlBlockCache<Traits>::read_tile(const std::vector<Block>& blocks, const Tensor& layout,
+const float* GgmlBlockCache<Traits>::read_tile(const PageVector<Block>& blocks, const Tensor& layout,
                                                const std::optional<HeadRotation>& rot, std::int64_t b, std::int64_t h, std::int64_t t0,
                                                std::int64_t n, float* out) const {
   // Tiles stay in the rotated space (map_query / unmap_output undo it once per query).
@@ -132,7 +139,7 @@ namespace {
 // The attention loop runs tiles outside heads: while head 0 works on a tile, fetch the next
 // tile's token rows (every head's blocks of batch b) that exist.
 template <class Block>
-[[maybe_unused]] void prefetch_next_tile(const std::vector<Block>& blocks, std::int64_t B, std::int64_t nblk, std::int64_t b,
+[[maybe_unused]] void prefetch_next_tile(const PageVector<Block>& blocks, std::int64_t B, std::int64_t nblk, std::int64_t b,
                                          std::int64_t t1, std::int64_t n) {
   const std::int64_t tokens = static_cast<std::int64_t>(blocks.size()) / (B * nblk), rows = std::min(n, tokens - t1);
   if (rows > 0)
@@ -184,7 +191,7 @@ void GgmlBlockCache<Traits>::unmap_output(float* out) const {
 }
 
 template <class Traits>
-Tensor GgmlBlockCache<Traits>::dequantize_all(const std::vector<Block>& blocks, const Tensor& layout,
+Tensor GgmlBlockCache<Traits>::dequantize_all(const PageVector<Block>& blocks, const Tensor& layout,
                                               const std::optional<HeadRotation>& rot) const {
   const std::int64_t B = layout.dim(0), H = layout.dim(1), D = layout.dim(3), row = H * D, nblk = row / ggml::QK;
   Tensor t = Tensor::uninitialized({B, H, offset_, D}, layout.dtype());
@@ -214,8 +221,8 @@ std::int64_t GgmlBlockCache<Traits>::trim(std::int64_t n) {
     value_blocks_.clear();
   } else {
     const auto per_token = [&](const Tensor& layout) { return layout.dim(0) * layout.dim(1) * layout.dim(3) / ggml::QK; };
-    key_blocks_.resize(static_cast<std::size_t>(offset_ * per_token(keys_buf_)));
-    value_blocks_.resize(static_cast<std::size_t>(offset_ * per_token(values_buf_)));
+    key_blocks_.shrink(static_cast<std::size_t>(offset_ * per_token(keys_buf_)));
+    value_blocks_.shrink(static_cast<std::size_t>(offset_ * per_token(values_buf_)));
   }
   return dropped;
 }
@@ -230,7 +237,7 @@ void GgmlBlockCache<Traits>::from_state(const KVState& state) {
 
 template <class Traits>
 std::size_t GgmlBlockCache<Traits>::nbytes() const {
-  return (key_blocks_.capacity() + value_blocks_.capacity()) * sizeof(Block) + (key_rotation_ ? key_rotation_->nbytes() : 0) +
+  return key_blocks_.nbytes() + value_blocks_.nbytes() + (key_rotation_ ? key_rotation_->nbytes() : 0) +
          (value_rotation_ ? value_rotation_->nbytes() : 0);
 }
 

@@ -140,6 +140,51 @@ TEST(Attend, ReadsTilesNotTheWholeCache) {
   EXPECT_EQ(c.value_tokens, 2 * 8 * 1000);
 }
 
+// Long contexts of decode-sized calls run in token splits merged in order (attention.hpp,
+// "Threads"): they equal the reference too, including a last split that some rows do not see at
+// all (T = 2 * 2048 + 3, Sq = 16: query 0 sees up to token 4083).
+// (Few heads and query rows: attend_ref costs T x D per row.)
+const Case kLongShapes[] = {Case{1, 2, 4, 128, 4500, 1, DType::F16}, Case{2, 1, 2, 16, 4099, 16, DType::F32},
+                            Case{1, 2, 4, 8, 4400, 1, DType::F32}, Case{1, 1, 2, 13, 2049, 3, DType::F16}};
+
+TEST(Attend, LongContextsInSplitsMatchTheReference) {
+  const int was = vq::set_attention_threads(2);
+  for (const Case& c : kLongShapes) expect_attend_matches_ref(c);
+  vq::set_attention_threads(was);
+}
+
+// Threads only share the pieces out: the result is the same bits for 1, 2 and 3 threads, for the
+// token splits (Sq <= 16) and for the (batch, KV head) pairs of a prefill-sized call alike.
+TEST(Attend, ThreadsGiveTheSameBitsAsOneThread) {
+  const Case cases[] = {Case{1, 8, 32, 128, 5000, 1, DType::F16}, Case{2, 2, 4, 128, 4099, 16, DType::F32},
+                        Case{1, 4, 16, 8, 4400, 1, DType::F32}, Case{2, 4, 8, 64, 600, 60, DType::F16}};
+  for (const Case& c : cases) {
+    SCOPED_TRACE(::testing::Message() << "D=" << c.D << " T=" << c.T << " Sq=" << c.Sq);
+    const Tensor k = vqtest::random_walk({c.B, c.Hkv, c.T, c.D}, 31, c.dtype), v = vqtest::random_walk({c.B, c.Hkv, c.T, c.D}, 32, c.dtype);
+    KVCache cache;
+    cache.update(k, v);
+    const Tensor q = vqtest::random_uniform({c.B, c.Hq, c.Sq, c.D}, 33);
+    const int was = vq::set_attention_threads(1);
+    const Tensor one = cache.attend(q, 0.2f);
+    for (int n : {2, 3}) {
+      vq::set_attention_threads(n);
+      EXPECT_TRUE(cache.attend(q, 0.2f).bit_equal(one)) << n << " threads";
+    }
+    vq::set_attention_threads(was);
+  }
+}
+
+TEST(Attend, ThreadCountOutOfRangeIsAnError) {
+  EXPECT_THROW(vq::set_attention_threads(-1), vq::InvalidArgument);
+  EXPECT_THROW(vq::set_attention_threads(vq::kMaxAttentionThreads + 1), vq::InvalidArgument);
+  EXPECT_EQ(vq::attention_threads(), 1);  // unchanged by the refusals (the default)
+  const int was = vq::set_attention_threads(0);  // every hardware thread
+  const int all = vq::attention_threads();
+  EXPECT_GE(all, 1);
+  EXPECT_EQ(vq::set_attention_threads(was), all);
+  EXPECT_EQ(vq::attention_threads(), 1);
+}
+
 std::string attend_error(const KVCache& c, const Tensor& q, float scale) {
   const Tensor before = c.state().keys.contiguous(true);
   const std::int64_t offset = c.offset();

@@ -118,6 +118,42 @@ TEST(AttendMethods, ScalarPathEqualsDenseAttentionToo) {
   vq::attn::set_simd_enabled(was);
 }
 
+// Threads (cache/attention.hpp, "Threads"): every method's hooks run from several threads at once,
+// and the result is the same bits for any thread count, for a long decode-sized call (token splits,
+// T past 2048) and a prefill-sized one ((batch, KV head) pairs); the split form equals dense
+// attention as the single loop does.
+TEST(AttendMethods, ThreadsGiveTheSameBitsAsOneThread) {
+  const Case cases[] = {{1, 4, 8, 8, 4500, 1}, {1, 2, 8, 128, 4200, 3}, {2, 4, 8, 64, 400, 48}};
+  for (const auto& spec : method_specs()) {
+    if (MethodSpec::parse(spec).kind == MethodSpec::Kind::CachegenPaper) continue;  // stories260K's layout only: below
+    for (const Case& c : cases) {
+      SCOPED_TRACE(::testing::Message() << spec << " D=" << c.D << " T=" << c.T << " Sq=" << c.Sq);
+      auto cache = make_cache(spec, c.D);
+      const Tensor k = vqtest::random_walk({c.B, c.Hkv, c.T, c.D}, 51), v = vqtest::random_walk({c.B, c.Hkv, c.T, c.D}, 52);
+      cache->update(k.slice(2, 0, c.T - c.Sq), v.slice(2, 0, c.T - c.Sq));
+      cache->update(k.slice(2, c.T - c.Sq, c.T), v.slice(2, c.T - c.Sq, c.T));
+      const Tensor q = vqtest::random_uniform({c.B, c.Hq, c.Sq, c.D}, 53);
+      const float scale = 1.0f / std::sqrt(static_cast<float>(c.D));
+      const int was = vq::set_attention_threads(1);
+      const Tensor one = cache->attend(q, scale);
+      vq::set_attention_threads(3);
+      const Tensor three = cache->attend(q, scale);
+      vq::set_attention_threads(2);
+      const Tensor two = cache->attend(q, scale);
+      vq::set_attention_threads(was);
+      EXPECT_TRUE(three.bit_equal(one));
+      EXPECT_TRUE(two.bit_equal(one));
+      if (c.Sq == 1) {  // the split form against dense attention over the reconstruction
+        const auto x = one.to_f32_vector(), y = vq::attend_ref(*cache, q, scale).to_f32_vector();
+        double diff = 0, mag = 0;
+        for (std::size_t i = 0; i < x.size(); ++i) diff = std::max(diff, std::fabs(double(x[i]) - y[i])), mag = std::max(mag, std::fabs(double(y[i])));
+        EXPECT_GT(mag, 0.1);
+        EXPECT_LE(diff, 2e-6 * (1.0 + mag));
+      }
+    }
+  }
+}
+
 // Float16 input: block and fp8 caches, whose tiles round through float16, take the tile path;
 // it equals dense attention over the (float16) reconstruction with the SIMD kernels on and off.
 // (Rotated caches read float32 rotated rows, within float16 rounding of state(): docs/cache.md.)

@@ -229,7 +229,7 @@ TEST(GgmlBlockCache, StoresPackedBlocksAndReturnsTheirDequantization) {
   for (int h = 0; h < 4; ++h)
     for (int d = 0; d < 8; ++d) EXPECT_EQ(fk.at(0, h, 3, d), y[static_cast<std::size_t>(h * 8 + d)]);
   // Resident: the blocks are all it holds (no dense copy beside them).
-  EXPECT_EQ(c.nbytes(), (c.key_blocks().capacity() + c.value_blocks().capacity()) * 18u);
+  EXPECT_EQ(c.nbytes(), (c.key_blocks().size() + c.value_blocks().size()) * 18u);  // on the heap: exactly one call's blocks
   EXPECT_LT(c.nbytes(), fk.nbytes());
 }
 

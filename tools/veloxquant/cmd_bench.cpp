@@ -27,6 +27,7 @@
 #include "commands.hpp"
 #include "json_out.hpp"
 #include "numeric_options.hpp"
+#include "veloxquant/cache/attention.hpp"
 #include "veloxquant/cache/cachegen_cache.hpp"
 #include "veloxquant/cache/stream_codec.hpp"
 #include "veloxquant/core/error.hpp"
@@ -672,6 +673,11 @@ Runner add_bench(CLI::App& app) {
   attention->add_option("--methods", a->methods, "storage forms besides fp32 and fp16: method specs, ';'-separated or repeated")
       ->delimiter(';')
       ->capture_default_str();
+  attention->add_option("--threads", a->threads,
+                        "threads that attend uses (flash decoding: a long context's token splits side by side); 0 = every core. "
+                        "memcpy stays one thread")
+      ->capture_default_str()
+      ->transform(integer_in(0, vq::kMaxAttentionThreads));
   attention->add_flag("--json", a->json, "print one JSON object: {memcpy_gb_s, rows: [{method, context, us_per_step, resident_bytes, speedup_vs_fp16}]}");
   return [o, a, attention] { return attention->parsed() ? run_bench_attention(*a) : run_bench_codec(*o); };
 }

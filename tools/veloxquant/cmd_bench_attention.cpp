@@ -4,12 +4,16 @@
 // query token, over `context` tokens of synthetic K/V (synth/synthetic_kv.hpp, float16, seed 0)
 // fed in chunks of 4096 tokens. Storage forms: "fp32" and "fp16" are plain KVCaches of that dtype
 // (the dense baselines, the same attention loop), every other form is a method spec's cache
-// (model/method_spec.hpp) fed float32. Each row times KVCache::attend on the thread's CPU clock
-// (the fastest of repeats: at least 3 and at least ~0.3 s of CPU time) and reports the cache's nbytes() as resident bytes. Baselines from the
-// same process: the fp16 cache's step (speedup_vs_fp16 = its time / the row's) and memcpy of the
-// fp16 cache's bytes (memcpy_gb_s, measured at the largest context; vs_memcpy in the table =
-// the row's time / the time memcpy takes for the fp16 cache's bytes at that context).
+// (model/method_spec.hpp) fed float32. Each row times KVCache::attend (the fastest of repeats: at
+// least 3 and at least ~0.3 s) and reports the cache's nbytes() as resident bytes. Threads
+// (--threads, vq::set_attention_threads; default every core): with one, steps are timed on the
+// thread's CPU clock; with more, on the wall clock (the CPU clock of the calling thread would miss
+// the others' work), memcpy included. Baselines from the same process: the fp16 cache's step
+// (speedup_vs_fp16 = its time / the row's) and memcpy of the fp16 cache's bytes on one thread
+// (memcpy_gb_s, measured at the largest context; vs_memcpy in the table = the row's time / the
+// time memcpy takes for the fp16 cache's bytes at that context).
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <ctime>
 #include <cstring>
@@ -22,6 +26,7 @@
 
 #include "bench_attention.hpp"
 #include "json_out.hpp"
+#include "veloxquant/cache/attention.hpp"
 #include "veloxquant/cache/kv_cache.hpp"
 #include "veloxquant/core/error.hpp"
 #include "veloxquant/model/method_spec.hpp"
@@ -42,15 +47,19 @@ double cpu_seconds() {
   return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
 }
 
-// The fastest of f()'s repeats (>= 3, and until ~min_s of CPU time has passed), in CPU seconds.
+double wall_seconds() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+// The fastest of f()'s repeats (>= 3, and until ~min_s has passed), in seconds of `clock`.
 template <class F>
-double best_seconds(F&& f, double min_s = 0.3) {
+double best_seconds(double (*clock)(), F&& f, double min_s = 0.3) {
   std::vector<double> t;
-  const double start = cpu_seconds();
-  while (t.size() < 3 || (cpu_seconds() - start < min_s && t.size() < 1000)) {
-    const double t0 = cpu_seconds();
+  const double start = clock();
+  while (t.size() < 3 || (clock() - start < min_s && t.size() < 1000)) {
+    const double t0 = clock();
     f();
-    t.push_back(cpu_seconds() - t0);
+    t.push_back(clock() - t0);
   }
   return *std::min_element(t.begin(), t.end());
 }
@@ -64,13 +73,24 @@ int run_bench_attention(const BenchAttentionOptions& o) {
   for (const auto& m : o.methods)
     if (m != "fp32" && m != "fp16") methods.push_back(vq::MethodSpec::parse(m).to_string());  // refuses a bad spec before any work
 
+  vq::require(o.threads >= 0 && o.threads <= vq::kMaxAttentionThreads, "bench attention: --threads {} must be 0 .. {}", o.threads,
+              vq::kMaxAttentionThreads);
+  const int previous_threads = vq::set_attention_threads(o.threads);
+  const int threads = vq::attention_threads();
+  struct RestoreThreads {
+    int n;
+    ~RestoreThreads() { vq::set_attention_threads(n); }
+  } restore{previous_threads};
+  double (*const clock)() = threads > 1 ? wall_seconds : cpu_seconds;
+  const char* clock_name = threads > 1 ? "wall" : "thread CPU";
+
   // memcpy of the fp16 cache's bytes at the largest context.
   const std::int64_t max_ctx = *std::max_element(o.contexts.begin(), o.contexts.end());
   const std::size_t fp16_bytes_max = static_cast<std::size_t>(2 * kHkv * max_ctx * kD * 2);
   double memcpy_gb_s = 0;
   {
     std::vector<std::byte> src(fp16_bytes_max, std::byte{1}), dst(fp16_bytes_max, std::byte{0});
-    const double s = best_seconds([&] { std::memcpy(dst.data(), src.data(), src.size()); });
+    const double s = best_seconds(clock, [&] { std::memcpy(dst.data(), src.data(), src.size()); });
     memcpy_gb_s = static_cast<double>(fp16_bytes_max) / s / 1e9;
   }
 
@@ -100,7 +120,7 @@ int run_bench_attention(const BenchAttentionOptions& o) {
         const std::int64_t e = std::min(ctx, s + kChunk);
         cache->update_and_fetch(kv.keys.slice(2, s, e).to(in), kv.values.slice(2, s, e).to(in));
       }
-      const double us = 1e6 * best_seconds([&] { (void)cache->attend(q, scale); });
+      const double us = 1e6 * best_seconds(clock, [&] { (void)cache->attend(q, scale); });
       if (method == "fp16") fp16_us = us;
       rows.push_back({method, ctx, us, cache->nbytes()});
     }
@@ -112,6 +132,8 @@ int run_bench_attention(const BenchAttentionOptions& o) {
   if (o.json) {
     nlohmann::json j;
     j["memcpy_gb_s"] = memcpy_gb_s;
+    j["threads"] = threads;
+    j["clock"] = clock_name;
     j["rows"] = nlohmann::json::array();
     for (const auto& r : rows)
       j["rows"].push_back({{"method", r.method}, {"context", r.context}, {"us_per_step", r.us}, {"resident_bytes", r.resident},
@@ -119,8 +141,9 @@ int run_bench_attention(const BenchAttentionOptions& o) {
     fmt::print("{}\n", json_text(j));
     return 0;
   }
-  fmt::print("attention, one decode step: B=1, Hq={}, Hkv={}, D={}, 1 query token, synthetic K/V; memcpy {:.2f} GB/s\n", kHq, kHkv, kD,
-             memcpy_gb_s);
+  fmt::print("attention, one decode step: B=1, Hq={}, Hkv={}, D={}, 1 query token, synthetic K/V; memcpy {:.2f} GB/s (1 thread)\n",
+             kHq, kHkv, kD, memcpy_gb_s);
+  fmt::print("attend threads: {} ({} clock)\n", threads, clock_name);
   fmt::print("{:<16} {:>8} {:>12} {:>15} {:>10} {:>10}\n", "method", "context", "us/step", "resident bytes", "vs fp16", "vs memcpy");
   for (const auto& r : rows)
     fmt::print("{:<16} {:>8} {:>12.1f} {:>15} {:>9.2f}x {:>9.2f}x\n", r.method, r.context, r.us, r.resident, r.speedup, r.vs_memcpy);

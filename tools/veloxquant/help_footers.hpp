@@ -63,8 +63,8 @@ inline const std::map<std::string, HelpText>& help_texts() {
       {"bench codec", {"veloxquant bench codec [--keys K.npy --values V.npy | --model M [--tokenizer T] [--text F] [--windows N] "
                        "| --synthetic] [--bits N | --method vq:bits=B,...] [--json]",
                        "veloxquant bench codec --synthetic --bits 4 --json"}},
-      {"bench attention", {"veloxquant bench attention [--context N ...] [--methods 'spec;spec'] [--json]",
-                           "veloxquant bench attention --context 1024 --methods 'q8_0;vq:bits=2'"}},
+      {"bench attention", {"veloxquant bench attention [--context N ...] [--methods 'spec;spec'] [--threads N] [--json]",
+                           "veloxquant bench attention --context 1024 --methods 'q8_0;vq:bits=2' --threads 1"}},
   };
   return texts;
 }

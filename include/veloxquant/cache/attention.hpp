@@ -19,6 +19,19 @@
 //   mlx_lm's order). Each K/V tile is read once per KV head for all its G * Sq query rows.
 // - Arithmetic is float32 (scores, exp, accumulation), so results agree with attend_ref (double)
 //   within float32 rounding, not bit for bit.
+// - Threads (flash decoding across cores). A decode-sized call (Sq <= kAttentionSplitMaxQueries)
+//   over a long context (offset > kAttentionSplitTokens) cuts the tokens into splits of
+//   kAttentionSplitTokens (whole tiles; the split points depend on offset and D only). Each
+//   split runs the same tile loop from an empty state and leaves per row its own (m, l, acc);
+//   the partials are then merged in split order: M = max m_s, l = sum l_s e^(m_s - M),
+//   acc = sum acc_s e^(m_s - M). Any other call, above a work threshold, runs its (batch, KV
+//   head) pairs side by side, each exactly as the single loop does. The splits or pairs run on
+//   attention_threads() threads (set_attention_threads; 1, the default, runs them in order on
+//   the calling thread), and the result is bit for bit the same for every thread count: which
+//   thread runs a piece never changes its arithmetic or the order of the merge. The hooks a
+//   cache overrides (read_*_tile, score_key_tile, accumulate_value_tile, map_query,
+//   unmap_output) are const and must be safe to call from several threads at once, each with its
+//   own scratch.
 //
 // Errors (InvalidArgument, the cache unchanged; attention never changes a cache): queries not
 // [B, Hq, Sq, D_k] with the cache's B and D_k, Hq not a positive multiple of the cache's KV heads,
@@ -35,6 +48,24 @@ class KVCache;
 
 // Float32 bytes of one side's tile: tokens per tile = clamp(kTileBytes / (4 * D), 16, 256).
 inline constexpr std::size_t kAttentionTileBytes = 16 * 1024;
+
+// Tokens per split of a long decode-sized call (a multiple of every tile size up to 256 tokens
+// when D is a power of two; otherwise rounded down to whole tiles): 2048 tokens of D = 128 in
+// float16 are 1 MiB of K and V per KV head, enough work per split to pay for handing it to a
+// thread, and 64k tokens make 32 splits, enough to keep 16 cores busy.
+inline constexpr std::int64_t kAttentionSplitTokens = 2048;
+// The most query tokens (Sq) a call may have for its tokens to be split: each split keeps its own
+// accumulators for every query row, so a prefill-sized call runs (batch, KV head) pairs instead.
+inline constexpr std::int64_t kAttentionSplitMaxQueries = 16;
+// The largest thread count set_attention_threads accepts.
+inline constexpr int kMaxAttentionThreads = 1024;
+
+// Threads that attend() uses in this process (default 1: everything on the calling thread; the
+// model's eval/rd run their own windows on threads and leave it at 1). set_attention_threads(n)
+// returns the previous count; n = 0 means every hardware thread. Throws InvalidArgument for
+// n < 0 or n > kMaxAttentionThreads. Set it between calls, not while another thread attends.
+int attention_threads();
+int set_attention_threads(int n);
 
 // Throws InvalidArgument naming the problem when `queries` or `scale` cannot attend over `cache`.
 void check_attention_queries(const KVCache& cache, const Tensor& queries, double scale);

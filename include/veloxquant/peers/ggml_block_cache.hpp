@@ -13,9 +13,11 @@
 // blocks hold R x. Dequantization undoes it (state(), update_and_fetch); attend runs in the
 // rotated space (the query is rotated once per step, the output rotated back once).
 //
-// Memory (what nbytes() reports, exactly the allocations): the two vectors of blocks (their
-// capacity: they grow geometrically), with rotate the two sign vectors (4 bytes per head dim
-// each), and nothing per token besides. No dense copy is kept.
+// Memory (what nbytes() reports, exactly the allocations): the two arrays of blocks, each in a
+// memory mapping of its own (core/page_vector.hpp: grown with mremap, so growing leaves no freed
+// buffers behind in malloc's heap; the pages that back its blocks, i.e. its bytes rounded up to
+// the page size), with rotate the two sign vectors (4 bytes per head dim each, on the heap), and
+// nothing per token besides. No dense copy is kept.
 // - attend() scores K and sums V straight on the blocks (src/peers/peer_attention.hpp: each block
 //   decoded in registers, 16 values at a time), or dequantizes a tile of blocks at a time into the
 //   loop's scratch where those kernels do not apply (cache/attention.hpp).
@@ -25,7 +27,7 @@
 //   B*H*offset*(D_k + D_v)*sizeof(dtype) bytes allocated, i.e. what a dense cache holds, for as long
 //   as the caller holds them. A host that attends through attend() never pays it.
 // What stored_bytes() bills: bytes/block * blocks (d and m included), the same as nbytes() less the
-// vectors' spare capacity.
+// rounding of each array to whole pages and the signs.
 #pragma once
 #include <cstdint>
 #include <optional>
@@ -33,6 +35,7 @@
 #include <vector>
 
 #include "veloxquant/cache/kv_cache.hpp"
+#include "veloxquant/core/page_vector.hpp"
 #include "veloxquant/peers/ggml_blocks.hpp"
 #include "veloxquant/peers/head_rotation.hpp"
 
@@ -75,18 +78,18 @@ class GgmlBlockCache : public KVCache {
 
   bool rotate() const { return rotate_; }
   // The packed blocks, token-major: [token][batch][block of the H*D row].
-  const std::vector<Block>& key_blocks() const { return key_blocks_; }
-  const std::vector<Block>& value_blocks() const { return value_blocks_; }
+  const PageVector<Block>& key_blocks() const { return key_blocks_; }
+  const PageVector<Block>& value_blocks() const { return value_blocks_; }
 
  private:
-  const float* read_tile(const std::vector<Block>& blocks, const Tensor& layout, const std::optional<HeadRotation>& rot, std::int64_t b,
+  const float* read_tile(const PageVector<Block>& blocks, const Tensor& layout, const std::optional<HeadRotation>& rot, std::int64_t b,
                          std::int64_t h, std::int64_t t0, std::int64_t n, float* out) const;
-  Tensor dequantize_all(const std::vector<Block>& blocks, const Tensor& layout, const std::optional<HeadRotation>& rot) const;
+  Tensor dequantize_all(const PageVector<Block>& blocks, const Tensor& layout, const std::optional<HeadRotation>& rot) const;
 
   bool rotate_;
   std::optional<HeadRotation> key_rotation_, value_rotation_;  // set with the layout when rotate_
   // keys_buf_ / values_buf_ hold only the layout: [B, H, 0, D] in the input dtype, no storage.
-  std::vector<Block> key_blocks_, value_blocks_;
+  PageVector<Block> key_blocks_, value_blocks_;
 };
 
 using Q8_0KVCache = GgmlBlockCache<ggml::Q8_0>;

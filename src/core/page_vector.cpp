@@ -1,0 +1,103 @@
+// PageBytes, the storage under PageVector (core/page_vector.hpp): a heap buffer while small; then
+// mmap, mremap to grow (Linux; elsewhere a fresh mapping and a copy), madvise to return pages,
+// munmap to clear.
+#include "veloxquant/core/page_vector.hpp"
+
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <new>
+
+namespace vq::detail {
+
+namespace {
+
+// The smallest reservation: 16 pages of address space (never backed until written).
+constexpr std::size_t kMinReserve = 64 * 1024;
+
+std::size_t round_up(std::size_t n, std::size_t to) { return (n + to - 1) / to * to; }
+
+void* map(std::size_t bytes) {
+  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  return p == MAP_FAILED ? nullptr : p;
+}
+
+}  // namespace
+
+std::size_t PageBytes::page_size() {
+  static const std::size_t page = static_cast<std::size_t>(sysconf(_SC_PAGESIZE));
+  return page;
+}
+
+PageBytes& PageBytes::operator=(PageBytes&& o) noexcept {
+  if (this != &o) {
+    clear();
+    data_ = std::exchange(o.data_, nullptr);
+    size_ = std::exchange(o.size_, 0);
+    reserved_ = std::exchange(o.reserved_, 0);
+    mapped_ = std::exchange(o.mapped_, false);
+  }
+  return *this;
+}
+
+std::size_t PageBytes::nbytes() const { return mapped_ ? round_up(size_, page_size()) : reserved_; }
+
+std::byte* PageBytes::append(std::size_t n) {
+  if (n > reserved_ - size_) {
+    if (n > SIZE_MAX / 4 - size_) throw std::bad_alloc();
+    const std::size_t need = size_ + n;
+    if (!mapped_ && need <= kPageVectorHeapBytes) {
+      // On the heap: the exact size first (a cache fed once holds no spare), then doubling.
+      const std::size_t cap = data_ ? std::min(std::max(need, 2 * reserved_), kPageVectorHeapBytes) : need;
+      auto* p = static_cast<std::byte*>(::operator new(cap));
+      if (size_) std::memcpy(p, data_, size_);
+      ::operator delete(data_);
+      data_ = p, reserved_ = cap;
+    } else {
+      const std::size_t want = std::max({round_up(need, page_size()), 2 * (mapped_ ? reserved_ : 0), kMinReserve});
+      void* p = nullptr;
+      if (mapped_) {
+#ifdef MREMAP_MAYMOVE
+        p = mremap(data_, reserved_, want, MREMAP_MAYMOVE);
+        if (p == MAP_FAILED) p = nullptr;
+#else
+        p = map(want);
+        if (p) std::memcpy(p, data_, size_), munmap(data_, reserved_);
+#endif
+      } else {  // from the heap (or nothing) into a mapping of its own, once
+        p = map(want);
+        if (p && size_) std::memcpy(p, data_, size_);
+        if (p) ::operator delete(data_);
+      }
+      if (!p) throw std::bad_alloc();
+      data_ = static_cast<std::byte*>(p), reserved_ = want, mapped_ = true;
+    }
+  }
+  std::byte* first = data_ + size_;
+  size_ += n;
+  return first;
+}
+
+void PageBytes::shrink(std::size_t n) {
+  if (n >= size_) return;
+  if (mapped_) {
+    const std::size_t keep = round_up(n, page_size()), held = nbytes();
+    if (held > keep) madvise(data_ + keep, held - keep, MADV_DONTNEED);  // private anonymous: the pages are freed
+  }
+  size_ = n;
+}
+
+void PageBytes::clear() {
+  if (mapped_)
+    munmap(data_, reserved_);
+  else
+    ::operator delete(data_);
+  data_ = nullptr;
+  size_ = reserved_ = 0;
+  mapped_ = false;
+}
+
+}  // namespace vq::detail
