@@ -11,6 +11,7 @@
 #include "veloxquant/core/dtype.hpp"
 #include "veloxquant/core/error.hpp"
 #include "veloxquant/core/kernel_clones.hpp"
+#include "vq_attention_kernels.hpp"
 
 namespace vq {
 
@@ -139,6 +140,39 @@ inline void put_field(std::uint8_t* base, std::uint64_t bit, std::uint32_t f) { 
 }
 std::size_t packed_bytes(std::int64_t rows, std::uint32_t row_bits) { return (sz(rows) * row_bits + 7) / 8 + 8; }
 
+// The packed layout (vq_cache.hpp, "Packed layout") from per-coefficient preferred widths in
+// sq.width (raised to their groups' here) and sq.mean: order, bit_at, group_byte/width, field_mean.
+template <class SideQuantT>
+void lay_out(SideQuantT& sq, int n, int heads) {
+  const int d = n / heads;
+  sq.order.resize(sz(n));
+  sq.bit_at.assign(sz(n) + 1, 0);
+  sq.group_byte.clear();
+  sq.group_width.clear();
+  sq.field_mean.resize(sz(n));
+  std::uint32_t byte = 0;
+  for (int h = 0; h < heads; ++h) {
+    std::int32_t* o = sq.order.data() + sz(h) * sz(d);
+    for (int p = 0; p < d; ++p) o[p] = h * d + p;
+    std::stable_sort(o, o + d, [&](std::int32_t a, std::int32_t b) { return sq.width[sz(a)] < sq.width[sz(b)]; });
+    for (int p = 0; p < d; p += 8) {
+      const int m = std::min(8, d - p);
+      unsigned w = 1;
+      for (int i = 0; i < m; ++i) w = std::max<unsigned>(w, sq.width[sz(o[p + i])]);
+      if (w > 8) w = 16;
+      sq.group_byte.push_back(byte);
+      sq.group_width.push_back(static_cast<std::uint8_t>(w));
+      for (int i = 0; i < m; ++i) {
+        sq.width[sz(o[p + i])] = static_cast<std::uint8_t>(w);
+        sq.bit_at[sz(o[p + i])] = byte * 8 + static_cast<std::uint32_t>(i) * w;
+      }
+      byte += (static_cast<std::uint32_t>(m) * w + 7) / 8;
+    }
+    for (int p = 0; p < d; ++p) sq.field_mean[sz(h) * sz(d) + sz(p)] = sq.mean[sz(o[p])];
+  }
+  sq.bit_at[sz(n)] = byte * 8;
+}
+
 // Bits an escape costs (its entry in the side list).
 constexpr double kEscapeBits = 96.0;
 
@@ -199,8 +233,7 @@ Tensor layout_of(const Tensor& t) { return Tensor::wrap(nullptr, {t.dim(0), t.di
 // Calibration of one side from its first rows y (transformed, [rows][n]): step by water-filling,
 // grid offsets, code splits, packed widths.
 void calibrate_side(const std::vector<double>& y, int n, double bits, float& step, std::vector<std::int32_t>& offset,
-                    std::vector<float>& mean_f, std::vector<std::uint8_t>& shift, std::vector<std::uint8_t>& width,
-                    std::vector<std::uint32_t>& bit_at) {
+                    std::vector<float>& mean_f, std::vector<std::uint8_t>& shift, std::vector<std::uint8_t>& width) {
   const std::size_t rows = y.size() / sz(n);
   std::vector<double> sum(sz(n), 0.0), sum2(sz(n), 0.0), lo(sz(n), INFINITY), hi(sz(n), -INFINITY);
   for (std::size_t r = 0; r < rows; ++r)
@@ -220,7 +253,6 @@ void calibrate_side(const std::vector<double>& y, int n, double bits, float& ste
   mean_f.resize(sz(n));
   shift.assign(sz(n), 0);
   width.assign(sz(n), 1);
-  bit_at.assign(sz(n) + 1, 0);
   std::vector<std::int64_t> beyond(17);
   for (int c = 0; c < n; ++c) {
     // Codes beyond +-255 are split (vq/codec.hpp). Reach 32 sigma or 4x the calibration's
@@ -246,14 +278,13 @@ void calibrate_side(const std::vector<double>& y, int n, double bits, float& ste
       const double cost = w + kEscapeBits * std::max(gauss, static_cast<double>(beyond[sz(w)]) / cnt);
       if (cost < best) best = cost, width[sz(c)] = static_cast<std::uint8_t>(w);
     }
-    bit_at[sz(c) + 1] = bit_at[sz(c)] + width[sz(c)];
   }
 }
 
 }  // namespace
 
 template <class SideQuantT, class SideStoreT>
-void widen(SideQuantT& sq, SideStoreT& st, int n, std::int64_t rows);  // below
+void widen(SideQuantT& sq, SideStoreT& st, int n, int heads, std::int64_t rows);  // below
 
 void VqKVCache::update(const Tensor& keys, const Tensor& values) {
   check_chunk(keys, values);
@@ -311,7 +342,8 @@ void VqKVCache::update(const Tensor& keys, const Tensor& values) {
       for (std::int64_t b = 0; b < B; ++b)
         for (std::int64_t t = 0; t < config_.calib; ++t) transformed(t, b, y.data() + sz(b * config_.calib + t) * sz(n));
       calibrate_side(y, n, config_.bits + (side == 0 ? config_.k_offset : config_.v_offset), w.q.step, w.q.offset, w.q.mean, w.q.shift,
-                     w.q.width, w.q.bit_at);
+                     w.q.width);
+      lay_out(w.q, n, static_cast<int>(H));
     } else {
       w.q = side == 0 ? kq_ : vq_;
     }
@@ -382,7 +414,7 @@ void VqKVCache::update(const Tensor& keys, const Tensor& values) {
         }
       }
     }
-    widen(sq, st, n, q1);
+    widen(sq, st, n, static_cast<int>(H), q1);
     st.tail.erase(st.tail.begin(), st.tail.begin() + static_cast<std::ptrdiff_t>(sz(q1 - q0) * tokb));
     if (st.tail.capacity() > 2 * st.tail.size() + 4096) std::vector<std::uint8_t>(st.tail).swap(st.tail);  // a prefill's rows, released
   }
@@ -398,7 +430,7 @@ void VqKVCache::update(const Tensor& keys, const Tensor& values) {
 // (O(rows x n), rare: each widening at least doubles a field's range). Values never change.
 // (A template over the cache's private side types: the header stays as it is.)
 template <class SideQuantT, class SideStoreT>
-void widen(SideQuantT& sq, SideStoreT& st, int n, std::int64_t rows) {
+void widen(SideQuantT& sq, SideStoreT& st, int n, int heads, std::int64_t rows) {
   using EscapeT = typename std::remove_reference_t<decltype(st.escapes[0])>::value_type;
   const std::int64_t B = static_cast<std::int64_t>(st.packed.size()), R = B * rows;
   std::vector<std::int64_t> count(sz(n), 0);
@@ -428,9 +460,13 @@ void widen(SideQuantT& sq, SideStoreT& st, int n, std::int64_t rows) {
     any = any || width[sz(c)] != sq.width[sz(c)];
   }
   if (!any) return;
-  // Re-pack every row at the new widths.
-  std::vector<std::uint32_t> bit_at(sz(n) + 1, 0);
-  for (int c = 0; c < n; ++c) bit_at[sz(c) + 1] = bit_at[sz(c)] + width[sz(c)];
+  // Re-pack every row at the new widths (and the layout they give).
+  SideQuantT nq;
+  nq.width = std::move(width);
+  nq.mean = sq.mean;
+  lay_out(nq, n, heads);
+  const std::vector<std::uint8_t>& width2 = nq.width;
+  const std::vector<std::uint32_t>& bit_at = nq.bit_at;
   std::vector<std::int32_t> q(sz(rows) * sz(n));
   for (std::int64_t b = 0; b < B; ++b) {
     const std::uint8_t* old = st.packed[sz(b)].data();
@@ -445,7 +481,7 @@ void widen(SideQuantT& sq, SideStoreT& st, int n, std::int64_t rows) {
     std::vector<EscapeT> esc;
     for (std::int64_t t = 0; t < rows; ++t)
       for (int c = 0; c < n; ++c) {
-        const std::int32_t v = q[sz(t) * sz(n) + sz(c)], bias = 1 << (width[sz(c)] - 1);
+        const std::int32_t v = q[sz(t) * sz(n) + sz(c)], bias = 1 << (width2[sz(c)] - 1);
         if (std::abs(v) < bias)
           put_field(buf.data(), static_cast<std::uint64_t>(t) * bit_at[sz(n)] + bit_at[sz(c)], static_cast<std::uint32_t>(v + bias));
         else
@@ -454,8 +490,12 @@ void widen(SideQuantT& sq, SideStoreT& st, int n, std::int64_t rows) {
     st.packed[sz(b)] = std::move(buf);
     st.escapes[sz(b)] = std::move(esc);
   }
-  sq.width = std::move(width);
-  sq.bit_at = std::move(bit_at);
+  sq.width = std::move(nq.width);
+  sq.bit_at = std::move(nq.bit_at);
+  sq.order = std::move(nq.order);
+  sq.group_byte = std::move(nq.group_byte);
+  sq.group_width = std::move(nq.group_width);
+  sq.field_mean = std::move(nq.field_mean);
 }
 
 std::pair<Tensor, Tensor> VqKVCache::update_and_fetch(const Tensor& keys, const Tensor& values) {
@@ -529,6 +569,115 @@ const float* VqKVCache::read_value_tile(std::int64_t b, std::int64_t h, std::int
   return scratch;
 }
 
+bool VqKVCache::codes_direct(int side) const {
+  if (!calibrated_ || quantized_ == 0 || !vq_attention::available()) return false;
+  const DType dt = keys_buf_.dtype();
+  if (dt != DType::F32 && dt != DType::F16) return false;
+  const VqSideTransform& tr = side == 0 ? layer_->k : layer_->v;
+  return tr.identity() && (side == 1 || layer_->rope_freq.empty());
+}
+
+// The kernels' view of tokens [t0, t1) of (b, h), one side (all coded), with the escapes among
+// them listed in `esc` (field positions: the inverse of the head's order).
+vq_attention::HeadFields VqKVCache::head_fields(int side, std::int64_t b, std::int64_t h, std::int64_t t0, std::int64_t t1,
+                                                std::vector<vq_attention::FieldEscape>& esc) const {
+  const SideQuant& sq = side == 0 ? kq_ : vq_;
+  const SideStore& st = side == 0 ? ks_ : vs_;
+  const std::int64_t d = (side == 0 ? keys_buf_ : values_buf_).dim(3), gph = (d + 7) / 8;
+  vq_attention::HeadFields f;
+  f.rows = st.packed[sz(b)].data();
+  f.row_bytes = sq.bit_at.back() / 8;
+  f.t0 = t0;
+  f.d = d;
+  f.group_byte = sq.group_byte.data() + h * gph;
+  f.group_width = sq.group_width.data() + h * gph;
+  f.mean = sq.field_mean.data() + h * d;
+  f.step = sq.step;
+  f.round_f16 = keys_buf_.dtype() == DType::F16;
+  esc.clear();
+  const auto& e = st.escapes[sz(b)];
+  auto it = std::lower_bound(e.begin(), e.end(), t0, [](const Escape& x, std::int64_t t) { return x.t < t; });
+  const std::int64_t c0 = h * d, c1 = c0 + d;
+  const std::int32_t* order = sq.order.data() + c0;
+  thread_local std::vector<std::int32_t> pos;  // field position of each head dim, built on a first escape
+  pos.clear();
+  for (; it != e.end() && it->t < t1; ++it)
+    if (it->c >= c0 && it->c < c1) {
+      if (pos.empty()) {
+        pos.resize(sz(d));
+        for (std::int64_t p = 0; p < d; ++p) pos[sz(order[p] - c0)] = static_cast<std::int32_t>(p);
+      }
+      esc.push_back({static_cast<std::int32_t>(it->t - t0), pos[sz(it->c - c0)], it->q});
+    }
+  f.escapes = esc.data();
+  f.n_escapes = esc.size();
+  return f;
+}
+
+// The tile hooks on codes: tokens [t0, t0 + n) split into the coded run [qa, qb) (what the
+// kernels read) and the exact tokens around it (the sinks before, the tail after: the float tiles
+// of the defaults). Queries and accumulators are permuted into the head's field order and back.
+void VqKVCache::score_key_tile(std::int64_t b, std::int64_t h, std::int64_t t0, std::int64_t n, const float* queries, std::int64_t nq,
+                               float* scores, float* scratch) const {
+  const std::int64_t qa = std::max(t0, std::min<std::int64_t>(config_.sinks, offset_)), qb = std::min(t0 + n, quantized_);
+  if (!codes_direct(0) || qa >= qb) return KVCache::score_key_tile(b, h, t0, n, queries, nq, scores, scratch);
+  const std::int64_t d = keys_buf_.dim(3);
+  thread_local std::vector<float> qp, part;
+  thread_local std::vector<vq_attention::FieldEscape> esc;
+  qp.resize(sz(nq * d));
+  const std::int32_t* order = kq_.order.data() + h * d;
+  for (std::int64_t r = 0; r < nq; ++r)
+    for (std::int64_t p = 0; p < d; ++p) qp[sz(r * d + p)] = queries[r * d + order[p] - h * d];
+  const vq_attention::HeadFields f = head_fields(0, b, h, qa, qb, esc);
+  if (h == 0 && qb < quantized_) {
+    vq_attention::HeadFields next = f;
+    next.t0 = qb;
+    vq_attention::prefetch(next, std::min(n, quantized_ - qb));
+  }
+  if (qa == t0 && qb == t0 + n) return vq_attention::score(f, n, qp.data(), nq, scores);
+  // A tile with exact tokens: each run into `part`, then into its columns of `scores`.
+  auto run = [&](std::int64_t a, std::int64_t e, bool coded) {
+    const std::int64_t m = e - a;
+    if (m <= 0) return;
+    part.resize(sz(nq * m));
+    if (coded)
+      vq_attention::score(f, m, qp.data(), nq, part.data());
+    else
+      KVCache::score_key_tile(b, h, a, m, queries, nq, part.data(), scratch);
+    for (std::int64_t r = 0; r < nq; ++r) std::copy_n(part.data() + r * m, m, scores + r * n + (a - t0));
+  };
+  run(t0, qa, false);
+  run(qa, qb, true);
+  run(qb, t0 + n, false);
+}
+
+void VqKVCache::accumulate_value_tile(std::int64_t b, std::int64_t h, std::int64_t t0, std::int64_t n, const float* weights,
+                                      std::int64_t nq, float* acc, float* scratch) const {
+  const std::int64_t qa = std::max(t0, std::min<std::int64_t>(config_.sinks, offset_)), qb = std::min(t0 + n, quantized_);
+  if (!codes_direct(1) || qa >= qb) return KVCache::accumulate_value_tile(b, h, t0, n, weights, nq, acc, scratch);
+  const std::int64_t d = values_buf_.dim(3);
+  thread_local std::vector<float> part;
+  thread_local std::vector<vq_attention::FieldEscape> esc;
+  // Exact runs first, on acc as it is.
+  auto weights_of = [&](std::int64_t a, std::int64_t m) {
+    part.resize(sz(nq * m));
+    for (std::int64_t r = 0; r < nq; ++r) std::copy_n(weights + r * n + (a - t0), m, part.data() + r * m);
+    return part.data();
+  };
+  if (qa > t0) KVCache::accumulate_value_tile(b, h, t0, qa - t0, weights_of(t0, qa - t0), nq, acc, scratch);
+  if (qb < t0 + n) KVCache::accumulate_value_tile(b, h, qb, t0 + n - qb, weights_of(qb, t0 + n - qb), nq, acc, scratch);
+  thread_local std::vector<std::int32_t> rel;  // the head's order as head dims
+  rel.resize(sz(d));
+  for (std::int64_t p = 0; p < d; ++p) rel[sz(p)] = vq_.order[sz(h * d + p)] - static_cast<std::int32_t>(h * d);
+  const vq_attention::HeadFields f = head_fields(1, b, h, qa, qb, esc);
+  if (h == 0 && qb < quantized_) {
+    vq_attention::HeadFields next = f;
+    next.t0 = qb;
+    vq_attention::prefetch(next, std::min(n, quantized_ - qb));
+  }
+  vq_attention::accumulate(f, qb - qa, qa == t0 && qb == t0 + n ? weights : weights_of(qa, qb - qa), nq, acc, rel.data());
+}
+
 Tensor VqKVCache::materialise(int side) const {
   const Tensor& layout = side == 0 ? keys_buf_ : values_buf_;
   const std::int64_t B = layout.dim(0), H = layout.dim(1), D = layout.dim(3);
@@ -586,7 +735,8 @@ std::size_t VqKVCache::nbytes() const {
   std::size_t n = 0;
   for (const SideQuant* q : {&kq_, &vq_})
     n += q->offset.capacity() * sizeof(std::int32_t) + q->mean.capacity() * sizeof(float) + q->shift.capacity() + q->width.capacity() +
-         q->bit_at.capacity() * sizeof(std::uint32_t);
+         q->bit_at.capacity() * sizeof(std::uint32_t) + q->order.capacity() * sizeof(std::int32_t) +
+         q->group_byte.capacity() * sizeof(std::uint32_t) + q->group_width.capacity() + q->field_mean.capacity() * sizeof(float);
   for (const SideStore* s : {&ks_, &vs_}) {
     n += s->tail.capacity() + s->sinks.capacity();
     n += (s->packed.capacity() + s->escapes.capacity()) * sizeof(std::vector<int>);
@@ -727,8 +877,7 @@ std::shared_ptr<VqKVCache> VqKVCache::restore(VqConfig config, std::shared_ptr<c
         if (cost < best) best = cost, q.width[sz(i)] = static_cast<std::uint8_t>(w);
       }
     }
-    q.bit_at.assign(sz(n) + 1, 0);
-    for (int i = 0; i < n; ++i) q.bit_at[sz(i) + 1] = q.bit_at[sz(i)] + q.width[sz(i)];
+    lay_out(q, n, static_cast<int>(H));
     const std::uint32_t row_bits = q.bit_at[sz(n)];
     st.packed.assign(sz(B), {});
     st.escapes.assign(sz(B), {});

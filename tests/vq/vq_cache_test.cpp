@@ -278,7 +278,8 @@ TEST(VqResident, HoldsPackedCodesNotADenseCopy) {
 }
 
 // Codes beyond a coefficient's packed width are held exactly (escapes), and codes beyond the
-// calibration's split widen it: never clamped. A jump of 300 sigma after calibration at 8 bits.
+// calibration's split widen it: never clamped. A jump of 300 sigma after calibration at 4 bits
+// (fields of ~6 bits; at 8 bits the packed groups' widths above 8 are 16, which hold it unescaped).
 TEST(VqResident, WideCodesAreEscapedNotClamped) {
   std::vector<float> v(2 * 120);
   std::mt19937_64 rng(3);
@@ -286,7 +287,7 @@ TEST(VqResident, WideCodesAreEscapedNotClamped) {
   for (std::size_t i = 0; i < v.size(); ++i) v[i] = nd(rng) + (i / 2 == 100 ? 300.0f : 0.0f);
   const vq::Tensor W = vq::Tensor::from_f32({1, 1, 120, 2}, v);
   vq::VqConfig cfg;
-  cfg.bits = 8;
+  cfg.bits = 4;
   vq::VqKVCache c(cfg);
   auto [k, vv] = c.update_and_fetch(W.slice(2, 0, 64), W.slice(2, 0, 64));
   const std::uint8_t shift_before = c.codes().k.shift[0];

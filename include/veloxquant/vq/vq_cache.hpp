@@ -27,9 +27,10 @@
 // serves their exact rows.
 //
 // Resident storage (nothing dense is kept for quantized tokens; see "Invariants" below):
-// - codes: per batch, one bit-packed row per quantized token, coefficient c in a field of
-//   width_c bits (1..16, chosen at calibration: the width that minimises width + the expected
-//   escape cost, from the calibration's spread and its own codes). Field f = q + 2^(width_c - 1);
+// - codes: per batch, one packed row per quantized token, coefficient c in a field of width_c
+//   bits (chosen at calibration: per coefficient the width that minimises width + the expected
+//   escape cost, from the calibration's spread and its own codes; then raised to its group's, see
+//   "Packed layout" below). Field f = q + 2^(width_c - 1);
 //   f = 0 is the ESCAPE: codes outside +-(2^(width_c - 1) - 1) are held exactly in a sorted side
 //   list (token, coefficient, code), never clamped. Codes the coder cannot hold at the
 //   coefficient's split widen the split (shift, up to kVqMaxShift); a code beyond +-vq_max_code(
@@ -44,6 +45,20 @@
 // transformed back and re-rotated, exactly as state() rebuilds it (bit for bit).
 // update_and_fetch and state() rebuild every token into fresh dense tensors (O(offset) work per
 // call and a dense copy while the caller holds it): hosts that attend call update().
+//
+// Packed layout (so that attention reads a head's codes with SIMD, vq/vq_attention_kernels.hpp):
+// a row is the heads' segments in order, head h's segment holding the fields of its d = n / H
+// coefficients h*d .. h*d+d-1 in field order `order` (order[h*d + p] = the coefficient at field
+// position p: the head's coefficients sorted by their preferred width, narrowest first, ties by
+// index). Positions p = 8g .. 8g+7 form group g of the head: one width w for all its fields (the
+// widest its members prefer, and 16 for anything above 8: widths are 1..8 or 16), fields at bits
+// i*w (i = p - 8g) of the group's bytes, little-endian; a group of m fields takes ceil(m w / 8)
+// whole bytes (w bytes when full), so groups and rows start on bytes. bit_at[c] = the first bit
+// of c's field within a row, bit_at[n] = the row's bits (a multiple of 8); group_byte /
+// group_width per group (head-major, ceil(d / 8) per head); field_mean = mean in field order.
+// lay_out (vq_cache.cpp) derives all of them from per-coefficient preferred widths: calibration,
+// widening and restore() each call it, and get_field(row, bit_at[c], width[c]) reads a code
+// anywhere (the fields are independent of the order except through bit_at).
 //
 // Invariants (what a restore/decoder must reproduce): codes() = the int16 codes of tokens
 // [0, quantized_tokens()), the calibration's step/offsets/shifts; state() = vq_reconstruct(codes())
@@ -66,6 +81,11 @@
 #include "veloxquant/vq/codec.hpp"
 
 namespace vq {
+
+namespace vq_attention {  // src/vq/vq_attention_kernels.hpp (private)
+struct HeadFields;
+struct FieldEscape;
+}  // namespace vq_attention
 
 struct VqConfig {
   double bits = 2.0;               // nominal code rate per element (see above), 0 < bits <= 10
@@ -97,6 +117,14 @@ class VqKVCache : public KVCache {
   std::string kind() const override { return "VqKVCache"; }
   const float* read_key_tile(std::int64_t b, std::int64_t h, std::int64_t t0, std::int64_t n, float* scratch) const override;
   const float* read_value_tile(std::int64_t b, std::int64_t h, std::int64_t t0, std::int64_t n, float* scratch) const override;
+  // On the packed codes (vq/vq_attention_kernels.hpp) where a side's tiles are its codes'
+  // values: the identity transform, keys without RoPE, float32 or float16 input (values rounded
+  // through float16 as state() holds them), SIMD on. Otherwise (and for exact tokens) the float
+  // tiles of read_key_tile / read_value_tile.
+  void score_key_tile(std::int64_t b, std::int64_t h, std::int64_t t0, std::int64_t n, const float* queries, std::int64_t nq,
+                      float* scores, float* scratch) const override;
+  void accumulate_value_tile(std::int64_t b, std::int64_t h, std::int64_t t0, std::int64_t n, const float* weights,
+                             std::int64_t nq, float* acc, float* scratch) const override;
 
   const VqConfig& config() const { return config_; }
   std::int64_t quantized_tokens() const { return quantized_; }
@@ -133,8 +161,12 @@ class VqKVCache : public KVCache {
     std::vector<std::int32_t> offset;  // grid offsets, quarter steps
     std::vector<float> mean;           // their values
     std::vector<std::uint8_t> shift;   // code splits (vq/codec.hpp)
-    std::vector<std::uint8_t> width;   // packed field bits, 1..16
+    std::vector<std::uint8_t> width;   // packed field bits, 1..8 or 16 (its group's)
     std::vector<std::uint32_t> bit_at; // [n + 1]: first bit of coefficient c in a packed row; [n] = row bits
+    std::vector<std::int32_t> order;   // [n]: coefficient at field position p of head h's segment (h*d + p)
+    std::vector<std::uint32_t> group_byte;  // per group of 8 field positions: its first byte in a row
+    std::vector<std::uint8_t> group_width;  // and its field width
+    std::vector<float> field_mean;          // [n]: mean[order[i]]
   };
   struct Escape {
     std::int32_t t, c, q;  // token, coefficient, code
@@ -148,6 +180,9 @@ class VqKVCache : public KVCache {
   // Tokens [t0, t0 + n) of (b, h), one side, as float32 rows (what state() holds).
   void read_rows(int side, std::int64_t b, std::int64_t h, std::int64_t t0, std::int64_t n, float* out) const;
   Tensor materialise(int side) const;
+  bool codes_direct(int side) const;  // whether score/accumulate run on this side's codes
+  vq_attention::HeadFields head_fields(int side, std::int64_t b, std::int64_t h, std::int64_t t0, std::int64_t t1,
+                                       std::vector<vq_attention::FieldEscape>& esc) const;
   void reset();
 
   VqConfig config_;
