@@ -2,6 +2,8 @@
 #include "attention_small_d.hpp"
 
 #include <algorithm>
+#include <bit>
+#include <cstdint>
 #include <cmath>
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(__SANITIZE_ADDRESS__)
@@ -123,12 +125,75 @@ VQ_AVX2 inline float hsum(__m256 v) {
   return _mm_cvtss_f32(x);
 }
 
+// exp_nonpositive (exp_nonpositive.hpp) on eight lanes: the same operations in the same order
+// (separate multiplies and adds: a fused multiply-add rounds once where they round twice), so the
+// same floats as the scalar function and as exp_shifted's vectorised loop.
+VQ_AVX2 inline __m256 exp8_nonpositive(__m256 x) {
+  const __m256i lim = _mm256_set1_epi32(static_cast<int>(std::bit_cast<std::uint32_t>(-87.0f)));
+  x = _mm256_castsi256_ps(_mm256_min_epu32(_mm256_castps_si256(x), lim));
+  const __m256 rounder = _mm256_set1_ps(12582912.0f);
+  const __m256 n = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), rounder), rounder);
+  __m256 r = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f)));
+  r = _mm256_sub_ps(r, _mm256_mul_ps(n, _mm256_set1_ps(-2.12194440e-4f)));
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(p, _mm256_mul_ps(r, r)), r), _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// The value update of up to kGroup rows at once: row k adds s_k[j] V[j] for j < vis[k] to acc_k,
+// even tokens into one sum and odd ones into another, added at the end (o0 + o1), exactly as
+// one row alone does; the rows' chains interleave, so the adds no longer wait on each other's
+// latency, and each value row loaded serves every row of the group.
+constexpr int kGroup = 4;
+
+VQ_AVX2 inline void value_row_tail(const float* s, const float* V, std::int64_t j, std::int64_t visible, __m256& o0, __m256& o1) {
+  for (; j + 2 <= visible; j += 2) {
+    o0 = _mm256_add_ps(o0, _mm256_mul_ps(_mm256_broadcast_ss(s + j), _mm256_loadu_ps(V + j * 8)));
+    o1 = _mm256_add_ps(o1, _mm256_mul_ps(_mm256_broadcast_ss(s + j + 1), _mm256_loadu_ps(V + (j + 1) * 8)));
+  }
+  if (j < visible) o0 = _mm256_add_ps(o0, _mm256_mul_ps(_mm256_broadcast_ss(s + j), _mm256_loadu_ps(V + j * 8)));
+}
+
+VQ_AVX2 void value_group(int g, float* const* s, const std::int64_t* vis, float* const* acc, const float* V) {
+  __m256 o0[kGroup], o1[kGroup];
+  std::int64_t common = vis[0];
+  for (int k = 0; k < g; ++k) {
+    o0[k] = _mm256_loadu_ps(acc[k]);
+    o1[k] = _mm256_setzero_ps();
+    common = std::min(common, vis[k]);
+  }
+  std::int64_t j = 0;
+  if (g == kGroup) {
+    for (; j + 2 <= common; j += 2) {
+      const __m256 v0 = _mm256_loadu_ps(V + j * 8), v1 = _mm256_loadu_ps(V + (j + 1) * 8);
+#pragma GCC unroll 4
+      for (int k = 0; k < kGroup; ++k) {
+        o0[k] = _mm256_add_ps(o0[k], _mm256_mul_ps(_mm256_broadcast_ss(s[k] + j), v0));
+        o1[k] = _mm256_add_ps(o1[k], _mm256_mul_ps(_mm256_broadcast_ss(s[k] + j + 1), v1));
+      }
+    }
+  }
+  for (int k = 0; k < g; ++k) {
+    __m256 a0 = o0[k], a1 = o1[k];  // locals: kept in registers through the row's tail
+    value_row_tail(s[k], V, j, vis[k], a0, a1);
+    _mm256_storeu_ps(acc[k], _mm256_add_ps(a0, a1));
+  }
+}
+
 // small_d_tile<8> with explicit AVX2: keys transposed in 8x8 blocks, scores of 8 tokens per
-// vector, the max and sum in vectors, one 8-wide multiply-add per token for the values.
+// vector, the max, exp and sum in vectors, one 8-wide multiply-add per token for the values, for
+// kGroup rows at a time (value_group). The same operations per row as small_d_tile<8>'s
+// vectorised form, so the same floats.
 VQ_AVX2 void small_d8_avx2(const SmallDTile& a) {
   const std::int64_t n = a.n, ld = round_up8(n);
   float* kt = a.scratch;           // [8, ld]
-  float* s = a.scratch + 8 * ld;   // [ld]
+  float* sbase = a.scratch + 8 * ld;  // [kGroup, ld]: the group's rows' scores, then weights
   for (std::int64_t j = 0; j < ld; j += 8) {
     __m256 r[8];
     if (j + 8 <= n) {
@@ -140,10 +205,15 @@ VQ_AVX2 void small_d8_avx2(const SmallDTile& a) {
     for (int d = 0; d < 8; ++d) _mm256_storeu_ps(kt + d * ld + j, r[d]);
   }
   const __m256 vscale = _mm256_set1_ps(a.scale);
+  float* gs[kGroup];
+  float* gacc[kGroup];
+  std::int64_t gvis[kGroup];
+  int g = 0;
   for (std::int64_t row = 0; row < a.rows; ++row) {
     const std::int64_t i = row % a.Sq, last = a.T - a.Sq + i;
     const std::int64_t visible = std::min(n, last - a.t0 + 1);
     if (visible <= 0) continue;
+    float* s = sbase + g * ld;
     const float* q = a.q + row * 8;
     __m256 qd[8];
     for (int d = 0; d < 8; ++d) qd[d] = _mm256_set1_ps(q[d]);
@@ -165,21 +235,27 @@ VQ_AVX2 void small_d8_avx2(const SmallDTile& a) {
       for (int d = 0; d < 8; ++d) acc[d] *= c;
       a.m[row] = mx;
     }
-    exp_shifted(s, visible, mx);
+    // Weights exp(s - mx) (the lanes of the last group past `visible` are computed and never
+    // read), the sum of the whole groups in eight lanes, then the rest in order.
+    // (Two loops: summing in the exp loop runs out of registers, and the sum, kept in memory, then
+    // makes every step wait for the previous one's store.)
+    const __m256 vmx = _mm256_set1_ps(mx);
+    for (std::int64_t j = 0; j < visible; j += 8)
+      _mm256_storeu_ps(s + j, exp8_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + j), vmx)));
     __m256 sv = _mm256_setzero_ps();
     for (std::int64_t j = 0; j < full; j += 8) sv = _mm256_add_ps(sv, _mm256_loadu_ps(s + j));
     float sum = hsum(sv);
     for (std::int64_t j = full; j < visible; ++j) sum += s[j];
     a.l[row] += sum;
-    __m256 o0 = _mm256_loadu_ps(acc), o1 = _mm256_setzero_ps();
-    std::int64_t j = 0;
-    for (; j + 2 <= visible; j += 2) {
-      o0 = _mm256_add_ps(o0, _mm256_mul_ps(_mm256_broadcast_ss(s + j), _mm256_loadu_ps(a.V + j * 8)));
-      o1 = _mm256_add_ps(o1, _mm256_mul_ps(_mm256_broadcast_ss(s + j + 1), _mm256_loadu_ps(a.V + (j + 1) * 8)));
+    gs[g] = s;
+    gacc[g] = acc;
+    gvis[g] = visible;
+    if (++g == kGroup) {
+      value_group(g, gs, gvis, gacc, a.V);
+      g = 0;
     }
-    if (j < visible) o0 = _mm256_add_ps(o0, _mm256_mul_ps(_mm256_broadcast_ss(s + j), _mm256_loadu_ps(a.V + j * 8)));
-    _mm256_storeu_ps(acc, _mm256_add_ps(o0, o1));
   }
+  if (g > 0) value_group(g, gs, gvis, gacc, a.V);
 }
 #endif
 

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <condition_variable>
 #include <exception>
 #include <functional>
 #include <memory>
@@ -120,18 +121,16 @@ struct WindowRun {
 };
 
 WindowRun run_window(Transformer& model, const std::string& method, std::span<const int> seq, const EvalOptions& o) {
-  const int vocab = model.config().vocab_size;
   const int n = static_cast<int>(seq.size());
   auto caches = make_caches(method, model);
   WindowRun out;
   auto prefill = [&](int begin, int end, std::vector<float>* keep_from, int keep_pos) {
     for (int s = begin; s < end; s += o.chunk) {
       const int e = std::min(end, s + o.chunk);
-      auto logits = model.forward(seq.subspan(static_cast<std::size_t>(s), static_cast<std::size_t>(e - s)), caches);
-      if (keep_from)
-        for (int p = std::max(s, keep_pos); p < e; ++p)
-          keep_from->insert(keep_from->end(), logits.begin() + static_cast<std::ptrdiff_t>(p - s) * vocab,
-                            logits.begin() + static_cast<std::ptrdiff_t>(p - s + 1) * vocab);
+      // Only the logits kept are computed (all of them while streaming, the context's last in reuse).
+      const int from = keep_from ? std::clamp(keep_pos - s, 0, e - s) : e - s;
+      auto logits = model.forward(seq.subspan(static_cast<std::size_t>(s), static_cast<std::size_t>(e - s)), caches, from);
+      if (keep_from) keep_from->insert(keep_from->end(), logits.begin(), logits.end());
     }
   };
   if (o.protocol == EvalProtocol::Stream) {
@@ -194,70 +193,167 @@ std::vector<MethodResult> evaluate(Transformer& model, const std::vector<int>& t
   if (o.protocol == EvalProtocol::Reuse)
     require(o.ctx < o.window, "the text holds {} tokens: nothing is left to score after a --ctx of {}", tokens.size(), o.ctx);
   const int vocab = model.config().vocab_size;
+  const std::size_t V = static_cast<std::size_t>(vocab);
   const int text_per_window = o.window - 1;  // window = BOS + text tokens
   const std::int64_t scored_per_window = o.protocol == EvalProtocol::Stream ? o.window - 1 : o.window - o.ctx;
+  const std::size_t S = static_cast<std::size_t>(scored_per_window);
+  const int first_target = o.protocol == EvalProtocol::Stream ? 1 : o.ctx;  // seq index of the first scored token
   std::int64_t n_windows = static_cast<std::int64_t>(tokens.size()) / text_per_window;
   // Windows needed for max_tokens, rounded up without forming max_tokens + scored_per_window - 1
   // (which overflows near INT64_MAX).
   if (o.max_tokens > 0)
     n_windows = std::min<std::int64_t>(n_windows, o.max_tokens / scored_per_window + (o.max_tokens % scored_per_window != 0));
+  const std::size_t W = static_cast<std::size_t>(n_windows), M = methods.size();
 
-  std::vector<Accum> acc(methods.size());
+  // Every (window, run) is one task, run 0 the fp32 reference and run 1 + m method m, handed out
+  // window by window to the workers: no barrier between windows, so no core idles while another
+  // finishes a window's last run. A method's task scores its own logits against its window's
+  // reference (computed by the window's task 0, handed out before it) and keeps its per-position
+  // terms; the sums are formed per method in window and position order, as a single-threaded run
+  // forms them (a window's terms are folded in once every earlier window's are), so the results do
+  // not depend on the threads.
+  struct Window {
+    std::vector<double> lp, p;       // the reference's log-probabilities [scored, vocab] and exp of them
+    std::vector<std::ptrdiff_t> top; // the reference's top-1 per scored position
+    std::vector<double> ref_lp;      // the reference's log-probability of each scored target
+    bool ready = false;
+    std::size_t pending = 0;         // method tasks still to read lp / p (they are freed after the last)
+  };
+  struct Terms {  // one method's terms of one window, per scored position
+    std::vector<double> kl, lp;
+    std::int64_t agree = 0;
+    CacheBits bits;
+    bool ready = false;
+  };
+  std::vector<Window> win(W);
+  std::vector<Terms> terms(W * M);
   Accum ref;
-  std::vector<int> seq(static_cast<std::size_t>(o.window));
+  std::vector<Accum> acc(M);
+  std::vector<std::size_t> folded(M, 0);  // per method: the windows summed so far
+  // Under mu: adds method m's terms of the windows now complete in order, and frees them.
+  auto fold = [&](std::size_t m) {
+    for (; folded[m] < W && terms[folded[m] * M + m].ready; ++folded[m]) {
+      Terms& t = terms[folded[m] * M + m];
+      for (std::size_t i = 0; i < S; ++i) {
+        acc[m].kl += t.kl[i];
+        acc[m].nll -= t.lp[i];
+        ++acc[m].tokens;
+      }
+      acc[m].agree += t.agree;
+      acc[m].bits.add(t.bits);
+      t = Terms{};
+    }
+  };
+  std::mutex mu;
+  std::condition_variable ready_cv;
+  bool failed = false;  // a reference task threw: its window's method tasks stop waiting
+  std::size_t done = 0;
+  const std::size_t n_tasks = W * (M + 1);
+  auto report = [&] {  // under mu
+    ++done;
+    if (o.progress) o.progress(static_cast<double>(done) / static_cast<double>(n_tasks));
+  };
   // Worker w forwards models[w]: the caller's model, then copies (Transformer.hpp: one model per
   // thread).
   const std::size_t n_threads = o.threads > 0 ? static_cast<std::size_t>(o.threads)
                                               : std::max<std::size_t>(1, std::thread::hardware_concurrency());
-  const std::size_t workers = std::min(n_threads, methods.size() + 1);
+  const std::size_t workers = std::min(n_threads, n_tasks);
   std::vector<std::unique_ptr<Transformer>> copies;
   std::vector<Transformer*> models{&model};
   for (std::size_t w = 1; w < workers; ++w) {
     copies.push_back(std::make_unique<Transformer>(model));
     models.push_back(copies.back().get());
   }
-  // The reference's log-probabilities of the window's scored positions, [scored, vocab], and top-1.
-  std::vector<double> lp_ref(static_cast<std::size_t>(scored_per_window) * static_cast<std::size_t>(vocab));
-  std::vector<std::ptrdiff_t> ref_top(static_cast<std::size_t>(scored_per_window));
-  for (std::int64_t w = 0; w < n_windows; ++w) {
+  auto window_seq = [&](std::size_t w) {
+    std::vector<int> seq(static_cast<std::size_t>(o.window));
     seq[0] = 1;  // BOS
-    std::copy_n(tokens.begin() + static_cast<std::ptrdiff_t>(w * text_per_window), text_per_window, seq.begin() + 1);
-    const int first_target = o.protocol == EvalProtocol::Stream ? 1 : o.ctx;  // seq index of the first scored token
-    // Task 0: the fp32 reference; task 1 + m: method m. Each is a whole window on its own caches.
-    std::vector<WindowRun> runs(methods.size() + 1);
-    parallel_tasks(runs.size(), workers, [&](std::size_t t, std::size_t wk) {
-      runs[t] = run_window(*models[wk], t == 0 ? std::string("fp32") : methods[t - 1], seq, o);
-    });
-    const WindowRun& base = runs[0];
-    for (std::int64_t i = 0; i < scored_per_window; ++i) {
-      const int target = seq[static_cast<std::size_t>(first_target + i)];
-      std::span<const float> rl(base.logits.data() + i * vocab, static_cast<std::size_t>(vocab));
-      std::vector<double> lp;
+    std::copy_n(tokens.begin() + static_cast<std::ptrdiff_t>(w) * text_per_window, text_per_window, seq.begin() + 1);
+    return seq;
+  };
+  // Task (w, 0): the reference's log-probabilities, their exp (once, not once per method), top-1s
+  // and the targets' log-probabilities.
+  auto reference = [&](std::size_t w, std::size_t wk) {
+    const std::vector<int> seq = window_seq(w);
+    const WindowRun base = run_window(*models[wk], "fp32", seq, o);
+    std::vector<double> lp_all(S * V), p_all(S * V), ref_lp(S);
+    std::vector<std::ptrdiff_t> top(S);
+    std::vector<double> lp;
+    for (std::size_t i = 0; i < S; ++i) {
+      const int target = seq[static_cast<std::size_t>(first_target) + i];
+      std::span<const float> rl(base.logits.data() + i * V, V);
       log_softmax(rl, lp);
-      std::copy(lp.begin(), lp.end(), lp_ref.begin() + i * vocab);
-      ref_top[static_cast<std::size_t>(i)] = std::max_element(rl.begin(), rl.end()) - rl.begin();
-      ref.nll -= lp[static_cast<std::size_t>(target)];
+      std::copy(lp.begin(), lp.end(), lp_all.begin() + static_cast<std::ptrdiff_t>(i * V));
+      for (std::size_t v = 0; v < V; ++v) p_all[i * V + v] = std::exp(lp[v]);
+      top[i] = std::max_element(rl.begin(), rl.end()) - rl.begin();
+      ref_lp[i] = lp[static_cast<std::size_t>(target)];
+    }
+    const std::lock_guard<std::mutex> lock(mu);
+    Window& ww = win[w];
+    ww.lp = std::move(lp_all);
+    ww.p = std::move(p_all);
+    ww.top = std::move(top);
+    ww.ref_lp = std::move(ref_lp);
+    ww.pending = M;
+    ww.ready = true;
+    report();
+    ready_cv.notify_all();
+  };
+  parallel_tasks(n_tasks, workers, [&](std::size_t task, std::size_t wk) {
+    const std::size_t w = task / (M + 1), run = task % (M + 1);
+    Window& ww = win[w];
+    if (run == 0) {
+      try {
+        reference(w, wk);
+      } catch (...) {
+        const std::lock_guard<std::mutex> lock(mu);
+        failed = true;
+        ready_cv.notify_all();
+        throw;
+      }
+      return;
+    }
+    const std::size_t m = run - 1;
+    const std::vector<int> seq = window_seq(w);
+    const WindowRun r = run_window(*models[wk], methods[m], seq, o);
+    {
+      // The reference task of this window was handed out before this one and waits on nothing.
+      std::unique_lock<std::mutex> lock(mu);
+      ready_cv.wait(lock, [&] { return ww.ready || failed; });
+      if (!ww.ready) return;  // parallel_tasks rethrows the reference's error
+    }
+    Terms& t = terms[w * M + m];
+    t.kl.resize(S);
+    t.lp.resize(S);
+    t.bits = r.bits;
+    std::vector<double> lp;
+    for (std::size_t i = 0; i < S; ++i) {
+      const int target = seq[static_cast<std::size_t>(first_target) + i];
+      const double* lr = ww.lp.data() + i * V;
+      const double* pr = ww.p.data() + i * V;
+      std::span<const float> ml(r.logits.data() + i * V, V);
+      log_softmax(ml, lp);
+      double kl = 0;
+      for (std::size_t v = 0; v < V; ++v) kl += pr[v] * (lr[v] - lp[v]);
+      t.kl[i] = std::max(0.0, kl);
+      t.lp[i] = lp[static_cast<std::size_t>(target)];
+      t.agree += (std::max_element(ml.begin(), ml.end()) - ml.begin()) == ww.top[i];
+    }
+    const std::lock_guard<std::mutex> lock(mu);
+    t.ready = true;
+    fold(m);
+    if (--ww.pending == 0) {  // the last reader: free the window's reference
+      std::vector<double>().swap(ww.lp);
+      std::vector<double>().swap(ww.p);
+      std::vector<std::ptrdiff_t>().swap(ww.top);
+    }
+    report();
+  });
+
+  for (const Window& ww : win)  // the reference's sum, in window and position order
+    for (double x : ww.ref_lp) {
+      ref.nll -= x;
       ++ref.tokens;
     }
-    // Method m's sums in position order on one thread, as a single-threaded run forms them.
-    parallel_tasks(methods.size(), workers, [&](std::size_t m, std::size_t) {
-      std::vector<double> lp;
-      for (std::int64_t i = 0; i < scored_per_window; ++i) {
-        const int target = seq[static_cast<std::size_t>(first_target + i)];
-        const double* lr = lp_ref.data() + i * vocab;
-        std::span<const float> ml(runs[m + 1].logits.data() + i * vocab, static_cast<std::size_t>(vocab));
-        log_softmax(ml, lp);
-        double kl = 0;
-        for (int v = 0; v < vocab; ++v) kl += std::exp(lr[v]) * (lr[v] - lp[static_cast<std::size_t>(v)]);
-        acc[m].kl += std::max(0.0, kl);
-        acc[m].nll -= lp[static_cast<std::size_t>(target)];
-        acc[m].agree += (std::max_element(ml.begin(), ml.end()) - ml.begin()) == ref_top[static_cast<std::size_t>(i)];
-        ++acc[m].tokens;
-      }
-    });
-    for (std::size_t m = 0; m < methods.size(); ++m) acc[m].bits.add(runs[m + 1].bits);
-    if (o.progress) o.progress(static_cast<double>(w + 1) / static_cast<double>(n_windows));
-  }
   const double ppl_ref = std::exp(ref.nll / static_cast<double>(ref.tokens));
   std::vector<MethodResult> out;
   for (std::size_t m = 0; m < methods.size(); ++m) {

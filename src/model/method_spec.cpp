@@ -203,7 +203,7 @@ namespace {
 // `transformer` (may be null) lets a cachegen_paper spec without profile=PATH profile the model.
 std::vector<std::shared_ptr<KVCache>> build_caches(const MethodSpec& spec, const ModelDescription& model, const Transformer* transformer) {
   if (spec.kind == MethodSpec::Kind::CacheGen && spec.schedule) return KVCacheBuilder::for_model(model, spec.cachegen);
-  if (spec.kind == MethodSpec::Kind::Vq) return detail::make_vq_caches(spec, model, transformer ? &transformer->checkpoint() : nullptr);
+  if (spec.kind == MethodSpec::Kind::Vq) return detail::make_vq_caches(spec, model, transformer);
   KVCacheConfig cfg = spec.cachegen;
   cfg.cachegen_resolved_bits = cfg.cachegen_bits;
   // The CacheGen-family peers need each attention layer's depth: count attention layers only.

@@ -1,5 +1,7 @@
 #include "method_spec_vq.hpp"
 
+#include "veloxquant/model/transformer.hpp"
+
 #include <bit>
 #include <charconv>
 
@@ -116,8 +118,7 @@ VqLayerModel vq_checkpoint_layer(const Checkpoint& ck, std::size_t l, const VqBa
   return lm;
 }
 
-std::vector<std::shared_ptr<KVCache>> make_vq_caches(const MethodSpec& m, const ModelDescription& model, const Checkpoint* ck) {
-  const std::uint64_t fingerprint = ck ? vq_model_fingerprint(*ck) : 0;
+std::vector<std::shared_ptr<KVCache>> make_vq_caches(const MethodSpec& m, const ModelDescription& model, const Transformer* weights) {
   int n_attention = 0;
   for (const auto& d : model.layer_head_dims) n_attention += d.has_value();
   const auto alloc = allocation(vq_spec_string(m), m.vq_alloc, n_attention);
@@ -133,7 +134,7 @@ std::vector<std::shared_ptr<KVCache>> make_vq_caches(const MethodSpec& m, const 
     cfg.v_offset = alloc[static_cast<std::size_t>(a)].second;
     ++a;
     std::shared_ptr<const VqLayerModel> layer;
-    if (ck) layer = std::make_shared<const VqLayerModel>(vq_checkpoint_layer(*ck, l, m.vq_basis, fingerprint));
+    if (weights) layer = weights->vq_layer_model(static_cast<int>(l), m.vq_basis);
     caches.push_back(std::make_shared<VqKVCache>(cfg, layer));
   }
   return caches;

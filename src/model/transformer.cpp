@@ -5,6 +5,9 @@
 #include <bit>
 #include <cmath>
 #include <cstdint>
+#include <mutex>
+#include <optional>
+#include <utility>
 
 #include <fmt/core.h>
 
@@ -14,6 +17,8 @@
 
 #include "veloxquant/core/dtype.hpp"
 #include "veloxquant/core/error.hpp"
+#include "veloxquant/model/method_spec.hpp"
+#include "method_spec_vq.hpp"
 
 namespace vq {
 
@@ -162,6 +167,19 @@ std::vector<float> side_by_side(const std::vector<std::vector<float>>& ms, const
   return out;
 }
 
+// h1[j] = (h1[j] * (1 / (1 + e[j]))) * h3[j], e[j] = exp(-h1[j]): run.c's silu and SwiGLU product
+// with the exponentials computed beforehand; elementwise, so vectorising it changes no rounding.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+__attribute__((target_clones("avx2", "default")))
+#endif
+void silu_times(float* __restrict h1, const float* __restrict h3, const float* __restrict e, std::size_t n) {
+  for (std::size_t j = 0; j < n; ++j) {
+    float val = h1[j];
+    val *= 1.0f / (1.0f + e[j]);
+    h1[j] = val * h3[j];
+  }
+}
+
 // run.c's rmsnorm: sequential sum of squares, o = w * (x / rms).
 void rmsnorm(float* o, const float* x, const float* w, int size) {
   float ss = 0.0f;
@@ -174,7 +192,26 @@ void rmsnorm(float* o, const float* x, const float* w, int size) {
 
 }  // namespace
 
-Transformer::Transformer(Checkpoint checkpoint) : ck_(std::move(checkpoint)) {
+// The vq layer models built so far, per (layer, basis options), and the fingerprint they carry.
+struct Transformer::VqLayerMemo {
+  std::mutex mu;
+  std::optional<std::uint64_t> fingerprint;
+  std::vector<std::pair<std::pair<int, VqBasisOptions>, std::shared_ptr<const VqLayerModel>>> models;
+};
+
+std::shared_ptr<const VqLayerModel> Transformer::vq_layer_model(int layer, const VqBasisOptions& basis) const {
+  require(layer >= 0 && layer < config().n_layers, "vq_layer_model: layer {} is outside the model's {} layers", layer, config().n_layers);
+  // Built under the lock: concurrent first users of one layer wait for one build, not race to two.
+  const std::lock_guard<std::mutex> lock(vq_memo_->mu);
+  for (const auto& [key, m] : vq_memo_->models)
+    if (key.first == layer && key.second == basis) return m;
+  if (!vq_memo_->fingerprint) vq_memo_->fingerprint = vq_model_fingerprint(ck_);
+  auto m = std::make_shared<const VqLayerModel>(detail::vq_checkpoint_layer(ck_, static_cast<std::size_t>(layer), basis, *vq_memo_->fingerprint));
+  vq_memo_->models.emplace_back(std::pair{layer, basis}, m);
+  return m;
+}
+
+Transformer::Transformer(Checkpoint checkpoint) : ck_(std::move(checkpoint)), vq_memo_(std::make_shared<VqLayerMemo>()) {
   const ModelConfig& c = ck_.config;
   validate_model_config(c, "model");
   const int half = c.head_size() / 2;
@@ -219,13 +256,20 @@ void Transformer::ensure_capacity(int n) {
   kbuf_.resize(N * sz(c.kv_dim()));
   vbuf_.resize(N * sz(c.kv_dim()));
   hb_.resize(N * 2 * sz(hidden_pad_));
+  silu_exp_.resize(sz(hidden_pad_));
   capacity_ = n;
   wrapped_n_ = 0;  // kbuf_/vbuf_ may have moved
 }
 
 std::vector<float> Transformer::forward(std::span<const int> tokens, std::vector<std::shared_ptr<KVCache>>& caches) {
+  return forward(tokens, caches, 0);
+}
+
+std::vector<float> Transformer::forward(std::span<const int> tokens, std::vector<std::shared_ptr<KVCache>>& caches, int logits_from) {
   const ModelConfig& c = config();
   const int n = static_cast<int>(tokens.size());
+  if (logits_from < 0 || logits_from > n)
+    throw InvalidArgument(fmt::format("forward: logits_from {} is outside 0..{} (the chunk's {} tokens)", logits_from, n, n));
   // Checks format their message only on failure: this runs once per decoded token.
   if (caches.size() != sz(c.n_layers))
     throw InvalidArgument(fmt::format("forward needs one cache per layer: the model has {} layers, got {} caches", c.n_layers, caches.size()));
@@ -312,22 +356,26 @@ std::vector<float> Transformer::forward(std::span<const int> tokens, std::vector
     for (int i = 0; i < n; ++i) rmsnorm(xb_.data() + sz(i) * D, x_.data() + sz(i) * D, ck_.rms_ffn.data() + L * D, dim);
     // w1 x and w3 x of token i at hb_ + i 2HP + {0, HP}; the SwiGLU product replaces w1 x.
     matmul_t(hb_.data(), 2 * HP, xb_.data(), D, w13_t_.data() + L * 2 * HP * D, 2 * HP, n, dim, static_cast<int>(2 * HP));
+    // silu(x) = x * (1 / (1 + exp(-x))), times w3 x: run.c's operations per element. The exps are
+    // library calls, one after the other; the rest is a second, vectorised pass (the divide no
+    // longer waits behind each call).
     for (int i = 0; i < n; ++i) {
       float* h1 = hb_.data() + sz(i) * 2 * HP;
       const float* h3 = h1 + HP;
-      for (std::size_t j = 0; j < H; ++j) {
-        float val = h1[j];
-        val *= 1.0f / (1.0f + std::exp(-val));  // silu
-        h1[j] = val * h3[j];
-      }
+      float* __restrict e = silu_exp_.data();
+      for (std::size_t j = 0; j < H; ++j) e[j] = std::exp(-h1[j]);
+      silu_times(h1, h3, e, H);
     }
     matmul_t(xb_.data(), D, hb_.data(), 2 * HP, w2_t_.data() + L * DP * H, DP, n, hidden, dim);
     for (std::size_t j = 0; j < sz(n) * D; ++j) x_[j] += xb_[j];
   }
 
-  for (int i = 0; i < n; ++i) rmsnorm(x_.data() + sz(i) * D, x_.data() + sz(i) * D, ck_.rms_final.data(), dim);
-  std::vector<float> logits(sz(n) * sz(c.vocab_size));
-  matmul_t(logits.data(), sz(c.vocab_size), x_.data(), D, wcls_t_.data(), sz(vocab_pad_), n, dim, c.vocab_size);
+  // Rows are independent from here on: the final norm and the classifier only for the rows wanted.
+  const int kept = n - logits_from;
+  float* const xk = x_.data() + sz(logits_from) * D;
+  for (int i = 0; i < kept; ++i) rmsnorm(xk + sz(i) * D, xk + sz(i) * D, ck_.rms_final.data(), dim);
+  std::vector<float> logits(sz(kept) * sz(c.vocab_size));
+  if (kept > 0) matmul_t(logits.data(), sz(c.vocab_size), xk, D, wcls_t_.data(), sz(vocab_pad_), kept, dim, c.vocab_size);
   return logits;
 }
 

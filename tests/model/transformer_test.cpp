@@ -3,6 +3,7 @@
 #include "veloxquant/model/transformer.hpp"
 
 #include <cmath>
+#include <cstring>
 #include <limits>
 
 #include <gtest/gtest.h>
@@ -188,6 +189,51 @@ TEST(Transformer, ForwardArgumentErrors) {
   caches[2]->update_and_fetch(vq::Tensor::zeros({1, 4, 1, 8}, vq::DType::F32), vq::Tensor::zeros({1, 4, 1, 8}, vq::DType::F32));
   EXPECT_THROW(t.forward(std::vector<int>{1}, caches), vq::InvalidArgument);  // offsets disagree
   EXPECT_TRUE(t.forward(std::vector<int>{}, four = vq::make_fp32_caches(t)).empty());
+}
+
+// forward(tokens, caches, logits_from) returns forward()'s rows from logits_from on, bit for bit,
+// and leaves the caches as forward() does (rd's prefill asks for none or the last row only).
+TEST(Transformer, LogitsFromReturnsTheSameRows) {
+  auto& t = model().transformer;
+  const std::vector<int> tokens = validation_tokens(40);
+  const std::span<const int> first(tokens.data(), 24), rest(tokens.data() + 24, 16);
+  auto all = vq::make_fp32_caches(t);
+  const auto a1 = t.forward(first, all), a2 = t.forward(rest, all);
+  for (const int from : {0, 23, 24}) {
+    SCOPED_TRACE(from);
+    auto caches = vq::make_fp32_caches(t);
+    const auto b1 = t.forward(first, caches, from);
+    ASSERT_EQ(b1.size(), static_cast<std::size_t>(24 - from) * 512);
+    EXPECT_EQ(std::memcmp(b1.data(), a1.data() + static_cast<std::size_t>(from) * 512, b1.size() * sizeof(float)), 0);
+    const auto b2 = t.forward(rest, caches);  // the cache went on as before
+    ASSERT_EQ(b2.size(), a2.size());
+    EXPECT_EQ(std::memcmp(b2.data(), a2.data(), a2.size() * sizeof(float)), 0);
+  }
+  auto caches = vq::make_fp32_caches(t);
+  EXPECT_THROW(t.forward(first, caches, 25), vq::InvalidArgument);
+  EXPECT_THROW(t.forward(first, caches, -1), vq::InvalidArgument);
+  EXPECT_EQ(caches[0]->offset(), 0);
+}
+
+// The vq layer models are built once per model and shared by every vq cache set made from it (and
+// from its copies); what they hold is what a fresh build gives.
+TEST(Transformer, VqLayerModelsAreBuiltOnce) {
+  auto& t = model().transformer;
+  const vq::VqBasisOptions basis;
+  const auto a = t.vq_layer_model(2, basis);
+  EXPECT_EQ(t.vq_layer_model(2, basis), a);
+  EXPECT_EQ(vq::Transformer(t).vq_layer_model(2, basis), a);
+  vq::VqBasisOptions hadamard;
+  hadamard.basis = vq::VqBasis::Hadamard;
+  EXPECT_NE(t.vq_layer_model(2, hadamard), a);
+  EXPECT_NE(t.vq_layer_model(3, basis), a);
+  const vq::Transformer fresh(vq::Checkpoint::load(vqtest::model_path()));
+  const auto b = fresh.vq_layer_model(2, basis);
+  ASSERT_NE(b, a);
+  EXPECT_EQ(b->k.fwd, a->k.fwd);
+  EXPECT_EQ(b->v.inv, a->v.inv);
+  EXPECT_EQ(b->source, a->source);
+  EXPECT_THROW((void)t.vq_layer_model(5, basis), vq::InvalidArgument);
 }
 
 }  // namespace

@@ -38,10 +38,12 @@ struct EvalOptions {
   int ctx = 128;
   int chunk = 64;
   std::int64_t max_tokens = 4096;  // scored tokens per method (0 = the whole text)
-  // Called after each window with the fraction done (for progress display).
+  // Called after each run (one window of the reference or of one method) with the fraction done
+  // (for progress display); one call at a time, from whichever thread finished the run.
   std::function<void(double)> progress;
-  // Threads that run a window's methods (and score them) side by side, each with its own copy of
-  // the model (memory: threads x the model's weights); 0 = every hardware thread. The results do
+  // Threads that run the (window, method) runs (and score them) side by side, each with its own
+  // copy of the model (memory: threads x the model's weights), with no barrier between windows;
+  // 0 = every hardware thread. The results do
   // not depend on it, bit for bit: every run is the same computation, and its sums are formed in
   // the same order whatever the threads.
   int threads = 1;

@@ -24,6 +24,7 @@
 #include "veloxquant/cache/builder.hpp"
 #include "veloxquant/cache/kv_cache.hpp"
 #include "veloxquant/model/checkpoint.hpp"
+#include "veloxquant/vq/basis.hpp"
 
 namespace vq {
 
@@ -47,10 +48,25 @@ class Transformer {
   // caches, disagreeing offsets, pos0 + n > seq_len, or a cache that does not hold pos0 + n tokens
   // of the model's layout after the update.
   std::vector<float> forward(std::span<const int> tokens, std::vector<std::shared_ptr<KVCache>>& caches);
+  // The same, returning only the logits of chunk positions logits_from .. n - 1 ([n - logits_from,
+  // vocab_size]; 0 <= logits_from <= n, else InvalidArgument), and skipping the final norm and the
+  // classifier (an eighth of stories260K's matmul work per token) for the rows before: a prefill
+  // that needs none of its logits, or only its last, does not pay for them. The rows returned are
+  // bit for bit forward()'s.
+  std::vector<float> forward(std::span<const int> tokens, std::vector<std::shared_ptr<KVCache>>& caches, int logits_from);
+
+  // Layer l's vq transforms for these basis options (vq/basis.hpp; what make_caches gives a `vq`
+  // cache), derived from the weights on first use and kept for the model's lifetime: an
+  // evaluation builds a set of vq caches per window and setting, and the model (an eigen-
+  // decomposition per layer and side) is the same every time. Copies share what is kept (their
+  // weights are the same); safe to call from several threads.
+  std::shared_ptr<const VqLayerModel> vq_layer_model(int layer, const VqBasisOptions& basis) const;
 
  private:
   void ensure_capacity(int n);
   Checkpoint ck_;
+  struct VqLayerMemo;
+  std::shared_ptr<VqLayerMemo> vq_memo_;
   // Weights transposed to [in, out_pad] per layer (out_pad: out rounded up to a multiple of 8,
   // zero-filled), for matmuls vectorised over outputs. wqkv_t_ holds wq, wk, wv side by side
   // ([dim, q_pad + 2 kv_pad]; q_pad: q_dim = n_heads * head_size rounded up), w13_t_ w1 and w3 ([dim, 2 hidden_pad]): one matmul each.
@@ -61,6 +77,7 @@ class Transformer {
   std::vector<float> x_, xb_, att_out_;
   std::vector<float> qkv_;  // [n, q_pad + 2 kv_pad]: q, k, v of each token
   std::vector<float> hb_;   // [n, 2 hidden_pad]: w1 x (then the SwiGLU product), w3 x
+  std::vector<float> silu_exp_;  // [hidden_pad]: exp(-w1 x) of one token
   std::vector<float> qbuf_;         // Q in [n_heads, n, head_size] for attend
   std::vector<float> kbuf_, vbuf_;  // K/V in [n_kv_heads, n, head_size] for the caches
   Tensor qin_, kin_, vin_;          // qbuf_/kbuf_/vbuf_ wrapped for a chunk of wrapped_n_ tokens
