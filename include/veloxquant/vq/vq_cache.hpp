@@ -40,7 +40,9 @@
 // - the calibration (step, offsets, splits, widths), a few bytes per coefficient.
 // nbytes() = the capacity of those vectors (the codes grow by 1/8 at a time, so at most ~12 %
 // beyond what is used). The transforms belong to the layer model (shared, not billed).
-// attend() reads tiles: a quantized token's row of head h is rebuilt from its codes (head h's
+// attend() on a model-less cache (identity transform, no RoPE) with float32/float16 input and
+// SIMD reads the packed codes directly (score_key_tile / accumulate_value_tile below); otherwise
+// it reads tiles: a quantized token's row of head h is rebuilt from its codes (head h's
 // coefficients only when the transform is per head / the identity; the whole row otherwise),
 // transformed back and re-rotated, exactly as state() rebuilds it (bit for bit).
 // update_and_fetch and state() rebuild every token into fresh dense tensors (O(offset) work per
