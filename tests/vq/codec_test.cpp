@@ -64,6 +64,16 @@ vq::VqLayerCodes small_codes(std::int64_t batch, std::int64_t tokens, int n, std
   return lc;
 }
 
+// Small codes whose K side has one coefficient of amax 40 and one of 100 (version 3 coded that whole
+// side with 12-bit tables). tests/golden/vq_layer_v3_mixed.bin holds these codes, written by the
+// version 3 encoder of commit 25b6eea (the same function in a one-off program).
+vq::VqLayerCodes mixed_codes() {
+  auto lc = small_codes(2, 150, 40, 1504);
+  lc.k.codes[7] = -40;
+  lc.k.codes[9] = 100;
+  return lc;
+}
+
 void expect_equal(const vq::VqLayerCodes& a, const vq::VqLayerCodes& b) {
   EXPECT_EQ(a.batch, b.batch);
   EXPECT_EQ(a.tokens, b.tokens);
@@ -269,6 +279,21 @@ TEST(VqCodec, VersionTwoStreamsStillDecode) {
       for (std::size_t n = 0; n < file.size(); n += 13) EXPECT_THROW(vq::vq_decode(std::span(file).first(n), max, kernel), vq::FormatError) << n;
     }
     EXPECT_EQ(vq::vq_encode(g.codes)[0], 3);  // what is written now
+  }
+}
+
+// A version 3 stream (tables of 2^10 or 2^12 slots per side) still decodes in both kernels and
+// fails cleanly when cut.
+TEST(VqCodec, VersionThreeStreamsStillDecode) {
+  std::ifstream in(std::string(VQ_SOURCE_DIR) + "/tests/golden/vq_layer_v3_mixed.bin", std::ios::binary);
+  ASSERT_TRUE(in);
+  const std::vector<std::uint8_t> file((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  ASSERT_EQ(file.at(0), 3);
+  const auto codes = mixed_codes();
+  const auto max = static_cast<std::uint64_t>(codes.rows() * (codes.k.n + codes.v.n));
+  for (const auto kernel : {vq::RansKernel::Scalar, vq::RansKernel::Auto}) {
+    expect_equal(codes, vq::vq_decode(file, max, kernel));
+    for (std::size_t n = 0; n < file.size(); n += 13) EXPECT_THROW(vq::vq_decode(std::span(file).first(n), max, kernel), vq::FormatError) << n;
   }
 }
 
