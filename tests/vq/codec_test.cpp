@@ -182,7 +182,7 @@ TEST(VqCodec, DecodeRejectsEveryTruncationCorruptionAndTrailingByte) {
   EXPECT_THROW(vq::vq_decode(longer, max), vq::FormatError);
   EXPECT_THROW(vq::vq_decode(bytes, max - 1), vq::FormatError);  // more codes than the caller expects
   auto bad = bytes;
-  bad[0] = 4;  // version
+  bad[0] = 5;  // version
   EXPECT_THROW(vq::vq_decode(bad, max), vq::FormatError);
   // Any single flipped bit either fails cleanly or decodes to something (never crashes).
   for (const auto kernel : {vq::RansKernel::Scalar, vq::RansKernel::Auto})
@@ -200,7 +200,7 @@ TEST(VqCodec, DecodeRejectsEveryTruncationCorruptionAndTrailingByte) {
 // groups of 32 lanes with per-column tables; the scalar reference one symbol at a time).
 void expect_kernels_agree(const vq::VqLayerCodes& lc) {
   const auto bytes = vq::vq_encode(lc, vq::RansKernel::Scalar);
-  ASSERT_EQ(bytes[0], 3);
+  ASSERT_EQ(bytes[0], 4);
   const std::uint64_t max = static_cast<std::uint64_t>(lc.rows() * (lc.k.n + lc.v.n));
   expect_equal(lc, vq::vq_decode(bytes, max, vq::RansKernel::Scalar));
   if (!vq::rans_avx2_available()) GTEST_SKIP() << "no AVX2 on this CPU";
@@ -238,8 +238,9 @@ TEST(VqCodec, FastKernelEqualsTheScalarReferenceBitForBit) {
   expect_kernels_agree(lc);
 }
 
-// Version 3's two table precisions: a side whose amax are all <= 31 (10-bit tables) beside one
-// with a code of 32 (12-bit), each way round, at the boundary; and the fast kernel on both.
+// The two table precisions: a side whose amax are all <= 31 (10-bit tables) beside one with a code
+// of 32 (version 3's boundary), each way round; version 4's per-coefficient choice; and the fast
+// kernel on all of them.
 TEST(VqCodec, SidesOfBothTablePrecisionsRoundTrip) {
   for (int wide = 0; wide < 2; ++wide) {
     auto lc = small_codes(2, 70, 40, 31 + static_cast<std::uint64_t>(wide));
@@ -247,6 +248,24 @@ TEST(VqCodec, SidesOfBothTablePrecisionsRoundTrip) {
     (wide ? lc.k : lc.v).codes[7] = -32;  // this side's amax 32: 12-bit tables
     SCOPED_TRACE(wide);
     expect_kernels_agree(lc);
+  }
+  // Version 4 chooses per coefficient: a side with amax 40 (10-bit, <= 63) and 100 (12-bit) beside
+  // small ones, so one group's lanes mix both precisions; and amax 63 / 64 at the boundary.
+  expect_kernels_agree(mixed_codes());
+  auto edge = small_codes(1, 90, 70, 77);
+  edge.k.codes[3] = 63;
+  edge.k.codes[4] = -64;
+  edge.v.codes[69] = 64;
+  expect_kernels_agree(edge);
+  // The version 3 stream of mixed_codes() coded all of K with 12-bit tables; version 4 only one
+  // coefficient: the coarser tables cost within 1 % of the size.
+  {
+    std::ifstream in(std::string(VQ_SOURCE_DIR) + "/tests/golden/vq_layer_v3_mixed.bin", std::ios::binary);
+    ASSERT_TRUE(in);
+    const std::vector<std::uint8_t> v3((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    const auto v4 = vq::vq_encode(mixed_codes());
+    EXPECT_LT(static_cast<double>(v4.size()), 1.01 * static_cast<double>(v3.size()));
+    EXPECT_NE(v4, v3);
   }
   // The 10-bit tables cost little: within 1 % of the 12-bit ones' coded size on Gaussian codes
   // (the version 2 stream of the same codes, tests/golden/vq_layer_v2_small.bin, holds 12-bit).
@@ -278,7 +297,7 @@ TEST(VqCodec, VersionTwoStreamsStillDecode) {
       expect_equal(g.codes, vq::vq_decode(file, max, kernel));
       for (std::size_t n = 0; n < file.size(); n += 13) EXPECT_THROW(vq::vq_decode(std::span(file).first(n), max, kernel), vq::FormatError) << n;
     }
-    EXPECT_EQ(vq::vq_encode(g.codes)[0], 3);  // what is written now
+    EXPECT_EQ(vq::vq_encode(g.codes)[0], 4);  // what is written now
   }
 }
 
