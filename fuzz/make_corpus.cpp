@@ -250,7 +250,8 @@ int main(int argc, char** argv) {
   // codes), with and without an exact window, one of batch 2, and one of 64 tokens x 64
   // coefficients whose stream is long enough for the AVX2 lane groups; a cut and a flipped copy of
   // each. (v1_*: the same first four as version 1 streams, kept from before version 2; v2_*: all five
-  // as version 2 streams, kept from before version 3.)
+  // as version 2 streams, kept from before version 3; v3_*: all five as version 3 streams, kept from
+  // before version 4.)
   const auto vl = root / "fuzz_vq_layer";
   std::mt19937 vrng(9);
   n = 0;

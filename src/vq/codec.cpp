@@ -244,8 +244,9 @@ bool has_shifts(const VqSideCodes& s) {
 // amax and the best parameter of every coefficient of a side from its hi parts [rows, n]: one
 // row-major pass for the maxima, one for the histograms (all coefficients' in one array,
 // coefficient c's centred at hoff[c]).
+// scale: each coefficient's table precision (vq_coef_scale_bits, version 4).
 void side_models(const std::int16_t* hi, std::size_t n, std::size_t R, std::vector<int>& amax, std::vector<std::uint8_t>& param,
-                 int& scale) {
+                 std::vector<int>& scale) {
   std::vector<std::int16_t> mx(n, 0);  // |hi| <= 255 (check_hi)
   for (std::size_t r = 0; r < R; ++r)
     for (std::size_t c = 0; c < n; ++c) {
@@ -253,7 +254,8 @@ void side_models(const std::int16_t* hi, std::size_t n, std::size_t R, std::vect
       mx[c] = std::max(mx[c], static_cast<std::int16_t>(v < 0 ? -v : v));
     }
   amax.assign(mx.begin(), mx.end());
-  scale = vq_side_scale_bits(*std::max_element(amax.begin(), amax.end()));
+  scale.resize(n);
+  for (std::size_t c = 0; c < n; ++c) scale[c] = vq_coef_scale_bits(amax[c]);
   param.assign(n, 0);
   std::vector<std::int32_t> hoff(n);
   std::size_t total = 0;
@@ -265,7 +267,7 @@ void side_models(const std::int16_t* hi, std::size_t n, std::size_t R, std::vect
   for (std::size_t r = 0; r < R; ++r)
     for (std::size_t c = 0; c < n; ++c) ++hist[static_cast<std::size_t>(hoff[c] + hi[r * n + c])];
   for (std::size_t c = 0; c < n; ++c)
-    if (amax[c] > 0) param[c] = best_param(hist.data() + hoff[c] - amax[c], amax[c], scale);
+    if (amax[c] > 0) param[c] = best_param(hist.data() + hoff[c] - amax[c], amax[c], scale[c]);
 }
 
 // The distinct (amax, param) tables of one encode or decode call.
@@ -288,15 +290,18 @@ struct CallTables {
 struct SideModel {
   std::vector<int> amax;
   std::vector<std::uint8_t> param;
-  int scale = kVqScaleBits;  // its tables' precision (vq_side_scale_bits; 12 in versions 1 and 2)
-  // Derived: the coded columns (amax > 0) in order, their call table and amax; the split columns.
-  std::vector<int> cols, table, col_amax, low_cols;
+  // Per coefficient its table's precision: vq_coef_scale_bits (version 4), the side's
+  // vq_side_scale_bits (version 3), 12 (versions 1 and 2).
+  std::vector<int> scale;
+  // Derived: the coded columns (amax > 0) in order, their call table, amax and scale; the split columns.
+  std::vector<int> cols, table, col_amax, col_scale, low_cols;
   void derive(const VqSideCodes& s, CallTables& t) {
     for (int c = 0; c < s.n; ++c) {
       if (amax[sz(c)] > 0) {
         cols.push_back(c);
-        table.push_back(t.get(amax[sz(c)], param[sz(c)], scale));
+        table.push_back(t.get(amax[sz(c)], param[sz(c)], scale[sz(c)]));
         col_amax.push_back(amax[sz(c)]);
+        col_scale.push_back(scale[sz(c)]);
       }
       if (!s.shift.empty() && s.shift[sz(c)] > 0) low_cols.push_back(c);
     }
@@ -340,7 +345,7 @@ std::uint16_t* encode_region_scalar(std::uint32_t* x, const std::int16_t* hi, st
   for (std::size_t i = i1; i-- > i0;) {
     const FrequencyTable& tb = t.tables[sz(sm.table[j])];
     const int sym = hi[i] + sm.col_amax[j];
-    enc_put(x[(base + i) & 31], tb.freq(sym), tb.cum(sym), sm.scale, ptr);
+    enc_put(x[(base + i) & 31], tb.freq(sym), tb.cum(sym), sm.col_scale[j], ptr);
     j = j == 0 ? m - 1 : j - 1;
   }
   return ptr;
@@ -429,8 +434,9 @@ const std::uint8_t* decode_region_packed(std::uint32_t* x, std::int16_t* hi, std
   std::size_t j = i0 % rt.m;
   for (std::size_t i = i0; i < i1; ++i) {
     std::uint32_t& xi = x[(base + i) & 31];
-    const std::uint32_t e = rt.dec_pool[sz(rt.dec_off[j]) + (xi & ((1u << rt.scale) - 1))];
-    xi = ((e & kField) + 1) * (xi >> rt.scale) + ((e >> 12) & kField);
+    const int scale = rt.col_scale[j];
+    const std::uint32_t e = rt.dec_pool[sz(rt.dec_off[j]) + (xi & ((1u << scale) - 1))];
+    xi = ((e & kField) + 1) * (xi >> scale) + ((e >> 12) & kField);
     refill(xi, p, end);
     hi[i] = static_cast<std::int16_t>(static_cast<std::int32_t>(e) >> 24);
     if (++j == rt.m) j = 0;
@@ -484,7 +490,9 @@ ParsedHeader parse_header(ByteReader& r, int version, std::uint64_t max_codes, C
       sm->amax[sz(c)] = static_cast<int>(r.varint(kVqMaxCode, "amax"));
       if (sm->amax[sz(c)] > 0) sm->param[sz(c)] = r.u8();
     }
-    sm->scale = version >= 3 ? vq_side_scale_bits(*std::max_element(sm->amax.begin(), sm->amax.end())) : kVqScaleBits;
+    const int side_scale = version == 3 ? vq_side_scale_bits(*std::max_element(sm->amax.begin(), sm->amax.end())) : kVqScaleBits;
+    sm->scale.resize(sz(s->n));
+    for (int c = 0; c < s->n; ++c) sm->scale[sz(c)] = version >= 4 ? vq_coef_scale_bits(sm->amax[sz(c)]) : side_scale;
     sm->derive(*s, t);
   }
   return h;
@@ -555,7 +563,7 @@ std::vector<std::uint8_t> vq_encode(const VqLayerCodes& lc, RansKernel kernel) {
   check_side(lc.v, rows, "V");
   const std::size_t R = sz(rows);
   std::vector<std::uint8_t> out;
-  out.push_back(3);
+  out.push_back(4);
   put_varint(out, static_cast<std::uint64_t>(lc.batch));
   put_varint(out, static_cast<std::uint64_t>(lc.tokens));
   put_varint(out, static_cast<std::uint64_t>(lc.k.n));
@@ -648,10 +656,10 @@ std::vector<std::uint8_t> vq_encode(const VqLayerCodes& lc, RansKernel kernel) {
     }
     std::vector<std::int32_t> per_col(m);
     for (std::size_t j = 0; j < m; ++j) per_col[j] = tbase[sz(sd.sm.table[j])] + sd.sm.col_amax[j];
-    const auto enc_off = wrapped(per_col);
+    const auto enc_off = wrapped(per_col), col_scale = wrapped(std::vector<std::int32_t>(sd.sm.col_scale.begin(), sd.sm.col_scale.end()));
     vq_codec_detail::RegionTables rt;
     rt.m = m;
-    rt.scale = sd.sm.scale;
+    rt.col_scale = col_scale.data();
     rt.enc_off = enc_off.data();
     rt.enc_pool = enc_pool.data();
     // Whole groups of 32 start at stream indices divisible by 32; the rest goes through the reference.
@@ -678,7 +686,7 @@ VqLayerCodes vq_decode(std::span<const std::uint8_t> bytes, std::uint64_t max_co
   const bool fast = use_avx2(kernel);
   ByteReader r(bytes, "vq layer");
   const std::uint8_t version = r.u8();
-  if (version < 1 || version > 3) r.fail(fmt::format("unknown version {} (expected 1, 2 or 3)", version));
+  if (version < 1 || version > 4) r.fail(fmt::format("unknown version {} (expected 1 to 4)", version));
   CallTables tables;
   ParsedHeader h = parse_header(r, version, max_codes, tables);
   if (version == 1) {
@@ -717,10 +725,10 @@ VqLayerCodes vq_decode(std::span<const std::uint8_t> bytes, std::uint64_t max_co
     if (N > 0 && side_fast) {
       std::vector<std::int32_t> per_col(m);
       for (std::size_t j = 0; j < m; ++j) per_col[j] = pools.packed_off[sz(sm->table[j])];
-      const auto dec_off = wrapped(per_col);
+      const auto dec_off = wrapped(per_col), col_scale = wrapped(std::vector<std::int32_t>(sm->col_scale.begin(), sm->col_scale.end()));
       vq_codec_detail::RegionTables rt;
       rt.m = m;
-      rt.scale = sm->scale;
+      rt.col_scale = col_scale.data();
       rt.dec_off = dec_off.data();
       rt.dec_pool = pools.packed.data();
       std::size_t i = std::min(N, (32 - base % 32) % 32);

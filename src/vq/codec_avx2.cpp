@@ -18,14 +18,38 @@ using namespace rans_detail::avx2;
 constexpr int kF = 12;  // the packed entry's field width
 constexpr std::size_t kGroup = 32;
 
-VQ_AVX2 __m256i dec_step(__m256i x, __m256i& code, const RegionTables& t, std::size_t j, __m256i smask, __m128i scale) {
+// Each lane with its column's precision: slot = x & (2^scale - 1), x >> scale.
+VQ_AVX2 __m256i dec_step(__m256i x, __m256i& code, const RegionTables& t, std::size_t j) {
   const __m256i fmask = _mm256_set1_epi32((1 << kF) - 1);
+  const __m256i scale = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.col_scale + j));
+  const __m256i one = _mm256_set1_epi32(1);
+  const __m256i smask = _mm256_sub_epi32(_mm256_sllv_epi32(one, scale), one);
   const __m256i idx = _mm256_add_epi32(_mm256_and_si256(x, smask), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.dec_off + j)));
   const __m256i e = _mm256_i32gather_epi32(reinterpret_cast<const int*>(t.dec_pool), idx, 4);
   code = _mm256_srai_epi32(e, 24);
   const __m256i freq = _mm256_add_epi32(_mm256_and_si256(e, fmask), _mm256_set1_epi32(1));
   const __m256i bias = _mm256_and_si256(_mm256_srli_epi32(e, kF), fmask);
-  return _mm256_add_epi32(_mm256_mullo_epi32(freq, _mm256_srl_epi32(x, scale)), bias);
+  return _mm256_add_epi32(_mm256_mullo_epi32(freq, _mm256_srlv_epi32(x, scale)), bias);
+}
+
+// rans_avx2_steps.hpp's enc_step_packed with a precision per lane: two 4-lane 64-bit gathers of the
+// packed constants, renormalise while x >= freq << (31 - scale), then the reciprocal step.
+VQ_AVX2 __m256i enc_step(__m256i x, __m256i idx, __m256i scale, const std::uint64_t* es, __m256i& bad, std::uint16_t*& ptr) {
+  const auto* base = reinterpret_cast<const long long*>(es);
+  const __m256i lo4 = _mm256_i32gather_epi64(base, _mm256_castsi256_si128(idx), 8);
+  const __m256i hi4 = _mm256_i32gather_epi64(base, _mm256_extracti128_si256(idx, 1), 8);
+  const __m256i rcp = _mm256_permute4x64_epi64(
+      _mm256_castps_si256(_mm256_shuffle_ps(_mm256_castsi256_ps(lo4), _mm256_castsi256_ps(hi4), 0x88)), 0xD8);
+  const __m256i hw = _mm256_permute4x64_epi64(
+      _mm256_castps_si256(_mm256_shuffle_ps(_mm256_castsi256_ps(lo4), _mm256_castsi256_ps(hi4), 0xDD)), 0xD8);
+  bad = _mm256_or_si256(bad, _mm256_cmpeq_epi32(rcp, _mm256_setzero_si256()));
+  const __m256i bias = _mm256_and_si256(hw, _mm256_set1_epi32(0x1fff));
+  const __m256i cmpl = _mm256_and_si256(_mm256_srli_epi32(hw, 13), _mm256_set1_epi32(0x1fff));
+  const __m256i cs = _mm256_or_si256(cmpl, _mm256_slli_epi32(_mm256_srli_epi32(hw, 26), 16));  // cmpl | shift << 16
+  const __m256i total = _mm256_sllv_epi32(_mm256_set1_epi32(1), scale);
+  const __m256i xshift = _mm256_sub_epi32(_mm256_set1_epi32(31), scale);
+  const __m256i x_max_m1 = _mm256_sub_epi32(_mm256_sllv_epi32(_mm256_sub_epi32(total, cmpl), xshift), _mm256_set1_epi32(1));
+  return enc_core(x, x_max_m1, rcp, bias, cs, ptr);
 }
 
 // 16 int32 codes (two vectors, lane order) as 16 int16, in order.
@@ -42,11 +66,9 @@ __attribute__((target("avx2,popcnt"))) const std::uint8_t* decode_region_avx2(st
   for (int v = 0; v < 4; ++v) X[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 8 * v));
   const __m256i low = _mm256_set1_epi32(static_cast<int>(rans_detail::kL));
   const std::size_t step = kGroup % t.m;  // columns a group advances, mod m
-  const __m256i smask = _mm256_set1_epi32((1 << t.scale) - 1);
-  const __m128i scale = _mm_cvtsi32_si128(t.scale);
   while (n - i >= kGroup && static_cast<std::size_t>(end - p) >= 2 * kGroup) {
     __m256i C[4];
-    for (int v = 0; v < 4; ++v) X[v] = dec_step(X[v], C[v], t, j + 8 * v, smask, scale);
+    for (int v = 0; v < 4; ++v) X[v] = dec_step(X[v], C[v], t, j + 8 * v);
     for (int v = 0; v < 4; ++v) X[v] = refill(X[v], p, low);
     store16(codes + i, C[0], C[1]);
     store16(codes + i + 16, C[2], C[3]);
@@ -63,8 +85,6 @@ __attribute__((target("avx2,popcnt"))) std::uint16_t* encode_region_avx2(std::ui
                                                                          std::uint16_t* ptr) {
   __m256i X[4];
   for (int v = 0; v < 4; ++v) X[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 8 * v));
-  const __m256i total = _mm256_set1_epi32(1 << t.scale);
-  const __m128i xshift = _mm_cvtsi32_si128(31 - t.scale);
   const std::size_t step = kGroup % t.m;
   __m256i bad = _mm256_setzero_si256();
   std::size_t j = j1;
@@ -75,7 +95,7 @@ __attribute__((target("avx2,popcnt"))) std::uint16_t* encode_region_avx2(std::ui
     for (int v = 3; v >= 0; --v) {
       const __m256i code = _mm256_cvtepi16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 8 * v)));
       const __m256i idx = _mm256_add_epi32(code, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.enc_off + j + 8 * v)));
-      X[v] = enc_step_packed(X[v], idx, t.enc_pool, total, xshift, bad, ptr);
+      X[v] = enc_step(X[v], idx, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.col_scale + j + 8 * v)), t.enc_pool, bad, ptr);
     }
   }
   for (int v = 0; v < 4; ++v) _mm256_storeu_si256(reinterpret_cast<__m256i*>(x + 8 * v), X[v]);

@@ -15,7 +15,9 @@ namespace vq::vq_codec_detail {
 // of 32 starting at column j reads them contiguously whatever m.
 struct RegionTables {
   std::size_t m = 0;                          // coded columns
-  int scale = 12;                             // the side's table precision: slots 2^scale
+  // Per column (j = 0 .. m + 31, as the offsets) its table's precision: 2^scale slots (10 or 12;
+  // version 4 chooses it per coefficient, so one lane's tables may be 1 K and the next lane's 4 K).
+  const std::int32_t* col_scale = nullptr;
   // Decoder: one entry per slot, (freq - 1) | (slot - cum) << 12 | (code & 0xff) << 24 (12-bit
   // fields whatever the scale), tables of 2^scale entries one after the other (4 KiB each at
   // scale 10, so the ~120 tables of a 7B-shaped layer at 2 bits fit L2: one gather per 8 lanes).

@@ -144,17 +144,21 @@ TEST(VqkvVq, GoldenFileIsWrittenAndReadExactly) {
 }
 
 // The same file as written before vq layer version 3 (its layers are version 2 streams: 12-bit
-// tables), kept as written then: it still loads to the same cache.
+// tables) and before version 4 (version 3 streams: one table precision per side), kept as written
+// then: each still loads to the same cache.
 TEST(VqkvVq, GoldenFileWithVersionTwoLayersStillLoads) {
-  const std::string path = std::string(VQ_SOURCE_DIR) + "/tests/golden/valid_v2_vq_layer_v2.vqkv";
+  for (const char* file : {"valid_v2_vq_layer_v2.vqkv", "valid_v2_vq_layer_v3.vqkv"}) {
+  SCOPED_TRACE(file);
+  const std::string path = std::string(VQ_SOURCE_DIR) + "/tests/golden/" + file;
   const auto k = vqtest::random_walk({1, 2, 20, 4}, 101, vq::DType::F16), v = vqtest::random_walk({1, 2, 20, 4}, 102, vq::DType::F16);
   auto live = std::make_shared<vq::VqKVCache>(vq_cfg(3, 8, 3));
   for (int s = 0; s < 20; s += 5) live->update_and_fetch(k.slice(2, s, s + 5), v.slice(2, s, s + 5));
   const std::string stored = vqtest::slurp(path);
   ASSERT_FALSE(stored.empty()) << path;
   const auto bytes = std::vector<std::uint8_t>(stored.begin(), stored.end());
-  EXPECT_NE(vq::serialize_prompt_cache({live}, {{"golden", "v2 vq"}}, {.chunk_tokens = 8}), bytes);  // now written as version 3
-  expect_same_vq(*live, *vq::deserialize_prompt_cache(bytes).caches[0], "golden v2 layers");
+  EXPECT_NE(vq::serialize_prompt_cache({live}, {{"golden", "v2 vq"}}, {.chunk_tokens = 8}), bytes);  // now written as version 4
+  expect_same_vq(*live, *vq::deserialize_prompt_cache(bytes).caches[0], file);
+  }
 }
 
 // ---- layers built from stories260K's weights ----

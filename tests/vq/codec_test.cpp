@@ -64,6 +64,16 @@ vq::VqLayerCodes small_codes(std::int64_t batch, std::int64_t tokens, int n, std
   return lc;
 }
 
+// Small codes whose K side has one coefficient of amax 40 and one of 100 (version 3 coded that whole
+// side with 12-bit tables). tests/golden/vq_layer_v3_mixed.bin holds these codes, written by the
+// version 3 encoder of commit 25b6eea (the same function in a one-off program).
+vq::VqLayerCodes mixed_codes() {
+  auto lc = small_codes(2, 150, 40, 1504);
+  lc.k.codes[7] = -40;
+  lc.k.codes[9] = 100;
+  return lc;
+}
+
 void expect_equal(const vq::VqLayerCodes& a, const vq::VqLayerCodes& b) {
   EXPECT_EQ(a.batch, b.batch);
   EXPECT_EQ(a.tokens, b.tokens);
@@ -172,7 +182,7 @@ TEST(VqCodec, DecodeRejectsEveryTruncationCorruptionAndTrailingByte) {
   EXPECT_THROW(vq::vq_decode(longer, max), vq::FormatError);
   EXPECT_THROW(vq::vq_decode(bytes, max - 1), vq::FormatError);  // more codes than the caller expects
   auto bad = bytes;
-  bad[0] = 4;  // version
+  bad[0] = 5;  // version
   EXPECT_THROW(vq::vq_decode(bad, max), vq::FormatError);
   // Any single flipped bit either fails cleanly or decodes to something (never crashes).
   for (const auto kernel : {vq::RansKernel::Scalar, vq::RansKernel::Auto})
@@ -190,7 +200,7 @@ TEST(VqCodec, DecodeRejectsEveryTruncationCorruptionAndTrailingByte) {
 // groups of 32 lanes with per-column tables; the scalar reference one symbol at a time).
 void expect_kernels_agree(const vq::VqLayerCodes& lc) {
   const auto bytes = vq::vq_encode(lc, vq::RansKernel::Scalar);
-  ASSERT_EQ(bytes[0], 3);
+  ASSERT_EQ(bytes[0], 4);
   const std::uint64_t max = static_cast<std::uint64_t>(lc.rows() * (lc.k.n + lc.v.n));
   expect_equal(lc, vq::vq_decode(bytes, max, vq::RansKernel::Scalar));
   if (!vq::rans_avx2_available()) GTEST_SKIP() << "no AVX2 on this CPU";
@@ -228,8 +238,9 @@ TEST(VqCodec, FastKernelEqualsTheScalarReferenceBitForBit) {
   expect_kernels_agree(lc);
 }
 
-// Version 3's two table precisions: a side whose amax are all <= 31 (10-bit tables) beside one
-// with a code of 32 (12-bit), each way round, at the boundary; and the fast kernel on both.
+// The two table precisions: a side whose amax are all <= 31 (10-bit tables) beside one with a code
+// of 32 (version 3's boundary), each way round; version 4's per-coefficient choice; and the fast
+// kernel on all of them.
 TEST(VqCodec, SidesOfBothTablePrecisionsRoundTrip) {
   for (int wide = 0; wide < 2; ++wide) {
     auto lc = small_codes(2, 70, 40, 31 + static_cast<std::uint64_t>(wide));
@@ -237,6 +248,24 @@ TEST(VqCodec, SidesOfBothTablePrecisionsRoundTrip) {
     (wide ? lc.k : lc.v).codes[7] = -32;  // this side's amax 32: 12-bit tables
     SCOPED_TRACE(wide);
     expect_kernels_agree(lc);
+  }
+  // Version 4 chooses per coefficient: a side with amax 40 (10-bit, <= 63) and 100 (12-bit) beside
+  // small ones, so one group's lanes mix both precisions; and amax 63 / 64 at the boundary.
+  expect_kernels_agree(mixed_codes());
+  auto edge = small_codes(1, 90, 70, 77);
+  edge.k.codes[3] = 63;
+  edge.k.codes[4] = -64;
+  edge.v.codes[69] = 64;
+  expect_kernels_agree(edge);
+  // The version 3 stream of mixed_codes() coded all of K with 12-bit tables; version 4 only one
+  // coefficient: the coarser tables cost within 1 % of the size.
+  {
+    std::ifstream in(std::string(VQ_SOURCE_DIR) + "/tests/golden/vq_layer_v3_mixed.bin", std::ios::binary);
+    ASSERT_TRUE(in);
+    const std::vector<std::uint8_t> v3((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    const auto v4 = vq::vq_encode(mixed_codes());
+    EXPECT_LT(static_cast<double>(v4.size()), 1.01 * static_cast<double>(v3.size()));
+    EXPECT_NE(v4, v3);
   }
   // The 10-bit tables cost little: within 1 % of the 12-bit ones' coded size on Gaussian codes
   // (the version 2 stream of the same codes, tests/golden/vq_layer_v2_small.bin, holds 12-bit).
@@ -268,7 +297,22 @@ TEST(VqCodec, VersionTwoStreamsStillDecode) {
       expect_equal(g.codes, vq::vq_decode(file, max, kernel));
       for (std::size_t n = 0; n < file.size(); n += 13) EXPECT_THROW(vq::vq_decode(std::span(file).first(n), max, kernel), vq::FormatError) << n;
     }
-    EXPECT_EQ(vq::vq_encode(g.codes)[0], 3);  // what is written now
+    EXPECT_EQ(vq::vq_encode(g.codes)[0], 4);  // what is written now
+  }
+}
+
+// A version 3 stream (tables of 2^10 or 2^12 slots per side) still decodes in both kernels and
+// fails cleanly when cut.
+TEST(VqCodec, VersionThreeStreamsStillDecode) {
+  std::ifstream in(std::string(VQ_SOURCE_DIR) + "/tests/golden/vq_layer_v3_mixed.bin", std::ios::binary);
+  ASSERT_TRUE(in);
+  const std::vector<std::uint8_t> file((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  ASSERT_EQ(file.at(0), 3);
+  const auto codes = mixed_codes();
+  const auto max = static_cast<std::uint64_t>(codes.rows() * (codes.k.n + codes.v.n));
+  for (const auto kernel : {vq::RansKernel::Scalar, vq::RansKernel::Auto}) {
+    expect_equal(codes, vq::vq_decode(file, max, kernel));
+    for (std::size_t n = 0; n < file.size(); n += 13) EXPECT_THROW(vq::vq_decode(std::span(file).first(n), max, kernel), vq::FormatError) << n;
   }
 }
 

@@ -24,7 +24,7 @@
 //   255 * 2^shift; the coder takes any q whose hi part is within +-255 (up to 256 * 2^shift - 1),
 //   shift <= 7, so every q fits int16.
 // - Format (integers little-endian, varint = unsigned LEB128):
-//     u8      version = 3 (1 and 2 still decode; see below)
+//     u8      version = 4 (1, 2 and 3 still decode; see below)
 //     varint  batch, tokens, n_k, n_v
 //     per side (K, then V):
 //       u32     step (float32 bits; finite, > 0: float16 could not hold the step of small data)
@@ -37,8 +37,9 @@
 //       the side's REGION: its hi parts + amax_c row by row (row r: the coded coefficients, those
 //         with amax_c > 0, in order), each with its coefficient's table; then
 //       per coefficient with shift_c > 0, in order: its `rows` low parts (uniform, shift_c bits).
-//     Every table of a side has 2^S slots: S = 10 when the side's largest amax_c is <= 31, else 12
-//     (vq_side_scale_bits; version 2 is version 3 with S = 12 always).
+//     Coefficient c's table has 2^S_c slots: S_c = 10 when amax_c <= 63, else 12 (vq_coef_scale_bits).
+//     Version 3 is version 4 with one S per side (10 when the side's largest amax_c is <= 31, else
+//     12: vq_side_scale_bits); version 2 is version 3 with S = 12 always.
 //     Row-major coding puts 32 different coefficients in the 32 lanes of a step, so the decoder
 //     writes codes in the cache's own layout and the AVX2 kernels (src/vq/codec_avx2.cpp) decode
 //     32 symbols per step with one 8-lane gather per 8 lanes from the tables of the call's distinct
@@ -71,6 +72,12 @@ inline constexpr int kVqScaleBits = 12;
 inline constexpr int kVqSmallScaleBits = 10;
 inline constexpr int kVqSmallAmax = 31;
 inline constexpr int vq_side_scale_bits(int max_amax) { return max_amax <= kVqSmallAmax ? kVqSmallScaleBits : kVqScaleBits; }
+// Version 4: the precision per coefficient, 2^10 slots when its amax_c <= kVqSmallAmaxV4, else 2^12.
+// A side with a few wide coefficients (the 7B-shaped layer's K: ~60 of 1024 above 31, none above 63)
+// no longer codes all of them with 16 KiB decoder tables; 127 symbols in 1024 slots still leave the
+// mode most of the range (size +0.03 % on that layer, docs/benchmarks.md "Version 4").
+inline constexpr int kVqSmallAmaxV4 = 63;
+inline constexpr int vq_coef_scale_bits(int amax) { return amax <= kVqSmallAmaxV4 ? kVqSmallScaleBits : kVqScaleBits; }
 
 // Largest split of a code: 256 * 128 - 1 = 32767 still fits the int16 codes.
 inline constexpr int kVqMaxShift = 7;
@@ -101,11 +108,11 @@ FrequencyTable vq_table(int amax, std::uint8_t param, int scale_bits = kVqScaleB
 std::uint8_t vq_best_param(std::span<const std::uint32_t> histogram, int amax);
 
 // Serialise; throws InvalidArgument on inconsistent sizes or a code outside +-kVqMaxCode.
-// Writes version 3. kernel: RansKernel::Scalar is the reference; Auto / Avx2 write the same bytes.
+// Writes version 4. kernel: RansKernel::Scalar is the reference; Auto / Avx2 write the same bytes.
 std::vector<std::uint8_t> vq_encode(const VqLayerCodes& codes, RansKernel kernel = RansKernel::Auto);
 // Parse and decode; max_codes bounds rows * (n_k + n_v) (the caller knows what it expects).
 // Throws FormatError on any malformed, truncated, oversized or trailing input.
-// Reads versions 1, 2 and 3; every kernel returns the same codes.
+// Reads versions 1 to 4; every kernel returns the same codes.
 VqLayerCodes vq_decode(std::span<const std::uint8_t> bytes, std::uint64_t max_codes, RansKernel kernel = RansKernel::Auto);
 
 }  // namespace vq
