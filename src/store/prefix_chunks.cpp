@@ -191,7 +191,10 @@ ChunkKV decode_chunk(std::span<const std::uint8_t> blob, std::uint64_t fingerpri
     const KVState s = c->state();
     if (s.keys.dim(2) != static_cast<std::int64_t>(tokens.size()) || s.values.dim(2) != static_cast<std::int64_t>(tokens.size()))
       throw FormatError(fmt::format("blob holds {} tokens per layer, the chunk {}", s.keys.dim(2), tokens.size()));
-    out.push_back({s.keys.to(DType::F32), s.values.to(DType::F32)});
+    // state() gives fresh tensors (or the dropped cache's own): float32 ones are passed on as they
+    // are, not copied again.
+    const auto f32 = [](const Tensor& t) { return t.dtype() == DType::F32 && t.is_contiguous() ? t : t.to(DType::F32); };
+    out.push_back({f32(s.keys), f32(s.values)});
   }
   return out;
 }

@@ -8,6 +8,7 @@
 #include <fmt/format.h>
 
 #include "../core/dtype_round.hpp"
+#include "reconstruct_kernels.hpp"
 #include "veloxquant/core/dtype.hpp"
 #include "veloxquant/core/error.hpp"
 #include "veloxquant/core/kernel_clones.hpp"
@@ -534,11 +535,48 @@ Tensor VqKVCache::materialise(int side) const {
   const std::int64_t B = layout.dim(0), H = layout.dim(1), D = layout.dim(3);
   Tensor t = Tensor::uninitialized({B, H, offset_, D}, layout.dtype());
   std::vector<float> rows(sz(offset_ * D));
-  for (std::int64_t b = 0; b < B; ++b)
-    for (std::int64_t h = 0; h < H; ++h) {
-      read_rows(side, b, h, 0, offset_, rows.data());
-      for (std::int64_t s = 0; s < offset_; ++s) from_f32(rows.data() + s * D, t.row(b, h, s), t.dtype(), sz(D));
+  // The quantized tokens past the sinks go through the tiled kernel (reconstruct_kernels.hpp), all
+  // of a batch row's tokens per head, when the transform has its column blocks: the same bits as
+  // read_rows' per-token path (and from_f32 of a row rounded through the dtype is from_f32 of the
+  // row). Sinks, the exact tail and the other transforms: read_rows.
+  const SideQuant& sq = side == 0 ? kq_ : vq_;
+  const SideStore& st = side == 0 ? ks_ : vs_;
+  const VqSideTransform& tr = side == 0 ? layer_->k : layer_->v;
+  const int d = static_cast<int>(D), nc = tr.n;
+  const std::int64_t q0 = std::min<std::int64_t>(config_.sinks, offset_), q1 = std::max(q0, quantized_);
+  const bool tiled = !tr.identity() && !tr.inv_cols.empty() && tr.col_span * static_cast<std::int64_t>(H) * d ==
+                                                                    static_cast<std::int64_t>(tr.inv_cols.size()) && q1 > q0;
+  std::vector<float> yhat(tiled ? sz(q1 - q0) * sz(nc) : 0);
+  const auto rope = tiled && side == 0 ? vq_rope_table(layer_->rope_freq, q1) : nullptr;
+  for (std::int64_t b = 0; b < B; ++b) {
+    if (tiled) {  // y_hat of every quantized token of batch row b
+      const std::uint8_t* buf = st.packed[sz(b)].data();
+      const std::uint32_t row_bits = sq.bit_at[sz(nc)];
+      for (std::int64_t tk = q0; tk < q1; ++tk) {
+        float* y = yhat.data() + sz(tk - q0) * sz(nc);
+        const std::uint64_t base = static_cast<std::uint64_t>(tk) * row_bits;
+        for (int c = 0; c < nc; ++c) {
+          const unsigned w = sq.width[sz(c)];
+          const std::int32_t q = static_cast<std::int32_t>(get_field(buf, base + sq.bit_at[sz(c)], w)) - (1 << (w - 1));
+          y[c] = sq.mean[sz(c)] + static_cast<float>(q) * sq.step;
+        }
+      }
+      for (const Escape& e : st.escapes[sz(b)])  // field 0: the code is in the side list
+        if (e.t >= q0 && e.t < q1) yhat[sz(e.t - q0) * sz(nc) + sz(e.c)] = sq.mean[sz(e.c)] + static_cast<float>(e.q) * sq.step;
     }
+    for (std::int64_t h = 0; h < H; ++h) {
+      if (tiled) {
+        if (q0 > 0) read_rows(side, b, h, 0, q0, rows.data());
+        const int span = tr.col_span;
+        vq_head_rows(tr.inv_cols.data() + sz(h) * sz(span) * sz(d), span, d, yhat.data() + (span == nc ? 0 : sz(h) * sz(d)), sz(nc),
+                     q1 - q0, rope.get(), q0, rows.data() + sz(q0) * sz(d));
+        if (offset_ > q1) read_rows(side, b, h, q1, offset_ - q1, rows.data() + sz(q1) * sz(d));
+      } else {
+        read_rows(side, b, h, 0, offset_, rows.data());
+      }
+      if (offset_ > 0) from_f32(rows.data(), t.row(b, h, 0), t.dtype(), sz(offset_ * D));
+    }
+  }
   return t;
 }
 
@@ -769,21 +807,40 @@ KVState vq_reconstruct(const VqLayerCodes& lc, const VqLayerModel& layer, DType 
     const VqSideCodes& c = side == 0 ? lc.k : lc.v;
     const VqSideTransform& tr = side == 0 ? layer.k : layer.v;
     const int n = c.n, d = n / H;
-    Tensor t = Tensor::zeros({lc.batch, H, lc.tokens, d}, dtype);
-    std::vector<float> mean(sz(n)), yhat(sz(n)), acc(sz(d)), row(sz(d));
+    std::vector<float> mean(sz(n));
     for (int i = 0; i < n; ++i) mean[sz(i)] = vq_offset(c.offset[sz(i)], c.step);
+    const int span = tr.col_span;
+    if (!tr.identity() && !tr.inv_cols.empty() && sz(span) * sz(H) * sz(d) == tr.inv_cols.size()) {
+      // All tokens of a batch row at once, head by head, through the tiled kernel
+      // (reconstruct_kernels.hpp: the per-token path's bits).
+      Tensor t = Tensor::uninitialized({lc.batch, H, lc.tokens, d}, dtype);
+      const std::vector<double>& freq = layer.rope_freq;
+      const auto rope = side == 0 ? vq_rope_table(freq, lc.tokens) : nullptr;
+      std::vector<float> yhat(sz(lc.tokens) * sz(n)), rows(dtype == DType::F32 ? 0 : sz(lc.tokens) * sz(d));
+      for (std::int64_t b = 0; b < lc.batch; ++b) {
+        const std::int16_t* q = c.codes.data() + sz(b * lc.tokens) * sz(n);
+        for (std::int64_t tok = 0; tok < lc.tokens; ++tok)
+          for (int i = 0; i < n; ++i) yhat[sz(tok) * sz(n) + sz(i)] = mean[sz(i)] + static_cast<float>(q[sz(tok) * sz(n) + sz(i)]) * c.step;
+        for (int h = 0; h < H; ++h) {
+          float* out = dtype == DType::F32 ? reinterpret_cast<float*>(t.row(b, h, 0)) : rows.data();
+          if (lc.tokens > 0)
+            vq_head_rows(tr.inv_cols.data() + sz(h) * sz(span) * sz(d), span, d, yhat.data() + (span == n ? 0 : sz(h) * sz(d)), sz(n),
+                         lc.tokens, rope.get(), 0, out);
+          if (dtype != DType::F32 && lc.tokens > 0) from_f32(rows.data(), t.row(b, h, 0), dtype, sz(lc.tokens) * sz(d));
+        }
+      }
+      (side == 0 ? s.keys : s.values) = t;
+      continue;
+    }
+    Tensor t = Tensor::zeros({lc.batch, H, lc.tokens, d}, dtype);
+    std::vector<float> yhat(sz(n)), acc(sz(d)), row(sz(d));
     for (std::int64_t b = 0; b < lc.batch; ++b)
       for (std::int64_t tok = 0; tok < lc.tokens; ++tok) {
         const std::int16_t* q = c.codes.data() + sz(b * lc.tokens + tok) * sz(n);
         for (int i = 0; i < n; ++i) yhat[sz(i)] = mean[sz(i)] + static_cast<float>(q[i]) * c.step;
         for (int h = 0; h < H; ++h) {
-          const int span = tr.col_span;
-          if (!tr.identity() && !tr.inv_cols.empty() && sz(span) * sz(H) * sz(d) == tr.inv_cols.size())
-            reconstruct_head_cols(tr.inv_cols.data() + sz(h) * sz(span) * sz(d), span, yhat.data() + (span == n ? 0 : sz(h) * sz(d)), d,
-                                  side == 0 ? &layer.rope_freq : nullptr, tok, acc.data(), row.data());
-          else
-            reconstruct_head(tr.identity() ? nullptr : tr.inv.data(), n, yhat.data(), h, d, side == 0 ? &layer.rope_freq : nullptr, tok,
-                             acc.data(), row.data());
+          reconstruct_head(tr.identity() ? nullptr : tr.inv.data(), n, yhat.data(), h, d, side == 0 ? &layer.rope_freq : nullptr, tok,
+                           acc.data(), row.data());
           from_f32(row.data(), t.row(b, h, tok), dtype, sz(d));
         }
       }
