@@ -175,6 +175,7 @@ ChunkKV decode_chunk(std::span<const std::uint8_t> blob, std::uint64_t fingerpri
                      std::span<const int> tokens, const VqLayerModelSource& vq_models) {
   VqkvLoadOptions lo;
   lo.vq_models = vq_models;
+  lo.dense_states = true;  // the K/V only: vq layers go from codes to rows without a resident cache
   PromptCache pc = deserialize_prompt_cache(blob, lo);
   const auto meta = [&](const char* k) {
     const auto it = pc.metadata.find(k);
@@ -187,8 +188,7 @@ ChunkKV decode_chunk(std::span<const std::uint8_t> blob, std::uint64_t fingerpri
     throw FormatError(fmt::format("blob of another chunk index ({}, expected {})", meta(kMetaIndex), index));
   if (meta(kMetaTokens) != tokens_text(tokens)) throw FormatError("blob of another token sequence");
   ChunkKV out;
-  for (const auto& c : pc.caches) {
-    const KVState s = c->state();
+  for (const KVState& s : pc.states) {
     if (s.keys.dim(2) != static_cast<std::int64_t>(tokens.size()) || s.values.dim(2) != static_cast<std::int64_t>(tokens.size()))
       throw FormatError(fmt::format("blob holds {} tokens per layer, the chunk {}", s.keys.dim(2), tokens.size()));
     // state() gives fresh tensors (or the dropped cache's own): float32 ones are passed on as they

@@ -138,7 +138,9 @@ LoadReport load(KVStore& store, Transformer* model, const ChunkShape& shape, std
   double recompute_ms_per_token = 0;
   // Without a model (or with a forced level, or recompute disallowed) recomputing is never chosen.
   const bool may_recompute = model != nullptr && !o.level && o.allow_recompute;
-  if (n > 0 && model) {
+  // Not with allow_recompute = false (benchmarks timing the load alone): at a 7B shape the probe is a
+  // forward over every layer's weights, part of every load's time though it decides nothing there.
+  if (n > 0 && model && o.allow_recompute) {
     auto scratch = make_caches("fp32", *model);
     const std::size_t probe = std::min<std::size_t>(C, 16);
     const auto tp = Clock::now();

@@ -690,25 +690,28 @@ CacheBytes VqKVCache::stored_bytes() const {
   return {bytes, bytes};
 }
 
-std::shared_ptr<VqKVCache> VqKVCache::restore(VqConfig config, std::shared_ptr<const VqLayerModel> layer, VqLayerCodes codes,
-                                              const KVState& exact) {
+// restore's checks, shared with vq_restored_state (which must refuse exactly what restore refuses).
+// Fills an empty shift list with zeros. Returns the layer model restore's cache gets: `layer`, or the
+// identity sized from the rows when it is null.
+static std::shared_ptr<const VqLayerModel> check_restore(const VqConfig& config, std::shared_ptr<const VqLayerModel> layer,
+                                                         VqLayerCodes& codes, const KVState& exact) {
   require(config.sinks == 0, "vq restore: sinks={} keeps exact rows of its first tokens that a .vqkv file does not hold", config.sinks);
-  auto c = std::make_shared<VqKVCache>(config, layer);
+  const VqKVCache probe(config, layer);  // the constructor's checks of the config and the layer model
   const Tensor& ek = exact.keys;
   const Tensor& ev = exact.values;
   require(ek.dim(0) == ev.dim(0) && ek.dim(1) == ev.dim(1) && ek.dim(2) == ev.dim(2) && ek.dtype() == ev.dtype() && ek.dim(0) > 0 &&
               ek.dim(1) > 0 && ek.dim(3) > 0 && ev.dim(3) > 0,
           "vq restore: exact keys {} and values {} disagree", shape_string(ek.shape()), shape_string(ev.shape()));
   const std::int64_t B = ek.dim(0), H = ek.dim(1), Q = codes.tokens, T = Q + ek.dim(2);
-  if (!c->layer_) {  // the identity sized from the data, as update builds it
+  if (!layer) {  // the identity sized from the data, as update builds it
     auto m = std::make_shared<VqLayerModel>();
     m->kv_heads = static_cast<int>(H);
     m->head_dim = static_cast<int>(ek.dim(3));
     m->k.n = static_cast<int>(H * ek.dim(3));
     m->v.n = static_cast<int>(H * ev.dim(3));
-    c->layer_ = std::move(m);
+    layer = std::move(m);
   }
-  const VqLayerModel& lm = *c->layer_;
+  const VqLayerModel& lm = *layer;
   require(H == lm.kv_heads && H * ek.dim(3) == lm.k.n && H * ev.dim(3) == lm.v.n &&
               (lm.rope_freq.empty() || static_cast<std::int64_t>(lm.rope_freq.size()) * 2 == ek.dim(3)),
           "vq restore: the layer model expects {} heads of K dim {} and V dim {}, the rows have {} heads of {} and {}", lm.kv_heads,
@@ -722,10 +725,7 @@ std::shared_ptr<VqKVCache> VqKVCache::restore(VqConfig config, std::shared_ptr<c
   require(Q > 0 ? Q >= due : due < config.calib,
           "vq restore: {} quantized tokens of {} with residual={} and calib={} is not a state the cache can be in", Q, T, config.residual,
           config.calib);
-  if (Q == 0) {  // uncalibrated: every token is exact, and update keeps them so
-    if (T > 0) c->update(ek, ev);
-    return c;
-  }
+  if (Q == 0) return layer;
   for (VqSideCodes* s : {&codes.k, &codes.v}) {
     require(s->offset.size() == static_cast<std::size_t>(s->n) && s->codes.size() == sz(B) * sz(Q) * sz(s->n) &&
                 (s->shift.empty() || s->shift.size() == static_cast<std::size_t>(s->n)),
@@ -736,6 +736,21 @@ std::shared_ptr<VqKVCache> VqKVCache::restore(VqConfig config, std::shared_ptr<c
               kVqMaxShift);
     for (std::int16_t q : s->codes)
       require(std::abs(static_cast<int>(q)) <= vq_max_code(kVqMaxShift), "vq restore: a code {} lies beyond the codes' reach", q);
+  }
+  return layer;
+}
+
+std::shared_ptr<VqKVCache> VqKVCache::restore(VqConfig config, std::shared_ptr<const VqLayerModel> layer, VqLayerCodes codes,
+                                              const KVState& exact) {
+  std::shared_ptr<const VqLayerModel> lm = check_restore(config, layer, codes, exact);
+  auto c = std::make_shared<VqKVCache>(config, layer);
+  c->layer_ = std::move(lm);
+  const Tensor& ek = exact.keys;
+  const Tensor& ev = exact.values;
+  const std::int64_t B = ek.dim(0), H = ek.dim(1), Q = codes.tokens, T = Q + ek.dim(2);
+  if (Q == 0) {  // uncalibrated: every token is exact, and update keeps them so
+    if (T > 0) c->update(ek, ev);
+    return c;
   }
   c->keys_buf_ = layout_of(ek);
   c->values_buf_ = layout_of(ev);
@@ -799,11 +814,12 @@ std::shared_ptr<VqKVCache> VqKVCache::restore(VqConfig config, std::shared_ptr<c
   return c;
 }
 
-KVState vq_reconstruct(const VqLayerCodes& lc, const VqLayerModel& layer, DType dtype) {
+// Tokens [0, lc.tokens) of out.keys / out.values ([batch, H, >= tokens, d], contiguous, any dtype).
+static void reconstruct_into(const VqLayerCodes& lc, const VqLayerModel& layer, KVState& out) {
   const int H = layer.kv_heads;
-  require(H > 0 && lc.k.n == layer.k.n && lc.v.n == layer.v.n, "vq_reconstruct: the codes do not match the layer model");
-  KVState s;
   for (int side = 0; side < 2; ++side) {
+    Tensor& t = side == 0 ? out.keys : out.values;
+    const DType dtype = t.dtype();
     const VqSideCodes& c = side == 0 ? lc.k : lc.v;
     const VqSideTransform& tr = side == 0 ? layer.k : layer.v;
     const int n = c.n, d = n / H;
@@ -813,7 +829,6 @@ KVState vq_reconstruct(const VqLayerCodes& lc, const VqLayerModel& layer, DType 
     if (!tr.identity() && !tr.inv_cols.empty() && sz(span) * sz(H) * sz(d) == tr.inv_cols.size()) {
       // All tokens of a batch row at once, head by head, through the tiled kernel
       // (reconstruct_kernels.hpp: the per-token path's bits).
-      Tensor t = Tensor::uninitialized({lc.batch, H, lc.tokens, d}, dtype);
       const std::vector<double>& freq = layer.rope_freq;
       const auto rope = side == 0 ? vq_rope_table(freq, lc.tokens) : nullptr;
       std::vector<float> yhat(sz(lc.tokens) * sz(n)), rows(dtype == DType::F32 ? 0 : sz(lc.tokens) * sz(d));
@@ -829,10 +844,8 @@ KVState vq_reconstruct(const VqLayerCodes& lc, const VqLayerModel& layer, DType 
           if (dtype != DType::F32 && lc.tokens > 0) from_f32(rows.data(), t.row(b, h, 0), dtype, sz(lc.tokens) * sz(d));
         }
       }
-      (side == 0 ? s.keys : s.values) = t;
       continue;
     }
-    Tensor t = Tensor::zeros({lc.batch, H, lc.tokens, d}, dtype);
     std::vector<float> yhat(sz(n)), acc(sz(d)), row(sz(d));
     for (std::int64_t b = 0; b < lc.batch; ++b)
       for (std::int64_t tok = 0; tok < lc.tokens; ++tok) {
@@ -844,7 +857,34 @@ KVState vq_reconstruct(const VqLayerCodes& lc, const VqLayerModel& layer, DType 
           from_f32(row.data(), t.row(b, h, tok), dtype, sz(d));
         }
       }
-    (side == 0 ? s.keys : s.values) = t;
+  }
+}
+
+KVState vq_reconstruct(const VqLayerCodes& lc, const VqLayerModel& layer, DType dtype) {
+  const int H = layer.kv_heads;
+  require(H > 0 && lc.k.n == layer.k.n && lc.v.n == layer.v.n, "vq_reconstruct: the codes do not match the layer model");
+  KVState s{Tensor::uninitialized({lc.batch, H, lc.tokens, lc.k.n / H}, dtype), Tensor::uninitialized({lc.batch, H, lc.tokens, lc.v.n / H}, dtype)};
+  reconstruct_into(lc, layer, s);
+  return s;
+}
+
+
+KVState vq_restored_state(VqConfig config, std::shared_ptr<const VqLayerModel> layer, VqLayerCodes codes, const KVState& exact) {
+  const std::shared_ptr<const VqLayerModel> lm = check_restore(config, std::move(layer), codes, exact);
+  const Tensor& ek = exact.keys;
+  const Tensor& ev = exact.values;
+  const std::int64_t B = ek.dim(0), H = ek.dim(1), Q = codes.tokens, E = ek.dim(2), T = Q + E;
+  // restore keeps an uncalibrated cache's rows through update, which refuses NaN / Inf: so here.
+  require(Q > 0 || (ek.all_finite() && ev.all_finite()), "vq: keys and values must be finite (NaN or Inf in the input)");
+  KVState s{Tensor::uninitialized({B, H, T, ek.dim(3)}, ek.dtype()), Tensor::uninitialized({B, H, T, ev.dim(3)}, ev.dtype())};
+  if (Q > 0) reconstruct_into(codes, *lm, s);
+  for (int side = 0; side < 2 && E > 0; ++side) {  // the exact rows after the codes, as the cache's tail holds them
+    const Tensor& in = side == 0 ? ek : ev;
+    Tensor& out = side == 0 ? s.keys : s.values;
+    const std::size_t rowb = sz(in.dim(3)) * dtype_size(in.dtype());
+    for (std::int64_t b = 0; b < B; ++b)
+      for (std::int64_t h = 0; h < H; ++h)
+        for (std::int64_t t = 0; t < E; ++t) std::memcpy(out.row(b, h, Q + t), in.row(b, h, t), rowb);
   }
   return s;
 }

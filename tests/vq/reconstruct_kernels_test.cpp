@@ -10,6 +10,10 @@
 #include <vector>
 
 #include "../../src/vq/reconstruct_kernels.hpp"
+#include "../support/test_util.hpp"
+#include "veloxquant/core/error.hpp"
+#include "veloxquant/vq/codec.hpp"
+#include "veloxquant/vq/vq_cache.hpp"
 
 namespace {
 
@@ -78,6 +82,54 @@ TEST(VqReconstructKernels, RopeTableHoldsCosAndSinOfEachPositionAndGrows) {
     }
   EXPECT_EQ(vq::vq_rope_table({}, 10), nullptr);
   EXPECT_EQ(vq::vq_rope_table(freq, 20).get(), big.get());  // shared, not rebuilt
+}
+
+// The store's decoder (VqkvLoadOptions::dense_states) takes vq_restored_state instead of
+// restore(...)->state(): the same bits, the same refusals. Per-head (span 96, the AVX2 path) and
+// cross-head (head dim 8, scalar) transforms, float32 and float16 rows, with and without an exact tail,
+// and an uncalibrated layer (no codes).
+TEST(VqReconstructKernels, RestoredStateIsTheRestoredCachesState) {
+  for (const int kv_heads : {2, 3}) {
+    const int hd = kv_heads == 2 ? 8 : 96, dim = 32, n = kv_heads * hd, nq = 2 * kv_heads;
+    std::mt19937_64 rng(31 + kv_heads);
+    std::normal_distribution<float> nd(0.0f, 0.3f);
+    std::vector<float> wq(static_cast<std::size_t>(nq * hd * dim)), wk(static_cast<std::size_t>(n * dim)),
+        wv(static_cast<std::size_t>(n * dim)), wo(static_cast<std::size_t>(dim * nq * hd)), g(static_cast<std::size_t>(dim));
+    for (auto* v : {&wq, &wk, &wv, &wo, &g})
+      for (auto& x : *v) x = nd(rng);
+    for (auto& x : g) x = 1.0f + std::fabs(x);
+    vq::VqLayerWeights w;
+    w.dim = dim, w.n_heads = nq, w.n_kv_heads = kv_heads, w.head_dim = hd;
+    w.wq = wq, w.wk = wk, w.wv = wv, w.wo = wo, w.rms_att = g;
+    const auto model = std::make_shared<const vq::VqLayerModel>(vq::make_vq_layer_model(w, vq::VqBasisOptions{}));
+    for (const auto dtype : {vq::DType::F32, vq::DType::F16})
+      for (const int residual : {0, 5})
+        for (const std::int64_t tokens : {40, 10}) {  // 10 < calib: nothing quantized
+          vq::VqConfig cfg;
+          cfg.bits = 2;
+          cfg.calib = 16;
+          cfg.residual = residual;
+          vq::VqKVCache live(cfg, model);
+          const vq::Tensor K = vqtest::random_walk({1, kv_heads, tokens, hd}, 41, dtype);
+          const vq::Tensor V = vqtest::random_walk({1, kv_heads, tokens, hd}, 42, dtype);
+          live.update(K, V);
+          const std::int64_t q = live.quantized_tokens();
+          const vq::KVState exact{K.slice(2, q, tokens).contiguous(true), V.slice(2, q, tokens).contiguous(true)};
+          const auto restored = vq::VqKVCache::restore(cfg, model, live.codes(), exact);
+          const vq::KVState want = restored->state();
+          const vq::KVState got = vq::vq_restored_state(cfg, model, live.codes(), exact);
+          EXPECT_TRUE(got.keys.bit_equal(want.keys)) << n << " " << q << " " << residual;
+          EXPECT_TRUE(got.values.bit_equal(want.values)) << n << " " << q << " " << residual;
+          EXPECT_TRUE(got.keys.bit_equal(live.state().keys)) << n << " " << q;  // and what the live cache holds
+          // What restore refuses, this refuses: codes claiming more tokens than they hold.
+          vq::VqLayerCodes bad = live.codes();
+          if (q > 0) {
+            bad.tokens += 1;
+            EXPECT_THROW(vq::vq_restored_state(cfg, model, bad, exact), vq::InvalidArgument);
+            EXPECT_THROW(vq::VqKVCache::restore(cfg, model, bad, exact), vq::InvalidArgument);
+          }
+        }
+  }
 }
 
 }  // namespace
