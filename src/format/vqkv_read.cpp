@@ -144,10 +144,21 @@ class FileReader {
     return in;
   }
 
-  PromptCache caches() {
+  PromptCache caches(bool dense_states = false) {
     PromptCache out;
     out.metadata = h_.metadata;
-    for (std::size_t l = 0; l < h_.layers.size(); ++l) out.caches.push_back(build_layer(l));
+    for (std::size_t l = 0; l < h_.layers.size(); ++l) {
+      if (!dense_states) {
+        out.caches.push_back(build_layer(l));
+        continue;
+      }
+      const vqkv::LayerEntry& e = h_.layers[l];
+      // A vq layer whose tokens are all kept (no trim) goes straight from codes to rows.
+      if (e.cls == CacheClass::Vq && e.offset > 0 && prefix_ > 0 && e.offset <= prefix_)
+        out.states.push_back(vq_state(l));
+      else
+        out.states.push_back(build_layer(l)->state());
+    }
     return out;
   }
 
@@ -571,6 +582,27 @@ class FileReader {
     }
   }
 
+  // build_vq(l)->state() without the cache (vq_restored_state), for a layer that needs no trim.
+  KVState vq_state(std::size_t l) {
+    const vqkv::LayerEntry& e = h_.layers[l];
+    std::shared_ptr<const VqLayerModel> model = vq_layer_model(l);
+    VqData& vd = vq_[l];
+    VqLayerCodes codes = std::move(vd.params);
+    codes.tokens = static_cast<std::int64_t>(vd.tokens);
+    codes.batch = h_.batch;
+    for (std::size_t b = 0; b < vd.k.size(); ++b) {
+      codes.k.codes.insert(codes.k.codes.end(), vd.k[b].begin(), vd.k[b].end());
+      codes.v.codes.insert(codes.v.codes.end(), vd.v[b].begin(), vd.v[b].end());
+      vd.k[b] = {};
+      vd.v[b] = {};
+    }
+    try {
+      return vq_restored_state(e.vq, std::move(model), std::move(codes), {dense_side(l, 0), dense_side(l, 1)});
+    } catch (const InvalidArgument& ex) {
+      throw FormatError(fmt::format("vqkv: layer {}: {}", l, ex.what()));
+    }
+  }
+
   std::shared_ptr<KVCache> build_cachegen(std::size_t l) {
     const vqkv::LayerEntry& e = h_.layers[l];
     auto c = std::make_shared<CacheGenKVCache>(e.config);
@@ -618,7 +650,7 @@ PromptCache deserialize_prompt_cache(std::span<const std::uint8_t> bytes, const 
   require(!options.max_tokens || *options.max_tokens >= 0, "max_tokens must be >= 0, got {}", options.max_tokens.value_or(0));
   FileReader r(bytes, true, options.kernel, options.max_tokens, options.vq_models);
   r.run();
-  return r.caches();
+  return r.caches(options.dense_states);
 }
 
 VqkvInfo inspect_prompt_cache(std::span<const std::uint8_t> bytes) {

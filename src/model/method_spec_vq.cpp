@@ -4,6 +4,8 @@
 
 #include <bit>
 #include <charconv>
+#include <memory>
+#include <mutex>
 
 #include <xxhash.h>
 
@@ -118,6 +120,29 @@ VqLayerModel vq_checkpoint_layer(const Checkpoint& ck, std::size_t l, const VqBa
   return lm;
 }
 
+// The layer model of (fingerprint, layer, basis), shared process-wide while anyone holds it: a put
+// that makes each level's caches, and a loader that rebuilds them from what the chunks name, then
+// build each layer once (seconds per layer at head_dim 128: an eigen-decomposition per head), not
+// once per level and per user. Same inputs, same model (the build is deterministic), so sharing
+// changes no value. Held weakly: the cache keeps no model alive by itself.
+std::shared_ptr<const VqLayerModel> shared_checkpoint_layer(const Checkpoint& ck, std::size_t l, const VqBasisOptions& basis,
+                                                            std::uint64_t fingerprint) {
+  static std::mutex mu;
+  static std::vector<std::pair<VqModelSource, std::weak_ptr<const VqLayerModel>>> built;
+  const VqModelSource key{fingerprint, static_cast<int>(l), basis};
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    std::erase_if(built, [](const auto& e) { return e.second.expired(); });
+    for (const auto& [k, w] : built)
+      if (k == key)
+        if (auto m = w.lock()) return m;
+  }
+  auto m = std::make_shared<const VqLayerModel>(vq_checkpoint_layer(ck, l, basis, fingerprint));  // outside the lock
+  std::lock_guard<std::mutex> lock(mu);
+  built.emplace_back(key, m);
+  return m;
+}
+
 std::vector<std::shared_ptr<KVCache>> make_vq_caches(const MethodSpec& m, const ModelDescription& model, const Transformer* weights) {
   int n_attention = 0;
   for (const auto& d : model.layer_head_dims) n_attention += d.has_value();
@@ -170,7 +195,7 @@ VqLayerModelSource vq_layer_models(std::shared_ptr<const Checkpoint> ck) {
             "model it was compressed with)", want.fingerprint, fingerprint);
     require(want.layer >= 0 && want.layer < ck->config.n_layers, "a vq layer names model layer {}; the model has {}", want.layer,
             ck->config.n_layers);
-    return std::make_shared<const VqLayerModel>(detail::vq_checkpoint_layer(*ck, static_cast<std::size_t>(want.layer), want.basis, fingerprint));
+    return detail::shared_checkpoint_layer(*ck, static_cast<std::size_t>(want.layer), want.basis, fingerprint);
   };
 }
 

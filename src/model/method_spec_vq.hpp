@@ -50,6 +50,9 @@ std::string vq_spec_string(const MethodSpec& m);
 // derived from its weights (vq/basis.hpp); without one (synthetic K/V) they are the identity.
 // Layer `l`'s model from a checkpoint's weights, with its source (fingerprint, l, basis) set.
 VqLayerModel vq_checkpoint_layer(const Checkpoint& ck, std::size_t l, const VqBasisOptions& basis, std::uint64_t fingerprint);
+// The same, shared process-wide while anyone holds it (built once per (fingerprint, l, basis)).
+std::shared_ptr<const VqLayerModel> shared_checkpoint_layer(const Checkpoint& ck, std::size_t l, const VqBasisOptions& basis,
+                                                            std::uint64_t fingerprint);
 // `model_weights` (may be null): the model whose kept layer models (Transformer::vq_layer_model) the
 // caches share.
 std::vector<std::shared_ptr<KVCache>> make_vq_caches(const MethodSpec& m, const ModelDescription& model, const Transformer* model_weights);

@@ -175,6 +175,7 @@ ChunkKV decode_chunk(std::span<const std::uint8_t> blob, std::uint64_t fingerpri
                      std::span<const int> tokens, const VqLayerModelSource& vq_models) {
   VqkvLoadOptions lo;
   lo.vq_models = vq_models;
+  lo.dense_states = true;  // the K/V only: vq layers go from codes to rows without a resident cache
   PromptCache pc = deserialize_prompt_cache(blob, lo);
   const auto meta = [&](const char* k) {
     const auto it = pc.metadata.find(k);
@@ -187,31 +188,29 @@ ChunkKV decode_chunk(std::span<const std::uint8_t> blob, std::uint64_t fingerpri
     throw FormatError(fmt::format("blob of another chunk index ({}, expected {})", meta(kMetaIndex), index));
   if (meta(kMetaTokens) != tokens_text(tokens)) throw FormatError("blob of another token sequence");
   ChunkKV out;
-  for (const auto& c : pc.caches) {
-    const KVState s = c->state();
+  for (const KVState& s : pc.states) {
     if (s.keys.dim(2) != static_cast<std::int64_t>(tokens.size()) || s.values.dim(2) != static_cast<std::int64_t>(tokens.size()))
       throw FormatError(fmt::format("blob holds {} tokens per layer, the chunk {}", s.keys.dim(2), tokens.size()));
-    out.push_back({s.keys.to(DType::F32), s.values.to(DType::F32)});
+    // state() gives fresh tensors (or the dropped cache's own): float32 ones are passed on as they
+    // are, not copied again.
+    const auto f32 = [](const Tensor& t) { return t.dtype() == DType::F32 && t.is_contiguous() ? t : t.to(DType::F32); };
+    out.push_back({f32(s.keys), f32(s.values)});
   }
   return out;
 }
 
 VqLayerModelSource chunk_vq_models(const Transformer& model) {
-  // Non-owning: the caller keeps the model alive for as long as it uses the source.
-  const std::shared_ptr<const Checkpoint> ck(std::shared_ptr<const Checkpoint>(), &model.checkpoint());
-  struct Memo {
-    std::mutex mu;
-    std::vector<std::pair<VqModelSource, std::shared_ptr<const VqLayerModel>>> built;
-  };
-  auto memo = std::make_shared<Memo>();
-  VqLayerModelSource build = vq_layer_models(ck);
-  return [memo, build](const VqModelSource& want) {
-    std::lock_guard<std::mutex> lock(memo->mu);
-    for (const auto& [k, m] : memo->built)
-      if (k == want) return m;
-    auto m = build(want);
-    memo->built.emplace_back(want, m);
-    return m;
+  // Non-owning: the caller keeps the model alive for as long as it uses the source. The layer models
+  // are the Transformer's own (Transformer::vq_layer_model: built once per model and shared by its
+  // copies), so a put and every later load of the same model build each layer once.
+  const std::uint64_t fingerprint = vq_model_fingerprint(model.checkpoint());
+  const int layers = model.config().n_layers;
+  return [&model, fingerprint, layers](const VqModelSource& want) {
+    require(want.fingerprint == fingerprint,
+            "a vq layer was saved from the model with fingerprint {:016x}; the model given has fingerprint {:016x} (load it with the "
+            "model it was compressed with)", want.fingerprint, fingerprint);
+    require(want.layer >= 0 && want.layer < layers, "a vq layer names model layer {}; the model has {}", want.layer, layers);
+    return model.vq_layer_model(want.layer, want.basis);
   };
 }
 

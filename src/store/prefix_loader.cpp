@@ -160,7 +160,7 @@ LoadReport load(KVStore& store, Transformer* model, const ChunkShape& shape, std
   double recompute_ms_per_token = 0;
   // Without a model (or with a forced level, or recompute disallowed) recomputing is never chosen.
   const bool may_recompute = model != nullptr && !o.level && o.allow_recompute;
-  if (n > 0 && model) {
+  if (n > 0 && model && o.allow_recompute) {
     if (const auto known = costs.get("recompute", shape_key)) {
       recompute_ms_per_token = known->decode_ms / static_cast<double>(C);
     } else {

@@ -1,6 +1,10 @@
 #include "veloxquant/vq/basis.hpp"
 
 #include <algorithm>
+#include <atomic>
+#include <exception>
+#include <mutex>
+#include <thread>
 #include <cmath>
 #include <numeric>
 #include <random>
@@ -14,6 +18,34 @@ namespace vq {
 namespace {
 
 std::size_t sz(std::int64_t v) { return static_cast<std::size_t>(v); }
+
+// fn(0) .. fn(count - 1) on up to hardware_concurrency() threads (each index exactly once; what an
+// index computes does not depend on the thread). The first exception thrown is rethrown here.
+void parallel_for(int count, const std::function<void(int)>& fn) {
+  const int threads = std::min(count, static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
+  if (threads <= 1) {
+    for (int i = 0; i < count; ++i) fn(i);
+    return;
+  }
+  std::atomic<int> next{0};
+  std::exception_ptr error;
+  std::mutex mu;
+  const auto work = [&] {
+    for (int i; (i = next.fetch_add(1)) < count;) {
+      try {
+        fn(i);
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(mu);
+        if (!error) error = std::current_exception();
+      }
+    }
+  };
+  std::vector<std::thread> pool;
+  for (int t = 1; t < threads; ++t) pool.emplace_back(work);
+  work();
+  for (auto& t : pool) t.join();
+  if (error) std::rethrow_exception(error);
+}
 
 // Symmetric square root and inverse square root of a PSD matrix; eigenvalues below 1e-6 of the
 // largest are raised to it, so a rank-deficient output projection cannot make the inverse blow up.
@@ -111,8 +143,10 @@ const char* vq_basis_name(VqBasis b) {
 }
 
 std::vector<double> symmetric_eigen(std::vector<double> a, int n, std::vector<double>& values) {
-  std::vector<double> v(sz(n) * sz(n), 0.0);
-  for (int i = 0; i < n; ++i) v[sz(i) * sz(n) + sz(i)] = 1.0;
+  // The eigenvectors are kept transposed (vt[p][k] = v[k][p]): a rotation then updates two
+  // contiguous rows instead of two strided columns, with the same operations on the same values.
+  std::vector<double> vt(sz(n) * sz(n), 0.0);
+  for (int i = 0; i < n; ++i) vt[sz(i) * sz(n) + sz(i)] = 1.0;
   auto A = [&](int i, int j) -> double& { return a[sz(i) * sz(n) + sz(j)]; };
   double norm = 0;
   for (double x : a) norm += x * x;
@@ -138,10 +172,12 @@ std::vector<double> symmetric_eigen(std::vector<double> a, int n, std::vector<do
           A(p, k) = c * apk - s * aqk;
           A(q, k) = s * apk + c * aqk;
         }
+        double* __restrict vp = vt.data() + sz(p) * sz(n);
+        double* __restrict vq = vt.data() + sz(q) * sz(n);
         for (int k = 0; k < n; ++k) {
-          const double vkp = v[sz(k) * sz(n) + sz(p)], vkq = v[sz(k) * sz(n) + sz(q)];
-          v[sz(k) * sz(n) + sz(p)] = c * vkp - s * vkq;
-          v[sz(k) * sz(n) + sz(q)] = s * vkp + c * vkq;
+          const double vkp = vp[k], vkq = vq[k];
+          vp[k] = c * vkp - s * vkq;
+          vq[k] = s * vkp + c * vkq;
         }
       }
   }
@@ -152,7 +188,7 @@ std::vector<double> symmetric_eigen(std::vector<double> a, int n, std::vector<do
   std::vector<double> sorted(sz(n) * sz(n));
   for (int k = 0; k < n; ++k) {
     values[sz(k)] = A(order[sz(k)], order[sz(k)]);
-    for (int i = 0; i < n; ++i) sorted[sz(i) * sz(n) + sz(k)] = v[sz(i) * sz(n) + sz(order[sz(k)])];
+    for (int i = 0; i < n; ++i) sorted[sz(i) * sz(n) + sz(k)] = vt[sz(order[sz(k)]) * sz(n) + sz(i)];
   }
   return sorted;
 }
@@ -186,7 +222,8 @@ VqLayerModel make_vq_layer_model(const VqLayerWeights& w, const VqBasisOptions& 
   }
   // Shaping matrices over the whole row (block-diagonal per head), then cut into blocks.
   std::vector<double> sk(sz(n) * sz(n), 0.0), sk_inv(sz(n) * sz(n), 0.0), sv(sz(n) * sz(n), 0.0), sv_inv(sz(n) * sz(n), 0.0);
-  for (int h = 0; h < H; ++h) {
+  // Heads are independent (each writes its own diagonal block): built on all cores, the same values.
+  parallel_for(H, [&](int h) {
     // Keys: E|q_c|^2 ~ sum_i (W_q[c, i] g_i)^2, summed over the group's query heads, averaged over
     // each RoPE pair (the relative rotation mixes a pair's two channels).
     std::vector<double> qe(sz(D), 0.0);
@@ -214,14 +251,15 @@ VqLayerModel make_vq_layer_model(const VqLayerWeights& w, const VqBasisOptions& 
         sv_inv[sz(h * D + d) * sz(n) + sz(h * D + e)] = o.shape ? inv_root[sz(d) * sz(D) + sz(e)] : (d == e);
       }
     }
-  }
+  });
   auto sub = [&](const std::vector<double>& full, int at) {
     std::vector<double> b(sz(bn) * sz(bn));
     for (int i = 0; i < bn; ++i)
       for (int j = 0; j < bn; ++j) b[sz(i) * sz(bn) + sz(j)] = full[sz(at + i) * sz(n) + sz(at + j)];
     return b;
   };
-  for (int at = 0; at < n; at += bn) {
+  parallel_for(n / bn, [&](int block) {  // blocks write disjoint diagonal blocks
+    const int at = block * bn;
     std::vector<double> fwd, inv;
     if (o.basis == VqBasis::Hadamard) {
       hadamard_block(bn, 0x5eed0000u + static_cast<std::uint64_t>(at), fwd, inv);
@@ -229,7 +267,7 @@ VqLayerModel make_vq_layer_model(const VqLayerWeights& w, const VqBasisOptions& 
       put_block(m.k.inv, n, at, inv, bn);
       put_block(m.v.fwd, n, at, fwd, bn);
       put_block(m.v.inv, n, at, inv, bn);
-      continue;
+      return;
     }
     weights_block(w, w.wk, at, bn, sub(sk, at), sub(sk_inv, at), fwd, inv);
     put_block(m.k.fwd, n, at, fwd, bn);
@@ -237,7 +275,7 @@ VqLayerModel make_vq_layer_model(const VqLayerWeights& w, const VqBasisOptions& 
     weights_block(w, w.wv, at, bn, sub(sv, at), sub(sv_inv, at), fwd, inv);
     put_block(m.v.fwd, n, at, fwd, bn);
     put_block(m.v.inv, n, at, inv, bn);
-  }
+  });
   vq_index_inverse(m.k, H);
   vq_index_inverse(m.v, H);
   return m;

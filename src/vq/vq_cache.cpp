@@ -8,6 +8,7 @@
 #include <fmt/format.h>
 
 #include "../core/dtype_round.hpp"
+#include "reconstruct_kernels.hpp"
 #include "veloxquant/core/dtype.hpp"
 #include "veloxquant/core/error.hpp"
 #include "veloxquant/core/kernel_clones.hpp"
@@ -683,11 +684,48 @@ Tensor VqKVCache::materialise(int side) const {
   const std::int64_t B = layout.dim(0), H = layout.dim(1), D = layout.dim(3);
   Tensor t = Tensor::uninitialized({B, H, offset_, D}, layout.dtype());
   std::vector<float> rows(sz(offset_ * D));
-  for (std::int64_t b = 0; b < B; ++b)
-    for (std::int64_t h = 0; h < H; ++h) {
-      read_rows(side, b, h, 0, offset_, rows.data());
-      for (std::int64_t s = 0; s < offset_; ++s) from_f32(rows.data() + s * D, t.row(b, h, s), t.dtype(), sz(D));
+  // The quantized tokens past the sinks go through the tiled kernel (reconstruct_kernels.hpp), all
+  // of a batch row's tokens per head, when the transform has its column blocks: the same bits as
+  // read_rows' per-token path (and from_f32 of a row rounded through the dtype is from_f32 of the
+  // row). Sinks, the exact tail and the other transforms: read_rows.
+  const SideQuant& sq = side == 0 ? kq_ : vq_;
+  const SideStore& st = side == 0 ? ks_ : vs_;
+  const VqSideTransform& tr = side == 0 ? layer_->k : layer_->v;
+  const int d = static_cast<int>(D), nc = tr.n;
+  const std::int64_t q0 = std::min<std::int64_t>(config_.sinks, offset_), q1 = std::max(q0, quantized_);
+  const bool tiled = !tr.identity() && !tr.inv_cols.empty() && tr.col_span * static_cast<std::int64_t>(H) * d ==
+                                                                    static_cast<std::int64_t>(tr.inv_cols.size()) && q1 > q0;
+  std::vector<float> yhat(tiled ? sz(q1 - q0) * sz(nc) : 0);
+  const auto rope = tiled && side == 0 ? vq_rope_table(layer_->rope_freq, q1) : nullptr;
+  for (std::int64_t b = 0; b < B; ++b) {
+    if (tiled) {  // y_hat of every quantized token of batch row b
+      const std::uint8_t* buf = st.packed[sz(b)].data();
+      const std::uint32_t row_bits = sq.bit_at[sz(nc)];
+      for (std::int64_t tk = q0; tk < q1; ++tk) {
+        float* y = yhat.data() + sz(tk - q0) * sz(nc);
+        const std::uint64_t base = static_cast<std::uint64_t>(tk) * row_bits;
+        for (int c = 0; c < nc; ++c) {
+          const unsigned w = sq.width[sz(c)];
+          const std::int32_t q = static_cast<std::int32_t>(get_field(buf, base + sq.bit_at[sz(c)], w)) - (1 << (w - 1));
+          y[c] = sq.mean[sz(c)] + static_cast<float>(q) * sq.step;
+        }
+      }
+      for (const Escape& e : st.escapes[sz(b)])  // field 0: the code is in the side list
+        if (e.t >= q0 && e.t < q1) yhat[sz(e.t - q0) * sz(nc) + sz(e.c)] = sq.mean[sz(e.c)] + static_cast<float>(e.q) * sq.step;
     }
+    for (std::int64_t h = 0; h < H; ++h) {
+      if (tiled) {
+        if (q0 > 0) read_rows(side, b, h, 0, q0, rows.data());
+        const int span = tr.col_span;
+        vq_head_rows(tr.inv_cols.data() + sz(h) * sz(span) * sz(d), span, d, yhat.data() + (span == nc ? 0 : sz(h) * sz(d)), sz(nc),
+                     q1 - q0, rope.get(), q0, rows.data() + sz(q0) * sz(d));
+        if (offset_ > q1) read_rows(side, b, h, q1, offset_ - q1, rows.data() + sz(q1) * sz(d));
+      } else {
+        read_rows(side, b, h, 0, offset_, rows.data());
+      }
+      if (offset_ > 0) from_f32(rows.data(), t.row(b, h, 0), t.dtype(), sz(offset_ * D));
+    }
+  }
   return t;
 }
 
@@ -802,25 +840,28 @@ CacheBytes VqKVCache::stored_bytes() const {
   return {bytes, bytes};
 }
 
-std::shared_ptr<VqKVCache> VqKVCache::restore(VqConfig config, std::shared_ptr<const VqLayerModel> layer, VqLayerCodes codes,
-                                              const KVState& exact) {
+// restore's checks, shared with vq_restored_state (which must refuse exactly what restore refuses).
+// Fills an empty shift list with zeros. Returns the layer model restore's cache gets: `layer`, or the
+// identity sized from the rows when it is null.
+static std::shared_ptr<const VqLayerModel> check_restore(const VqConfig& config, std::shared_ptr<const VqLayerModel> layer,
+                                                         VqLayerCodes& codes, const KVState& exact) {
   require(config.sinks == 0, "vq restore: sinks={} keeps exact rows of its first tokens that a .vqkv file does not hold", config.sinks);
-  auto c = std::make_shared<VqKVCache>(config, layer);
+  const VqKVCache probe(config, layer);  // the constructor's checks of the config and the layer model
   const Tensor& ek = exact.keys;
   const Tensor& ev = exact.values;
   require(ek.dim(0) == ev.dim(0) && ek.dim(1) == ev.dim(1) && ek.dim(2) == ev.dim(2) && ek.dtype() == ev.dtype() && ek.dim(0) > 0 &&
               ek.dim(1) > 0 && ek.dim(3) > 0 && ev.dim(3) > 0,
           "vq restore: exact keys {} and values {} disagree", shape_string(ek.shape()), shape_string(ev.shape()));
   const std::int64_t B = ek.dim(0), H = ek.dim(1), Q = codes.tokens, T = Q + ek.dim(2);
-  if (!c->layer_) {  // the identity sized from the data, as update builds it
+  if (!layer) {  // the identity sized from the data, as update builds it
     auto m = std::make_shared<VqLayerModel>();
     m->kv_heads = static_cast<int>(H);
     m->head_dim = static_cast<int>(ek.dim(3));
     m->k.n = static_cast<int>(H * ek.dim(3));
     m->v.n = static_cast<int>(H * ev.dim(3));
-    c->layer_ = std::move(m);
+    layer = std::move(m);
   }
-  const VqLayerModel& lm = *c->layer_;
+  const VqLayerModel& lm = *layer;
   require(H == lm.kv_heads && H * ek.dim(3) == lm.k.n && H * ev.dim(3) == lm.v.n &&
               (lm.rope_freq.empty() || static_cast<std::int64_t>(lm.rope_freq.size()) * 2 == ek.dim(3)),
           "vq restore: the layer model expects {} heads of K dim {} and V dim {}, the rows have {} heads of {} and {}", lm.kv_heads,
@@ -834,10 +875,7 @@ std::shared_ptr<VqKVCache> VqKVCache::restore(VqConfig config, std::shared_ptr<c
   require(Q > 0 ? Q >= due : due < config.calib,
           "vq restore: {} quantized tokens of {} with residual={} and calib={} is not a state the cache can be in", Q, T, config.residual,
           config.calib);
-  if (Q == 0) {  // uncalibrated: every token is exact, and update keeps them so
-    if (T > 0) c->update(ek, ev);
-    return c;
-  }
+  if (Q == 0) return layer;
   for (VqSideCodes* s : {&codes.k, &codes.v}) {
     require(s->offset.size() == static_cast<std::size_t>(s->n) && s->codes.size() == sz(B) * sz(Q) * sz(s->n) &&
                 (s->shift.empty() || s->shift.size() == static_cast<std::size_t>(s->n)),
@@ -848,6 +886,21 @@ std::shared_ptr<VqKVCache> VqKVCache::restore(VqConfig config, std::shared_ptr<c
               kVqMaxShift);
     for (std::int16_t q : s->codes)
       require(std::abs(static_cast<int>(q)) <= vq_max_code(kVqMaxShift), "vq restore: a code {} lies beyond the codes' reach", q);
+  }
+  return layer;
+}
+
+std::shared_ptr<VqKVCache> VqKVCache::restore(VqConfig config, std::shared_ptr<const VqLayerModel> layer, VqLayerCodes codes,
+                                              const KVState& exact) {
+  std::shared_ptr<const VqLayerModel> lm = check_restore(config, layer, codes, exact);
+  auto c = std::make_shared<VqKVCache>(config, layer);
+  c->layer_ = std::move(lm);
+  const Tensor& ek = exact.keys;
+  const Tensor& ev = exact.values;
+  const std::int64_t B = ek.dim(0), H = ek.dim(1), Q = codes.tokens, T = Q + ek.dim(2);
+  if (Q == 0) {  // uncalibrated: every token is exact, and update keeps them so
+    if (T > 0) c->update(ek, ev);
+    return c;
   }
   c->keys_buf_ = layout_of(ek);
   c->values_buf_ = layout_of(ev);
@@ -910,33 +963,77 @@ std::shared_ptr<VqKVCache> VqKVCache::restore(VqConfig config, std::shared_ptr<c
   return c;
 }
 
-KVState vq_reconstruct(const VqLayerCodes& lc, const VqLayerModel& layer, DType dtype) {
+// Tokens [0, lc.tokens) of out.keys / out.values ([batch, H, >= tokens, d], contiguous, any dtype).
+static void reconstruct_into(const VqLayerCodes& lc, const VqLayerModel& layer, KVState& out) {
   const int H = layer.kv_heads;
-  require(H > 0 && lc.k.n == layer.k.n && lc.v.n == layer.v.n, "vq_reconstruct: the codes do not match the layer model");
-  KVState s;
   for (int side = 0; side < 2; ++side) {
+    Tensor& t = side == 0 ? out.keys : out.values;
+    const DType dtype = t.dtype();
     const VqSideCodes& c = side == 0 ? lc.k : lc.v;
     const VqSideTransform& tr = side == 0 ? layer.k : layer.v;
     const int n = c.n, d = n / H;
-    Tensor t = Tensor::zeros({lc.batch, H, lc.tokens, d}, dtype);
-    std::vector<float> mean(sz(n)), yhat(sz(n)), acc(sz(d)), row(sz(d));
+    std::vector<float> mean(sz(n));
     for (int i = 0; i < n; ++i) mean[sz(i)] = vq_offset(c.offset[sz(i)], c.step);
+    const int span = tr.col_span;
+    if (!tr.identity() && !tr.inv_cols.empty() && sz(span) * sz(H) * sz(d) == tr.inv_cols.size()) {
+      // All tokens of a batch row at once, head by head, through the tiled kernel
+      // (reconstruct_kernels.hpp: the per-token path's bits).
+      const std::vector<double>& freq = layer.rope_freq;
+      const auto rope = side == 0 ? vq_rope_table(freq, lc.tokens) : nullptr;
+      std::vector<float> yhat(sz(lc.tokens) * sz(n)), rows(dtype == DType::F32 ? 0 : sz(lc.tokens) * sz(d));
+      for (std::int64_t b = 0; b < lc.batch; ++b) {
+        const std::int16_t* q = c.codes.data() + sz(b * lc.tokens) * sz(n);
+        for (std::int64_t tok = 0; tok < lc.tokens; ++tok)
+          for (int i = 0; i < n; ++i) yhat[sz(tok) * sz(n) + sz(i)] = mean[sz(i)] + static_cast<float>(q[sz(tok) * sz(n) + sz(i)]) * c.step;
+        for (int h = 0; h < H; ++h) {
+          float* out = dtype == DType::F32 ? reinterpret_cast<float*>(t.row(b, h, 0)) : rows.data();
+          if (lc.tokens > 0)
+            vq_head_rows(tr.inv_cols.data() + sz(h) * sz(span) * sz(d), span, d, yhat.data() + (span == n ? 0 : sz(h) * sz(d)), sz(n),
+                         lc.tokens, rope.get(), 0, out);
+          if (dtype != DType::F32 && lc.tokens > 0) from_f32(rows.data(), t.row(b, h, 0), dtype, sz(lc.tokens) * sz(d));
+        }
+      }
+      continue;
+    }
+    std::vector<float> yhat(sz(n)), acc(sz(d)), row(sz(d));
     for (std::int64_t b = 0; b < lc.batch; ++b)
       for (std::int64_t tok = 0; tok < lc.tokens; ++tok) {
         const std::int16_t* q = c.codes.data() + sz(b * lc.tokens + tok) * sz(n);
         for (int i = 0; i < n; ++i) yhat[sz(i)] = mean[sz(i)] + static_cast<float>(q[i]) * c.step;
         for (int h = 0; h < H; ++h) {
-          const int span = tr.col_span;
-          if (!tr.identity() && !tr.inv_cols.empty() && sz(span) * sz(H) * sz(d) == tr.inv_cols.size())
-            reconstruct_head_cols(tr.inv_cols.data() + sz(h) * sz(span) * sz(d), span, yhat.data() + (span == n ? 0 : sz(h) * sz(d)), d,
-                                  side == 0 ? &layer.rope_freq : nullptr, tok, acc.data(), row.data());
-          else
-            reconstruct_head(tr.identity() ? nullptr : tr.inv.data(), n, yhat.data(), h, d, side == 0 ? &layer.rope_freq : nullptr, tok,
-                             acc.data(), row.data());
+          reconstruct_head(tr.identity() ? nullptr : tr.inv.data(), n, yhat.data(), h, d, side == 0 ? &layer.rope_freq : nullptr, tok,
+                           acc.data(), row.data());
           from_f32(row.data(), t.row(b, h, tok), dtype, sz(d));
         }
       }
-    (side == 0 ? s.keys : s.values) = t;
+  }
+}
+
+KVState vq_reconstruct(const VqLayerCodes& lc, const VqLayerModel& layer, DType dtype) {
+  const int H = layer.kv_heads;
+  require(H > 0 && lc.k.n == layer.k.n && lc.v.n == layer.v.n, "vq_reconstruct: the codes do not match the layer model");
+  KVState s{Tensor::uninitialized({lc.batch, H, lc.tokens, lc.k.n / H}, dtype), Tensor::uninitialized({lc.batch, H, lc.tokens, lc.v.n / H}, dtype)};
+  reconstruct_into(lc, layer, s);
+  return s;
+}
+
+
+KVState vq_restored_state(VqConfig config, std::shared_ptr<const VqLayerModel> layer, VqLayerCodes codes, const KVState& exact) {
+  const std::shared_ptr<const VqLayerModel> lm = check_restore(config, std::move(layer), codes, exact);
+  const Tensor& ek = exact.keys;
+  const Tensor& ev = exact.values;
+  const std::int64_t B = ek.dim(0), H = ek.dim(1), Q = codes.tokens, E = ek.dim(2), T = Q + E;
+  // restore keeps an uncalibrated cache's rows through update, which refuses NaN / Inf: so here.
+  require(Q > 0 || (ek.all_finite() && ev.all_finite()), "vq: keys and values must be finite (NaN or Inf in the input)");
+  KVState s{Tensor::uninitialized({B, H, T, ek.dim(3)}, ek.dtype()), Tensor::uninitialized({B, H, T, ev.dim(3)}, ev.dtype())};
+  if (Q > 0) reconstruct_into(codes, *lm, s);
+  for (int side = 0; side < 2 && E > 0; ++side) {  // the exact rows after the codes, as the cache's tail holds them
+    const Tensor& in = side == 0 ? ek : ev;
+    Tensor& out = side == 0 ? s.keys : s.values;
+    const std::size_t rowb = sz(in.dim(3)) * dtype_size(in.dtype());
+    for (std::int64_t b = 0; b < B; ++b)
+      for (std::int64_t h = 0; h < H; ++h)
+        for (std::int64_t t = 0; t < E; ++t) std::memcpy(out.row(b, h, Q + t), in.row(b, h, t), rowb);
   }
   return s;
 }

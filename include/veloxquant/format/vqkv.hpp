@@ -73,11 +73,17 @@ struct VqkvLoadOptions {
   // model/method_spec.hpp). Unset: such a file is refused with a FormatError naming the model's
   // fingerprint; what the source throws (another model's fingerprint) comes back as a FormatError.
   VqLayerModelSource vq_models = {};
+  // Fill PromptCache::states (each layer's state(), bit for bit what the loaded cache's state()
+  // gives) instead of PromptCache::caches. vq layers are then reconstructed straight from their
+  // codes (vq_restored_state: no resident cache is packed and unpacked again); for a reader that
+  // wants the K/V only, e.g. the store's decode_chunk.
+  bool dense_states = false;
 };
 
 struct PromptCache {
-  std::vector<std::shared_ptr<KVCache>> caches;
+  std::vector<std::shared_ptr<KVCache>> caches;  // empty with VqkvLoadOptions::dense_states
   PromptMetadata metadata;
+  std::vector<KVState> states;  // VqkvLoadOptions::dense_states only: one per layer
 };
 
 // Serialise `caches` (one per layer; all non-empty ones hold the same tokens, shape and dtype).

@@ -62,7 +62,8 @@ struct LoaderOptions {
   std::optional<std::string> level;         // load every chunk at this level (canonical spec); unset: choose
   int threads = 0;              // decoder threads; 0: std::thread::hardware_concurrency()
   bool allow_recompute = true;  // false: a stored chunk is always loaded, never recomputed by choice
-                                // (benchmarks that time loading alone); faults still stop the load
+                                // (benchmarks that time loading alone); faults still stop the load.
+                                // No recompute probe then: prefill_ms_estimate stays 0
   // The layer models vq levels decode with (chunk_vq_models(model)); unset: built during the load,
   // on first use. A host that loads many prefixes of one model builds them once and passes them here.
   VqLayerModelSource vq_models = {};

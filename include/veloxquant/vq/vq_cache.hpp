@@ -201,4 +201,10 @@ class VqKVCache : public KVCache {
 // the layer's transforms; bit-identical to what the cache returned for those tokens.
 KVState vq_reconstruct(const VqLayerCodes& codes, const VqLayerModel& layer, DType dtype);
 
+// restore(config, layer, codes, exact)->state() without building the cache: the same checks (throws
+// InvalidArgument for what restore refuses) and the same bits, the codes reconstructed straight into
+// the dense tensors (no packing, no unpacking). For readers that want the K/V only (the store's
+// decode_chunk, via VqkvLoadOptions::dense_states).
+KVState vq_restored_state(VqConfig config, std::shared_ptr<const VqLayerModel> layer, VqLayerCodes codes, const KVState& exact);
+
 }  // namespace vq
