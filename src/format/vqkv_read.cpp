@@ -561,10 +561,8 @@ class FileReader {
     return m;
   }
 
-  std::shared_ptr<KVCache> build_vq(std::size_t l) {
-    const vqkv::LayerEntry& e = h_.layers[l];
-    std::shared_ptr<const VqLayerModel> model = vq_layer_model(l);
-    if (e.offset == 0 || prefix_ == 0) return std::make_shared<VqKVCache>(e.vq, model);
+  // Layer l's codes as one VqLayerCodes (batches concatenated); the parts read are released.
+  VqLayerCodes take_codes(std::size_t l) {
     VqData& vd = vq_[l];
     VqLayerCodes codes = std::move(vd.params);
     codes.tokens = static_cast<std::int64_t>(vd.tokens);
@@ -575,6 +573,14 @@ class FileReader {
       vd.k[b] = {};
       vd.v[b] = {};
     }
+    return codes;
+  }
+
+  std::shared_ptr<KVCache> build_vq(std::size_t l) {
+    const vqkv::LayerEntry& e = h_.layers[l];
+    std::shared_ptr<const VqLayerModel> model = vq_layer_model(l);
+    if (e.offset == 0 || prefix_ == 0) return std::make_shared<VqKVCache>(e.vq, model);
+    VqLayerCodes codes = take_codes(l);
     try {
       return VqKVCache::restore(e.vq, std::move(model), std::move(codes), {dense_side(l, 0), dense_side(l, 1)});
     } catch (const InvalidArgument& ex) {
@@ -586,16 +592,7 @@ class FileReader {
   KVState vq_state(std::size_t l) {
     const vqkv::LayerEntry& e = h_.layers[l];
     std::shared_ptr<const VqLayerModel> model = vq_layer_model(l);
-    VqData& vd = vq_[l];
-    VqLayerCodes codes = std::move(vd.params);
-    codes.tokens = static_cast<std::int64_t>(vd.tokens);
-    codes.batch = h_.batch;
-    for (std::size_t b = 0; b < vd.k.size(); ++b) {
-      codes.k.codes.insert(codes.k.codes.end(), vd.k[b].begin(), vd.k[b].end());
-      codes.v.codes.insert(codes.v.codes.end(), vd.v[b].begin(), vd.v[b].end());
-      vd.k[b] = {};
-      vd.v[b] = {};
-    }
+    VqLayerCodes codes = take_codes(l);
     try {
       return vq_restored_state(e.vq, std::move(model), std::move(codes), {dense_side(l, 0), dense_side(l, 1)});
     } catch (const InvalidArgument& ex) {

@@ -11,6 +11,7 @@
 
 #include "../../src/vq/reconstruct_kernels.hpp"
 #include "../support/test_util.hpp"
+#include "../support/vq_random_layer.hpp"
 #include "veloxquant/core/error.hpp"
 #include "veloxquant/vq/codec.hpp"
 #include "veloxquant/vq/vq_cache.hpp"
@@ -90,18 +91,8 @@ TEST(VqReconstructKernels, RopeTableHoldsCosAndSinOfEachPositionAndGrows) {
 // and an uncalibrated layer (no codes).
 TEST(VqReconstructKernels, RestoredStateIsTheRestoredCachesState) {
   for (const int kv_heads : {2, 3}) {
-    const int hd = kv_heads == 2 ? 8 : 96, dim = 32, n = kv_heads * hd, nq = 2 * kv_heads;
-    std::mt19937_64 rng(31 + kv_heads);
-    std::normal_distribution<float> nd(0.0f, 0.3f);
-    std::vector<float> wq(static_cast<std::size_t>(nq * hd * dim)), wk(static_cast<std::size_t>(n * dim)),
-        wv(static_cast<std::size_t>(n * dim)), wo(static_cast<std::size_t>(dim * nq * hd)), g(static_cast<std::size_t>(dim));
-    for (auto* v : {&wq, &wk, &wv, &wo, &g})
-      for (auto& x : *v) x = nd(rng);
-    for (auto& x : g) x = 1.0f + std::fabs(x);
-    vq::VqLayerWeights w;
-    w.dim = dim, w.n_heads = nq, w.n_kv_heads = kv_heads, w.head_dim = hd;
-    w.wq = wq, w.wk = wk, w.wv = wv, w.wo = wo, w.rms_att = g;
-    const auto model = std::make_shared<const vq::VqLayerModel>(vq::make_vq_layer_model(w, vq::VqBasisOptions{}));
+    const int hd = kv_heads == 2 ? 8 : 96, n = kv_heads * hd;
+    const auto model = std::make_shared<const vq::VqLayerModel>(vqtest::random_weights_layer_model(kv_heads, hd, 32, 31 + kv_heads));
     for (const auto dtype : {vq::DType::F32, vq::DType::F16})
       for (const int residual : {0, 5})
         for (const std::int64_t tokens : {40, 10}) {  // 10 < calib: nothing quantized

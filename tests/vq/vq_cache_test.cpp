@@ -11,6 +11,7 @@
 #include "veloxquant/core/error.hpp"
 #include "veloxquant/eval/evaluator.hpp"
 #include "../support/test_util.hpp"
+#include "../support/vq_random_layer.hpp"
 
 namespace {
 
@@ -360,18 +361,8 @@ TEST(VqResident, SinksStayExact) {
 // and a per-head one (3 heads x 96 = 288 > 256).
 TEST(VqBasis, ColumnIndexGivesTheFullProductsBits) {
   for (const int kv_heads : {2, 3}) {
-    const int hd = kv_heads == 2 ? 8 : 96, dim = 32, n = kv_heads * hd, nq = 2 * kv_heads;
-    std::mt19937_64 rng(11 + kv_heads);
-    std::normal_distribution<float> nd(0.0f, 0.3f);
-    std::vector<float> wq(static_cast<std::size_t>(nq * hd * dim)), wk(static_cast<std::size_t>(n * dim)),
-        wv(static_cast<std::size_t>(n * dim)), wo(static_cast<std::size_t>(dim * nq * hd)), g(static_cast<std::size_t>(dim));
-    for (auto* v : {&wq, &wk, &wv, &wo, &g})
-      for (auto& x : *v) x = nd(rng);
-    for (auto& x : g) x = 1.0f + std::fabs(x);
-    vq::VqLayerWeights w;
-    w.dim = dim, w.n_heads = nq, w.n_kv_heads = kv_heads, w.head_dim = hd;
-    w.wq = wq, w.wk = wk, w.wv = wv, w.wo = wo, w.rms_att = g;
-    auto fast = std::make_shared<vq::VqLayerModel>(vq::make_vq_layer_model(w, vq::VqBasisOptions{}));
+    const int hd = kv_heads == 2 ? 8 : 96, n = kv_heads * hd;
+    auto fast = std::make_shared<vq::VqLayerModel>(vqtest::random_weights_layer_model(kv_heads, hd, 32, 11 + kv_heads));
     ASSERT_EQ(fast->k.col_span, n > vq::kVqMaxCrossHead ? hd : n);
     ASSERT_EQ(fast->v.col_span, fast->k.col_span);
     auto plain = std::make_shared<vq::VqLayerModel>(*fast);
