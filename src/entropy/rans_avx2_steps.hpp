@@ -76,11 +76,13 @@ VQ_AVX2 __m256i enc_core(__m256i x, __m256i x_max_m1, __m256i rcp, __m256i bias,
   return _mm256_add_epi32(_mm256_add_epi32(x, bias), _mm256_mullo_epi32(q, cmpl));
 }
 
-// Encoder step of 8 lanes whose packed constants (pack_enc, rans_kernels.hpp) are es[idx]: two 4-lane
-// 64-bit gathers, split into the reciprocals and the high words. `bad` collects lanes of
-// frequency 0 (reciprocal 0).
-VQ_AVX2 __m256i enc_step_packed(__m256i x, __m256i idx, const std::uint64_t* es, __m256i total, __m128i xshift, __m256i& bad,
-                         std::uint16_t*& ptr) {
+// The packed encoder constants of 8 lanes: two 4-lane 64-bit gathers, split into the reciprocals
+// and the fields of the high words (bias, complement of the frequency, cmpl | shift << 16 for
+// enc_core). `bad` collects lanes of frequency 0 (reciprocal 0).
+struct EncEntries {
+  __m256i rcp, bias, cmpl, cs;
+};
+VQ_AVX2 EncEntries gather_enc_entries(__m256i idx, const std::uint64_t* es, __m256i& bad) {
   const auto* base = reinterpret_cast<const long long*>(es);
   const __m256i lo4 = _mm256_i32gather_epi64(base, _mm256_castsi256_si128(idx), 8);       // lanes 0..3
   const __m256i hi4 = _mm256_i32gather_epi64(base, _mm256_extracti128_si256(idx, 1), 8);  // lanes 4..7
@@ -93,8 +95,15 @@ VQ_AVX2 __m256i enc_step_packed(__m256i x, __m256i idx, const std::uint64_t* es,
   const __m256i bias = _mm256_and_si256(hw, _mm256_set1_epi32(0x1fff));
   const __m256i cmpl = _mm256_and_si256(_mm256_srli_epi32(hw, 13), _mm256_set1_epi32(0x1fff));
   const __m256i cs = _mm256_or_si256(cmpl, _mm256_slli_epi32(_mm256_srli_epi32(hw, 26), 16));  // cmpl | shift << 16
-  const __m256i x_max_m1 = _mm256_sub_epi32(_mm256_sll_epi32(_mm256_sub_epi32(total, cmpl), xshift), _mm256_set1_epi32(1));
-  return enc_core(x, x_max_m1, rcp, bias, cs, ptr);
+  return {rcp, bias, cmpl, cs};
+}
+
+// Encoder step of 8 lanes whose packed constants (pack_enc, rans_kernels.hpp) are es[idx].
+VQ_AVX2 __m256i enc_step_packed(__m256i x, __m256i idx, const std::uint64_t* es, __m256i total, __m128i xshift, __m256i& bad,
+                         std::uint16_t*& ptr) {
+  const EncEntries e = gather_enc_entries(idx, es, bad);
+  const __m256i x_max_m1 = _mm256_sub_epi32(_mm256_sll_epi32(_mm256_sub_epi32(total, e.cmpl), xshift), _mm256_set1_epi32(1));
+  return enc_core(x, x_max_m1, e.rcp, e.bias, e.cs, ptr);
 }
 
 }  // namespace vq::rans_detail::avx2

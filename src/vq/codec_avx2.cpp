@@ -35,21 +35,11 @@ VQ_AVX2 __m256i dec_step(__m256i x, __m256i& code, const RegionTables& t, std::s
 // rans_avx2_steps.hpp's enc_step_packed with a precision per lane: two 4-lane 64-bit gathers of the
 // packed constants, renormalise while x >= freq << (31 - scale), then the reciprocal step.
 VQ_AVX2 __m256i enc_step(__m256i x, __m256i idx, __m256i scale, const std::uint64_t* es, __m256i& bad, std::uint16_t*& ptr) {
-  const auto* base = reinterpret_cast<const long long*>(es);
-  const __m256i lo4 = _mm256_i32gather_epi64(base, _mm256_castsi256_si128(idx), 8);
-  const __m256i hi4 = _mm256_i32gather_epi64(base, _mm256_extracti128_si256(idx, 1), 8);
-  const __m256i rcp = _mm256_permute4x64_epi64(
-      _mm256_castps_si256(_mm256_shuffle_ps(_mm256_castsi256_ps(lo4), _mm256_castsi256_ps(hi4), 0x88)), 0xD8);
-  const __m256i hw = _mm256_permute4x64_epi64(
-      _mm256_castps_si256(_mm256_shuffle_ps(_mm256_castsi256_ps(lo4), _mm256_castsi256_ps(hi4), 0xDD)), 0xD8);
-  bad = _mm256_or_si256(bad, _mm256_cmpeq_epi32(rcp, _mm256_setzero_si256()));
-  const __m256i bias = _mm256_and_si256(hw, _mm256_set1_epi32(0x1fff));
-  const __m256i cmpl = _mm256_and_si256(_mm256_srli_epi32(hw, 13), _mm256_set1_epi32(0x1fff));
-  const __m256i cs = _mm256_or_si256(cmpl, _mm256_slli_epi32(_mm256_srli_epi32(hw, 26), 16));  // cmpl | shift << 16
+  const EncEntries e = gather_enc_entries(idx, es, bad);
   const __m256i total = _mm256_sllv_epi32(_mm256_set1_epi32(1), scale);
   const __m256i xshift = _mm256_sub_epi32(_mm256_set1_epi32(31), scale);
-  const __m256i x_max_m1 = _mm256_sub_epi32(_mm256_sllv_epi32(_mm256_sub_epi32(total, cmpl), xshift), _mm256_set1_epi32(1));
-  return enc_core(x, x_max_m1, rcp, bias, cs, ptr);
+  const __m256i x_max_m1 = _mm256_sub_epi32(_mm256_sllv_epi32(_mm256_sub_epi32(total, e.cmpl), xshift), _mm256_set1_epi32(1));
+  return enc_core(x, x_max_m1, e.rcp, e.bias, e.cs, ptr);
 }
 
 // 16 int32 codes (two vectors, lane order) as 16 int16, in order.
