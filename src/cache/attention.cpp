@@ -5,6 +5,7 @@
 #include <cmath>
 #include <limits>
 #include <memory>
+#include <typeinfo>
 #include <vector>
 
 #include <fmt/format.h>
@@ -53,6 +54,10 @@ std::int64_t tile_tokens(std::int64_t d) {
 // KV head) pairs on the calling thread: handing them to the pool costs more than they take.
 constexpr std::int64_t kParallelPairsMinWork = std::int64_t{1} << 16;
 
+// Tokens of one KV head the plain cache's loop reads before it moves to the next head (run_tiles):
+// one split of the threaded loop, 512 KiB of float16 keys at D = 128.
+constexpr std::int64_t kHeadMajorRunTokens = 2048;
+
 constexpr std::size_t U(std::int64_t x) { return static_cast<std::size_t>(x); }
 
 // The shape of one attend call and what every piece of it shares.
@@ -84,34 +89,38 @@ void run_tiles(const Plan& p, std::int64_t b, std::int64_t h0, std::int64_t h1, 
   const KVCache& cache = p.cache;
   const std::int64_t rows = p.rows, Sq = p.Sq, T = p.T, Dk = p.Dk, Dv = p.Dv;
   const float* qb = p.q.data() + b * p.Hkv * rows * Dk;
-  // Tiles outside, heads inside: caches that store token-major (a token's row of every head
-  // together: the llama.cpp blocks, fp8) are then read front to back, each token's row used by
-  // all heads while it is in cache, instead of once per head with a stride the prefetchers
-  // lose at every page.
-  for (std::int64_t t0 = t_begin; t0 < t_end; t0 += p.tile) {
-    const std::int64_t n = std::min(p.tile, t_end - t0);
-    for (std::int64_t h = h0; h < h1; ++h) {
-      const float* qh = qb + h * rows * Dk;
-      float *mh = m + (h - h0) * rows, *lh = l + (h - h0) * rows, *ah = acc + (h - h0) * rows * Dv;
-      // Small head dims (D = 8, 16; stories260K) take a kernel that vectorises across a tile's
-      // tokens (attention_small_d.hpp) over the float tiles; other dims score and accumulate
-      // through the cache's hooks (score_key_tile / accumulate_value_tile, which the block caches
-      // run on their codes).
-      if (p.small_d) {
-        const float* K = cache.read_key_tile(b, h, t0, n, sc.k.get());
-        const float* V = cache.read_value_tile(b, h, t0, n, sc.v.get());
-        p.small_d({qh, K, V, rows, Sq, T, t0, n, p.scale, mh, lh, ah, sc.small.get()});
-        continue;
+  // Runs of tiles outside, heads inside, the run's tiles of that head innermost. A run of one tile
+  // (every cache but the plain one: token-major storage such as the llama.cpp blocks and fp8)
+  // reads the storage front to back, each token's row used by all heads while it is in cache,
+  // instead of once per head with a stride the prefetchers lose at every page. The plain cache's
+  // rows are head-major, so it takes long runs: each head's rows read as one sequential stream
+  // per side instead of 16 streams switched every tile. Each head's rows see the same tiles in
+  // the same order either way (same bits).
+  const std::int64_t run = std::max<std::int64_t>(1, (typeid(cache) == typeid(KVCache) ? kHeadMajorRunTokens : 0) / p.tile) * p.tile;
+  for (std::int64_t c0 = t_begin; c0 < t_end; c0 += run)
+    for (std::int64_t h = h0; h < h1; ++h)
+      for (std::int64_t t0 = c0; t0 < std::min(t_end, c0 + run); t0 += p.tile) {
+        const std::int64_t n = std::min(p.tile, t_end - t0);
+        const float* qh = qb + h * rows * Dk;
+        float *mh = m + (h - h0) * rows, *lh = l + (h - h0) * rows, *ah = acc + (h - h0) * rows * Dv;
+        // Small head dims (D = 8, 16; stories260K) take a kernel that vectorises across a tile's
+        // tokens (attention_small_d.hpp) over the float tiles; other dims score and accumulate
+        // through the cache's hooks (score_key_tile / accumulate_value_tile, which the block caches
+        // run on their codes).
+        if (p.small_d) {
+          const float* K = cache.read_key_tile(b, h, t0, n, sc.k.get());
+          const float* V = cache.read_value_tile(b, h, t0, n, sc.v.get());
+          p.small_d({qh, K, V, rows, Sq, T, t0, n, p.scale, mh, lh, ah, sc.small.get()});
+          continue;
+        }
+        // Every row is scored against the whole tile; a row's masked tokens get weight 0.
+        cache.score_key_tile(b, h, t0, n, qh, rows, sc.s.data(), sc.k.get());
+        for (std::int64_t r = 0; r < rows; ++r) {
+          const std::int64_t i = r % Sq, last = T - Sq + i;  // the last token query i sees
+          attn::softmax_step(sc.s.data() + r * n, n, last - t0 + 1, p.scale, mh[r], lh[r], ah + r * Dv, Dv);
+        }
+        cache.accumulate_value_tile(b, h, t0, n, sc.s.data(), rows, ah, sc.v.get());
       }
-      // Every row is scored against the whole tile; a row's masked tokens get weight 0.
-      cache.score_key_tile(b, h, t0, n, qh, rows, sc.s.data(), sc.k.get());
-      for (std::int64_t r = 0; r < rows; ++r) {
-        const std::int64_t i = r % Sq, last = T - Sq + i;  // the last token query i sees
-        attn::softmax_step(sc.s.data() + r * n, n, last - t0 + 1, p.scale, mh[r], lh[r], ah + r * Dv, Dv);
-      }
-      cache.accumulate_value_tile(b, h, t0, n, sc.s.data(), rows, ah, sc.v.get());
-    }
-  }
 }
 
 // Running state of `count` rows, empty: m = -inf, l = 0, acc = 0.

@@ -159,8 +159,9 @@ bool dense_f16_rows(const KVCache& c, const Tensor& buf) {
 }
 
 // While a tile of one head's float16 rows is worked on, fetch the head's next tile (the rows are
-// contiguous; the loop moves to another head 16 MB away at 64k tokens before it comes back, and
-// the hardware prefetchers stop at every 4 KiB page).
+// contiguous, and the loop takes the head's next tile right after this one: attention.cpp's head runs;
+// the hardware prefetchers stop at every 4 KiB page, the software prefetch carries the stream
+// across them).
 void prefetch_next_rows(const Tensor& buf, std::int64_t b, std::int64_t h, std::int64_t t1, std::int64_t n, std::int64_t offset) {
   const std::int64_t rows = std::min(n, offset - t1);
   if (rows <= 0) return;

@@ -174,6 +174,34 @@ TEST(Attend, ThreadsGiveTheSameBitsAsOneThread) {
   }
 }
 
+// The plain cache reads its head-major rows in runs of 2048 tokens of one KV head (attention.cpp,
+// run_tiles); a head's arithmetic does not depend on that order, so attending
+// over all heads gives the same bits as attending over each head alone in a cache of its own
+// (where there is no other head to interleave). Contexts inside one run, across runs and splits
+// (T > 2048), prefill-sized Sq, batches, D = 128 (the float16 register kernels) and D = 13.
+TEST(Attend, HeadRunsGiveTheSameBitsAsOneHeadAtATime) {
+  const Case cases[] = {Case{1, 4, 16, 128, 5000, 1, DType::F16}, Case{2, 3, 6, 128, 700, 3, DType::F16},
+                        Case{1, 2, 4, 13, 4500, 2, DType::F32}, Case{1, 2, 2, 128, 2100, 40, DType::F32}};
+  for (const int threads : {1, 2}) {
+    const int was = vq::set_attention_threads(threads);
+    for (const Case& c : cases) {
+      SCOPED_TRACE(::testing::Message() << "D=" << c.D << " T=" << c.T << " Sq=" << c.Sq << " threads=" << threads);
+      const Tensor k = vqtest::random_walk({c.B, c.Hkv, c.T, c.D}, 41, c.dtype), v = vqtest::random_walk({c.B, c.Hkv, c.T, c.D}, 42, c.dtype);
+      const Tensor q = vqtest::random_uniform({c.B, c.Hq, c.Sq, c.D}, 43);
+      KVCache all;
+      all.update(k, v);
+      const Tensor out = all.attend(q, 0.15f);
+      const std::int64_t G = c.Hq / c.Hkv;
+      for (std::int64_t h = 0; h < c.Hkv; ++h) {
+        KVCache one;
+        one.update(k.slice(1, h, h + 1), v.slice(1, h, h + 1));
+        EXPECT_TRUE(one.attend(q.slice(1, h * G, (h + 1) * G), 0.15f).bit_equal(out.slice(1, h * G, (h + 1) * G))) << "KV head " << h;
+      }
+    }
+    vq::set_attention_threads(was);
+  }
+}
+
 TEST(Attend, ThreadCountOutOfRangeIsAnError) {
   EXPECT_THROW(vq::set_attention_threads(-1), vq::InvalidArgument);
   EXPECT_THROW(vq::set_attention_threads(vq::kMaxAttentionThreads + 1), vq::InvalidArgument);

@@ -10,8 +10,11 @@
 //   (KVCache::accumulate_value_tile). The defaults of those two read float32 tiles
 //   (KVCache::read_key_tile / read_value_tile, kTileBytes of float32 per side: in L1/L2); a cache
 //   may override them to work on its codes in registers. Never the whole K or V at once.
-// - Order: batch, then tiles, then KV heads inside a tile, so a token-major cache (a token's row
-//   of every head together) is read front to back. A cache may store in a transformed space (a rotation): it maps the query once
+// - Order: batch, then runs of tiles, then KV heads, then the run's tiles of that head. Caches
+//   other than the plain KVCache (token-major storage: a token's row of every head together)
+//   run one tile at a time, so they are read front to back; the plain cache's head-major rows are
+//   read in runs of 2048 tokens per head, one sequential stream per side. The order never
+//   changes a head's arithmetic. A cache may store in a transformed space (a rotation): it maps the query once
 //   before the loop and the output once after it (KVCache::map_query / unmap_output).
 // - Causality: the queries are the cache's last Sq tokens. Query i (0-based) sees tokens
 //   0 .. offset - Sq + i, inclusive.
