@@ -178,10 +178,12 @@ TEST(Attend, ThreadsGiveTheSameBitsAsOneThread) {
 // run_tiles); a head's arithmetic does not depend on that order, so attending
 // over all heads gives the same bits as attending over each head alone in a cache of its own
 // (where there is no other head to interleave). Contexts inside one run, across runs and splits
-// (T > 2048), prefill-sized Sq, batches, D = 128 (the float16 register kernels) and D = 13.
+// (T > 2048), prefill-sized Sq, batches, D = 128 (the float16 register kernels), D = 13, and
+// D = 8 (the small-head-dim kernel that the stories260K transformer's caches take).
 TEST(Attend, HeadRunsGiveTheSameBitsAsOneHeadAtATime) {
   const Case cases[] = {Case{1, 4, 16, 128, 5000, 1, DType::F16}, Case{2, 3, 6, 128, 700, 3, DType::F16},
-                        Case{1, 2, 4, 13, 4500, 2, DType::F32}, Case{1, 2, 2, 128, 2100, 40, DType::F32}};
+                        Case{1, 2, 4, 13, 4500, 2, DType::F32}, Case{1, 2, 2, 128, 2100, 40, DType::F32},
+                        Case{1, 4, 8, 8, 2600, 1, DType::F32}, Case{2, 2, 4, 8, 700, 30, DType::F32}};
   for (const int threads : {1, 2}) {
     const int was = vq::set_attention_threads(threads);
     for (const Case& c : cases) {
