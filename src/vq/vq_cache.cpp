@@ -1,6 +1,7 @@
 #include "veloxquant/vq/vq_cache.hpp"
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstring>
 #include <type_traits>
@@ -914,8 +915,10 @@ bool VqKVCache::append_codes(const VqLayerCodes& in, DType dtype) {
     require(s->offset.size() == sz(s->n) && s->codes.size() == sz(B) * sz(S) * sz(s->n) && (s->shift.empty() || s->shift.size() == sz(s->n)),
             "vq append_codes: inconsistent code arrays");
     for (std::uint8_t sh : s->shift) require(sh <= kVqMaxShift, "vq append_codes: a code split {} above the coder's {}", sh, kVqMaxShift);
-    for (std::int16_t q : s->codes)
-      require(std::abs(static_cast<int>(q)) <= vq_max_code(kVqMaxShift), "vq append_codes: a code {} lies beyond the codes' reach", q);
+    int lo = 0, hi = 0;  // one pass the compiler vectorises, then one check
+    for (std::int16_t q : s->codes) lo = std::min<int>(lo, q), hi = std::max<int>(hi, q);
+    require(-lo <= vq_max_code(kVqMaxShift) && hi <= vq_max_code(kVqMaxShift), "vq append_codes: a code ({} or {}) lies beyond the codes' reach",
+            lo, hi);
   }
   if (offset_ == 0) {
     if (S < config_.calib) return false;  // update() would still hold them exact, waiting to calibrate
@@ -959,7 +962,12 @@ bool VqKVCache::append_codes(const VqLayerCodes& in, DType dtype) {
       buf.resize(need, 0);
       pack_rows(sq, n, H, s.codes.data() + sz(b * S) * sz(n), S, q0, buf.data(), st.escapes[sz(b)]);
     }
-    widen(sq, st, n, H, q1);
+    // Widen (a re-pack of every row when escapes cost too much) only when the rows held pass a
+    // power of 4: a load appends many chunks, and widening after each re-packed the whole cache
+    // again and again (perf: widen above the packing itself). Widths change memory, never values;
+    // the next update() widens as it always does.
+    const auto quarter_log = [](std::int64_t r) { return std::bit_width(static_cast<std::uint64_t>(r)) / 2; };
+    if (q0 > 0 && quarter_log(q1) > quarter_log(q0)) widen(sq, st, n, H, q1);
   }
   quantized_ = q1;
   offset_ = q1;
