@@ -1,11 +1,15 @@
 // Prefix loading benchmark (issue 16's goals 1-3): a 7B-shaped prefix (32 layers, 8 KV heads x 128,
 // 4096 tokens; synthetic K/V from make_synthetic_kv) stored in a Redis server this bench starts
 // (127.0.0.1, a free port, stopped by pid: tests/store/redis_servers.hpp), loaded by load_prefix
-// (fetch + decode into fp32 host caches) in one run:
-//   1. at vq:bits=2 and at fp16 (exact for fp16 K/V), under an emulated 1 Gbps link, 10 Gbps and bare
-//      loopback: median load time of each, and the ratio fp16 / vq (goals: >= 5x, >= 2x, >= 1x);
-//   2. decode throughput of the load path on all cores: the vq:bits=2 prefix loaded from memory (an
-//      in-process store, no network), GB/s of fp16 output (goal >= 1.5), against one decoder thread;
+// in one run:
+//   1. at vq:bits=2 into vq:bits=2 host caches (the code domain: the codes packed into the caches'
+//      fields, no rows) and at fp16 (exact for fp16 K/V) into fp32 host caches, under an emulated
+//      1 Gbps link, 10 Gbps and bare loopback: median load time of each, and the ratio fp16 / vq
+//      (goals: >= 5x, >= 2x, >= 1x);
+//   2. decode throughput of the load path: the vq:bits=2 prefix loaded from memory (an in-process
+//      store, no network), GB/s of fp16-equivalent output (tokens x layers x heads x D x 2 sides x 2
+//      bytes / s; goal >= 1.5 on all cores) with 1 thread and all, and the process CPU time, into
+//      vq:bits=2 host caches (code domain) and, beside it, into fp32 host caches (rows);
 //   3. --slo-runs loads (100) with levels vq:bits=1;2;4 and fp16, a deadline (--slo-ms, repeatable: the
 //      runs once per deadline; default: the
 //      time the 1 Gbps -> 100 Mbps link needs for the first half at vq:bits=2 and the second at
@@ -241,8 +245,10 @@ int main(int argc, char** argv) {
     // The loader's source of vq layer models (a host keeps one per model): it finds the held ones.
     const vq::VqLayerModelSource vq_models = vq::chunk_vq_models(model);
 
+    // host: the method of the caches loaded into ("fp32": rows; "vq:bits=2": the code domain for vq:bits=2 chunks).
     const auto load = [&](vq::KVStore& st, const vq::ChunkScheme& s, std::optional<double> mbps, int nthreads, bool recompute = false,
-                          std::optional<double> slo = std::nullopt, std::optional<double> after = std::nullopt, std::uint64_t drop = 0) {
+                          std::optional<double> slo = std::nullopt, std::optional<double> after = std::nullopt, std::uint64_t drop = 0,
+                          const std::string& host = "fp32") {
       vq::LoaderOptions o;
       o.scheme = s;
       o.bandwidth_mbps = mbps;
@@ -252,7 +258,7 @@ int main(int argc, char** argv) {
       o.threads = nthreads;
       o.allow_recompute = recompute;
       o.vq_models = vq_models;
-      auto caches = vq::make_caches("fp32", model);
+      auto caches = vq::make_caches(host, model);
       auto r = vq::load_prefix(st, model, caches, tokens, o, [](const std::string& w) { fmt::print(stderr, "warning: {}\n", w); });
       if (!slo && r.tokens_reused != a.tokens / a.chunk_tokens * a.chunk_tokens)
         throw vq::Error(fmt::format("load of {} reused {} tokens only", s.levels.front(), r.tokens_reused));
@@ -261,18 +267,19 @@ int main(int argc, char** argv) {
     // A first, untimed vq load: warms the server and the loader (the layer models are held above).
     {
       const auto tc = Clock::now();
-      load(*store, vq2, std::nullopt, threads);
+      load(*store, vq2, std::nullopt, threads, false, std::nullopt, std::nullopt, 0, vq2.levels[0]);
       fmt::print("first vq:bits=2 load: {:.0f} ms\n", ms_since(tc));
     }
 
     double loopback_vq_ms = 0;  // median vq:bits=2 load on loopback: the decode-bound part of a deadline
     if (!a.skip_links) {
-      fmt::print("\ngoal 1: load time, median of {} loads (fetch + decode into fp32 caches, {} decoder threads)\n", a.reps, threads);
+      fmt::print("\ngoal 1: load time, median of {} loads ({} decoder threads): vq:bits=2 fetch + decode of the codes into vq:bits=2 "
+                 "host caches (code domain: no rows), fp16 fetch + decode into fp32 host caches\n", a.reps, threads);
       fmt::print("| link | vq:bits=2 ms | fp16 ms | fp16 / vq |\n|---|---:|---:|---:|\n");
       for (const std::optional<double> mbps : {std::optional<double>(1000.0), std::optional<double>(10000.0), std::optional<double>()}) {
         std::vector<double> tv, tf;
         for (int r = 0; r < a.reps; ++r) {
-          tv.push_back(load(*store, vq2, mbps, threads).load_ms);
+          tv.push_back(load(*store, vq2, mbps, threads, false, std::nullopt, std::nullopt, 0, vq2.levels[0]).load_ms);
           tf.push_back(load(*store, f16, mbps, threads).load_ms);
         }
         if (!mbps) loopback_vq_ms = median(tv);
@@ -298,26 +305,35 @@ int main(int argc, char** argv) {
         clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
         return static_cast<double>(ts.tv_sec) * 1e3 + static_cast<double>(ts.tv_nsec) / 1e6;
       };
-      std::vector<double> t1, tn, c1, cn, overlap;
-      for (int r = 0; r < a.reps; ++r) {
-        double c = cpu_ms();
-        t1.push_back(load(mem, vq2, std::nullopt, 1).load_ms);
-        c1.push_back((cpu_ms() - c) / t1.back());
-        c = cpu_ms();
-        const auto rep = load(mem, vq2, std::nullopt, threads);
-        tn.push_back(rep.load_ms);
-        cn.push_back((cpu_ms() - c) / tn.back());
-        double dsum = 0;  // chunk decodes overlapping: their sum exceeds the wall time
-        for (const auto& ch : rep.chunks) dsum += ch.decode_ms;
-        overlap.push_back(dsum / rep.load_ms);
+      // Goal 2 two ways: into vq:bits=2 host caches (the code domain: rANS decode + packing the codes
+      // into the host's fields) and, beside it, into fp32 host caches (codes -> rows: the inverse
+      // transform per head, then the copy into the caches).
+      for (const std::string& host : {vq2.levels[0], std::string("fp32")}) {
+        std::vector<double> t1, tn, c1, cn, cpu1, cpun, overlap;
+        for (int r = 0; r < a.reps; ++r) {
+          double c = cpu_ms();
+          t1.push_back(load(mem, vq2, std::nullopt, 1, false, std::nullopt, std::nullopt, 0, host).load_ms);
+          cpu1.push_back(cpu_ms() - c);
+          c1.push_back(cpu1.back() / t1.back());
+          c = cpu_ms();
+          const auto rep = load(mem, vq2, std::nullopt, threads, false, std::nullopt, std::nullopt, 0, host);
+          tn.push_back(rep.load_ms);
+          cpun.push_back(cpu_ms() - c);
+          cn.push_back(cpun.back() / tn.back());
+          double dsum = 0;  // chunk decodes overlapping: their sum exceeds the wall time
+          for (const auto& ch : rep.chunks) dsum += ch.decode_ms;
+          overlap.push_back(dsum / rep.load_ms);
+        }
+        fmt::print("\ngoal 2: vq:bits=2 load path from memory into {} host caches{} (median of {}): 1 thread {:.0f} ms = {:.3f} GB/s of fp16 "
+                   "output; {} threads {:.0f} ms = {:.3f} GB/s ({:.2f}x)\n",
+                   host, host == "fp32" ? " (rows)" : " (code domain)", a.reps, median(t1), fp16_bytes / median(t1) / 1e6, threads,
+                   median(tn), fp16_bytes / median(tn) / 1e6, median(t1) / median(tn));
+        fmt::print("  process CPU time: 1 thread {:.0f} ms = {:.3f} GB/s per core-second; {} threads {:.0f} ms; cores busy (CPU / wall): "
+                   "1 thread {:.2f}, {} threads {:.2f}; chunk decode ms summed / load ms with {} threads: {:.2f}\n",
+                   median(cpu1), fp16_bytes / median(cpu1) / 1e6, threads, median(cpun), median(c1), threads, median(cn), threads,
+                   median(overlap));
+        std::fflush(stdout);
       }
-      fmt::print("\ngoal 2: vq:bits=2 load path from memory (median of {}): 1 thread {:.0f} ms = {:.4f} GB/s of fp16 output; {} threads "
-                 "{:.0f} ms = {:.4f} GB/s ({:.2f}x)\n",
-                 a.reps, median(t1), fp16_bytes / median(t1) / 1e6, threads, median(tn), fp16_bytes / median(tn) / 1e6,
-                 median(t1) / median(tn));
-      fmt::print("  cores busy (process CPU time / wall time): 1 thread {:.2f}, {} threads {:.2f}; chunk decode ms summed / load ms "
-                 "with {} threads: {:.2f}\n", median(c1), threads, median(cn), threads, median(overlap));
-      std::fflush(stdout);
     }
 
     if (a.slo_runs > 0) {

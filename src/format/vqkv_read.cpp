@@ -144,15 +144,24 @@ class FileReader {
     return in;
   }
 
-  PromptCache caches(bool dense_states = false) {
+  PromptCache caches(bool dense_states = false, bool vq_codes = false) {
     PromptCache out;
     out.metadata = h_.metadata;
+    if (dense_states && vq_codes) out.vq_layers.resize(h_.layers.size());
     for (std::size_t l = 0; l < h_.layers.size(); ++l) {
       if (!dense_states) {
         out.caches.push_back(build_layer(l));
         continue;
       }
       const vqkv::LayerEntry& e = h_.layers[l];
+      // Codes as they are: a vq layer of a model (its layer model rebuilt) of codes only (no exact rows
+      // after them), no trim.
+      if (vq_codes && e.cls == CacheClass::Vq && e.offset > 0 && prefix_ > 0 && e.offset <= prefix_ && vq_[l].tokens == e.offset &&
+          e.vq_source) {
+        out.vq_layers[l] = VqStoredLayer{e.vq, vq_layer_model(l), take_codes(l), h_.dtype};
+        out.states.emplace_back();
+        continue;
+      }
       // A vq layer whose tokens are all kept (no trim) goes straight from codes to rows.
       if (e.cls == CacheClass::Vq && e.offset > 0 && prefix_ > 0 && e.offset <= prefix_)
         out.states.push_back(vq_state(l));
@@ -647,7 +656,7 @@ PromptCache deserialize_prompt_cache(std::span<const std::uint8_t> bytes, const 
   require(!options.max_tokens || *options.max_tokens >= 0, "max_tokens must be >= 0, got {}", options.max_tokens.value_or(0));
   FileReader r(bytes, true, options.kernel, options.max_tokens, options.vq_models);
   r.run();
-  return r.caches(options.dense_states);
+  return r.caches(options.dense_states, options.vq_codes);
 }
 
 VqkvInfo inspect_prompt_cache(std::span<const std::uint8_t> bytes) {

@@ -18,6 +18,7 @@
 #include "veloxquant/model/method_spec.hpp"
 #include "veloxquant/model/transformer.hpp"
 #include "veloxquant/vq/vq_cache.hpp"
+#include "veloxquant/vq/vq_reconstruct_at.hpp"
 
 namespace vq {
 
@@ -26,6 +27,7 @@ constexpr const char* kMetaModel = "vqkv.store.model";
 constexpr const char* kMetaLevel = "vqkv.store.level";
 constexpr const char* kMetaIndex = "vqkv.store.chunk";
 constexpr const char* kMetaTokens = "vqkv.store.tokens";
+constexpr const char* kMetaFirst = "vqkv.store.first_position";  // live-coded vq chunks only
 
 std::string hex16(std::uint64_t v) { return fmt::format("{:016x}", v); }
 
@@ -58,6 +60,39 @@ std::vector<std::shared_ptr<KVCache>> fresh_caches(const std::string& level, con
   }
   return out;
 }
+// The blob of one chunk's caches (one per layer) with the metadata decode_chunk checks.
+Blob chunk_blob(const std::vector<std::shared_ptr<KVCache>>& caches, std::uint64_t fingerprint, const std::string& level, int index,
+                std::span<const int> tokens, std::optional<std::int64_t> first_position = std::nullopt) {
+  PromptMetadata meta{{kMetaModel, hex16(fingerprint)},
+                      {kMetaLevel, level},
+                      {kMetaIndex, std::to_string(index)},
+                      {kMetaTokens, tokens_text(tokens)}};
+  if (first_position) meta[kMetaFirst] = std::to_string(*first_position);
+  VqkvSaveOptions opts;
+  opts.chunk_tokens = std::max<std::int64_t>(1, static_cast<std::int64_t>(tokens.size()));
+  try {
+    return serialize_prompt_cache(caches, meta, opts);
+  } catch (const InvalidArgument& e) {
+    throw InvalidArgument(fmt::format("level '{}' cannot be stored: {}", level, e.what()));
+  }
+}
+
+// Chunk i of a live-coded vq level: the live caches' codes of tokens [t0, t0 + C) (every one
+// quantized: residual 0, calibrated within chunk 0), each restored into a cache of its own.
+Blob live_chunk_blob(const std::vector<std::shared_ptr<KVCache>>& live, std::uint64_t fingerprint, const std::string& level, int index,
+                     std::span<const int> tokens, std::int64_t t0, DType dtype) {
+  const auto C = static_cast<std::int64_t>(tokens.size());
+  std::vector<std::shared_ptr<KVCache>> caches;
+  for (const auto& c : live) {
+    const auto& v = dynamic_cast<const VqKVCache&>(*c);
+    const std::shared_ptr<const VqLayerModel> layer(c, v.layer_model());  // owned by the live cache
+    const int H = layer->kv_heads;
+    const KVState none{Tensor::uninitialized({1, H, 0, layer->k.n / H}, dtype), Tensor::uninitialized({1, H, 0, layer->v.n / H}, dtype)};
+    caches.push_back(VqKVCache::restore(v.config(), layer, v.codes(t0, t0 + C), none));
+  }
+  return chunk_blob(caches, fingerprint, level, index, tokens, t0);
+}
+
 }  // namespace
 
 std::uint64_t model_fingerprint(const Transformer& model) {
@@ -158,24 +193,59 @@ Blob encode_chunk(const LevelCaches& fresh, std::uint64_t fingerprint, const std
       caches[l] = plain;
     }
   }
-  const PromptMetadata meta{{kMetaModel, hex16(fingerprint)},
-                            {kMetaLevel, level},
-                            {kMetaIndex, std::to_string(index)},
-                            {kMetaTokens, tokens_text(tokens)}};
-  VqkvSaveOptions opts;
-  opts.chunk_tokens = std::max<std::int64_t>(1, static_cast<std::int64_t>(tokens.size()));
-  try {
-    return serialize_prompt_cache(caches, meta, opts);
-  } catch (const InvalidArgument& e) {
-    throw InvalidArgument(fmt::format("level '{}' cannot be stored: {}", level, e.what()));
-  }
+  return chunk_blob(caches, fingerprint, level, index, tokens);
 }
+
+namespace {
+ChunkCodes decode_chunk_as(std::span<const std::uint8_t> blob, std::uint64_t fingerprint, const std::string& level, int index,
+                           std::span<const int> tokens, const VqLayerModelSource& vq_models, bool vq_codes);
+}  // namespace
 
 ChunkKV decode_chunk(std::span<const std::uint8_t> blob, std::uint64_t fingerprint, const std::string& level, int index,
                      std::span<const int> tokens, const VqLayerModelSource& vq_models) {
+  return decode_chunk_as(blob, fingerprint, level, index, tokens, vq_models, false).kv;
+}
+
+ChunkCodes decode_chunk_codes(std::span<const std::uint8_t> blob, std::uint64_t fingerprint, const std::string& level, int index,
+                              std::span<const int> tokens, const VqLayerModelSource& vq_models) {
+  return decode_chunk_as(blob, fingerprint, level, index, tokens, vq_models, true);
+}
+
+ChunkLayer vq_chunk_rows(const VqStoredLayer& v, std::int64_t first_position) {
+  const auto f32 = [](const Tensor& t) { return t.dtype() == DType::F32 && t.is_contiguous() ? t : t.to(DType::F32); };
+  try {
+    require(v.layer != nullptr, "a vq chunk layer without its layer model");
+    if (first_position == 0) {  // restore(...)->state()'s checks and bits
+      const int H = v.layer->kv_heads;
+      const KVState none{Tensor::uninitialized({1, H, 0, v.layer->k.n / H}, v.dtype), Tensor::uninitialized({1, H, 0, v.layer->v.n / H}, v.dtype)};
+      const KVState s = vq_restored_state(v.config, v.layer, v.codes, none);
+      return {f32(s.keys), f32(s.values)};
+    }
+    const KVState s = vq_reconstruct_at(v.codes, *v.layer, v.dtype, first_position);
+    return {f32(s.keys), f32(s.values)};
+  } catch (const InvalidArgument& e) {
+    throw FormatError(fmt::format("vq layer: {}", e.what()));
+  }
+}
+
+bool live_coded_level(const std::vector<std::shared_ptr<KVCache>>& caches, int chunk_tokens) {
+  if (caches.empty()) return false;
+  for (const auto& c : caches) {
+    const auto* v = dynamic_cast<const VqKVCache*>(c.get());
+    if (!v || v->model_from_data() || !v->layer_model() || v->offset() != 0) return false;
+    const VqConfig& k = v->config();
+    if (k.residual != 0 || k.sinks != 0 || k.calib > chunk_tokens) return false;
+  }
+  return true;
+}
+
+namespace {
+ChunkCodes decode_chunk_as(std::span<const std::uint8_t> blob, std::uint64_t fingerprint, const std::string& level, int index,
+                           std::span<const int> tokens, const VqLayerModelSource& vq_models, bool vq_codes) {
   VqkvLoadOptions lo;
   lo.vq_models = vq_models;
   lo.dense_states = true;  // the K/V only: vq layers go from codes to rows without a resident cache
+  lo.vq_codes = true;  // vq layers of codes only come as codes: rows made below unless the caller wants codes
   PromptCache pc = deserialize_prompt_cache(blob, lo);
   const auto meta = [&](const char* k) {
     const auto it = pc.metadata.find(k);
@@ -187,17 +257,41 @@ ChunkKV decode_chunk(std::span<const std::uint8_t> blob, std::uint64_t fingerpri
   if (meta(kMetaIndex) != std::to_string(index))
     throw FormatError(fmt::format("blob of another chunk index ({}, expected {})", meta(kMetaIndex), index));
   if (meta(kMetaTokens) != tokens_text(tokens)) throw FormatError("blob of another token sequence");
-  ChunkKV out;
-  for (const KVState& s : pc.states) {
+  ChunkCodes out;
+  if (const auto it = pc.metadata.find(kMetaFirst); it != pc.metadata.end()) {
+    const std::string& v = it->second;
+    std::int64_t p = -1;
+    const auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), p);
+    if (ec != std::errc() || end != v.data() + v.size() || p != static_cast<std::int64_t>(index) * static_cast<std::int64_t>(tokens.size()))
+      throw FormatError(fmt::format("blob of another first position ('{}', expected {})", v,
+                                    static_cast<std::int64_t>(index) * static_cast<std::int64_t>(tokens.size())));
+    out.first_position = p;
+  }
+  out.vq = std::move(pc.vq_layers);
+  out.vq.resize(pc.states.size());
+  for (std::size_t l = 0; l < pc.states.size(); ++l) {
+    if (out.vq[l]) {
+      if (out.vq[l]->codes.tokens != static_cast<std::int64_t>(tokens.size()))
+        throw FormatError(fmt::format("blob holds {} tokens per layer, the chunk {}", out.vq[l]->codes.tokens, tokens.size()));
+      if (vq_codes) {
+        out.kv.push_back({});
+        continue;
+      }
+      out.kv.push_back(vq_chunk_rows(*out.vq[l], out.first_position));
+      out.vq[l].reset();
+      continue;
+    }
+    const KVState& s = pc.states[l];
     if (s.keys.dim(2) != static_cast<std::int64_t>(tokens.size()) || s.values.dim(2) != static_cast<std::int64_t>(tokens.size()))
       throw FormatError(fmt::format("blob holds {} tokens per layer, the chunk {}", s.keys.dim(2), tokens.size()));
     // state() gives fresh tensors (or the dropped cache's own): float32 ones are passed on as they
     // are, not copied again.
     const auto f32 = [](const Tensor& t) { return t.dtype() == DType::F32 && t.is_contiguous() ? t : t.to(DType::F32); };
-    out.push_back({f32(s.keys), f32(s.values)});
+    out.kv.push_back({f32(s.keys), f32(s.values)});
   }
   return out;
 }
+}  // namespace
 
 VqLayerModelSource chunk_vq_models(const Transformer& model) {
   // Non-owning: the caller keeps the model alive for as long as it uses the source. The layer models
@@ -255,23 +349,36 @@ PutReport put_context(KVStore& store, const LevelCaches& fresh, const ChunkSchem
   rep.chunks = static_cast<int>(tokens.size() / C);
   std::vector<std::uint64_t> prev(scheme.levels.size(), 0);
   std::uint64_t dir_prev = 0;
+  // Live-coded vq levels (see the header): one cache per layer fed every chunk, written or not.
+  std::vector<std::vector<std::shared_ptr<KVCache>>> live(scheme.levels.size());
+  for (std::size_t l = 0; l < scheme.levels.size() && rep.chunks > 0; ++l)
+    if (MethodSpec::parse(scheme.levels[l]).kind == MethodSpec::Kind::Vq) {
+      auto caches = fresh(scheme.levels[l]);
+      if (live_coded_level(caches, scheme.chunk_tokens)) live[l] = std::move(caches);
+    }
   for (int i = 0; i < rep.chunks; ++i) {
     const auto toks = tokens.subspan(static_cast<std::size_t>(i) * C, C);
     dir_prev = directory_hash(dir_prev, scheme, toks);
     const std::string dkey = directory_key(dir_prev);
     for (std::size_t l = 0; l < scheme.levels.size(); ++l) prev[l] = chain_hash(prev[l], scheme.model_fingerprint, scheme.levels[l], toks);
-    if (auto existing = store.get(dkey)) {  // written last: every level is there
-      rep.directories.push_back(decode_directory(*existing));
-      continue;
-    }
     ChunkKV chunk;
     for (const auto& s : exact)
       chunk.push_back({s.keys.slice(2, i * scheme.chunk_tokens, (i + 1) * scheme.chunk_tokens).contiguous(true),
                        s.values.slice(2, i * scheme.chunk_tokens, (i + 1) * scheme.chunk_tokens).contiguous(true)});
+    for (auto& lv : live) {
+      require(lv.empty() || lv.size() == chunk.size(), "put_context: {} layers of K/V for a model of {} layers", chunk.size(), lv.size());
+      for (std::size_t k = 0; k < lv.size(); ++k) lv[k]->update(chunk[k].keys, chunk[k].values);
+    }
+    if (auto existing = store.get(dkey)) {  // written last: every level is there
+      rep.directories.push_back(decode_directory(*existing));
+      continue;
+    }
     ChunkDirectory dir;
     for (std::size_t l = 0; l < scheme.levels.size(); ++l) {
       const std::string key = chunk_key(scheme.levels[l], prev[l]);
-      const Blob blob = encode_chunk(fresh, scheme.model_fingerprint, scheme.levels[l], i, toks, chunk);
+      const Blob blob = live[l].empty() ? encode_chunk(fresh, scheme.model_fingerprint, scheme.levels[l], i, toks, chunk)
+                                        : live_chunk_blob(live[l], scheme.model_fingerprint, scheme.levels[l], i, toks,
+                                                          static_cast<std::int64_t>(i) * scheme.chunk_tokens, chunk[0].keys.dtype());
       store.put(key, blob);
       rep.bytes_written += blob.size();
       dir.entries.push_back({scheme.levels[l], key, blob.size()});

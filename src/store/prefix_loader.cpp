@@ -16,6 +16,7 @@
 #include "veloxquant/model/method_spec.hpp"
 #include "veloxquant/model/transformer.hpp"
 #include "veloxquant/store/load_plan.hpp"
+#include "veloxquant/vq/vq_cache.hpp"
 
 namespace vq {
 
@@ -71,11 +72,21 @@ class Link {
   double ms_ = 0, last_ms_ = 0, avg_ms_per_byte_ = 0;
 };
 
+// Whether a host vq cache is of the stored layer's config and layer model (then its codes may be
+// taken as they are, if the calibration matches too: VqKVCache::append_codes checks that).
+bool same_vq_layer(const VqKVCache& host, const VqStoredLayer& v) {
+  const VqConfig& a = host.config();
+  const VqConfig& b = v.config;
+  const VqLayerModel* lm = host.layer_model();
+  return a.bits == b.bits && a.calib == b.calib && a.residual == b.residual && a.sinks == b.sinks && a.k_offset == b.k_offset &&
+         a.v_offset == b.v_offset && lm && v.layer && (lm == v.layer.get() || (lm->source && lm->source == v.layer->source));
+}
+
 // One chunk between its level choice and its feeding: fetched, then decoded (or failed).
 struct InFlight {
   int choice = -1;                // index of the level in the chunk's directory; -1: recompute
   std::optional<Blob> blob;       // fetched, waiting for a decoder
-  std::optional<ChunkKV> kv;      // decoded and checked
+  std::optional<ChunkCodes> kv;   // decoded and checked (vq layers as codes for a code-domain host)
   std::string error;              // the fault that stops the load at this chunk
   std::uint64_t bytes = 0;
   double fetch_ms = 0, decode_ms = 0;
@@ -179,6 +190,26 @@ LoadReport load(KVStore& store, Transformer* model, const ChunkShape& shape, std
   // vq levels' layer models, built once per load at most (none without a model: only data-derived
   // transforms decode)
   const VqLayerModelSource vq_models = o.vq_models ? o.vq_models : model ? chunk_vq_models(*model) : VqLayerModelSource{};
+  // Code-domain host (with a model): every cache a VqKVCache with the model's layer. A vq chunk then
+  // comes as codes, taken as they are where the host's config, layer model and calibration are the
+  // chunk's (VqKVCache::append_codes); otherwise (another vq level, another calibration) its rows
+  // are rebuilt and go through update(), re-quantized by the host, as every non-vq level's do.
+  std::vector<VqKVCache*> vq_hosts;
+  if (model)
+    for (const auto& c : caches) {
+      auto* v = dynamic_cast<VqKVCache*>(c.get());
+      if (!v || v->model_from_data() || !v->layer_model()) {
+        vq_hosts.clear();
+        break;
+      }
+      vq_hosts.push_back(v);
+    }
+  const bool code_host = !vq_hosts.empty();
+  const auto decode = [&](const Blob& blob, const std::string& level, int i) -> ChunkCodes {
+    if (code_host && MethodSpec::parse(level).kind == MethodSpec::Kind::Vq)
+      return decode_chunk_codes(blob, scheme.model_fingerprint, level, i, chunk_tokens(i), vq_models);
+    return ChunkCodes{decode_chunk(blob, scheme.model_fingerprint, level, i, chunk_tokens(i), vq_models), {}};
+  };
 
   // Probes: with a deadline, a level whose decode cost this process has not measured for this shape
   // is measured now, by fetching and decoding chunk 0 at that level (over the link, in load_ms).
@@ -193,7 +224,7 @@ LoadReport load(KVStore& store, Transformer* model, const ChunkShape& shape, std
         link.finish(blob ? blob->size() : 0, t);
         if (!blob) continue;
         const auto td = Clock::now();
-        const ChunkKV kv = decode_chunk(*blob, scheme.model_fingerprint, e.level, 0, chunk_tokens(0), vq_models);
+        const ChunkCodes kv = decode(*blob, e.level, 0);
         costs.record(e.level, shape_key, ms_since(td), 0.0);
       } catch (const std::exception&) {
       }
@@ -315,17 +346,26 @@ LoadReport load(KVStore& store, Transformer* model, const ChunkShape& shape, std
       f.blob.reset();
       lock.unlock();
       const auto td = Clock::now();
-      ChunkKV kv;
+      ChunkCodes kv;
       std::string error;
       try {
-        kv = decode_chunk(blob, scheme.model_fingerprint, level, i, chunk_tokens(i), vq_models);
-        if (kv.size() != caches.size()) throw FormatError(fmt::format("{} layers, the model has {}", kv.size(), caches.size()));
-        for (const auto& l : kv)
-          if (l.keys.shape() != want || l.values.shape() != want)
-            throw FormatError(fmt::format("K/V of shape {}, the model's chunk is {}", shape_string(l.keys.shape()), shape_string(want)));
+        kv = decode(blob, level, i);
+        if (kv.kv.size() != caches.size()) throw FormatError(fmt::format("{} layers, the model has {}", kv.kv.size(), caches.size()));
+        for (std::size_t l = 0; l < kv.kv.size(); ++l) {
+          if (l < kv.vq.size() && kv.vq[l]) {
+            const VqLayerCodes& c = kv.vq[l]->codes;
+            if (c.batch != 1 || c.k.n != shape.kv_heads * shape.head_dim || c.v.n != shape.kv_heads * shape.head_dim)
+              throw FormatError(fmt::format("vq codes of batch {} and widths {}/{}, the model's chunk is {}", c.batch, c.k.n, c.v.n,
+                                            shape_string(want)));
+            continue;
+          }
+          if (kv.kv[l].keys.shape() != want || kv.kv[l].values.shape() != want)
+            throw FormatError(
+                fmt::format("K/V of shape {}, the model's chunk is {}", shape_string(kv.kv[l].keys.shape()), shape_string(want)));
+        }
       } catch (const std::exception& e) {
         error = fmt::format("level {} blob rejected ({})", level, e.what());
-        kv.clear();
+        kv = {};
       }
       const double decode_ms = ms_since(td);
       lock.lock();
@@ -375,7 +415,18 @@ LoadReport load(KVStore& store, Transformer* model, const ChunkShape& shape, std
     rc.index = i;
     const auto tf = Clock::now();
     if (f.choice >= 0) {
-      for (std::size_t l = 0; l < caches.size(); ++l) caches[l]->update((*f.kv)[l].keys, (*f.kv)[l].values);
+      ChunkCodes& got = *f.kv;
+      for (std::size_t l = 0; l < caches.size(); ++l) {
+        if (l < got.vq.size() && got.vq[l]) {
+          VqStoredLayer& v = *got.vq[l];
+          if (same_vq_layer(*vq_hosts[l], v) && vq_hosts[l]->append_codes(v.codes, v.dtype)) continue;
+          // Not this host's calibration or level: the rows, re-quantized by the host's update().
+          const ChunkLayer rows = vq_chunk_rows(v, got.first_position);
+          caches[l]->update(rows.keys, rows.values);
+          continue;
+        }
+        caches[l]->update(got.kv[l].keys, got.kv[l].values);
+      }
       rc.level = dirs[static_cast<std::size_t>(i)].entries[static_cast<std::size_t>(f.choice)].level;
       rc.bytes = f.bytes;
       rc.fetch_ms = f.fetch_ms;

@@ -1,6 +1,7 @@
 #include "veloxquant/vq/vq_cache.hpp"
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstring>
 #include <type_traits>
@@ -9,6 +10,7 @@
 
 #include "../core/dtype_round.hpp"
 #include "reconstruct_kernels.hpp"
+#include "veloxquant/vq/vq_reconstruct_at.hpp"
 #include "veloxquant/core/dtype.hpp"
 #include "veloxquant/core/error.hpp"
 #include "veloxquant/core/kernel_clones.hpp"
@@ -791,10 +793,13 @@ std::size_t VqKVCache::escapes() const {
   return n;
 }
 
-VqLayerCodes VqKVCache::codes() const {
+VqLayerCodes VqKVCache::codes() const { return codes(0, quantized_); }
+
+VqLayerCodes VqKVCache::codes(std::int64_t t0, std::int64_t t1) const {
+  require(0 <= t0 && t0 <= t1 && t1 <= quantized_, "vq codes: tokens [{}, {}) outside the {} quantized", t0, t1, quantized_);
   VqLayerCodes lc;
   lc.batch = offset_ > 0 ? keys_buf_.dim(0) : 0;
-  lc.tokens = quantized_;
+  lc.tokens = t1 - t0;
   lc.k.n = layer_ ? layer_->k.n : 1;
   lc.v.n = layer_ ? layer_->v.n : 1;
   lc.k.step = kq_.step;
@@ -803,24 +808,171 @@ VqLayerCodes VqKVCache::codes() const {
   lc.v.shift = vq_.shift;
   lc.k.offset = kq_.offset.empty() ? std::vector<std::int32_t>(sz(lc.k.n), 0) : kq_.offset;
   lc.v.offset = vq_.offset.empty() ? std::vector<std::int32_t>(sz(lc.v.n), 0) : vq_.offset;
-  for (int side = 0; side < 2 && quantized_ > 0; ++side) {
+  const std::int64_t S = t1 - t0;
+  for (int side = 0; side < 2 && S > 0; ++side) {
     const SideQuant& sq = side == 0 ? kq_ : vq_;
     const SideStore& st = side == 0 ? ks_ : vs_;
     VqSideCodes& out = side == 0 ? lc.k : lc.v;
     const int n = out.n;
-    out.codes.resize(sz(lc.batch * quantized_) * sz(n));
+    out.codes.resize(sz(lc.batch * S) * sz(n));
     for (std::int64_t b = 0; b < lc.batch; ++b) {
-      std::int16_t* o = out.codes.data() + sz(b * quantized_) * sz(n);
-      for (std::int64_t t = 0; t < quantized_; ++t)
+      std::int16_t* o = out.codes.data() + sz(b * S) * sz(n);
+      for (std::int64_t t = t0; t < t1; ++t)
         for (int c = 0; c < n; ++c) {
           const unsigned w = sq.width[sz(c)];
           const std::uint32_t f = get_field(st.packed[sz(b)].data(), static_cast<std::uint64_t>(t) * sq.bit_at[sz(n)] + sq.bit_at[sz(c)], w);
-          o[t * n + c] = static_cast<std::int16_t>(static_cast<std::int32_t>(f) - (1 << (w - 1)));
+          o[(t - t0) * n + c] = static_cast<std::int16_t>(static_cast<std::int32_t>(f) - (1 << (w - 1)));
         }
-      for (const Escape& e : st.escapes[sz(b)]) o[sz(e.t) * sz(n) + sz(e.c)] = static_cast<std::int16_t>(e.q);
+      const auto& esc = st.escapes[sz(b)];  // sorted by (t, c)
+      auto it = std::lower_bound(esc.begin(), esc.end(), t0, [](const Escape& e, std::int64_t t) { return e.t < t; });
+      for (; it != esc.end() && it->t < t1; ++it) o[sz(it->t - t0) * sz(n) + sz(it->c)] = static_cast<std::int16_t>(it->q);
     }
   }
   return lc;
+}
+
+namespace {
+// Packed widths from codes alone (restore's rule): per coefficient the width that minimises
+// rows x width + escape bits over `rows` rows of n codes. A code needs width w when its bit length
+// (of |code|) is < w, so one histogram of bit lengths per coefficient gives every width's escapes.
+void widths_from_codes(const std::int16_t* codes, std::int64_t rows, int n, std::vector<std::uint8_t>& width) {
+  std::vector<std::int64_t> len(sz(n) * 17, 0);  // [c][bit length of |code|], 0..16
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const std::int16_t* q = codes + sz(r) * sz(n);
+    for (int c = 0; c < n; ++c) {
+      const auto a = static_cast<unsigned>(std::abs(static_cast<int>(q[c])));
+      ++len[sz(c) * 17 + sz(a ? 32 - __builtin_clz(a) : 0)];
+    }
+  }
+  width.assign(sz(n), 1);
+  for (int c = 0; c < n; ++c) {
+    std::int64_t at_least = 0;  // codes with bit length >= w, w from 16 down
+    std::vector<std::int64_t> esc(17, 0);
+    for (int w = 16; w >= 1; --w) {
+      at_least += len[sz(c) * 17 + sz(w)];
+      esc[sz(w)] = at_least;
+    }
+    double best = INFINITY;
+    for (int w = 1; w <= 16; ++w) {
+      const double cost = static_cast<double>(w) * static_cast<double>(rows) + kEscapeBits * static_cast<double>(esc[sz(w)]);
+      if (cost < best) best = cost, width[sz(c)] = static_cast<std::uint8_t>(w);
+    }
+  }
+}
+
+// Pack rows of codes (row r = token t_first + r, n codes each in coefficient order) into `buf`
+// (zeroed where they go) at the side's layout: one group of up to 8 fields at a time, assembled in
+// a register and stored with one write (fields of width <= 8; 16-bit fields one by one). Codes
+// that do not fit their field go to `esc` (field 0), each row's in coefficient order.
+template <class SideQuantT, class EscapeT>
+void pack_rows(const SideQuantT& sq, int n, int heads, const std::int16_t* codes, std::int64_t rows, std::int64_t t_first,
+               std::uint8_t* buf, std::vector<EscapeT>& esc) {
+  const int d = n / heads;
+  const std::uint32_t row_bytes = sq.bit_at[sz(n)] / 8;
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const std::int16_t* q = codes + sz(r) * sz(n);
+    std::uint8_t* row = buf + sz(t_first + r) * row_bytes;
+    const std::size_t esc0 = esc.size();
+    std::size_t g = 0;
+    for (int h = 0; h < heads; ++h)
+      for (int p = 0; p < d; p += 8, ++g) {
+        const std::int32_t* o = sq.order.data() + sz(h) * sz(d) + sz(p);
+        const int m = std::min(8, d - p);
+        const unsigned w = sq.group_width[g];
+        const std::int32_t bias = std::int32_t{1} << (w - 1);
+        std::uint8_t* at = row + sq.group_byte[g];
+        if (w <= 8) {
+          std::uint64_t acc = 0;
+          for (int i = 0; i < m; ++i) {
+            const std::int32_t v = q[o[i]];
+            if (v < bias && v > -bias) acc |= static_cast<std::uint64_t>(v + bias) << (static_cast<unsigned>(i) * w);
+            else esc.push_back({static_cast<std::int32_t>(t_first + r), o[i], v});
+          }
+          std::memcpy(at, &acc, (static_cast<unsigned>(m) * w + 7) / 8);
+        } else {
+          for (int i = 0; i < m; ++i) {
+            const std::int32_t v = q[o[i]];
+            const auto f = static_cast<std::uint16_t>(v < bias && v > -bias ? v + bias : 0);
+            if (!f) esc.push_back({static_cast<std::int32_t>(t_first + r), o[i], v});
+            std::memcpy(at + 2 * i, &f, 2);
+          }
+        }
+      }
+    if (esc.size() - esc0 > 1)
+      std::sort(esc.begin() + static_cast<std::ptrdiff_t>(esc0), esc.end(), [](const EscapeT& a, const EscapeT& b) { return a.c < b.c; });
+  }
+}
+}  // namespace
+
+bool VqKVCache::append_codes(const VqLayerCodes& in, DType dtype) {
+  if (config_.residual != 0 || config_.sinks != 0 || !layer_ || identity_from_data_) return false;
+  const int H = layer_->kv_heads;
+  const std::int64_t B = in.batch, S = in.tokens;
+  require(B >= 1 && S >= 1 && in.k.n == layer_->k.n && in.v.n == layer_->v.n,
+          "vq append_codes: codes of batch {}, {} tokens and widths {}/{} do not fit the layer's {}/{}", B, S, in.k.n, in.v.n, layer_->k.n,
+          layer_->v.n);
+  for (const VqSideCodes* s : {&in.k, &in.v}) {
+    require(s->offset.size() == sz(s->n) && s->codes.size() == sz(B) * sz(S) * sz(s->n) && (s->shift.empty() || s->shift.size() == sz(s->n)),
+            "vq append_codes: inconsistent code arrays");
+    for (std::uint8_t sh : s->shift) require(sh <= kVqMaxShift, "vq append_codes: a code split {} above the coder's {}", sh, kVqMaxShift);
+    int lo = 0, hi = 0;  // one pass the compiler vectorises, then one check
+    for (std::int16_t q : s->codes) lo = std::min<int>(lo, q), hi = std::max<int>(hi, q);
+    require(-lo <= vq_max_code(kVqMaxShift) && hi <= vq_max_code(kVqMaxShift), "vq append_codes: a code ({} or {}) lies beyond the codes' reach",
+            lo, hi);
+  }
+  if (offset_ == 0) {
+    if (S < config_.calib) return false;  // update() would still hold them exact, waiting to calibrate
+  } else {
+    if (!calibrated_ || quantized_ != offset_ || B != keys_buf_.dim(0) || dtype != keys_buf_.dtype()) return false;
+    if (in.k.step != kq_.step || in.v.step != vq_.step || in.k.offset != kq_.offset || in.v.offset != vq_.offset) return false;
+  }
+  // --- commit (nothing below throws but allocation) ---
+  if (offset_ == 0) {
+    reset();
+    const std::int64_t dk = layer_->k.n / H, dv = layer_->v.n / H;
+    keys_buf_ = Tensor::wrap(nullptr, {B, H, 0, dk}, dtype);
+    values_buf_ = Tensor::wrap(nullptr, {B, H, 0, dv}, dtype);
+    for (int side = 0; side < 2; ++side) {
+      const VqSideCodes& s = side == 0 ? in.k : in.v;
+      SideQuant& q = side == 0 ? kq_ : vq_;
+      SideStore& st = side == 0 ? ks_ : vs_;
+      q.step = s.step;
+      q.offset = s.offset;
+      q.shift = s.shift.empty() ? std::vector<std::uint8_t>(sz(s.n), 0) : s.shift;
+      q.mean.resize(sz(s.n));
+      for (int i = 0; i < s.n; ++i) q.mean[sz(i)] = vq_offset(q.offset[sz(i)], q.step);
+      widths_from_codes(s.codes.data(), B * S, s.n, q.width);
+      lay_out(q, s.n, H);
+      st.packed.assign(sz(B), {});
+      st.escapes.assign(sz(B), {});
+    }
+    calibrated_ = true;
+  }
+  const std::int64_t q0 = quantized_, q1 = quantized_ + S;
+  for (int side = 0; side < 2; ++side) {
+    const VqSideCodes& s = side == 0 ? in.k : in.v;
+    SideQuant& sq = side == 0 ? kq_ : vq_;
+    SideStore& st = side == 0 ? ks_ : vs_;
+    const int n = s.n;
+    for (std::size_t i = 0; i < s.shift.size(); ++i) sq.shift[i] = std::max(sq.shift[i], s.shift[i]);
+    for (std::int64_t b = 0; b < B; ++b) {
+      auto& buf = st.packed[sz(b)];
+      const std::size_t need = packed_bytes(q1, sq.bit_at[sz(n)]);
+      if (need > buf.capacity()) buf.reserve(std::max(need, buf.capacity() + buf.capacity() / 8));
+      buf.resize(need, 0);
+      pack_rows(sq, n, H, s.codes.data() + sz(b * S) * sz(n), S, q0, buf.data(), st.escapes[sz(b)]);
+    }
+    // Widen (a re-pack of every row when escapes cost too much) only when the rows held pass a
+    // power of 4: a load appends many chunks, and widening after each re-packed the whole cache
+    // again and again (perf: widen above the packing itself). Widths change memory, never values;
+    // the next update() widens as it always does.
+    const auto quarter_log = [](std::int64_t r) { return std::bit_width(static_cast<std::uint64_t>(r)) / 2; };
+    if (q0 > 0 && quarter_log(q1) > quarter_log(q0)) widen(sq, st, n, H, q1);
+  }
+  quantized_ = q1;
+  offset_ = q1;
+  encoded_size_.reset();
+  return true;
 }
 
 std::vector<std::uint8_t> VqKVCache::encode() const {
@@ -963,8 +1115,9 @@ std::shared_ptr<VqKVCache> VqKVCache::restore(VqConfig config, std::shared_ptr<c
   return c;
 }
 
-// Tokens [0, lc.tokens) of out.keys / out.values ([batch, H, >= tokens, d], contiguous, any dtype).
-static void reconstruct_into(const VqLayerCodes& lc, const VqLayerModel& layer, KVState& out) {
+// Tokens [0, lc.tokens) of out.keys / out.values ([batch, H, >= tokens, d], contiguous, any dtype);
+// token t's keys re-rotated at position pos0 + t.
+static void reconstruct_into(const VqLayerCodes& lc, const VqLayerModel& layer, KVState& out, std::int64_t pos0 = 0) {
   const int H = layer.kv_heads;
   for (int side = 0; side < 2; ++side) {
     Tensor& t = side == 0 ? out.keys : out.values;
@@ -979,7 +1132,7 @@ static void reconstruct_into(const VqLayerCodes& lc, const VqLayerModel& layer, 
       // All tokens of a batch row at once, head by head, through the tiled kernel
       // (reconstruct_kernels.hpp: the per-token path's bits).
       const std::vector<double>& freq = layer.rope_freq;
-      const auto rope = side == 0 ? vq_rope_table(freq, lc.tokens) : nullptr;
+      const auto rope = side == 0 ? vq_rope_table(freq, pos0 + lc.tokens) : nullptr;
       std::vector<float> yhat(sz(lc.tokens) * sz(n)), rows(dtype == DType::F32 ? 0 : sz(lc.tokens) * sz(d));
       for (std::int64_t b = 0; b < lc.batch; ++b) {
         const std::int16_t* q = c.codes.data() + sz(b * lc.tokens) * sz(n);
@@ -989,7 +1142,7 @@ static void reconstruct_into(const VqLayerCodes& lc, const VqLayerModel& layer, 
           float* out = dtype == DType::F32 ? reinterpret_cast<float*>(t.row(b, h, 0)) : rows.data();
           if (lc.tokens > 0)
             vq_head_rows(tr.inv_cols.data() + sz(h) * sz(span) * sz(d), span, d, yhat.data() + (span == n ? 0 : sz(h) * sz(d)), sz(n),
-                         lc.tokens, rope.get(), 0, out);
+                         lc.tokens, rope.get(), pos0, out);
           if (dtype != DType::F32 && lc.tokens > 0) from_f32(rows.data(), t.row(b, h, 0), dtype, sz(lc.tokens) * sz(d));
         }
       }
@@ -1001,19 +1154,26 @@ static void reconstruct_into(const VqLayerCodes& lc, const VqLayerModel& layer, 
         const std::int16_t* q = c.codes.data() + sz(b * lc.tokens + tok) * sz(n);
         for (int i = 0; i < n; ++i) yhat[sz(i)] = mean[sz(i)] + static_cast<float>(q[i]) * c.step;
         for (int h = 0; h < H; ++h) {
-          reconstruct_head(tr.identity() ? nullptr : tr.inv.data(), n, yhat.data(), h, d, side == 0 ? &layer.rope_freq : nullptr, tok,
-                           acc.data(), row.data());
+          reconstruct_head(tr.identity() ? nullptr : tr.inv.data(), n, yhat.data(), h, d, side == 0 ? &layer.rope_freq : nullptr,
+                           pos0 + tok, acc.data(), row.data());
           from_f32(row.data(), t.row(b, h, tok), dtype, sz(d));
         }
       }
   }
 }
 
-KVState vq_reconstruct(const VqLayerCodes& lc, const VqLayerModel& layer, DType dtype) {
+KVState vq_reconstruct(const VqLayerCodes& lc, const VqLayerModel& layer, DType dtype) { return vq_reconstruct_at(lc, layer, dtype, 0); }
+
+KVState vq_reconstruct_at(const VqLayerCodes& lc, const VqLayerModel& layer, DType dtype, std::int64_t first_position) {
   const int H = layer.kv_heads;
   require(H > 0 && lc.k.n == layer.k.n && lc.v.n == layer.v.n, "vq_reconstruct: the codes do not match the layer model");
+  require(first_position >= 0, "vq_reconstruct: first position {} < 0", first_position);
+  const std::size_t n = sz(lc.batch) * sz(lc.tokens);
+  require(lc.batch >= 0 && lc.tokens >= 0 && lc.k.codes.size() == n * sz(lc.k.n) && lc.v.codes.size() == n * sz(lc.v.n) &&
+              lc.k.offset.size() == sz(lc.k.n) && lc.v.offset.size() == sz(lc.v.n),
+          "vq_reconstruct: inconsistent code arrays");
   KVState s{Tensor::uninitialized({lc.batch, H, lc.tokens, lc.k.n / H}, dtype), Tensor::uninitialized({lc.batch, H, lc.tokens, lc.v.n / H}, dtype)};
-  reconstruct_into(lc, layer, s);
+  reconstruct_into(lc, layer, s, first_position);
   return s;
 }
 

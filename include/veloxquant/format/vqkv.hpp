@@ -78,12 +78,26 @@ struct VqkvLoadOptions {
   // codes (vq_restored_state: no resident cache is packed and unpacked again); for a reader that
   // wants the K/V only, e.g. the store's decode_chunk.
   bool dense_states = false;
+  // With dense_states: a vq layer of a model that holds codes only (every token quantized, no exact rows) comes
+  // as its codes (PromptCache::vq_layers[l]; states[l] left empty) instead of rows, for a host that
+  // takes codes as they are (VqKVCache::append_codes, the store's code-domain loads). Other layers
+  // come as states.
+  bool vq_codes = false;
+};
+
+// A vq layer as saved: what VqKVCache::restore / append_codes take (VqkvLoadOptions::vq_codes).
+struct VqStoredLayer {
+  VqConfig config;
+  std::shared_ptr<const VqLayerModel> layer;  // the model's layer (never null)
+  VqLayerCodes codes;
+  DType dtype = DType::F32;  // the cache's input dtype
 };
 
 struct PromptCache {
   std::vector<std::shared_ptr<KVCache>> caches;  // empty with VqkvLoadOptions::dense_states
   PromptMetadata metadata;
   std::vector<KVState> states;  // VqkvLoadOptions::dense_states only: one per layer
+  std::vector<std::optional<VqStoredLayer>> vq_layers;  // VqkvLoadOptions::vq_codes only: one per layer
 };
 
 // Serialise `caches` (one per layer; all non-empty ones hold the same tokens, shape and dtype).

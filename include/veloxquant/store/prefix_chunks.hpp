@@ -13,6 +13,14 @@
 //   the model computes for those tokens with the exact prefix before them) in one update call;
 //   the chunk's K/V at level L is that cache's state(). decode_chunk returns it bit for bit.
 //   So every chunk is coded independently (CacheGen's chunks): no chunk needs another to decode.
+//   Except (put_context) `vq` levels whose caches have a model layer, residual=0, sinks=0 and
+//   calib <= C ("live-coded" vq levels): there chunk i holds the codes that ONE live cache of L per
+//   layer, fed the context chunk by chunk, holds for the chunk's tokens, with that cache's
+//   calibration (made from the context's first calib tokens; chunk 0 is the same either way). Each
+//   blob still decodes alone (it carries the calibration and, in metadata, its first position: the
+//   keys' RoPE positions), to the live cache's rows for its tokens,
+//   and a host whose caches are that level's VqKVCache takes the codes as they are
+//   (VqKVCache::append_codes): the host ends bit for bit where the live cache was.
 // - Blob: a whole .vqkv file (format/vqkv.hpp: self-describing, every block checksummed) whose
 //   metadata names the model fingerprint, the level, the chunk index and the chunk's token ids;
 //   decode_chunk checks all four and throws FormatError naming what differs. Caches the .vqkv
@@ -25,6 +33,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -32,6 +41,7 @@
 
 #include "veloxquant/cache/kv_cache.hpp"
 #include "veloxquant/core/tensor.hpp"
+#include "veloxquant/format/vqkv.hpp"
 #include "veloxquant/store/kv_store.hpp"
 #include "veloxquant/vq/basis.hpp"
 
@@ -93,6 +103,20 @@ Blob encode_chunk(const LevelCaches& fresh, std::uint64_t model_fingerprint, con
 // rebuilds the layer models of vq levels (chunk_vq_models(model)); without it a vq chunk is refused.
 ChunkKV decode_chunk(std::span<const std::uint8_t> blob, std::uint64_t model_fingerprint, const std::string& level, int index,
                      std::span<const int> tokens, const VqLayerModelSource& vq_models = {});
+// The same for a host that takes vq codes as they are: layer l comes as codes (vq[l], kv[l] empty)
+// where the blob holds codes only (a vq level, every token quantized), as rows (kv[l]) otherwise.
+struct ChunkCodes {
+  ChunkKV kv;
+  std::vector<std::optional<VqStoredLayer>> vq;
+  std::int64_t first_position = 0;  // of the chunk's first token in its context, for a live-coded chunk; else 0
+};
+// A vq layer of a chunk as float32 rows ([1, H, C, D] each): what decode_chunk gives for it (keys
+// re-rotated at first_position + t). Throws InvalidArgument / FormatError on codes that do not fit.
+ChunkLayer vq_chunk_rows(const VqStoredLayer& layer, std::int64_t first_position);
+ChunkCodes decode_chunk_codes(std::span<const std::uint8_t> blob, std::uint64_t model_fingerprint, const std::string& level, int index,
+                              std::span<const int> tokens, const VqLayerModelSource& vq_models = {});
+// Whether caches of a level are live-coded by put_context (see above).
+bool live_coded_level(const std::vector<std::shared_ptr<KVCache>>& fresh_caches, int chunk_tokens);
 // The layer models of `model` for decode_chunk, built once per (layer, basis) and shared by every
 // chunk a loader decodes (thread-safe). `model` must outlive the returned function.
 VqLayerModelSource chunk_vq_models(const Transformer& model);

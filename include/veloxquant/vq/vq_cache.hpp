@@ -132,6 +132,25 @@ class VqKVCache : public KVCache {
   std::int64_t quantized_tokens() const { return quantized_; }
   // The quantized part (tokens [0, quantized_tokens())) as the codec sees it.
   VqLayerCodes codes() const;
+  // The same for quantized tokens [t0, t1) only (0 <= t0 <= t1 <= quantized_tokens(); throws
+  // InvalidArgument otherwise), with the cache's calibration as it is now: what the prefix store
+  // writes for one chunk of a live cache (store/prefix_chunks.hpp).
+  VqLayerCodes codes(std::int64_t t0, std::int64_t t1) const;
+
+  // Code-domain append (the store's loads, store/prefix_loader.hpp): take `codes.tokens` quantized
+  // tokens as codes, with no dense rows and no inverse transform. After it the cache is bit for bit,
+  // in codes(), state(), fetch and attend, the cache that update() with those tokens' rows would
+  // have left (packed field widths may differ: they change memory, never values), and it continues
+  // (update) as that cache would. An empty cache takes the codes' calibration (step, offsets,
+  // splits) and `dtype` as its input dtype; widths are chosen from these codes, as restore() does.
+  // A non-empty cache takes codes of exactly its own step and offsets (splits may be wider: the
+  // cache's widen) and packs them at its widths (escapes beyond).
+  // Returns false, the cache unchanged, where update() would not have left all these tokens
+  // quantized under this calibration: config residual > 0 or sinks > 0, a model-less cache (the
+  // identity sized from data), exact tokens held (an uncalibrated cache, or a tail), an empty cache
+  // given fewer than calib tokens, another step or offsets, another dtype. Throws InvalidArgument
+  // (cache unchanged) on codes that do not fit the layer model or are malformed.
+  bool append_codes(const VqLayerCodes& codes, DType dtype = DType::F32);
   // vq_encode(codes()); its size is memoised for stored_bytes until the next change.
   std::vector<std::uint8_t> encode() const;
   const VqLayerModel* layer_model() const { return layer_.get(); }
