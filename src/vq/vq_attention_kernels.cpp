@@ -105,6 +105,226 @@ __attribute__((target("avx2,fma,f16c"))) float escape_delta(const HeadFields& f,
   return f.step * static_cast<float>(x.code);
 }
 
+
+// --- Width-specialised loops ---------------------------------------------------------------------
+// A head's groups are sorted by width (narrowest first, vq_cache.hpp "Packed layout"), so its full
+// groups form a few runs of one width (synthetic Llama-shaped K: twelve groups of 3 bits, then 4,
+// 5..7; V: sixteen of 4). The loops below walk a run with the width a compile-time constant:
+// - w <= 3: the 8 fields of a group fit the low 24 bits of one 32-bit load; lane i shifts it by
+//   i*w and vpermps looks the low 3 bits up in a table of the code as a float (escape 0 -> 0,
+//   fields of w < 3 repeated so the neighbour's bit above is ignored): 2 ALU ops per 8 values.
+// - w = 4: the same with two tables (low 3 bits) and bit 3 choosing between them (vblendvps).
+// - w = 5..8, 16: fields8's arithmetic with constant shifts and masks.
+// Each gives the exact code of fields8/codes8 (escape -> 0) as a float, and the loops add in the
+// same order as the generic template's (groups in turn into one accumulator per row and token;
+// tokens in turn per lane), so the results equal the generic path's bit for bit (tested).
+
+struct Run {
+  std::int32_t g0, g1, w;  // full groups [g0, g1) of width w
+};
+
+// The runs of equal width among the head's full groups (d / 8 of them), into `runs`.
+void width_runs(const HeadFields& f, std::vector<Run>& runs) {
+  runs.clear();
+  const std::int64_t full = f.d / 8;
+  for (std::int64_t g = 0; g < full; ++g) {
+    const int w = f.group_width[g];
+    if (!runs.empty() && runs.back().w == w && runs.back().g1 == g)
+      ++runs.back().g1;
+    else
+      runs.push_back({static_cast<std::int32_t>(g), static_cast<std::int32_t>(g + 1), w});
+  }
+}
+
+template <int W>
+VQ_ATTN_INLINE __m256i lane_shifts() {
+  return _mm256_setr_epi32(0, W, 2 * W, 3 * W, 4 * W, 5 * W, 6 * W, 7 * W);
+}
+
+// Code of field f (w bits) as a float: 0 for the escape f = 0, else f - 2^(w-1).
+constexpr float code_of(int f, int w) { return f == 0 ? 0.0f : static_cast<float>(f - (1 << (w - 1))); }
+
+template <int W>
+VQ_ATTN_INLINE __m256 code_table(int hi = 0) {
+  // Entry i: the field of index i's low w bits (i + 8 * hi for w = 4).
+  auto c = [&](int i) { return W == 4 ? code_of(i + 8 * hi, 4) : code_of(i & ((1 << W) - 1), W); };
+  return _mm256_setr_ps(c(0), c(1), c(2), c(3), c(4), c(5), c(6), c(7));
+}
+
+// The 8 codes of the group at p (width W), as floats.
+template <int W>
+VQ_ATTN_INLINE __m256 decode8(const std::uint8_t* p) {
+  if constexpr (W <= 4) {
+    std::uint32_t x;
+    std::memcpy(&x, p, 4);  // W <= 4 bytes of the group; the buffer has 8 bytes of slack
+    const __m256i idx = _mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(x)), lane_shifts<W>());
+    if constexpr (W <= 3) {
+      return _mm256_permutevar8x32_ps(code_table<W>(), idx);
+    } else {
+      return _mm256_blendv_ps(_mm256_permutevar8x32_ps(code_table<4>(0), idx), _mm256_permutevar8x32_ps(code_table<4>(1), idx),
+                              _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28)));
+    }
+  } else {
+    __m256i fl;
+    if constexpr (W == 16) {
+      fl = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    } else {
+      std::uint64_t x;
+      std::memcpy(&x, p, 8);
+      const __m256i v = _mm256_set_m128i(_mm_set1_epi32(static_cast<int>(x >> (4 * W))), _mm_set1_epi32(static_cast<int>(x)));
+      fl = _mm256_and_si256(_mm256_srlv_epi32(v, _mm256_setr_epi32(0, W, 2 * W, 3 * W, 0, W, 2 * W, 3 * W)),
+                            _mm256_set1_epi32((1 << W) - 1));
+    }
+    const __m256i code = _mm256_sub_epi32(fl, _mm256_set1_epi32(1 << (W - 1)));
+    return _mm256_cvtepi32_ps(_mm256_andnot_si256(_mm256_cmpeq_epi32(fl, _mm256_setzero_si256()), code));
+  }
+}
+
+// Scores: R query rows x T tokens (row pointers `tok`), groups [g0, g1) of width W, into acc[t * R + r].
+template <int W, int R, int T>
+VQ_ATTN_INLINE void score_run(const HeadFields& f, const std::uint8_t* const* tok, std::int64_t g0, std::int64_t g1, const float* q,
+                              __m256* acc) {
+  const std::int64_t d = f.d;
+  for (std::int64_t g = g0; g < g1; ++g) {
+    const std::uint32_t off = f.group_byte[g];
+    __m256 x[T];
+    for (int t = 0; t < T; ++t) x[t] = decode8<W>(tok[t] + off);
+    for (int r = 0; r < R; ++r) {
+      const __m256 qv = _mm256_loadu_ps(q + r * d + 8 * g);
+      for (int t = 0; t < T; ++t) acc[t * R + r] = _mm256_fmadd_ps(qv, x[t], acc[t * R + r]);
+    }
+  }
+}
+
+#define VQ_WIDTH_CASES(CALL) \
+  case 1: CALL(1); break;    \
+  case 2: CALL(2); break;    \
+  case 3: CALL(3); break;    \
+  case 4: CALL(4); break;    \
+  case 5: CALL(5); break;    \
+  case 6: CALL(6); break;    \
+  case 7: CALL(7); break;    \
+  case 8: CALL(8); break;    \
+  default: CALL(16); break;
+
+template <int R, int T>
+VQ_ATTN_INLINE void score_tokens_by_width(const HeadFields& f, const std::vector<Run>& runs, std::int64_t j, std::int64_t n,
+                                          const float* q, float* s) {
+  static_assert(R * T <= 8);
+  __m256 acc[8];
+  for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
+  const std::uint8_t* tok[T];
+  for (int t = 0; t < T; ++t) tok[t] = f.rows + static_cast<std::size_t>(f.t0 + j + t) * f.row_bytes;
+  for (const Run& run : runs) {
+#define VQ_SCORE_RUN(w) score_run<w, R, T>(f, tok, run.g0, run.g1, q, acc)
+    switch (run.w) { VQ_WIDTH_CASES(VQ_SCORE_RUN) }
+#undef VQ_SCORE_RUN
+  }
+  const std::int64_t d = f.d, e = 8 * (d / 8);
+  alignas(32) float out[8];
+  _mm256_store_ps(out, attn::simd::hsum8(acc));
+  const Fields src{f};
+  for (int t = 0; t < T; ++t)
+    for (int r = 0; r < R; ++r) {
+      float v = out[t * R + r];
+      for (std::int64_t p = e; p < d; ++p) v += q[r * d + p] * src.scalar(j + t, p);
+      s[r * n + j + t] = v;
+    }
+}
+
+template <int R>
+VQ_ATTN_INLINE void score_rows_by_width(const HeadFields& f, const std::vector<Run>& runs, std::int64_t n, const float* q, float* s) {
+  constexpr int T = 8 / R;
+  std::int64_t j = 0;
+  for (; j + T <= n; j += T) score_tokens_by_width<R, T>(f, runs, j, n, q, s);
+  for (; j < n; ++j) score_tokens_by_width<R, 1>(f, runs, j, n, q, s);
+}
+
+// Values: acc[r * d + 8g + i] += sum_j w[r * n + j] * code_j[8g + i] for R rows, groups [g0, g1) of
+// width W, two groups per pass over the tokens (each weight broadcast feeds 16 lanes).
+template <int W, int R>
+VQ_ATTN_INLINE void accumulate_run(const HeadFields& f, std::int64_t n, std::int64_t g0, std::int64_t g1, const float* w, float* acc) {
+  const std::int64_t d = f.d;
+  const std::uint8_t* first = f.rows + static_cast<std::size_t>(f.t0) * f.row_bytes;
+  std::int64_t g = g0;
+  for (; g + 2 <= g1; g += 2) {
+    const std::uint32_t off0 = f.group_byte[g], off1 = f.group_byte[g + 1];
+    __m256 a[R][2];
+    for (int r = 0; r < R; ++r) a[r][0] = _mm256_loadu_ps(acc + r * d + 8 * g), a[r][1] = _mm256_loadu_ps(acc + r * d + 8 * g + 8);
+    const std::uint8_t* p = first;
+    for (std::int64_t j = 0; j < n; ++j, p += f.row_bytes) {
+      const __m256 x0 = decode8<W>(p + off0), x1 = decode8<W>(p + off1);
+      for (int r = 0; r < R; ++r) {
+        const __m256 wv = _mm256_broadcast_ss(w + r * n + j);
+        a[r][0] = _mm256_fmadd_ps(wv, x0, a[r][0]);
+        a[r][1] = _mm256_fmadd_ps(wv, x1, a[r][1]);
+      }
+    }
+    for (int r = 0; r < R; ++r) _mm256_storeu_ps(acc + r * d + 8 * g, a[r][0]), _mm256_storeu_ps(acc + r * d + 8 * g + 8, a[r][1]);
+  }
+  if (g < g1) {
+    const std::uint32_t off = f.group_byte[g];
+    __m256 a[R];
+    for (int r = 0; r < R; ++r) a[r] = _mm256_loadu_ps(acc + r * d + 8 * g);
+    const std::uint8_t* p = first;
+    for (std::int64_t j = 0; j < n; ++j, p += f.row_bytes) {
+      const __m256 x = decode8<W>(p + off);
+      for (int r = 0; r < R; ++r) a[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(w + r * n + j), x, a[r]);
+    }
+    for (int r = 0; r < R; ++r) _mm256_storeu_ps(acc + r * d + 8 * g, a[r]);
+  }
+}
+
+template <int R>
+VQ_ATTN_INLINE void accumulate_rows_by_width(const HeadFields& f, const std::vector<Run>& runs, std::int64_t n, const float* w, float* acc) {
+  for (const Run& run : runs) {
+#define VQ_ACC_RUN(width) accumulate_run<width, R>(f, n, run.g0, run.g1, w, acc)
+    switch (run.w) { VQ_WIDTH_CASES(VQ_ACC_RUN) }
+#undef VQ_ACC_RUN
+  }
+  const std::int64_t d = f.d;
+  const Fields src{f};
+  for (std::int64_t e = 8 * (d / 8); e < d; ++e)
+    for (int r = 0; r < R; ++r) {
+      float a = acc[r * d + e];
+      for (std::int64_t j = 0; j < n; ++j) a += w[r * n + j] * src.scalar(j, e);
+      acc[r * d + e] = a;
+    }
+}
+
+// s = the tile's codes scored (float32 input; before the step, c and the escapes).
+__attribute__((target("avx2,fma,f16c"))) void score_codes(const HeadFields& f, std::int64_t n, const float* q, std::int64_t nq, float* s,
+                                                          Decode how) {
+  const std::int64_t d = f.d;
+  if (how == Decode::kGeneric) return attn::simd::score(Fields{f}, n, d, q, nq, s);
+  thread_local std::vector<Run> runs;
+  width_runs(f, runs);
+  std::int64_t r = 0;
+  for (; r + 4 <= nq; r += 4) score_rows_by_width<4>(f, runs, n, q + r * d, s + r * n);
+  switch (nq - r) {
+    case 3: score_rows_by_width<3>(f, runs, n, q + r * d, s + r * n); break;
+    case 2: score_rows_by_width<2>(f, runs, n, q + r * d, s + r * n); break;
+    case 1: score_rows_by_width<1>(f, runs, n, q + r * d, s + r * n); break;
+    default: break;
+  }
+}
+
+__attribute__((target("avx2,fma,f16c"))) void accumulate_codes(const HeadFields& f, std::int64_t n, const float* w, std::int64_t nq,
+                                                               float* acc, Decode how) {
+  const std::int64_t d = f.d;
+  if (how == Decode::kGeneric) return attn::simd::accumulate(Fields{f}, n, d, w, nq, acc);
+  thread_local std::vector<Run> runs;
+  width_runs(f, runs);
+  std::int64_t r = 0;
+  for (; r + 4 <= nq; r += 4) accumulate_rows_by_width<4>(f, runs, n, w + r * n, acc + r * d);
+  switch (nq - r) {
+    case 3: accumulate_rows_by_width<3>(f, runs, n, w + r * n, acc + r * d); break;
+    case 2: accumulate_rows_by_width<2>(f, runs, n, w + r * n, acc + r * d); break;
+    case 1: accumulate_rows_by_width<1>(f, runs, n, w + r * n, acc + r * d); break;
+    default: break;
+  }
+}
+
 }  // namespace
 
 bool available() { return attn::simd_enabled(); }
@@ -120,12 +340,13 @@ __attribute__((target("avx2,fma,f16c"))) float dot(const float* a, const float* 
   return s;
 }
 
-__attribute__((target("avx2,fma,f16c"))) void score(const HeadFields& f, std::int64_t n, const float* q, std::int64_t nq, float* s) {
+__attribute__((target("avx2,fma,f16c"))) void score(const HeadFields& f, std::int64_t n, const float* q, std::int64_t nq, float* s,
+                                                    Decode how) {
   const std::int64_t d = f.d;
   if (f.round_f16) {
     attn::simd::score(Values16{f}, n, d, q, nq, s);
   } else {
-    attn::simd::score(Fields{f}, n, d, q, nq, s);
+    score_codes(f, n, q, nq, s, how);
     for (std::int64_t r = 0; r < nq; ++r) {
       const float c = dot(q + r * d, f.mean, d);  // sum_p q_p mean_p
       const __m256 cv = _mm256_set1_ps(c), st = _mm256_set1_ps(f.step);
@@ -143,14 +364,14 @@ __attribute__((target("avx2,fma,f16c"))) void score(const HeadFields& f, std::in
 }
 
 __attribute__((target("avx2,fma,f16c"))) void accumulate(const HeadFields& f, std::int64_t n, const float* w, std::int64_t nq, float* acc,
-                                                         const std::int32_t* order) {
+                                                         const std::int32_t* order, Decode how) {
   const std::int64_t d = f.d;
   thread_local std::vector<float> sum;
   sum.assign(static_cast<std::size_t>(nq * d), 0.0f);
   if (f.round_f16) {
     attn::simd::accumulate(Values16{f}, n, d, w, nq, sum.data());
   } else {
-    attn::simd::accumulate(Fields{f}, n, d, w, nq, sum.data());
+    accumulate_codes(f, n, w, nq, sum.data(), how);
     for (std::int64_t r = 0; r < nq; ++r) {
       float ws = 0;
       for (std::int64_t j = 0; j < n; ++j) ws += w[r * n + j];
@@ -174,8 +395,8 @@ __attribute__((target("avx2,fma,f16c"))) void accumulate(const HeadFields& f, st
 #else
 
 bool available() { return false; }
-void score(const HeadFields&, std::int64_t, const float*, std::int64_t, float*) {}
-void accumulate(const HeadFields&, std::int64_t, const float*, std::int64_t, float*, const std::int32_t*) {}
+void score(const HeadFields&, std::int64_t, const float*, std::int64_t, float*, Decode) {}
+void accumulate(const HeadFields&, std::int64_t, const float*, std::int64_t, float*, const std::int32_t*, Decode) {}
 
 #endif
 

@@ -46,14 +46,21 @@ struct HeadFields {
   std::size_t n_escapes = 0;
 };
 
+// How float32-input groups are decoded: by width (each run of equal-width groups in a loop
+// specialised for its width, the default) or every group through the any-width decode (fields8).
+// Both give the same results bit for bit (same codes, same order of sums); kGeneric is there for
+// the tests. float16 input always takes the any-width decode.
+enum class Decode { kByWidth, kGeneric };
+
 // Compiled (x86-64) and attn::simd_enabled().
 bool available();
 
 // s[r * n + j] = q_r . k_{t0+j} (q: nq rows of d floats in field order), unscaled.
-void score(const HeadFields& f, std::int64_t n, const float* q, std::int64_t nq, float* s);
+void score(const HeadFields& f, std::int64_t n, const float* q, std::int64_t nq, float* s, Decode how = Decode::kByWidth);
 // acc[r * d + order[p]] += sum_j w[r * n + j] * v_{t0+j}[p] (acc in the head's own order; order[p]
 // = the head dim of field position p). The tile's sum is formed apart, then added.
-void accumulate(const HeadFields& f, std::int64_t n, const float* w, std::int64_t nq, float* acc, const std::int32_t* order);
+void accumulate(const HeadFields& f, std::int64_t n, const float* w, std::int64_t nq, float* acc, const std::int32_t* order,
+                Decode how = Decode::kByWidth);
 // Ask for the rows of tokens t0 .. t0 + n - 1 (the next tile, while this one is computed).
 void prefetch(const HeadFields& f, std::int64_t n);
 

@@ -625,12 +625,29 @@ void VqKVCache::score_key_tile(std::int64_t b, std::int64_t h, std::int64_t t0, 
   const std::int64_t qa = std::max(t0, std::min<std::int64_t>(config_.sinks, offset_)), qb = std::min(t0 + n, quantized_);
   if (!codes_direct(0) || qa >= qb) return KVCache::score_key_tile(b, h, t0, n, queries, nq, scores, scratch);
   const std::int64_t d = keys_buf_.dim(3);
-  thread_local std::vector<float> qp, part;
+  thread_local std::vector<float> part;
   thread_local std::vector<vq_attention::FieldEscape> esc;
-  qp.resize(sz(nq * d));
+  // The loop hands every tile of a (batch, head) the same query rows: each head's rows in field
+  // order are kept from its last tile and permuted again only when the rows or the head's order
+  // differ (compared by content, so no entry outlives a change of step, cache or calibration).
+  struct Permuted {
+    std::vector<float> raw, perm;
+    std::vector<std::int32_t> order;
+  };
+  thread_local std::vector<Permuted> permuted;
+  if (permuted.size() <= sz(h)) permuted.resize(sz(h) + 1);
+  Permuted& pq = permuted[sz(h)];
   const std::int32_t* order = kq_.order.data() + h * d;
-  for (std::int64_t r = 0; r < nq; ++r)
-    for (std::int64_t p = 0; p < d; ++p) qp[sz(r * d + p)] = queries[r * d + order[p] - h * d];
+  const std::size_t m = sz(nq * d);
+  if (!(pq.raw.size() == m && pq.order.size() == sz(d) && std::memcmp(pq.raw.data(), queries, m * sizeof(float)) == 0 &&
+        std::memcmp(pq.order.data(), order, sz(d) * sizeof(std::int32_t)) == 0)) {
+    pq.raw.assign(queries, queries + m);
+    pq.order.assign(order, order + d);
+    pq.perm.resize(m);
+    for (std::int64_t r = 0; r < nq; ++r)
+      for (std::int64_t p = 0; p < d; ++p) pq.perm[sz(r * d + p)] = queries[r * d + order[p] - h * d];
+  }
+  const std::vector<float>& qp = pq.perm;
   const vq_attention::HeadFields f = head_fields(0, b, h, qa, qb, esc);
   if (h == 0 && qb < quantized_) {
     vq_attention::HeadFields next = f;
