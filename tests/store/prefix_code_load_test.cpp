@@ -35,22 +35,8 @@ const Context& context() {
 std::string canon(const char* spec) { return vq::MethodSpec::parse(spec).to_string(); }
 
 // A fresh file store holding the context's whole chunks at exactly `levels`.
-struct Stored {
-  fs::path dir;
-  std::unique_ptr<vq::FileStore> store;
-  vq::ChunkScheme scheme;
-  explicit Stored(std::vector<std::string> levels) {
-    static int counter = 0;
-    dir = fs::temp_directory_path() / fmt::format("vq-code-load-test-{}-{}", ::getpid(), counter++);
-    fs::remove_all(dir);
-    store = std::make_unique<vq::FileStore>(dir);
-    const Context& c = context();
-    scheme.model_fingerprint = c.fp;
-    scheme.chunk_tokens = kC;
-    for (const auto& l : levels) scheme.levels.push_back(canon(l.c_str()));
-    vq::put_context(*store, *c.model, scheme, std::span<const int>(c.tokens).first(c.tokens.size() - 1), c.exact);
-  }
-  ~Stored() { fs::remove_all(dir); }
+struct Stored : vqtest::StoredContext {
+  explicit Stored(const std::vector<std::string>& levels) : StoredContext(context(), kC, levels, "code-load-test") {}
 };
 
 int stored_tokens() { return static_cast<int>(context().tokens.size() - 1) / kC * kC; }

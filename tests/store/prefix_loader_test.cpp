@@ -37,22 +37,8 @@ int whole_chunks() { return static_cast<int>(context().tokens.size() - 1) / kC; 
 
 // A fresh file store holding the context at `levels` (exactly these, no fp32 added: the loader then
 // has one choice per chunk, so runs are comparable).
-struct Stored {
-  fs::path dir;
-  std::unique_ptr<vq::FileStore> store;
-  vq::ChunkScheme scheme;
-  explicit Stored(std::vector<std::string> levels) {
-    static int counter = 0;
-    dir = fs::temp_directory_path() / fmt::format("vq-loader-test-{}-{}", ::getpid(), counter++);
-    fs::remove_all(dir);
-    store = std::make_unique<vq::FileStore>(dir);
-    const Context& c = context();
-    scheme.model_fingerprint = c.fp;
-    scheme.chunk_tokens = kC;
-    for (const auto& l : levels) scheme.levels.push_back(vq::MethodSpec::parse(l).to_string());
-    vq::put_context(*store, *c.model, scheme, std::span<const int>(c.tokens).first(c.tokens.size() - 1), c.exact);
-  }
-  ~Stored() { fs::remove_all(dir); }
+struct Stored : vqtest::StoredContext {
+  explicit Stored(const std::vector<std::string>& levels) : StoredContext(context(), kC, levels, "loader-test") {}
   // The key of `level` (index into scheme.levels) of chunk i, as the directory names it.
   std::string level_key(int i, std::size_t level) const {
     std::uint64_t h = 0;

@@ -1,7 +1,11 @@
 // The prefix-store tests' shared context: the real stories260K model, one prompt's tokens, the fp32
 // caches' state after a prefill, and the model's fingerprint.
 #pragma once
+#include <unistd.h>
+
 #include <cstdint>
+#include <filesystem>
+#include <string>
 #include <memory>
 #include <span>
 #include <vector>
@@ -11,6 +15,7 @@
 #include "veloxquant/model/method_spec.hpp"
 #include "veloxquant/model/tokenizer.hpp"
 #include "veloxquant/model/transformer.hpp"
+#include "veloxquant/store/file_store.hpp"
 #include "veloxquant/store/prefix_chunks.hpp"
 
 namespace vqtest {
@@ -42,5 +47,26 @@ inline StoreContext make_store_context(int chunk) {
   c.fp = vq::model_fingerprint(*c.model);
   return c;
 }
+
+// A fresh file store (a temporary folder, removed at the end) holding c's prefilled tokens in chunks
+// of chunk_tokens at exactly `levels` (no fp32 added: a loader then has one choice per chunk).
+struct StoredContext {
+  std::filesystem::path dir;
+  std::unique_ptr<vq::FileStore> store;
+  vq::ChunkScheme scheme;
+  StoredContext(const StoreContext& c, int chunk_tokens, const std::vector<std::string>& levels, const char* tag) {
+    static int counter = 0;
+    dir = std::filesystem::temp_directory_path() / ("vq-" + std::string(tag) + "-" + std::to_string(::getpid()) + "-" + std::to_string(counter++));
+    std::filesystem::remove_all(dir);
+    store = std::make_unique<vq::FileStore>(dir);
+    scheme.model_fingerprint = c.fp;
+    scheme.chunk_tokens = chunk_tokens;
+    for (const auto& l : levels) scheme.levels.push_back(vq::MethodSpec::parse(l).to_string());
+    vq::put_context(*store, *c.model, scheme, std::span<const int>(c.tokens).first(c.tokens.size() - 1), c.exact);
+  }
+  StoredContext(const StoredContext&) = delete;
+  StoredContext& operator=(const StoredContext&) = delete;
+  ~StoredContext() { std::filesystem::remove_all(dir); }
+};
 
 }  // namespace vqtest
