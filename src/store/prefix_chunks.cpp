@@ -77,6 +77,16 @@ Blob chunk_blob(const std::vector<std::shared_ptr<KVCache>>& caches, std::uint64
   }
 }
 
+// The empty exact state (no tokens) that restore takes beside a vq layer's codes: every token coded.
+KVState no_exact_rows(const VqLayerModel& layer, DType dtype) {
+  const int H = layer.kv_heads;
+  return {Tensor::uninitialized({1, H, 0, layer.k.n / H}, dtype), Tensor::uninitialized({1, H, 0, layer.v.n / H}, dtype)};
+}
+
+// A chunk's K/V as float32: state() gives fresh tensors (or the dropped cache's own), so contiguous
+// float32 ones are passed on as they are, not copied again.
+Tensor as_f32(const Tensor& t) { return t.dtype() == DType::F32 && t.is_contiguous() ? t : t.to(DType::F32); }
+
 // Chunk i of a live-coded vq level: the live caches' codes of tokens [t0, t0 + C) (every one
 // quantized: residual 0, calibrated within chunk 0), each restored into a cache of its own.
 Blob live_chunk_blob(const std::vector<std::shared_ptr<KVCache>>& live, std::uint64_t fingerprint, const std::string& level, int index,
@@ -86,9 +96,7 @@ Blob live_chunk_blob(const std::vector<std::shared_ptr<KVCache>>& live, std::uin
   for (const auto& c : live) {
     const auto& v = dynamic_cast<const VqKVCache&>(*c);
     const std::shared_ptr<const VqLayerModel> layer(c, v.layer_model());  // owned by the live cache
-    const int H = layer->kv_heads;
-    const KVState none{Tensor::uninitialized({1, H, 0, layer->k.n / H}, dtype), Tensor::uninitialized({1, H, 0, layer->v.n / H}, dtype)};
-    caches.push_back(VqKVCache::restore(v.config(), layer, v.codes(t0, t0 + C), none));
+    caches.push_back(VqKVCache::restore(v.config(), layer, v.codes(t0, t0 + C), no_exact_rows(*layer, dtype)));
   }
   return chunk_blob(caches, fingerprint, level, index, tokens, t0);
 }
@@ -212,17 +220,12 @@ ChunkCodes decode_chunk_codes(std::span<const std::uint8_t> blob, std::uint64_t 
 }
 
 ChunkLayer vq_chunk_rows(const VqStoredLayer& v, std::int64_t first_position) {
-  const auto f32 = [](const Tensor& t) { return t.dtype() == DType::F32 && t.is_contiguous() ? t : t.to(DType::F32); };
   try {
     require(v.layer != nullptr, "a vq chunk layer without its layer model");
-    if (first_position == 0) {  // restore(...)->state()'s checks and bits
-      const int H = v.layer->kv_heads;
-      const KVState none{Tensor::uninitialized({1, H, 0, v.layer->k.n / H}, v.dtype), Tensor::uninitialized({1, H, 0, v.layer->v.n / H}, v.dtype)};
-      const KVState s = vq_restored_state(v.config, v.layer, v.codes, none);
-      return {f32(s.keys), f32(s.values)};
-    }
-    const KVState s = vq_reconstruct_at(v.codes, *v.layer, v.dtype, first_position);
-    return {f32(s.keys), f32(s.values)};
+    const KVState s = first_position == 0  // restore(...)->state()'s checks and bits
+                          ? vq_restored_state(v.config, v.layer, v.codes, no_exact_rows(*v.layer, v.dtype))
+                          : vq_reconstruct_at(v.codes, *v.layer, v.dtype, first_position);
+    return {as_f32(s.keys), as_f32(s.values)};
   } catch (const InvalidArgument& e) {
     throw FormatError(fmt::format("vq layer: {}", e.what()));
   }
@@ -284,10 +287,7 @@ ChunkCodes decode_chunk_as(std::span<const std::uint8_t> blob, std::uint64_t fin
     const KVState& s = pc.states[l];
     if (s.keys.dim(2) != static_cast<std::int64_t>(tokens.size()) || s.values.dim(2) != static_cast<std::int64_t>(tokens.size()))
       throw FormatError(fmt::format("blob holds {} tokens per layer, the chunk {}", s.keys.dim(2), tokens.size()));
-    // state() gives fresh tensors (or the dropped cache's own): float32 ones are passed on as they
-    // are, not copied again.
-    const auto f32 = [](const Tensor& t) { return t.dtype() == DType::F32 && t.is_contiguous() ? t : t.to(DType::F32); };
-    out.kv.push_back({f32(s.keys), f32(s.values)});
+    out.kv.push_back({as_f32(s.keys), as_f32(s.values)});
   }
   return out;
 }
