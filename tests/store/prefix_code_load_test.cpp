@@ -11,6 +11,8 @@
 #include <fmt/core.h>
 
 #include "store_context.hpp"
+#include "veloxquant/core/error.hpp"
+#include "veloxquant/format/vqkv.hpp"
 #include "veloxquant/model/method_spec.hpp"
 #include "veloxquant/model/transformer.hpp"
 #include "veloxquant/store/file_store.hpp"
@@ -187,6 +189,35 @@ TEST(PrefixCodeLoad, CorruptChunkStopsTheCodeDomainLoadWithAWarning) {
   auto host2 = vq::make_caches(canon(kVq2), *c.model);
   const auto r2 = vq::load_prefix(*s.store, *c.model, host2, c.tokens, other);
   EXPECT_EQ(r2.tokens_reused, 0);
+}
+
+// A live-coded chunk names its first position (the keys' RoPE positions): a blob whose metadata
+// names another one, or no number, is refused as a FormatError on both decode paths, although its
+// checksums hold (re-serialised), so a host never re-rotates keys at the wrong place.
+TEST(PrefixCodeLoad, ChunkOfAnotherFirstPositionIsRefused) {
+  const Context& c = context();
+  const Stored s({kVq2});
+  std::uint64_t h = 0;
+  for (int k = 0; k <= 1; ++k)
+    h = vq::chain_hash(h, c.fp, s.scheme.levels[0], std::span<const int>(c.tokens).subspan(static_cast<std::size_t>(k * kC), kC));
+  const auto blob = *s.store->get(vq::chunk_key(s.scheme.levels[0], h));
+  const auto toks = std::span<const int>(c.tokens).subspan(kC, kC);
+  const vq::VqLayerModelSource models = vq::chunk_vq_models(*c.model);
+  const auto good = vq::decode_chunk_codes(blob, c.fp, s.scheme.levels[0], 1, toks, models);
+  EXPECT_EQ(good.first_position, kC);
+  vq::VqkvLoadOptions lo;
+  lo.vq_models = models;
+  vq::PromptCache pc = vq::deserialize_prompt_cache(blob, lo);
+  ASSERT_EQ(pc.metadata.at("vqkv.store.first_position"), std::to_string(kC));
+  vq::VqkvSaveOptions so;
+  so.chunk_tokens = kC;
+  for (const char* bad : {"13", "0", "12x", ""}) {
+    SCOPED_TRACE(bad);
+    pc.metadata["vqkv.store.first_position"] = bad;
+    const auto tampered = vq::serialize_prompt_cache(pc.caches, pc.metadata, so);
+    EXPECT_THROW(vq::decode_chunk_codes(tampered, c.fp, s.scheme.levels[0], 1, toks, models), vq::FormatError);
+    EXPECT_THROW(vq::decode_chunk(tampered, c.fp, s.scheme.levels[0], 1, toks, models), vq::FormatError);
+  }
 }
 
 // append_codes refuses (false, cache unchanged) what update() would not have left quantized under
