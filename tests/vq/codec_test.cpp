@@ -74,6 +74,44 @@ vq::VqLayerCodes mixed_codes() {
   return lc;
 }
 
+// Codes that drift along tokens, as real K/V do: per coefficient an AR(1) process of correlation
+// rho (0.98, 0.9, 0.6, 0, -0.7 by c % 5) in two batches; coefficient 3 is all zero, coefficient 5
+// is split (shift 2) with a wide walk, and coefficient 7 sits at +200 but jumps to -200 and back
+// (strongly correlated, yet a prediction from the previous token would leave a residual of -400,
+// outside the alphabet). tests/golden/vq_layer_v4_drift.bin holds these codes written by the
+// version 4 encoder (commit 6f6c9bf), vq_layer_v5_drift.bin by version 5.
+vq::VqLayerCodes drift_codes() {
+  std::mt19937_64 rng(1505);
+  vq::VqLayerCodes lc;
+  lc.batch = 2;
+  lc.tokens = 90;
+  static constexpr double kRho[5] = {0.98, 0.9, 0.6, 0.0, -0.7};
+  for (vq::VqSideCodes* s : {&lc.k, &lc.v}) {
+    s->n = s == &lc.k ? 12 : 20;
+    s->step = 0.25f;
+    s->offset.assign(static_cast<std::size_t>(s->n), 2);
+    s->shift.assign(static_cast<std::size_t>(s->n), 0);
+    s->shift[5] = 2;
+    s->codes.assign(static_cast<std::size_t>(lc.rows() * s->n), 0);
+    std::normal_distribution<double> g(0.0, 1.0);
+    for (int c = 0; c < s->n; ++c) {
+      const double rho = kRho[c % 5], sigma = c == 5 ? 60.0 : 1.0 + (c % 4);
+      for (std::int64_t b = 0; b < lc.batch; ++b) {
+        double x = 0.0;
+        for (std::int64_t t = 0; t < lc.tokens; ++t) {
+          x = rho * x + sigma * g(rng);
+          const int lim = vq::vq_max_code(s->shift[static_cast<std::size_t>(c)]);
+          int q = std::clamp(static_cast<int>(std::lround(x)), -lim, lim);
+          if (c == 3) q = 0;
+          if (c == 7) q = (t % 30 == 10) ? -200 : 200;
+          s->codes[static_cast<std::size_t>((b * lc.tokens + t) * s->n + c)] = static_cast<std::int16_t>(q);
+        }
+      }
+    }
+  }
+  return lc;
+}
+
 void expect_equal(const vq::VqLayerCodes& a, const vq::VqLayerCodes& b) {
   EXPECT_EQ(a.batch, b.batch);
   EXPECT_EQ(a.tokens, b.tokens);
@@ -414,6 +452,28 @@ TEST(VqCodec, VersionOneStreamStillDecodes) {
   expect_equal(lc, vq::vq_decode(file, static_cast<std::uint64_t>(lc.rows() * 20)));
   for (std::size_t n = 0; n < file.size(); n += 7)
     EXPECT_THROW(vq::vq_decode(std::span(file).first(n), static_cast<std::uint64_t>(lc.rows() * 20)), vq::FormatError) << n;
+}
+
+// A version 4 stream of codes that drift along tokens (no prediction: every hi part coded as it is)
+// still decodes in both kernels and fails cleanly when cut. Written once with the version 4 encoder:
+//   VQ_WRITE_GOLDEN=1 ./build/tests/vq_tests --gtest_filter='VqCodec.VersionFourStreamsStillDecode'
+TEST(VqCodec, VersionFourStreamsStillDecode) {
+  const std::string path = std::string(VQ_SOURCE_DIR) + "/tests/golden/vq_layer_v4_drift.bin";
+  const auto codes = drift_codes();
+  if (std::getenv("VQ_WRITE_GOLDEN") != nullptr) {
+    const auto b = vq::vq_encode(codes);
+    ASSERT_EQ(b[0], 4);
+    std::ofstream(path, std::ios::binary).write(reinterpret_cast<const char*>(b.data()), static_cast<std::streamsize>(b.size()));
+  }
+  std::ifstream in(path, std::ios::binary);
+  ASSERT_TRUE(in) << path;
+  const std::vector<std::uint8_t> file((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  ASSERT_EQ(file.at(0), 4);
+  const auto max = static_cast<std::uint64_t>(codes.rows() * (codes.k.n + codes.v.n));
+  for (const auto kernel : {vq::RansKernel::Scalar, vq::RansKernel::Auto}) {
+    expect_equal(codes, vq::vq_decode(file, max, kernel));
+    for (std::size_t n = 0; n < file.size(); n += 13) EXPECT_THROW(vq::vq_decode(std::span(file).first(n), max, kernel), vq::FormatError) << n;
+  }
 }
 
 }  // namespace
