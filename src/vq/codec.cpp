@@ -14,6 +14,7 @@
 #include "../entropy/byte_io.hpp"
 #include "../entropy/rans_kernels.hpp"
 #include "codec_kernels.hpp"
+#include "codec_predict.hpp"
 
 namespace vq {
 
@@ -81,18 +82,20 @@ void check_hi(const VqSideCodes& s, const std::int16_t* hi, std::size_t count, c
   }
 }
 
-// The shifts of a side, the cheaper of two layouts (most caches have none or a few):
-//   u8 0                       none
-//   u8 1, varint k, k x (varint gap, u8 shift)   sparse: gap = index - previous index - 1
+// A nibble per coefficient (the shifts; version 5's predictors, vq_pred_nibble), the cheaper of two
+// layouts (most sides have none or a few that are not 0):
+//   u8 0                       all 0
+//   u8 1, varint k, k x (varint gap, u8 value)   sparse: the values that are not 0, gap = index - previous index - 1
 //   u8 2, ceil(n / 2) bytes    dense nibbles, coefficient 2i in the low nibble of byte i
-void write_shifts(std::vector<std::uint8_t>& out, const VqSideCodes& s) {
+// v: n values (or empty: all 0).
+void write_nibbles(std::vector<std::uint8_t>& out, const std::vector<std::uint8_t>& v, int n) {
   std::vector<std::uint8_t> sparse;
   std::size_t k = 0;
   int prev = -1;
-  for (int c = 0; c < static_cast<int>(s.shift.size()); ++c) {
-    if (s.shift[sz(c)] == 0) continue;
+  for (int c = 0; c < static_cast<int>(v.size()); ++c) {
+    if (v[sz(c)] == 0) continue;
     put_varint(sparse, static_cast<std::uint64_t>(c - prev - 1));
-    sparse.push_back(s.shift[sz(c)]);
+    sparse.push_back(v[sz(c)]);
     prev = c;
     ++k;
   }
@@ -102,40 +105,41 @@ void write_shifts(std::vector<std::uint8_t>& out, const VqSideCodes& s) {
   }
   std::vector<std::uint8_t> head;
   put_varint(head, k);
-  if (head.size() + sparse.size() <= sz(s.n + 1) / 2) {
+  if (head.size() + sparse.size() <= sz(n + 1) / 2) {
     out.push_back(1);
     out.insert(out.end(), head.begin(), head.end());
     out.insert(out.end(), sparse.begin(), sparse.end());
     return;
   }
   out.push_back(2);
-  for (int c = 0; c < s.n; c += 2)
-    out.push_back(static_cast<std::uint8_t>(s.shift[sz(c)] | (c + 1 < s.n ? s.shift[sz(c + 1)] << 4 : 0)));
+  for (int c = 0; c < n; c += 2) out.push_back(static_cast<std::uint8_t>(v[sz(c)] | (c + 1 < n ? v[sz(c + 1)] << 4 : 0)));
 }
 
-void read_shifts(ByteReader& r, VqSideCodes& s) {
-  s.shift.assign(sz(s.n), 0);
+// The n nibbles write_nibbles wrote, each <= max (what: the field, for messages).
+std::vector<std::uint8_t> read_nibbles(ByteReader& r, int n, int max, const char* what) {
+  std::vector<std::uint8_t> v(sz(n), 0);
   const std::uint8_t layout = r.u8();
-  if (layout == 0) return;
+  if (layout == 0) return v;
   if (layout == 1) {
-    const std::uint64_t k = r.varint(static_cast<std::uint64_t>(s.n), "shift count");
+    const std::uint64_t k = r.varint(static_cast<std::uint64_t>(n), what);
     std::uint64_t at = 0;
     for (std::uint64_t i = 0; i < k; ++i) {
-      at += r.varint(static_cast<std::uint64_t>(s.n), "shift gap");
-      if (at >= static_cast<std::uint64_t>(s.n)) r.fail("shift index past the last coefficient");
-      const std::uint8_t v = r.u8();
-      if (v == 0 || v > kVqMaxShift) r.fail(fmt::format("sparse shift {} outside 1..{}", v, kVqMaxShift));
-      s.shift[at++] = v;
+      at += r.varint(static_cast<std::uint64_t>(n), what);
+      if (at >= static_cast<std::uint64_t>(n)) r.fail(fmt::format("{} index past the last coefficient", what));
+      const std::uint8_t x = r.u8();
+      if (x == 0 || x > max) r.fail(fmt::format("sparse {} {} outside 1..{}", what, x, max));
+      v[at++] = x;
     }
-    return;
+    return v;
   }
-  if (layout != 2) r.fail("unknown shift layout");
-  for (int c = 0; c < s.n; c += 2) {
+  if (layout != 2) r.fail(fmt::format("unknown {} layout", what));
+  for (int c = 0; c < n; c += 2) {
     const std::uint8_t b = r.u8();
-    if ((b & 0xf) > kVqMaxShift || (b >> 4) > kVqMaxShift || (c + 1 == s.n && (b >> 4) != 0)) r.fail("bad dense shifts");
-    s.shift[sz(c)] = b & 0xf;
-    if (c + 1 < s.n) s.shift[sz(c + 1)] = static_cast<std::uint8_t>(b >> 4);
+    if ((b & 0xf) > max || (b >> 4) > max || (c + 1 == n && (b >> 4) != 0)) r.fail(fmt::format("bad dense {}", what));
+    v[sz(c)] = b & 0xf;
+    if (c + 1 < n) v[sz(c + 1)] = static_cast<std::uint8_t>(b >> 4);
   }
+  return v;
 }
 
 // The table of a shift's low parts: 2^shift equally likely symbols.
@@ -293,6 +297,9 @@ struct SideModel {
   // Per coefficient its table's precision: vq_coef_scale_bits (version 4), the side's
   // vq_side_scale_bits (version 3), 12 (versions 1 and 2).
   std::vector<int> scale;
+  // Version 5: per coefficient its predictor across tokens (codec_predict.hpp); empty when every
+  // k_c = 0 (versions 1-4, or no coefficient predicted).
+  std::vector<std::int8_t> pred;
   // Derived: the coded columns (amax > 0) in order, their call table, amax and scale; the split columns.
   std::vector<int> cols, table, col_amax, col_scale, low_cols;
   void derive(const VqSideCodes& s, CallTables& t) {
@@ -480,7 +487,12 @@ ParsedHeader parse_header(ByteReader& r, int version, std::uint64_t max_codes, C
     const std::uint32_t step_bits = r.u32le();
     std::memcpy(&s->step, &step_bits, 4);
     if (!std::isfinite(s->step) || s->step <= 0.0f) r.fail("step is not a finite positive float32");
-    read_shifts(r, *s);
+    s->shift = read_nibbles(r, s->n, kVqMaxShift, "shift");
+    if (version >= 5) {
+      const auto nib = read_nibbles(r, s->n, 15, "predictor");
+      if (std::any_of(nib.begin(), nib.end(), [](std::uint8_t v) { return v != 0; }))
+        for (const std::uint8_t v : nib) sm->pred.push_back(static_cast<std::int8_t>(vq_codec_detail::vq_pred_from_nibble(v)));
+    }
     s->offset.resize(sz(s->n));
     sm->amax.assign(sz(s->n), 0);
     sm->param.assign(sz(s->n), 0);
@@ -563,7 +575,7 @@ std::vector<std::uint8_t> vq_encode(const VqLayerCodes& lc, RansKernel kernel) {
   check_side(lc.v, rows, "V");
   const std::size_t R = sz(rows);
   std::vector<std::uint8_t> out;
-  out.push_back(4);
+  out.push_back(5);
   put_varint(out, static_cast<std::uint64_t>(lc.batch));
   put_varint(out, static_cast<std::uint64_t>(lc.tokens));
   put_varint(out, static_cast<std::uint64_t>(lc.k.n));
@@ -594,10 +606,18 @@ std::vector<std::uint8_t> vq_encode(const VqLayerCodes& lc, RansKernel kernel) {
       his = his_buf.data();
     }
     check_hi(s, his, R * n, sd.s == &lc.k ? "K" : "V");
+    // Version 5: the region codes each hi part's residual from the previous token's (codec_predict.hpp).
+    std::vector<std::int16_t> res_buf(R * n);
+    const auto pred = vq_codec_detail::vq_predict(his, res_buf.data(), n, sz(lc.batch), sz(lc.tokens), kVqMaxCode);
+    std::vector<std::uint8_t> pred_nibbles(n);
+    for (std::size_t c = 0; c < n; ++c) pred_nibbles[c] = vq_codec_detail::vq_pred_nibble(pred[c]);
+    his_buf = std::move(res_buf);
+    his = his_buf.data();
     std::uint32_t step_bits;
     std::memcpy(&step_bits, &s.step, 4);
     for (int i = 0; i < 4; ++i) out.push_back(static_cast<std::uint8_t>(step_bits >> (8 * i)));
-    write_shifts(out, s);
+    write_nibbles(out, s.shift, s.n);
+    write_nibbles(out, pred_nibbles, s.n);
     side_models(his, n, R, sd.sm.amax, sd.sm.param, sd.sm.scale);
     for (int c = 0; c < s.n; ++c) {
       const std::int64_t off = s.offset[sz(c)];
@@ -609,7 +629,7 @@ std::vector<std::uint8_t> vq_encode(const VqLayerCodes& lc, RansKernel kernel) {
     const std::size_t m = sd.sm.m();
     if (m == n) {
       sd.hi_buf = std::move(his_buf);
-      sd.hi = shifted ? sd.hi_buf.data() : s.codes.data();
+      sd.hi = sd.hi_buf.data();
     } else {
       sd.hi_buf.resize(R * m);
       for (std::size_t r = 0; r < R; ++r)
@@ -686,7 +706,7 @@ VqLayerCodes vq_decode(std::span<const std::uint8_t> bytes, std::uint64_t max_co
   const bool fast = use_avx2(kernel);
   ByteReader r(bytes, "vq layer");
   const std::uint8_t version = r.u8();
-  if (version < 1 || version > 4) r.fail(fmt::format("unknown version {} (expected 1 to 4)", version));
+  if (version < 1 || version > 5) r.fail(fmt::format("unknown version {} (expected 1 to 5)", version));
   CallTables tables;
   ParsedHeader h = parse_header(r, version, max_codes, tables);
   if (version == 1) {
@@ -743,6 +763,10 @@ VqLayerCodes vq_decode(std::span<const std::uint8_t> bytes, std::uint64_t max_co
     if (m != n_side)
       for (std::size_t row = 0; row < R; ++row)
         for (std::size_t j = 0; j < m; ++j) s->codes[row * n_side + sz(sm->cols[j])] = region[row * m + j];
+    // Version 5: the region held residuals; rebuild the hi parts token by token.
+    if (!sm->pred.empty() &&
+        !vq_codec_detail::vq_unpredict(s->codes.data(), n_side, sz(h.lc.batch), sz(h.lc.tokens), sm->pred.data(), kVqMaxCode, fast))
+      r.fail("a predicted hi part leaves +-255 (corrupt stream)");
     for (const int c : sm->low_cols) {
       const int shift = s->shift[sz(c)];
       const std::uint32_t lmask = (1u << shift) - 1;

@@ -150,8 +150,9 @@ TEST(VqCodec, AllZeroSideCostsOnlyItsHeader) {
     s->offset.assign(4, 0);
     s->codes.assign(400, 0);
   }
-  // version, 4 varints, per side: step 4 + flag 1 + 4 x (offset 1 + amax 1); an empty rANS stream (1).
-  EXPECT_EQ(vq::vq_encode(lc).size(), 1u + 4u + 2u * (4u + 1u + 8u) + 1u);
+  // version, 4 varints, per side: step 4 + shift flag 1 + predictor flag 1 + 4 x (offset 1 + amax 1);
+  // an empty rANS stream (1).
+  EXPECT_EQ(vq::vq_encode(lc).size(), 1u + 4u + 2u * (4u + 1u + 1u + 8u) + 1u);
   expect_equal(lc, vq::vq_decode(vq::vq_encode(lc), 800));
 }
 
@@ -220,7 +221,7 @@ TEST(VqCodec, DecodeRejectsEveryTruncationCorruptionAndTrailingByte) {
   EXPECT_THROW(vq::vq_decode(longer, max), vq::FormatError);
   EXPECT_THROW(vq::vq_decode(bytes, max - 1), vq::FormatError);  // more codes than the caller expects
   auto bad = bytes;
-  bad[0] = 5;  // version
+  bad[0] = 6;  // version
   EXPECT_THROW(vq::vq_decode(bad, max), vq::FormatError);
   // Any single flipped bit either fails cleanly or decodes to something (never crashes).
   for (const auto kernel : {vq::RansKernel::Scalar, vq::RansKernel::Auto})
@@ -238,7 +239,7 @@ TEST(VqCodec, DecodeRejectsEveryTruncationCorruptionAndTrailingByte) {
 // groups of 32 lanes with per-column tables; the scalar reference one symbol at a time).
 void expect_kernels_agree(const vq::VqLayerCodes& lc) {
   const auto bytes = vq::vq_encode(lc, vq::RansKernel::Scalar);
-  ASSERT_EQ(bytes[0], 4);
+  ASSERT_EQ(bytes[0], 5);
   const std::uint64_t max = static_cast<std::uint64_t>(lc.rows() * (lc.k.n + lc.v.n));
   expect_equal(lc, vq::vq_decode(bytes, max, vq::RansKernel::Scalar));
   if (!vq::rans_avx2_available()) GTEST_SKIP() << "no AVX2 on this CPU";
@@ -335,7 +336,7 @@ TEST(VqCodec, VersionTwoStreamsStillDecode) {
       expect_equal(g.codes, vq::vq_decode(file, max, kernel));
       for (std::size_t n = 0; n < file.size(); n += 13) EXPECT_THROW(vq::vq_decode(std::span(file).first(n), max, kernel), vq::FormatError) << n;
     }
-    EXPECT_EQ(vq::vq_encode(g.codes)[0], 4);  // what is written now
+    EXPECT_EQ(vq::vq_encode(g.codes)[0], 5);  // what is written now
   }
 }
 
@@ -473,6 +474,43 @@ TEST(VqCodec, VersionFourStreamsStillDecode) {
   for (const auto kernel : {vq::RansKernel::Scalar, vq::RansKernel::Auto}) {
     expect_equal(codes, vq::vq_decode(file, max, kernel));
     for (std::size_t n = 0; n < file.size(); n += 13) EXPECT_THROW(vq::vq_decode(std::span(file).first(n), max, kernel), vq::FormatError) << n;
+  }
+}
+
+// Version 5 predicts each coefficient's hi part from the previous token's. On codes that drift along
+// tokens this build writes exactly tests/golden/vq_layer_v5_drift.bin (every size change shows in
+// review; regenerate only on a deliberate format change:
+//   VQ_WRITE_GOLDEN=1 ./build/tests/vq_tests --gtest_filter='VqCodec.VersionFive*'),
+// well below version 4's stream of the same codes, the kernels agree, and cuts and flips fail cleanly.
+TEST(VqCodec, VersionFivePredictsAcrossTokens) {
+  const std::string path = std::string(VQ_SOURCE_DIR) + "/tests/golden/vq_layer_v5_drift.bin";
+  const auto codes = drift_codes();
+  const auto bytes = vq::vq_encode(codes);
+  ASSERT_EQ(bytes.at(0), 5);
+  if (std::getenv("VQ_WRITE_GOLDEN") != nullptr)
+    std::ofstream(path, std::ios::binary).write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
+  std::ifstream in(path, std::ios::binary);
+  ASSERT_TRUE(in) << path;
+  const std::vector<std::uint8_t> file((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  EXPECT_EQ(file, bytes) << "the encoder's bytes changed: a new format version?";
+  std::ifstream in4(std::string(VQ_SOURCE_DIR) + "/tests/golden/vq_layer_v4_drift.bin", std::ios::binary);
+  const std::vector<std::uint8_t> v4((std::istreambuf_iterator<char>(in4)), std::istreambuf_iterator<char>());
+  ASSERT_FALSE(v4.empty());
+  EXPECT_LT(static_cast<double>(bytes.size()), 0.85 * static_cast<double>(v4.size()));
+  const auto max = static_cast<std::uint64_t>(codes.rows() * (codes.k.n + codes.v.n));
+  EXPECT_EQ(vq::vq_encode(vq::vq_decode(v4, max)), bytes);  // a version 4 stream re-encodes as version 5
+  expect_kernels_agree(codes);
+  for (const auto kernel : {vq::RansKernel::Scalar, vq::RansKernel::Auto}) {
+    for (std::size_t n = 0; n < bytes.size(); ++n) EXPECT_THROW(vq::vq_decode(std::span(bytes).first(n), max, kernel), vq::FormatError) << n;
+    for (std::size_t i = 0; i < bytes.size(); ++i)
+      for (const std::uint8_t flip : {0x01, 0x10, 0x80}) {
+        auto b = bytes;
+        b[i] ^= flip;
+        try {
+          (void)vq::vq_decode(b, max, kernel);
+        } catch (const vq::FormatError&) {
+        }
+      }
   }
 }
 
