@@ -142,6 +142,46 @@ std::vector<std::uint8_t> read_nibbles(ByteReader& r, int n, int max, const char
   return v;
 }
 
+// Version 5's row copies of a side (codec_predict.hpp): u8 0 (none); or u8 1, varint k, k x (varint
+// gap, varint d - 1): the copied rows in order (gap = row - previous copied row - 1), each the copy of
+// row - d (d >= 1).
+void write_copies(std::vector<std::uint8_t>& out, const std::vector<std::int32_t>& from) {
+  std::size_t k = 0;
+  for (const auto f : from) k += f >= 0;
+  if (k == 0) {
+    out.push_back(0);
+    return;
+  }
+  out.push_back(1);
+  put_varint(out, k);
+  std::int64_t prev = -1;
+  for (std::size_t r = 0; r < from.size(); ++r) {
+    if (from[r] < 0) continue;
+    put_varint(out, static_cast<std::uint64_t>(static_cast<std::int64_t>(r) - prev - 1));
+    put_varint(out, r - static_cast<std::size_t>(from[r]) - 1);
+    prev = static_cast<std::int64_t>(r);
+  }
+}
+
+// Per row -1 or the row it copies; empty when none. Each copied row < rows, each source < its row.
+std::vector<std::int32_t> read_copies(ByteReader& r, std::uint64_t rows) {
+  const std::uint8_t layout = r.u8();
+  if (layout == 0) return {};
+  if (layout != 1) r.fail("unknown row copy layout");
+  const std::uint64_t k = r.varint(rows, "row copy count");
+  std::vector<std::int32_t> from(sz(static_cast<std::int64_t>(rows)), -1);
+  std::uint64_t at = 0;
+  for (std::uint64_t i = 0; i < k; ++i) {
+    at += r.varint(rows, "row copy gap");
+    if (at >= rows) r.fail("row copy past the last row");
+    const std::uint64_t d = r.varint(rows, "row copy distance") + 1;
+    if (d > at) r.fail("row copy before the first row");
+    from[sz(static_cast<std::int64_t>(at))] = static_cast<std::int32_t>(at - d);
+    ++at;
+  }
+  return from;
+}
+
 // The table of a shift's low parts: 2^shift equally likely symbols.
 FrequencyTable low_table(int shift) {
   return FrequencyTable::from_frequencies(std::vector<std::uint32_t>(sz(1) << shift, 1u), shift);
@@ -300,6 +340,10 @@ struct SideModel {
   // Version 5: per coefficient its predictor across tokens (codec_predict.hpp); empty when every
   // k_c = 0 (versions 1-4, or no coefficient predicted).
   std::vector<std::int8_t> pred;
+  // Version 5: per row -1 or the earlier row it copies (not coded); empty when none. coded_rows:
+  // the rows the region holds (those not copied).
+  std::vector<std::int32_t> copy_from;
+  std::size_t coded_rows = 0;
   // Derived: the coded columns (amax > 0) in order, their call table, amax and scale; the split columns.
   std::vector<int> cols, table, col_amax, col_scale, low_cols;
   void derive(const VqSideCodes& s, CallTables& t) {
@@ -492,7 +536,10 @@ ParsedHeader parse_header(ByteReader& r, int version, std::uint64_t max_codes, C
       const auto nib = read_nibbles(r, s->n, 15, "predictor");
       if (std::any_of(nib.begin(), nib.end(), [](std::uint8_t v) { return v != 0; }))
         for (const std::uint8_t v : nib) sm->pred.push_back(static_cast<std::int8_t>(vq_codec_detail::vq_pred_from_nibble(v)));
+      sm->copy_from = read_copies(r, h.rows);
     }
+    sm->coded_rows = sz(static_cast<std::int64_t>(h.rows));
+    for (const auto f : sm->copy_from) sm->coded_rows -= f >= 0;
     s->offset.resize(sz(s->n));
     sm->amax.assign(sz(s->n), 0);
     sm->param.assign(sz(s->n), 0);
@@ -606,11 +653,21 @@ std::vector<std::uint8_t> vq_encode(const VqLayerCodes& lc, RansKernel kernel) {
       his = his_buf.data();
     }
     check_hi(s, his, R * n, sd.s == &lc.k ? "K" : "V");
-    // Version 5: the region codes each hi part's residual from the previous token's (codec_predict.hpp).
+    // Version 5: the region codes each hi part's residual from the previous token's, and not at all
+    // the rows that repeat an earlier one (codec_predict.hpp).
     std::vector<std::int16_t> res_buf(R * n);
     const auto pred = vq_codec_detail::vq_predict(his, res_buf.data(), n, sz(lc.batch), sz(lc.tokens), kVqMaxCode);
     std::vector<std::uint8_t> pred_nibbles(n);
     for (std::size_t c = 0; c < n; ++c) pred_nibbles[c] = vq_codec_detail::vq_pred_nibble(pred[c]);
+    const auto copy_from = vq_codec_detail::vq_find_copies(his, n, R);
+    std::size_t rc = 0;  // coded rows, compacted in place
+    for (std::size_t r = 0; r < R; ++r)
+      if (copy_from[r] < 0) {
+        if (rc != r) std::copy_n(res_buf.data() + r * n, n, res_buf.data() + rc * n);
+        ++rc;
+      }
+    res_buf.resize(rc * n);
+    sd.sm.coded_rows = rc;
     his_buf = std::move(res_buf);
     his = his_buf.data();
     std::uint32_t step_bits;
@@ -618,7 +675,8 @@ std::vector<std::uint8_t> vq_encode(const VqLayerCodes& lc, RansKernel kernel) {
     for (int i = 0; i < 4; ++i) out.push_back(static_cast<std::uint8_t>(step_bits >> (8 * i)));
     write_nibbles(out, s.shift, s.n);
     write_nibbles(out, pred_nibbles, s.n);
-    side_models(his, n, R, sd.sm.amax, sd.sm.param, sd.sm.scale);
+    write_copies(out, copy_from);
+    side_models(his, n, rc, sd.sm.amax, sd.sm.param, sd.sm.scale);
     for (int c = 0; c < s.n; ++c) {
       const std::int64_t off = s.offset[sz(c)];
       put_varint(out, off < 0 ? static_cast<std::uint64_t>(-2 * off - 1) : static_cast<std::uint64_t>(2 * off));  // zigzag
@@ -631,8 +689,8 @@ std::vector<std::uint8_t> vq_encode(const VqLayerCodes& lc, RansKernel kernel) {
       sd.hi_buf = std::move(his_buf);
       sd.hi = sd.hi_buf.data();
     } else {
-      sd.hi_buf.resize(R * m);
-      for (std::size_t r = 0; r < R; ++r)
+      sd.hi_buf.resize(rc * m);
+      for (std::size_t r = 0; r < rc; ++r)
         for (std::size_t j = 0; j < m; ++j) sd.hi_buf[r * m + j] = his[r * n + sz(sd.sm.cols[j])];
       sd.hi = sd.hi_buf.data();
     }
@@ -643,7 +701,7 @@ std::vector<std::uint8_t> vq_encode(const VqLayerCodes& lc, RansKernel kernel) {
       for (std::size_t r = 0; r < R; ++r) sd.lows[k * R + r] = static_cast<std::uint16_t>(s.codes[r * n + c] & mask);
     }
     sd.base = n_total;
-    n_total += R * m + sd.lows.size();
+    n_total += rc * m + sd.lows.size();
   }
   // The fast kernel's encoder constants: every table's symbols in one pool.
   std::vector<std::uint64_t> enc_pool;
@@ -664,7 +722,7 @@ std::vector<std::uint8_t> vq_encode(const VqLayerCodes& lc, RansKernel kernel) {
   for (auto& v : x) v = kL;
   for (int k = 1; k >= 0; --k) {  // backwards: V, then K; within a side the low parts, then the region
     const Side& sd = sides[k];
-    const std::size_t m = sd.sm.m(), N = R * m, lbase = sd.base + N;
+    const std::size_t m = sd.sm.m(), N = sd.sm.coded_rows * m, lbase = sd.base + N;
     for (std::size_t l = sd.sm.low_cols.size(); l-- > 0;) {
       const int shift = sd.s->shift[sz(sd.sm.low_cols[l])];
       for (std::size_t r = R; r-- > 0;) enc_put(x[(lbase + l * R + r) & 31], 1, sd.lows[l * R + r], shift, ptr);
@@ -715,7 +773,7 @@ VqLayerCodes vq_decode(std::span<const std::uint8_t> bytes, std::uint64_t max_co
   }
   const std::size_t R = sz(static_cast<std::int64_t>(h.rows));
   std::size_t n_total = 0;
-  for (const SideModel* sm : {&h.k, &h.v}) n_total += R * (sm->m() + sm->low_cols.size());
+  for (const SideModel* sm : {&h.k, &h.v}) n_total += sm->coded_rows * sm->m() + R * sm->low_cols.size();
   // rans.hpp's stream header.
   const std::uint64_t n = r.varint(~0ull, "symbol count");
   if (n != n_total) r.fail(fmt::format("the rANS stream holds {} symbols, the header implies {}", n, n_total));
@@ -733,11 +791,12 @@ VqLayerCodes vq_decode(std::span<const std::uint8_t> bytes, std::uint64_t max_co
   if (R > 0) pools.build(tables, fast);
   std::size_t base = 0;
   for (auto [s, sm] : {std::pair{&h.lc.k, &h.k}, std::pair{&h.lc.v, &h.v}}) {
-    const std::size_t m = sm->m(), n_side = sz(s->n), N = R * m;
+    const std::size_t m = sm->m(), n_side = sz(s->n), N = sm->coded_rows * m;
     s->codes.assign(R * n_side, 0);
     std::vector<std::int16_t> region;
     std::int16_t* hi = s->codes.data();
-    if (m != n_side) {
+    const bool compact = m != n_side || sm->coded_rows != R;  // the region is not the side's own codes
+    if (compact) {
       region.resize(N);
       hi = region.data();
     }
@@ -760,13 +819,19 @@ VqLayerCodes vq_decode(std::span<const std::uint8_t> bytes, std::uint64_t max_co
       p = decode_region_scalar(x, hi, 0, N, base, *sm, tables, pools.sym.empty() ? nullptr : pools.sym.data(), p, end);
     }
     base += N;
-    if (m != n_side)
-      for (std::size_t row = 0; row < R; ++row)
-        for (std::size_t j = 0; j < m; ++j) s->codes[row * n_side + sz(sm->cols[j])] = region[row * m + j];
-    // Version 5: the region held residuals; rebuild the hi parts token by token.
-    if (!sm->pred.empty() &&
-        !vq_codec_detail::vq_unpredict(s->codes.data(), n_side, sz(h.lc.batch), sz(h.lc.tokens), sm->pred.data(), kVqMaxCode, fast))
-      r.fail("a predicted hi part leaves +-255 (corrupt stream)");
+    if (compact)
+      for (std::size_t row = 0, i = 0; row < R; ++row) {
+        if (!sm->copy_from.empty() && sm->copy_from[row] >= 0) continue;
+        for (std::size_t j = 0; j < m; ++j) s->codes[row * n_side + sz(sm->cols[j])] = region[i * m + j];
+        ++i;
+      }
+    // Version 5: the region held residuals of the rows not copied; rebuild the hi parts token by token.
+    if (!sm->pred.empty() || !sm->copy_from.empty()) {
+      const std::vector<std::int8_t> none(sm->pred.empty() ? n_side : 0, 0);
+      if (!vq_codec_detail::vq_unpredict(s->codes.data(), n_side, sz(h.lc.batch), sz(h.lc.tokens), sm->pred.empty() ? none.data() : sm->pred.data(),
+                                         sm->copy_from.empty() ? nullptr : sm->copy_from.data(), kVqMaxCode, fast))
+        r.fail("a predicted hi part leaves +-255 (corrupt stream)");
+    }
     for (const int c : sm->low_cols) {
       const int shift = s->shift[sz(c)];
       const std::uint32_t lmask = (1u << shift) - 1;

@@ -3,6 +3,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <string_view>
+#include <unordered_map>
 
 #include <immintrin.h>
 
@@ -116,16 +119,40 @@ std::vector<std::int8_t> vq_predict(const std::int16_t* hi, std::int16_t* res, s
   return k;
 }
 
-bool vq_unpredict(std::int16_t* codes, std::size_t n, std::size_t batch, std::size_t tokens, const std::int8_t* k, int max_hi, bool avx2) {
+std::vector<std::int32_t> vq_find_copies(const std::int16_t* hi, std::size_t n, std::size_t rows) {
+  std::vector<std::int32_t> from(rows, -1);
+  if (n < kVqMinCopyWidth) return from;
+  std::unordered_map<std::string_view, std::int32_t> last;
+  last.reserve(rows);
+  for (std::size_t r = 0; r < rows; ++r) {
+    const std::string_view key(reinterpret_cast<const char*>(hi + r * n), 2 * n);
+    auto [it, fresh] = last.try_emplace(key, static_cast<std::int32_t>(r));
+    if (!fresh) {
+      from[r] = it->second;
+      it->second = static_cast<std::int32_t>(r);
+    }
+  }
+  return from;
+}
+
+bool vq_unpredict(std::int16_t* codes, std::size_t n, std::size_t batch, std::size_t tokens, const std::int8_t* k, const std::int32_t* copy_from,
+                  int max_hi, bool avx2) {
   const std::vector<std::int16_t> k16(k, k + n);
   for (std::size_t b = 0; b < batch; ++b) {
-    std::int16_t* row = codes + b * tokens * n;
-    // Token 0: pred 0, the residual is the hi part (|residual| <= amax <= 255 already).
-    for (std::size_t c = 0; tokens > 0 && c < n; ++c)
-      if (row[c] > max_hi || row[c] < -max_hi) return false;
-    for (std::size_t t = 1; t < tokens; ++t) {
-      std::int16_t* cur = row + t * n;
-      const bool ok = avx2 ? unpredict_row_avx2(cur, cur - n, k16.data(), n, max_hi) : unpredict_row_scalar(cur, cur - n, k16.data(), 0, n, max_hi);
+    for (std::size_t t = 0; t < tokens; ++t) {
+      const std::size_t r = b * tokens + t;
+      std::int16_t* cur = codes + r * n;
+      if (copy_from != nullptr && copy_from[r] >= 0) {
+        std::memcpy(cur, codes + static_cast<std::size_t>(copy_from[r]) * n, 2 * n);
+        continue;
+      }
+      bool ok;
+      if (t == 0) {  // pred 0: the residual is the hi part
+        ok = true;
+        for (std::size_t c = 0; c < n; ++c) ok &= cur[c] <= max_hi && cur[c] >= -max_hi;
+      } else {
+        ok = avx2 ? unpredict_row_avx2(cur, cur - n, k16.data(), n, max_hi) : unpredict_row_scalar(cur, cur - n, k16.data(), 0, n, max_hi);
+      }
       if (!ok) return false;
     }
   }

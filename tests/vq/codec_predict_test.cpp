@@ -13,6 +13,7 @@
 
 namespace {
 
+using vq::vq_codec_detail::vq_find_copies;
 using vq::vq_codec_detail::vq_predict;
 using vq::vq_codec_detail::vq_unpredict;
 
@@ -93,7 +94,7 @@ TEST(VqCodecPredict, UnpredictInvertsBitForBitInBothKernels) {
       for (const bool avx2 : {false, true}) {
         if (avx2 && !vq::rans_avx2_available()) continue;
         auto codes = res;
-        ASSERT_TRUE(vq_unpredict(codes.data(), n, B, T, k.data(), 255, avx2));
+        ASSERT_TRUE(vq_unpredict(codes.data(), n, B, T, k.data(), nullptr, 255, avx2));
         EXPECT_EQ(codes, hi) << "avx2 " << avx2;
       }
     }
@@ -110,12 +111,47 @@ TEST(VqCodecPredict, GrowingHiPartsAreRefusedInBothKernels) {
       std::vector<std::int8_t> k(n, 0);
       k[bad] = 8;
       for (std::size_t t = 0; t < T; ++t) codes[t * n + bad] = 200;
-      EXPECT_FALSE(vq_unpredict(codes.data(), n, 1, T, k.data(), 255, avx2)) << bad << " " << avx2;
+      EXPECT_FALSE(vq_unpredict(codes.data(), n, 1, T, k.data(), nullptr, 255, avx2)) << bad << " " << avx2;
       // Token 0 (predicted as 0) is checked too.
       std::vector<std::int16_t> first(n, 0);
       first[bad] = -256;
-      EXPECT_FALSE(vq_unpredict(first.data(), n, 1, 1, k.data(), 255, avx2));
+      EXPECT_FALSE(vq_unpredict(first.data(), n, 1, 1, k.data(), nullptr, 255, avx2));
     }
+}
+
+TEST(VqCodecPredict, RowCopiesNameTheLastEqualRowAndRebuildIt) {
+  // Rows drawn from 5 distinct patterns (a token vocabulary) over two batches: each repeat names
+  // the last row equal to it, across the batch boundary too; narrow sides are never searched.
+  const std::size_t n = 20, B = 2, T = 40;
+  std::mt19937_64 rng(9);
+  std::vector<std::int16_t> vocab(5 * n);
+  for (auto& v : vocab) v = static_cast<std::int16_t>(static_cast<int>(rng() % 21) - 10);
+  std::vector<std::int16_t> hi(B * T * n);
+  std::vector<int> tok(B * T);
+  for (std::size_t r = 0; r < B * T; ++r) {
+    tok[r] = r % 7 == 3 ? -1 : static_cast<int>(rng() % 5);  // -1: a row of its own
+    for (std::size_t c = 0; c < n; ++c)
+      hi[r * n + c] = tok[r] < 0 ? static_cast<std::int16_t>(100 + r) : vocab[static_cast<std::size_t>(tok[r]) * n + c];
+  }
+  const auto from = vq_find_copies(hi.data(), n, B * T);
+  for (std::size_t r = 0; r < B * T; ++r) {
+    int last = -1;
+    for (std::size_t q = 0; q < r; ++q)
+      if (tok[q] >= 0 && tok[q] == tok[r]) last = static_cast<int>(q);
+    EXPECT_EQ(from[r], last) << r;
+  }
+  EXPECT_EQ(vq_find_copies(hi.data(), n - 5, B * T * n / (n - 5)), std::vector<std::int32_t>(B * T * n / (n - 5), -1));
+  // The residuals of the rows not copied, then the rebuild: every row as it was, in both kernels.
+  std::vector<std::int16_t> res(hi.size());
+  const auto k = vq_predict(hi.data(), res.data(), n, B, T, 255);
+  for (const bool avx2 : {false, true}) {
+    if (avx2 && !vq::rans_avx2_available()) continue;
+    auto codes = res;
+    for (std::size_t r = 0; r < B * T; ++r)
+      if (from[r] >= 0) std::fill_n(codes.begin() + static_cast<std::ptrdiff_t>(r * n), n, std::int16_t{999});  // not coded: junk
+    ASSERT_TRUE(vq_unpredict(codes.data(), n, B, T, k.data(), from.data(), 255, avx2));
+    EXPECT_EQ(codes, hi) << "avx2 " << avx2;
+  }
 }
 
 }  // namespace

@@ -150,9 +150,9 @@ TEST(VqCodec, AllZeroSideCostsOnlyItsHeader) {
     s->offset.assign(4, 0);
     s->codes.assign(400, 0);
   }
-  // version, 4 varints, per side: step 4 + shift flag 1 + predictor flag 1 + 4 x (offset 1 + amax 1);
-  // an empty rANS stream (1).
-  EXPECT_EQ(vq::vq_encode(lc).size(), 1u + 4u + 2u * (4u + 1u + 1u + 8u) + 1u);
+  // version, 4 varints, per side: step 4 + shift, predictor and row copy flags 3 + 4 x (offset 1 +
+  // amax 1); an empty rANS stream (1).
+  EXPECT_EQ(vq::vq_encode(lc).size(), 1u + 4u + 2u * (4u + 3u + 8u) + 1u);
   expect_equal(lc, vq::vq_decode(vq::vq_encode(lc), 800));
 }
 
@@ -477,11 +477,12 @@ TEST(VqCodec, VersionFourStreamsStillDecode) {
   }
 }
 
-// Version 5 predicts each coefficient's hi part from the previous token's. On codes that drift along
-// tokens this build writes exactly tests/golden/vq_layer_v5_drift.bin (every size change shows in
-// review; regenerate only on a deliberate format change:
+// Version 5 predicts each coefficient's hi part from the previous token's and copies repeated rows.
+// On codes that drift along tokens this build writes exactly tests/golden/vq_layer_v5_drift.bin
+// (every size change shows in review; regenerate only on a deliberate format change:
 //   VQ_WRITE_GOLDEN=1 ./build/tests/vq_tests --gtest_filter='VqCodec.VersionFive*'),
-// well below version 4's stream of the same codes, the kernels agree, and cuts and flips fail cleanly.
+// well below version 4's stream of the same codes; with every ninth V row a repeat of an earlier one
+// (V is 20 wide: searched for copies) smaller still; the kernels agree, cuts and flips fail cleanly.
 TEST(VqCodec, VersionFivePredictsAcrossTokens) {
   const std::string path = std::string(VQ_SOURCE_DIR) + "/tests/golden/vq_layer_v5_drift.bin";
   const auto codes = drift_codes();
@@ -500,11 +501,18 @@ TEST(VqCodec, VersionFivePredictsAcrossTokens) {
   const auto max = static_cast<std::uint64_t>(codes.rows() * (codes.k.n + codes.v.n));
   EXPECT_EQ(vq::vq_encode(vq::vq_decode(v4, max)), bytes);  // a version 4 stream re-encodes as version 5
   expect_kernels_agree(codes);
+  auto repeats = codes;
+  const auto n_v = static_cast<std::size_t>(repeats.v.n);
+  for (std::size_t r = 4; r < static_cast<std::size_t>(repeats.rows()); r += 9)
+    std::copy_n(repeats.v.codes.begin() + static_cast<std::ptrdiff_t>((r - 4) * n_v), n_v, repeats.v.codes.begin() + static_cast<std::ptrdiff_t>(r * n_v));
+  expect_kernels_agree(repeats);
+  const auto rbytes = vq::vq_encode(repeats);
+  EXPECT_LT(rbytes.size() + 50, bytes.size());
   for (const auto kernel : {vq::RansKernel::Scalar, vq::RansKernel::Auto}) {
-    for (std::size_t n = 0; n < bytes.size(); ++n) EXPECT_THROW(vq::vq_decode(std::span(bytes).first(n), max, kernel), vq::FormatError) << n;
-    for (std::size_t i = 0; i < bytes.size(); ++i)
+    for (std::size_t n = 0; n < rbytes.size(); ++n) EXPECT_THROW(vq::vq_decode(std::span(rbytes).first(n), max, kernel), vq::FormatError) << n;
+    for (std::size_t i = 0; i < rbytes.size(); ++i)
       for (const std::uint8_t flip : {0x01, 0x10, 0x80}) {
-        auto b = bytes;
+        auto b = rbytes;
         b[i] ^= flip;
         try {
           (void)vq::vq_decode(b, max, kernel);
