@@ -51,8 +51,9 @@ __attribute__((target("avx2"))) bool unpredict_row_avx2(std::int16_t* cur, const
 
 }  // namespace
 
-std::vector<std::int8_t> vq_predict(const std::int16_t* hi, std::int16_t* res, std::size_t n, std::size_t batch, std::size_t tokens,
-                                    int max_residual) {
+// Two clones (ifunc): the passes below vectorise twice as wide with AVX2 as with the SSE2 baseline.
+__attribute__((target_clones("avx2", "default"))) std::vector<std::int8_t> vq_predict(const std::int16_t* hi, std::int16_t* res, std::size_t n,
+                                                                                      std::size_t batch, std::size_t tokens, int max_residual) {
   std::vector<std::int8_t> k(n, 0);
   const std::size_t R = batch * tokens;
   if (R < 2) {
