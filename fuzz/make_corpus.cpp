@@ -251,7 +251,9 @@ int main(int argc, char** argv) {
   // coefficients whose stream is long enough for the AVX2 lane groups; a cut and a flipped copy of
   // each. (v1_*: the same first four as version 1 streams, kept from before version 2; v2_*: all five
   // as version 2 streams, kept from before version 3; v3_*: all five as version 3 streams, kept from
-  // before version 4.)
+  // before version 4; v4_*: all five as version 4 streams, kept from before version 5.) Then a
+  // sixth that version 5's prediction reaches: 48 tokens x 32 coefficients that drift along tokens
+  // (a random walk per coefficient), every fifth token a repeat of the token three before (row copies).
   const auto vl = root / "fuzz_vq_layer";
   std::mt19937 vrng(9);
   n = 0;
@@ -266,6 +268,29 @@ int main(int argc, char** argv) {
     std::normal_distribution<float> nd;
     for (std::size_t i = 0; i < x.size(); ++i) x[i] = nd(vrng) * (i % 4 == 3 ? 500.0f : 1.0f);
     const auto t = vq::Tensor::from_f32({batch, 2, tokens, dim}, x);
+    cache.update_and_fetch(t, t);
+    const auto b = cache.encode();
+    write_seeds(vl, n++, b, b.size() * 2 / 3, b.size() / 2, 0x08);
+  }
+  {
+    vq::VqConfig vcfg;
+    vcfg.bits = 3.0;
+    vcfg.calib = 8;
+    vq::VqKVCache cache(vcfg);
+    const int tokens = 48, dim = 16;
+    std::vector<float> x(static_cast<std::size_t>(2 * tokens * dim));
+    std::normal_distribution<float> nd;
+    std::mt19937 drng(16);  // its own generator, so the seeds after it stay as they were
+    for (int h = 0; h < 2; ++h)
+      for (int d = 0; d < dim; ++d) {
+        float w = 0.0f;
+        for (int t = 0; t < tokens; ++t) {
+          w += nd(drng);
+          const int src = t % 5 == 4 ? t - 3 : t;
+          x[static_cast<std::size_t>((h * tokens + t) * dim + d)] = src == t ? w : x[static_cast<std::size_t>((h * tokens + src) * dim + d)];
+        }
+      }
+    const auto t = vq::Tensor::from_f32({1, 2, tokens, dim}, x);
     cache.update_and_fetch(t, t);
     const auto b = cache.encode();
     write_seeds(vl, n++, b, b.size() * 2 / 3, b.size() / 2, 0x08);

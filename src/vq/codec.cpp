@@ -14,6 +14,7 @@
 #include "../entropy/byte_io.hpp"
 #include "../entropy/rans_kernels.hpp"
 #include "codec_kernels.hpp"
+#include "codec_predict.hpp"
 
 namespace vq {
 
@@ -81,18 +82,20 @@ void check_hi(const VqSideCodes& s, const std::int16_t* hi, std::size_t count, c
   }
 }
 
-// The shifts of a side, the cheaper of two layouts (most caches have none or a few):
-//   u8 0                       none
-//   u8 1, varint k, k x (varint gap, u8 shift)   sparse: gap = index - previous index - 1
+// A nibble per coefficient (the shifts; version 5's predictors, vq_pred_nibble), the cheaper of two
+// layouts (most sides have none or a few that are not 0):
+//   u8 0                       all 0
+//   u8 1, varint k, k x (varint gap, u8 value)   sparse: the values that are not 0, gap = index - previous index - 1
 //   u8 2, ceil(n / 2) bytes    dense nibbles, coefficient 2i in the low nibble of byte i
-void write_shifts(std::vector<std::uint8_t>& out, const VqSideCodes& s) {
+// v: n values (or empty: all 0).
+void write_nibbles(std::vector<std::uint8_t>& out, const std::vector<std::uint8_t>& v, int n) {
   std::vector<std::uint8_t> sparse;
   std::size_t k = 0;
   int prev = -1;
-  for (int c = 0; c < static_cast<int>(s.shift.size()); ++c) {
-    if (s.shift[sz(c)] == 0) continue;
+  for (int c = 0; c < static_cast<int>(v.size()); ++c) {
+    if (v[sz(c)] == 0) continue;
     put_varint(sparse, static_cast<std::uint64_t>(c - prev - 1));
-    sparse.push_back(s.shift[sz(c)]);
+    sparse.push_back(v[sz(c)]);
     prev = c;
     ++k;
   }
@@ -102,40 +105,81 @@ void write_shifts(std::vector<std::uint8_t>& out, const VqSideCodes& s) {
   }
   std::vector<std::uint8_t> head;
   put_varint(head, k);
-  if (head.size() + sparse.size() <= sz(s.n + 1) / 2) {
+  if (head.size() + sparse.size() <= sz(n + 1) / 2) {
     out.push_back(1);
     out.insert(out.end(), head.begin(), head.end());
     out.insert(out.end(), sparse.begin(), sparse.end());
     return;
   }
   out.push_back(2);
-  for (int c = 0; c < s.n; c += 2)
-    out.push_back(static_cast<std::uint8_t>(s.shift[sz(c)] | (c + 1 < s.n ? s.shift[sz(c + 1)] << 4 : 0)));
+  for (int c = 0; c < n; c += 2) out.push_back(static_cast<std::uint8_t>(v[sz(c)] | (c + 1 < n ? v[sz(c + 1)] << 4 : 0)));
 }
 
-void read_shifts(ByteReader& r, VqSideCodes& s) {
-  s.shift.assign(sz(s.n), 0);
+// The n nibbles write_nibbles wrote, each <= max (what: the field, for messages).
+std::vector<std::uint8_t> read_nibbles(ByteReader& r, int n, int max, const char* what) {
+  std::vector<std::uint8_t> v(sz(n), 0);
   const std::uint8_t layout = r.u8();
-  if (layout == 0) return;
+  if (layout == 0) return v;
   if (layout == 1) {
-    const std::uint64_t k = r.varint(static_cast<std::uint64_t>(s.n), "shift count");
+    const std::uint64_t k = r.varint(static_cast<std::uint64_t>(n), what);
     std::uint64_t at = 0;
     for (std::uint64_t i = 0; i < k; ++i) {
-      at += r.varint(static_cast<std::uint64_t>(s.n), "shift gap");
-      if (at >= static_cast<std::uint64_t>(s.n)) r.fail("shift index past the last coefficient");
-      const std::uint8_t v = r.u8();
-      if (v == 0 || v > kVqMaxShift) r.fail(fmt::format("sparse shift {} outside 1..{}", v, kVqMaxShift));
-      s.shift[at++] = v;
+      at += r.varint(static_cast<std::uint64_t>(n), what);
+      if (at >= static_cast<std::uint64_t>(n)) r.fail(fmt::format("{} index past the last coefficient", what));
+      const std::uint8_t x = r.u8();
+      if (x == 0 || x > max) r.fail(fmt::format("sparse {} {} outside 1..{}", what, x, max));
+      v[at++] = x;
     }
+    return v;
+  }
+  if (layout != 2) r.fail(fmt::format("unknown {} layout", what));
+  for (int c = 0; c < n; c += 2) {
+    const std::uint8_t b = r.u8();
+    if ((b & 0xf) > max || (b >> 4) > max || (c + 1 == n && (b >> 4) != 0)) r.fail(fmt::format("bad dense {}", what));
+    v[sz(c)] = b & 0xf;
+    if (c + 1 < n) v[sz(c + 1)] = static_cast<std::uint8_t>(b >> 4);
+  }
+  return v;
+}
+
+// Version 5's row copies of a side (codec_predict.hpp): u8 0 (none); or u8 1, varint k, k x (varint
+// gap, varint d - 1): the copied rows in order (gap = row - previous copied row - 1), each the copy of
+// row - d (d >= 1).
+void write_copies(std::vector<std::uint8_t>& out, const std::vector<std::int32_t>& from) {
+  std::size_t k = 0;
+  for (const auto f : from) k += f >= 0;
+  if (k == 0) {
+    out.push_back(0);
     return;
   }
-  if (layout != 2) r.fail("unknown shift layout");
-  for (int c = 0; c < s.n; c += 2) {
-    const std::uint8_t b = r.u8();
-    if ((b & 0xf) > kVqMaxShift || (b >> 4) > kVqMaxShift || (c + 1 == s.n && (b >> 4) != 0)) r.fail("bad dense shifts");
-    s.shift[sz(c)] = b & 0xf;
-    if (c + 1 < s.n) s.shift[sz(c + 1)] = static_cast<std::uint8_t>(b >> 4);
+  out.push_back(1);
+  put_varint(out, k);
+  std::int64_t prev = -1;
+  for (std::size_t r = 0; r < from.size(); ++r) {
+    if (from[r] < 0) continue;
+    put_varint(out, static_cast<std::uint64_t>(static_cast<std::int64_t>(r) - prev - 1));
+    put_varint(out, r - static_cast<std::size_t>(from[r]) - 1);
+    prev = static_cast<std::int64_t>(r);
   }
+}
+
+// Per row -1 or the row it copies; empty when none. Each copied row < rows, each source < its row.
+std::vector<std::int32_t> read_copies(ByteReader& r, std::uint64_t rows) {
+  const std::uint8_t layout = r.u8();
+  if (layout == 0) return {};
+  if (layout != 1) r.fail("unknown row copy layout");
+  const std::uint64_t k = r.varint(rows, "row copy count");
+  std::vector<std::int32_t> from(sz(static_cast<std::int64_t>(rows)), -1);
+  std::uint64_t at = 0;
+  for (std::uint64_t i = 0; i < k; ++i) {
+    at += r.varint(rows, "row copy gap");
+    if (at >= rows) r.fail("row copy past the last row");
+    const std::uint64_t d = r.varint(rows, "row copy distance") + 1;
+    if (d > at) r.fail("row copy before the first row");
+    from[sz(static_cast<std::int64_t>(at))] = static_cast<std::int32_t>(at - d);
+    ++at;
+  }
+  return from;
 }
 
 // The table of a shift's low parts: 2^shift equally likely symbols.
@@ -293,6 +337,13 @@ struct SideModel {
   // Per coefficient its table's precision: vq_coef_scale_bits (version 4), the side's
   // vq_side_scale_bits (version 3), 12 (versions 1 and 2).
   std::vector<int> scale;
+  // Version 5: per coefficient its predictor across tokens (codec_predict.hpp); empty when every
+  // k_c = 0 (versions 1-4, or no coefficient predicted).
+  std::vector<std::int8_t> pred;
+  // Version 5: per row -1 or the earlier row it copies (not coded); empty when none. coded_rows:
+  // the rows the region holds (those not copied).
+  std::vector<std::int32_t> copy_from;
+  std::size_t coded_rows = 0;
   // Derived: the coded columns (amax > 0) in order, their call table, amax and scale; the split columns.
   std::vector<int> cols, table, col_amax, col_scale, low_cols;
   void derive(const VqSideCodes& s, CallTables& t) {
@@ -480,7 +531,15 @@ ParsedHeader parse_header(ByteReader& r, int version, std::uint64_t max_codes, C
     const std::uint32_t step_bits = r.u32le();
     std::memcpy(&s->step, &step_bits, 4);
     if (!std::isfinite(s->step) || s->step <= 0.0f) r.fail("step is not a finite positive float32");
-    read_shifts(r, *s);
+    s->shift = read_nibbles(r, s->n, kVqMaxShift, "shift");
+    if (version >= 5) {
+      const auto nib = read_nibbles(r, s->n, 15, "predictor");
+      if (std::any_of(nib.begin(), nib.end(), [](std::uint8_t v) { return v != 0; }))
+        for (const std::uint8_t v : nib) sm->pred.push_back(static_cast<std::int8_t>(vq_codec_detail::vq_pred_from_nibble(v)));
+      sm->copy_from = read_copies(r, h.rows);
+    }
+    sm->coded_rows = sz(static_cast<std::int64_t>(h.rows));
+    for (const auto f : sm->copy_from) sm->coded_rows -= f >= 0;
     s->offset.resize(sz(s->n));
     sm->amax.assign(sz(s->n), 0);
     sm->param.assign(sz(s->n), 0);
@@ -563,7 +622,7 @@ std::vector<std::uint8_t> vq_encode(const VqLayerCodes& lc, RansKernel kernel) {
   check_side(lc.v, rows, "V");
   const std::size_t R = sz(rows);
   std::vector<std::uint8_t> out;
-  out.push_back(4);
+  out.push_back(5);
   put_varint(out, static_cast<std::uint64_t>(lc.batch));
   put_varint(out, static_cast<std::uint64_t>(lc.tokens));
   put_varint(out, static_cast<std::uint64_t>(lc.k.n));
@@ -594,11 +653,30 @@ std::vector<std::uint8_t> vq_encode(const VqLayerCodes& lc, RansKernel kernel) {
       his = his_buf.data();
     }
     check_hi(s, his, R * n, sd.s == &lc.k ? "K" : "V");
+    // Version 5: the region codes each hi part's residual from the previous token's, and not at all
+    // the rows that repeat an earlier one (codec_predict.hpp).
+    std::vector<std::int16_t> res_buf(R * n);
+    const auto pred = vq_codec_detail::vq_predict(his, res_buf.data(), n, sz(lc.batch), sz(lc.tokens), kVqMaxCode);
+    std::vector<std::uint8_t> pred_nibbles(n);
+    for (std::size_t c = 0; c < n; ++c) pred_nibbles[c] = vq_codec_detail::vq_pred_nibble(pred[c]);
+    const auto copy_from = vq_codec_detail::vq_find_copies(his, n, R);
+    std::size_t rc = 0;  // coded rows, compacted in place
+    for (std::size_t r = 0; r < R; ++r)
+      if (copy_from[r] < 0) {
+        if (rc != r) std::copy_n(res_buf.data() + r * n, n, res_buf.data() + rc * n);
+        ++rc;
+      }
+    res_buf.resize(rc * n);
+    sd.sm.coded_rows = rc;
+    his_buf = std::move(res_buf);
+    his = his_buf.data();
     std::uint32_t step_bits;
     std::memcpy(&step_bits, &s.step, 4);
     for (int i = 0; i < 4; ++i) out.push_back(static_cast<std::uint8_t>(step_bits >> (8 * i)));
-    write_shifts(out, s);
-    side_models(his, n, R, sd.sm.amax, sd.sm.param, sd.sm.scale);
+    write_nibbles(out, s.shift, s.n);
+    write_nibbles(out, pred_nibbles, s.n);
+    write_copies(out, copy_from);
+    side_models(his, n, rc, sd.sm.amax, sd.sm.param, sd.sm.scale);
     for (int c = 0; c < s.n; ++c) {
       const std::int64_t off = s.offset[sz(c)];
       put_varint(out, off < 0 ? static_cast<std::uint64_t>(-2 * off - 1) : static_cast<std::uint64_t>(2 * off));  // zigzag
@@ -609,10 +687,10 @@ std::vector<std::uint8_t> vq_encode(const VqLayerCodes& lc, RansKernel kernel) {
     const std::size_t m = sd.sm.m();
     if (m == n) {
       sd.hi_buf = std::move(his_buf);
-      sd.hi = shifted ? sd.hi_buf.data() : s.codes.data();
+      sd.hi = sd.hi_buf.data();
     } else {
-      sd.hi_buf.resize(R * m);
-      for (std::size_t r = 0; r < R; ++r)
+      sd.hi_buf.resize(rc * m);
+      for (std::size_t r = 0; r < rc; ++r)
         for (std::size_t j = 0; j < m; ++j) sd.hi_buf[r * m + j] = his[r * n + sz(sd.sm.cols[j])];
       sd.hi = sd.hi_buf.data();
     }
@@ -623,7 +701,7 @@ std::vector<std::uint8_t> vq_encode(const VqLayerCodes& lc, RansKernel kernel) {
       for (std::size_t r = 0; r < R; ++r) sd.lows[k * R + r] = static_cast<std::uint16_t>(s.codes[r * n + c] & mask);
     }
     sd.base = n_total;
-    n_total += R * m + sd.lows.size();
+    n_total += rc * m + sd.lows.size();
   }
   // The fast kernel's encoder constants: every table's symbols in one pool.
   std::vector<std::uint64_t> enc_pool;
@@ -644,7 +722,7 @@ std::vector<std::uint8_t> vq_encode(const VqLayerCodes& lc, RansKernel kernel) {
   for (auto& v : x) v = kL;
   for (int k = 1; k >= 0; --k) {  // backwards: V, then K; within a side the low parts, then the region
     const Side& sd = sides[k];
-    const std::size_t m = sd.sm.m(), N = R * m, lbase = sd.base + N;
+    const std::size_t m = sd.sm.m(), N = sd.sm.coded_rows * m, lbase = sd.base + N;
     for (std::size_t l = sd.sm.low_cols.size(); l-- > 0;) {
       const int shift = sd.s->shift[sz(sd.sm.low_cols[l])];
       for (std::size_t r = R; r-- > 0;) enc_put(x[(lbase + l * R + r) & 31], 1, sd.lows[l * R + r], shift, ptr);
@@ -686,7 +764,7 @@ VqLayerCodes vq_decode(std::span<const std::uint8_t> bytes, std::uint64_t max_co
   const bool fast = use_avx2(kernel);
   ByteReader r(bytes, "vq layer");
   const std::uint8_t version = r.u8();
-  if (version < 1 || version > 4) r.fail(fmt::format("unknown version {} (expected 1 to 4)", version));
+  if (version < 1 || version > 5) r.fail(fmt::format("unknown version {} (expected 1 to 5)", version));
   CallTables tables;
   ParsedHeader h = parse_header(r, version, max_codes, tables);
   if (version == 1) {
@@ -695,7 +773,7 @@ VqLayerCodes vq_decode(std::span<const std::uint8_t> bytes, std::uint64_t max_co
   }
   const std::size_t R = sz(static_cast<std::int64_t>(h.rows));
   std::size_t n_total = 0;
-  for (const SideModel* sm : {&h.k, &h.v}) n_total += R * (sm->m() + sm->low_cols.size());
+  for (const SideModel* sm : {&h.k, &h.v}) n_total += sm->coded_rows * sm->m() + R * sm->low_cols.size();
   // rans.hpp's stream header.
   const std::uint64_t n = r.varint(~0ull, "symbol count");
   if (n != n_total) r.fail(fmt::format("the rANS stream holds {} symbols, the header implies {}", n, n_total));
@@ -713,11 +791,12 @@ VqLayerCodes vq_decode(std::span<const std::uint8_t> bytes, std::uint64_t max_co
   if (R > 0) pools.build(tables, fast);
   std::size_t base = 0;
   for (auto [s, sm] : {std::pair{&h.lc.k, &h.k}, std::pair{&h.lc.v, &h.v}}) {
-    const std::size_t m = sm->m(), n_side = sz(s->n), N = R * m;
+    const std::size_t m = sm->m(), n_side = sz(s->n), N = sm->coded_rows * m;
     s->codes.assign(R * n_side, 0);
     std::vector<std::int16_t> region;
     std::int16_t* hi = s->codes.data();
-    if (m != n_side) {
+    const bool compact = m != n_side || sm->coded_rows != R;  // the region is not the side's own codes
+    if (compact) {
       region.resize(N);
       hi = region.data();
     }
@@ -740,9 +819,19 @@ VqLayerCodes vq_decode(std::span<const std::uint8_t> bytes, std::uint64_t max_co
       p = decode_region_scalar(x, hi, 0, N, base, *sm, tables, pools.sym.empty() ? nullptr : pools.sym.data(), p, end);
     }
     base += N;
-    if (m != n_side)
-      for (std::size_t row = 0; row < R; ++row)
-        for (std::size_t j = 0; j < m; ++j) s->codes[row * n_side + sz(sm->cols[j])] = region[row * m + j];
+    if (compact)
+      for (std::size_t row = 0, i = 0; row < R; ++row) {
+        if (!sm->copy_from.empty() && sm->copy_from[row] >= 0) continue;
+        for (std::size_t j = 0; j < m; ++j) s->codes[row * n_side + sz(sm->cols[j])] = region[i * m + j];
+        ++i;
+      }
+    // Version 5: the region held residuals of the rows not copied; rebuild the hi parts token by token.
+    if (!sm->pred.empty() || !sm->copy_from.empty()) {
+      const std::vector<std::int8_t> none(sm->pred.empty() ? n_side : 0, 0);
+      if (!vq_codec_detail::vq_unpredict(s->codes.data(), n_side, sz(h.lc.batch), sz(h.lc.tokens), sm->pred.empty() ? none.data() : sm->pred.data(),
+                                         sm->copy_from.empty() ? nullptr : sm->copy_from.data(), kVqMaxCode, fast))
+        r.fail("a predicted hi part leaves +-255 (corrupt stream)");
+    }
     for (const int c : sm->low_cols) {
       const int shift = s->shift[sz(c)];
       const std::uint32_t lmask = (1u << shift) - 1;

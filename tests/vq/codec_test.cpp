@@ -74,6 +74,44 @@ vq::VqLayerCodes mixed_codes() {
   return lc;
 }
 
+// Codes that drift along tokens, as real K/V do: per coefficient an AR(1) process of correlation
+// rho (0.98, 0.9, 0.6, 0, -0.7 by c % 5) in two batches; coefficient 3 is all zero, coefficient 5
+// is split (shift 2) with a wide walk, and coefficient 7 sits at +200 but jumps to -200 and back
+// (strongly correlated, yet a prediction from the previous token would leave a residual of -400,
+// outside the alphabet). tests/golden/vq_layer_v4_drift.bin holds these codes written by the
+// version 4 encoder (commit 6f6c9bf), vq_layer_v5_drift.bin by version 5.
+vq::VqLayerCodes drift_codes() {
+  std::mt19937_64 rng(1505);
+  vq::VqLayerCodes lc;
+  lc.batch = 2;
+  lc.tokens = 90;
+  static constexpr double kRho[5] = {0.98, 0.9, 0.6, 0.0, -0.7};
+  for (vq::VqSideCodes* s : {&lc.k, &lc.v}) {
+    s->n = s == &lc.k ? 12 : 20;
+    s->step = 0.25f;
+    s->offset.assign(static_cast<std::size_t>(s->n), 2);
+    s->shift.assign(static_cast<std::size_t>(s->n), 0);
+    s->shift[5] = 2;
+    s->codes.assign(static_cast<std::size_t>(lc.rows() * s->n), 0);
+    std::normal_distribution<double> g(0.0, 1.0);
+    for (int c = 0; c < s->n; ++c) {
+      const double rho = kRho[c % 5], sigma = c == 5 ? 60.0 : 1.0 + (c % 4);
+      for (std::int64_t b = 0; b < lc.batch; ++b) {
+        double x = 0.0;
+        for (std::int64_t t = 0; t < lc.tokens; ++t) {
+          x = rho * x + sigma * g(rng);
+          const int lim = vq::vq_max_code(s->shift[static_cast<std::size_t>(c)]);
+          int q = std::clamp(static_cast<int>(std::lround(x)), -lim, lim);
+          if (c == 3) q = 0;
+          if (c == 7) q = (t % 30 == 10) ? -200 : 200;
+          s->codes[static_cast<std::size_t>((b * lc.tokens + t) * s->n + c)] = static_cast<std::int16_t>(q);
+        }
+      }
+    }
+  }
+  return lc;
+}
+
 void expect_equal(const vq::VqLayerCodes& a, const vq::VqLayerCodes& b) {
   EXPECT_EQ(a.batch, b.batch);
   EXPECT_EQ(a.tokens, b.tokens);
@@ -112,8 +150,9 @@ TEST(VqCodec, AllZeroSideCostsOnlyItsHeader) {
     s->offset.assign(4, 0);
     s->codes.assign(400, 0);
   }
-  // version, 4 varints, per side: step 4 + flag 1 + 4 x (offset 1 + amax 1); an empty rANS stream (1).
-  EXPECT_EQ(vq::vq_encode(lc).size(), 1u + 4u + 2u * (4u + 1u + 8u) + 1u);
+  // version, 4 varints, per side: step 4 + shift, predictor and row copy flags 3 + 4 x (offset 1 +
+  // amax 1); an empty rANS stream (1).
+  EXPECT_EQ(vq::vq_encode(lc).size(), 1u + 4u + 2u * (4u + 3u + 8u) + 1u);
   expect_equal(lc, vq::vq_decode(vq::vq_encode(lc), 800));
 }
 
@@ -182,7 +221,7 @@ TEST(VqCodec, DecodeRejectsEveryTruncationCorruptionAndTrailingByte) {
   EXPECT_THROW(vq::vq_decode(longer, max), vq::FormatError);
   EXPECT_THROW(vq::vq_decode(bytes, max - 1), vq::FormatError);  // more codes than the caller expects
   auto bad = bytes;
-  bad[0] = 5;  // version
+  bad[0] = 6;  // version
   EXPECT_THROW(vq::vq_decode(bad, max), vq::FormatError);
   // Any single flipped bit either fails cleanly or decodes to something (never crashes).
   for (const auto kernel : {vq::RansKernel::Scalar, vq::RansKernel::Auto})
@@ -200,7 +239,7 @@ TEST(VqCodec, DecodeRejectsEveryTruncationCorruptionAndTrailingByte) {
 // groups of 32 lanes with per-column tables; the scalar reference one symbol at a time).
 void expect_kernels_agree(const vq::VqLayerCodes& lc) {
   const auto bytes = vq::vq_encode(lc, vq::RansKernel::Scalar);
-  ASSERT_EQ(bytes[0], 4);
+  ASSERT_EQ(bytes[0], 5);
   const std::uint64_t max = static_cast<std::uint64_t>(lc.rows() * (lc.k.n + lc.v.n));
   expect_equal(lc, vq::vq_decode(bytes, max, vq::RansKernel::Scalar));
   if (!vq::rans_avx2_available()) GTEST_SKIP() << "no AVX2 on this CPU";
@@ -297,7 +336,7 @@ TEST(VqCodec, VersionTwoStreamsStillDecode) {
       expect_equal(g.codes, vq::vq_decode(file, max, kernel));
       for (std::size_t n = 0; n < file.size(); n += 13) EXPECT_THROW(vq::vq_decode(std::span(file).first(n), max, kernel), vq::FormatError) << n;
     }
-    EXPECT_EQ(vq::vq_encode(g.codes)[0], 4);  // what is written now
+    EXPECT_EQ(vq::vq_encode(g.codes)[0], 5);  // what is written now
   }
 }
 
@@ -414,6 +453,73 @@ TEST(VqCodec, VersionOneStreamStillDecodes) {
   expect_equal(lc, vq::vq_decode(file, static_cast<std::uint64_t>(lc.rows() * 20)));
   for (std::size_t n = 0; n < file.size(); n += 7)
     EXPECT_THROW(vq::vq_decode(std::span(file).first(n), static_cast<std::uint64_t>(lc.rows() * 20)), vq::FormatError) << n;
+}
+
+// A version 4 stream of codes that drift along tokens (no prediction: every hi part coded as it is)
+// still decodes in both kernels and fails cleanly when cut. Written once with the version 4 encoder:
+//   VQ_WRITE_GOLDEN=1 ./build/tests/vq_tests --gtest_filter='VqCodec.VersionFourStreamsStillDecode'
+TEST(VqCodec, VersionFourStreamsStillDecode) {
+  const std::string path = std::string(VQ_SOURCE_DIR) + "/tests/golden/vq_layer_v4_drift.bin";
+  const auto codes = drift_codes();
+  if (std::getenv("VQ_WRITE_GOLDEN") != nullptr) {
+    const auto b = vq::vq_encode(codes);
+    ASSERT_EQ(b[0], 4);
+    std::ofstream(path, std::ios::binary).write(reinterpret_cast<const char*>(b.data()), static_cast<std::streamsize>(b.size()));
+  }
+  std::ifstream in(path, std::ios::binary);
+  ASSERT_TRUE(in) << path;
+  const std::vector<std::uint8_t> file((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  ASSERT_EQ(file.at(0), 4);
+  const auto max = static_cast<std::uint64_t>(codes.rows() * (codes.k.n + codes.v.n));
+  for (const auto kernel : {vq::RansKernel::Scalar, vq::RansKernel::Auto}) {
+    expect_equal(codes, vq::vq_decode(file, max, kernel));
+    for (std::size_t n = 0; n < file.size(); n += 13) EXPECT_THROW(vq::vq_decode(std::span(file).first(n), max, kernel), vq::FormatError) << n;
+  }
+}
+
+// Version 5 predicts each coefficient's hi part from the previous token's and copies repeated rows.
+// On codes that drift along tokens this build writes exactly tests/golden/vq_layer_v5_drift.bin
+// (every size change shows in review; regenerate only on a deliberate format change:
+//   VQ_WRITE_GOLDEN=1 ./build/tests/vq_tests --gtest_filter='VqCodec.VersionFive*'),
+// well below version 4's stream of the same codes; with every ninth V row a repeat of an earlier one
+// (V is 20 wide: searched for copies) smaller still; the kernels agree, cuts and flips fail cleanly.
+TEST(VqCodec, VersionFivePredictsAcrossTokens) {
+  const std::string path = std::string(VQ_SOURCE_DIR) + "/tests/golden/vq_layer_v5_drift.bin";
+  const auto codes = drift_codes();
+  const auto bytes = vq::vq_encode(codes);
+  ASSERT_EQ(bytes.at(0), 5);
+  if (std::getenv("VQ_WRITE_GOLDEN") != nullptr)
+    std::ofstream(path, std::ios::binary).write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
+  std::ifstream in(path, std::ios::binary);
+  ASSERT_TRUE(in) << path;
+  const std::vector<std::uint8_t> file((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  EXPECT_EQ(file, bytes) << "the encoder's bytes changed: a new format version?";
+  std::ifstream in4(std::string(VQ_SOURCE_DIR) + "/tests/golden/vq_layer_v4_drift.bin", std::ios::binary);
+  const std::vector<std::uint8_t> v4((std::istreambuf_iterator<char>(in4)), std::istreambuf_iterator<char>());
+  ASSERT_FALSE(v4.empty());
+  EXPECT_LT(static_cast<double>(bytes.size()), 0.85 * static_cast<double>(v4.size()));
+  const auto max = static_cast<std::uint64_t>(codes.rows() * (codes.k.n + codes.v.n));
+  EXPECT_EQ(vq::vq_encode(vq::vq_decode(v4, max)), bytes);  // a version 4 stream re-encodes as version 5
+  expect_kernels_agree(codes);
+  auto repeats = codes;
+  const auto n_v = static_cast<std::size_t>(repeats.v.n);
+  for (std::size_t r = 4; r < static_cast<std::size_t>(repeats.rows()); r += 9)
+    std::copy_n(repeats.v.codes.begin() + static_cast<std::ptrdiff_t>((r - 4) * n_v), n_v, repeats.v.codes.begin() + static_cast<std::ptrdiff_t>(r * n_v));
+  expect_kernels_agree(repeats);
+  const auto rbytes = vq::vq_encode(repeats);
+  EXPECT_LT(rbytes.size() + 50, bytes.size());
+  for (const auto kernel : {vq::RansKernel::Scalar, vq::RansKernel::Auto}) {
+    for (std::size_t n = 0; n < rbytes.size(); ++n) EXPECT_THROW(vq::vq_decode(std::span(rbytes).first(n), max, kernel), vq::FormatError) << n;
+    for (std::size_t i = 0; i < rbytes.size(); ++i)
+      for (const std::uint8_t flip : {0x01, 0x10, 0x80}) {
+        auto b = rbytes;
+        b[i] ^= flip;
+        try {
+          (void)vq::vq_decode(b, max, kernel);
+        } catch (const vq::FormatError&) {
+        }
+      }
+  }
 }
 
 }  // namespace

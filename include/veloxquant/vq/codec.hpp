@@ -23,22 +23,35 @@
 //   wide distribution are nearly uniform). The quantizer keeps |q| <= vq_max_code(shift) =
 //   255 * 2^shift; the coder takes any q whose hi part is within +-255 (up to 256 * 2^shift - 1),
 //   shift <= 7, so every q fits int16.
+// - Version 5 codes each coefficient's hi parts as residuals of a prediction from the previous
+//   token's: residual = hi[t] - ((k_c * hi[t - 1] + 4) >> 3), k_c in -7..8 per coefficient (0: no
+//   prediction; token 0 of each batch is predicted as 0), chosen by least squares when it lowers
+//   the residual energy by >= 10 % and every residual fits +-255 (src/vq/codec_predict.hpp). The
+//   models (amax_c, param_c) are the residuals'. And a row whose hi parts equal an earlier row's
+//   (sides of >= 16 coefficients) is not coded at all, only named in the header (a token the layer
+//   sees alone repeats its row). K and V drift along tokens, which an order-0 model per coefficient
+//   cannot see: on a 7B-shaped synthetic layer at 2 bits the prediction halves the stream, on
+//   stories260K the row copies save 12 % (docs/benchmarks.md, "Version 5: prediction across tokens").
 // - Format (integers little-endian, varint = unsigned LEB128):
-//     u8      version = 4 (1, 2 and 3 still decode; see below)
+//     u8      version = 5 (1 to 4 still decode; see below)
 //     varint  batch, tokens, n_k, n_v
 //     per side (K, then V):
 //       u32     step (float32 bits; finite, > 0: float16 could not hold the step of small data)
 //       shifts: u8 0 (none); or u8 1, varint k, k x (varint gap, u8 shift_c) (sparse, gap = index
 //               - previous index - 1); or u8 2, ceil(n / 2) bytes of 4-bit shift_c (dense, even c low)
+//       predictors: the same three layouts of a nibble per coefficient, k_c & 15 (k_c = 0: nibble 0)
+//       row copies: u8 0 (none); or u8 1, varint k, k x (varint gap, varint d - 1): the copied rows in
+//               order (gap = row - previous copied row - 1), row copying row - d (d >= 1, any batch)
 //       per coefficient c: varint zigzag(m_c) (|m_c| <= kVqMaxOffset); varint amax_c (<= kVqMaxCode);
 //                          u8 param_c, only when amax_c > 0 (amax_c = 0: every hi part is 0, none coded)
 //     one rANS stream (entropy/rans.hpp's framing and lanes: symbol i in lane i % 32) to the end,
 //     holding per side (K, then V):
-//       the side's REGION: its hi parts + amax_c row by row (row r: the coded coefficients, those
+//       the side's REGION: its hi parts' residuals + amax_c row by row, the copied rows left out (row r: the coded coefficients, those
 //         with amax_c > 0, in order), each with its coefficient's table; then
 //       per coefficient with shift_c > 0, in order: its `rows` low parts (uniform, shift_c bits).
 //     Coefficient c's table has 2^S_c slots: S_c = 10 when amax_c <= 63, else 12 (vq_coef_scale_bits).
-//     Version 3 is version 4 with one S per side (10 when the side's largest amax_c is <= 31, else
+//     Version 4 is version 5 without the predictors (no byte; every k_c = 0: the region holds the
+//     hi parts themselves). Version 3 is version 4 with one S per side (10 when the side's largest amax_c is <= 31, else
 //     12: vq_side_scale_bits); version 2 is version 3 with S = 12 always.
 //     Row-major coding puts 32 different coefficients in the 32 lanes of a step, so the decoder
 //     writes codes in the cache's own layout and the AVX2 kernels (src/vq/codec_avx2.cpp) decode
@@ -108,11 +121,11 @@ FrequencyTable vq_table(int amax, std::uint8_t param, int scale_bits = kVqScaleB
 std::uint8_t vq_best_param(std::span<const std::uint32_t> histogram, int amax);
 
 // Serialise; throws InvalidArgument on inconsistent sizes or a code outside +-kVqMaxCode.
-// Writes version 4. kernel: RansKernel::Scalar is the reference; Auto / Avx2 write the same bytes.
+// Writes version 5. kernel: RansKernel::Scalar is the reference; Auto / Avx2 write the same bytes.
 std::vector<std::uint8_t> vq_encode(const VqLayerCodes& codes, RansKernel kernel = RansKernel::Auto);
 // Parse and decode; max_codes bounds rows * (n_k + n_v) (the caller knows what it expects).
 // Throws FormatError on any malformed, truncated, oversized or trailing input.
-// Reads versions 1 to 4; every kernel returns the same codes.
+// Reads versions 1 to 5; every kernel returns the same codes.
 VqLayerCodes vq_decode(std::span<const std::uint8_t> bytes, std::uint64_t max_codes, RansKernel kernel = RansKernel::Auto);
 
 }  // namespace vq
