@@ -11,10 +11,12 @@
 //   cache's 8 bytes of slack after the last row. Escapes come out row by row, each row's sorted by
 //   coefficient: the order the cache's escape lists keep.
 // - pack_rows_ref / unpack_rows_ref are the definition (one field at a time); the fast forms give the
-//   same bytes and codes (tests/vq/code_pack_test.cpp: every width, odd head sizes, escapes). The
-//   fast forms gather a group's 8 codes, bias and range-check them with SSE2 and pack / spread the 8
-//   fields with one BMI2 pext / pdep, chosen at run time (__builtin_cpu_supports("bmi2")); without
-//   BMI2 a shift loop packs the group. 16-bit groups take the reference's path.
+//   same bytes and codes (tests/vq/code_pack_test.cpp: every width, odd head sizes, escapes),
+//   chosen at run time (__builtin_cpu_supports): heads of 64 or 128 fields with AVX-512 VBMI
+//   (biased, range-checked and narrowed 32 codes at a time in coefficient order, each head's field
+//   bytes permuted into field order with vpermi2b, each group packed with one BMI2 pext); other
+//   heads with BMI2 (a group's 8 codes gathered, biased and checked with SSE2, one pext); unpack
+//   with BMI2 (one pdep per group). 16-bit groups always take the reference's path.
 #pragma once
 #include <cstdint>
 #include <vector>
@@ -47,6 +49,12 @@ void pack_rows_ref(const Layout& lay, const std::int16_t* codes, std::int64_t ro
 // -2^(w-1) (its field 0): the caller puts the escape list's codes in their places.
 void unpack_rows(const Layout& lay, const std::uint8_t* buf, std::int64_t rows, std::int16_t* codes);
 void unpack_rows_ref(const Layout& lay, const std::uint8_t* buf, std::int64_t rows, std::int16_t* codes);
+
+// The forms, for tests and benchmarks: pack_rows_as runs one (has(form) must be true).
+enum class Form { Reference, Bmi2, Vbmi };
+bool has(Form form);
+void pack_rows_as(Form form, const Layout& lay, const std::int16_t* codes, std::int64_t rows, std::int64_t t_first, std::uint8_t* buf,
+                  std::vector<Escape>& esc);
 
 // Whether pack_rows / unpack_rows run their fast forms on this CPU (x86-64 with BMI2); set_fast(false)
 // makes them run the reference (tests and benchmarks compare both). Returns the previous setting.

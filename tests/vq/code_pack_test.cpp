@@ -56,7 +56,7 @@ TestLayout make_layout(int heads, int d, const std::vector<int>& widths, std::mt
 }
 
 // Codes for the layout: most inside their fields (down to the edges +-(2^(w-1) - 1)), some just
-// outside (+-2^(w-1)) and some far (up to the codes' reach, +-32640): escapes.
+// outside (+-2^(w-1)) and some far (anywhere in int16): escapes.
 std::vector<std::int16_t> make_codes(const TestLayout& t, std::int64_t rows, std::mt19937& rng) {
   const int n = t.lay.n;
   std::vector<std::int16_t> q(static_cast<std::size_t>(rows) * static_cast<std::size_t>(n));
@@ -66,7 +66,7 @@ std::vector<std::int16_t> make_codes(const TestLayout& t, std::int64_t rows, std
       const unsigned pick = rng() % 16;
       int v;
       if (pick == 0 && lim < 32767) v = (rng() % 2 ? 1 : -1) * (lim + 1);
-      else if (pick == 1) v = static_cast<int>(rng() % 65281) - 32640;
+      else if (pick == 1) v = static_cast<int>(rng() % 65536) - 32768;  // beyond the codes' reach too: the packer escapes any int16
       else if (pick == 2) v = (rng() % 2 ? 1 : -1) * lim;
       else v = lim == 0 ? 0 : static_cast<int>(rng() % static_cast<unsigned>(2 * lim + 1)) - lim;
       q[static_cast<std::size_t>(r) * static_cast<std::size_t>(n) + static_cast<std::size_t>(c)] = static_cast<std::int16_t>(v);
@@ -84,7 +84,8 @@ bool same(const std::vector<Escape>& a, const std::vector<Escape>& b) {
 struct Shape {
   int heads, d;
 };
-const Shape kShapes[] = {{1, 1}, {1, 7}, {2, 8}, {3, 9}, {1, 15}, {2, 16}, {3, 17}, {2, 69}, {8, 128}};
+// d = 64 and 128 also take the AVX-512 VBMI form where the CPU has it.
+const Shape kShapes[] = {{1, 1}, {1, 7}, {2, 8}, {3, 9}, {1, 15}, {2, 16}, {3, 17}, {2, 69}, {3, 64}, {1, 128}, {8, 128}};
 const std::vector<std::vector<int>> kWidthSets = {{1}, {2}, {3}, {4}, {5}, {6}, {7}, {8}, {16}, {1, 2, 3, 4, 5, 6, 7, 8, 16}};
 
 class FastPack : public ::testing::Test {
@@ -95,25 +96,32 @@ class FastPack : public ::testing::Test {
 };
 
 TEST_F(FastPack, PacksTheReferencesBytesAndEscapes) {
+  using vq::code_pack::Form;
   std::mt19937 rng(11);
-  for (const Shape& s : kShapes)
-    for (const auto& ws : kWidthSets)
-      for (const std::int64_t rows : {1, 5, 13}) {
-        const TestLayout t = make_layout(s.heads, s.d, ws, rng);
-        const std::int64_t t_first = 3;
-        const std::size_t rb = t.lay.row_bytes(), bytes = (static_cast<std::size_t>(t_first + rows)) * rb + 8;
-        const auto q = make_codes(t, rows, rng);
-        std::vector<std::uint8_t> ref(bytes, 0xA5), fast(bytes, 0x5A);  // junk: every row byte must be written
-        std::vector<Escape> eref{{0, 0, 0}}, efast{{0, 0, 0}};            // appended to, not replaced
-        vq::code_pack::pack_rows_ref(t.lay, q.data(), rows, t_first, ref.data(), eref);
-        vq::code_pack::pack_rows(t.lay, q.data(), rows, t_first, fast.data(), efast);
-        const auto row0 = static_cast<std::ptrdiff_t>(static_cast<std::size_t>(t_first) * rb);
-        const auto row1 = static_cast<std::ptrdiff_t>(static_cast<std::size_t>(t_first + rows) * rb);
-        ASSERT_TRUE(std::equal(ref.begin() + row0, ref.begin() + row1, fast.begin() + row0))
-            << "heads " << s.heads << " d " << s.d << " widths " << ws.size() << " rows " << rows;
-        ASSERT_TRUE(std::all_of(fast.begin(), fast.begin() + row0, [](std::uint8_t b) { return b == 0x5A; })) << "rows before t_first kept";
-        ASSERT_TRUE(same(eref, efast)) << "heads " << s.heads << " d " << s.d << " rows " << rows;
-      }
+  for (const Form form : {Form::Bmi2, Form::Vbmi}) {
+    if (!vq::code_pack::has(form)) continue;
+    for (const Shape& s : kShapes) {
+      if (form == Form::Vbmi && s.d != 64 && s.d != 128) continue;
+      for (const auto& ws : kWidthSets)
+        for (const std::int64_t rows : {1, 5, 13}) {
+          const TestLayout t = make_layout(s.heads, s.d, ws, rng);
+          const std::int64_t t_first = 3;
+          const std::size_t rb = t.lay.row_bytes(), bytes = (static_cast<std::size_t>(t_first + rows)) * rb + 8;
+          const auto q = make_codes(t, rows, rng);
+          std::vector<std::uint8_t> ref(bytes, 0xA5), fast(bytes, 0x5A);  // junk: every row byte must be written
+          std::vector<Escape> eref{{0, 0, 0}}, efast{{0, 0, 0}};            // appended to, not replaced
+          vq::code_pack::pack_rows_ref(t.lay, q.data(), rows, t_first, ref.data(), eref);
+          vq::code_pack::pack_rows_as(form, t.lay, q.data(), rows, t_first, fast.data(), efast);
+          const auto row0 = static_cast<std::ptrdiff_t>(static_cast<std::size_t>(t_first) * rb);
+          const auto row1 = static_cast<std::ptrdiff_t>(static_cast<std::size_t>(t_first + rows) * rb);
+          const auto what = ::testing::Message() << "form " << static_cast<int>(form) << " heads " << s.heads << " d " << s.d << " widths "
+                                                 << ws.size() << " rows " << rows;
+          ASSERT_TRUE(std::equal(ref.begin() + row0, ref.begin() + row1, fast.begin() + row0)) << what;
+          ASSERT_TRUE(std::all_of(fast.begin(), fast.begin() + row0, [](std::uint8_t b) { return b == 0x5A; })) << "rows before t_first kept; " << what;
+          ASSERT_TRUE(same(eref, efast)) << what;
+        }
+    }
+  }
 }
 
 TEST_F(FastPack, UnpacksTheReferencesCodes) {
