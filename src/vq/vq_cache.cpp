@@ -937,7 +937,9 @@ bool VqKVCache::append_codes(const VqLayerCodes& in, DType dtype) {
     for (std::int64_t b = 0; b < B; ++b) {
       auto& buf = st.packed[sz(b)];
       const std::size_t need = packed_bytes(q1, sq.bit_at[sz(n)]);
-      if (need > buf.capacity()) buf.reserve(std::max(need, buf.capacity() + buf.capacity() / 8));
+      // Grow by half (update() grows by 1/8): a load appends chunk after chunk, and growing by 1/8
+      // re-allocated and copied the rows at nearly every chunk (perf: memmove, page faults).
+      if (need > buf.capacity()) buf.reserve(std::max(need, buf.capacity() + buf.capacity() / 2));
       buf.resize(need, 0);
       esc.clear();
       code_pack::pack_rows(pack_layout(sq, n, H), s.codes.data() + sz(b * S) * sz(n), S, q0, buf.data(), esc);
