@@ -97,7 +97,7 @@ Tensor Tensor::slice(int axis, std::int64_t start, std::int64_t stop) const {
 
 Tensor Tensor::contiguous(bool force) const {
   if (is_contiguous() && !force) return *this;
-  Tensor t = zeros(shape_, dtype_);
+  Tensor t = uninitialized(shape_, dtype_);  // every row is written below
   const std::size_t row_bytes = static_cast<std::size_t>(shape_[3]) * dtype_size(dtype_);
   for (std::int64_t b = 0; b < shape_[0]; ++b)
     for (std::int64_t h = 0; h < shape_[1]; ++h)
@@ -107,7 +107,14 @@ Tensor Tensor::contiguous(bool force) const {
 
 Tensor Tensor::to(DType dtype) const {
   if (dtype == dtype_) return contiguous(true);
-  Tensor t = zeros(shape_, dtype);
+  Tensor t = uninitialized(shape_, dtype);  // every row is written below
+  if (dtype == DType::F32) {  // one pass, straight into the rows (a loaded fp16 chunk's K/V, every load)
+    for (std::int64_t b = 0; b < shape_[0]; ++b)
+      for (std::int64_t h = 0; h < shape_[1]; ++h)
+        for (std::int64_t s = 0; s < shape_[2]; ++s)
+          vq::to_f32(row(b, h, s), dtype_, reinterpret_cast<float*>(t.row(b, h, s)), static_cast<std::size_t>(shape_[3]));
+    return t;
+  }
   std::vector<float> buf(static_cast<std::size_t>(shape_[3]));
   for (std::int64_t b = 0; b < shape_[0]; ++b)
     for (std::int64_t h = 0; h < shape_[1]; ++h)

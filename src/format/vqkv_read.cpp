@@ -425,6 +425,12 @@ class FileReader {
     const std::size_t count = b.token_count;
     vd.k.resize(h_.batch);
     vd.v.resize(h_.batch);
+    if (h_.batch == 1 && vd.k[0].empty()) {  // a layer's first block of one batch row: its codes as they are, not copied
+      vd.k[0] = std::move(c.k.codes);
+      vd.v[0] = std::move(c.v.codes);
+      vd.tokens += count;
+      return;
+    }
     for (std::size_t bi = 0; bi < h_.batch; ++bi) {
       const auto rows_k = c.k.codes.begin() + static_cast<std::ptrdiff_t>(bi * count * static_cast<std::size_t>(c.k.n));
       vd.k[bi].insert(vd.k[bi].end(), rows_k, rows_k + static_cast<std::ptrdiff_t>(count * static_cast<std::size_t>(c.k.n)));
@@ -576,6 +582,13 @@ class FileReader {
     VqLayerCodes codes = std::move(vd.params);
     codes.tokens = static_cast<std::int64_t>(vd.tokens);
     codes.batch = h_.batch;
+    if (vd.k.size() == 1) {  // one batch row: moved, not concatenated
+      codes.k.codes = std::move(vd.k[0]);
+      codes.v.codes = std::move(vd.v[0]);
+      vd.k[0] = {};
+      vd.v[0] = {};
+      return codes;
+    }
     for (std::size_t b = 0; b < vd.k.size(); ++b) {
       codes.k.codes.insert(codes.k.codes.end(), vd.k[b].begin(), vd.k[b].end());
       codes.v.codes.insert(codes.v.codes.end(), vd.v[b].begin(), vd.v[b].end());

@@ -9,6 +9,7 @@
 #include <fmt/format.h>
 
 #include "../core/dtype_round.hpp"
+#include "code_pack.hpp"
 #include "reconstruct_kernels.hpp"
 #include "veloxquant/vq/vq_reconstruct_at.hpp"
 #include "veloxquant/core/dtype.hpp"
@@ -142,6 +143,20 @@ inline void put_field(std::uint8_t* base, std::uint64_t bit, std::uint32_t f) { 
   std::memcpy(base + (bit >> 3), &v, 8);
 }
 std::size_t packed_bytes(std::int64_t rows, std::uint32_t row_bits) { return (sz(rows) * row_bits + 7) / 8 + 8; }
+
+// A side's layout as code_pack takes it (views of sq's arrays: valid while sq is unchanged).
+template <class SideQuantT>
+code_pack::Layout pack_layout(const SideQuantT& sq, int n, int heads) {
+  return {n, heads, sq.order.data(), sq.bit_at.data(), sq.width.data(), sq.group_byte.data(), sq.group_width.data()};
+}
+// code_pack's escapes as the cache's (the same three fields).
+template <class EscapeT>
+std::vector<EscapeT> escapes_as(const std::vector<code_pack::Escape>& esc) {
+  std::vector<EscapeT> out;
+  out.reserve(esc.size());
+  for (const code_pack::Escape& e : esc) out.push_back({e.t, e.c, e.q});
+  return out;
+}
 
 // The packed layout (vq_cache.hpp, "Packed layout") from per-coefficient preferred widths in
 // sq.width (raised to their groups' here) and sq.mean: order, bit_at, group_byte/width, field_mean.
@@ -463,35 +478,23 @@ void widen(SideQuantT& sq, SideStoreT& st, int n, int heads, std::int64_t rows) 
     any = any || width[sz(c)] != sq.width[sz(c)];
   }
   if (!any) return;
-  // Re-pack every row at the new widths (and the layout they give).
+  // Re-pack every row at the new widths (and the layout they give): unpack, the escapes in their
+  // places, pack (code_pack.hpp).
   SideQuantT nq;
   nq.width = std::move(width);
   nq.mean = sq.mean;
   lay_out(nq, n, heads);
-  const std::vector<std::uint8_t>& width2 = nq.width;
-  const std::vector<std::uint32_t>& bit_at = nq.bit_at;
-  std::vector<std::int32_t> q(sz(rows) * sz(n));
+  const code_pack::Layout from = pack_layout(sq, n, heads), to = pack_layout(nq, n, heads);
+  std::vector<std::int16_t> q(sz(rows) * sz(n));
+  std::vector<code_pack::Escape> esc;
   for (std::int64_t b = 0; b < B; ++b) {
-    const std::uint8_t* old = st.packed[sz(b)].data();
-    for (std::int64_t t = 0; t < rows; ++t)
-      for (int c = 0; c < n; ++c) {
-        const unsigned w = sq.width[sz(c)];
-        q[sz(t) * sz(n) + sz(c)] = static_cast<std::int32_t>(get_field(old, static_cast<std::uint64_t>(t) * sq.bit_at[sz(n)] + sq.bit_at[sz(c)], w)) -
-                                   (1 << (w - 1));
-      }
-    for (const EscapeT& x : st.escapes[sz(b)]) q[sz(x.t) * sz(n) + sz(x.c)] = x.q;
-    std::vector<std::uint8_t> buf(packed_bytes(rows, bit_at[sz(n)]), 0);
-    std::vector<EscapeT> esc;
-    for (std::int64_t t = 0; t < rows; ++t)
-      for (int c = 0; c < n; ++c) {
-        const std::int32_t v = q[sz(t) * sz(n) + sz(c)], bias = 1 << (width2[sz(c)] - 1);
-        if (std::abs(v) < bias)
-          put_field(buf.data(), static_cast<std::uint64_t>(t) * bit_at[sz(n)] + bit_at[sz(c)], static_cast<std::uint32_t>(v + bias));
-        else
-          esc.push_back({static_cast<std::int32_t>(t), c, v});
-      }
+    code_pack::unpack_rows(from, st.packed[sz(b)].data(), rows, q.data());
+    for (const EscapeT& x : st.escapes[sz(b)]) q[sz(x.t) * sz(n) + sz(x.c)] = static_cast<std::int16_t>(x.q);  // |q| <= vq_max_code(kVqMaxShift)
+    std::vector<std::uint8_t> buf(packed_bytes(rows, to.bit_at[n]));
+    esc.clear();
+    code_pack::pack_rows(to, q.data(), rows, 0, buf.data(), esc);
     st.packed[sz(b)] = std::move(buf);
-    st.escapes[sz(b)] = std::move(esc);
+    st.escapes[sz(b)] = escapes_as<EscapeT>(esc);
   }
   sq.width = std::move(nq.width);
   sq.bit_at = std::move(nq.bit_at);
@@ -877,48 +880,6 @@ void widths_from_codes(const std::int16_t* codes, std::int64_t rows, int n, std:
   }
 }
 
-// Pack rows of codes (row r = token t_first + r, n codes each in coefficient order) into `buf`
-// (zeroed where they go) at the side's layout: one group of up to 8 fields at a time, assembled in
-// a register and stored with one write (fields of width <= 8; 16-bit fields one by one). Codes
-// that do not fit their field go to `esc` (field 0), each row's in coefficient order.
-template <class SideQuantT, class EscapeT>
-void pack_rows(const SideQuantT& sq, int n, int heads, const std::int16_t* codes, std::int64_t rows, std::int64_t t_first,
-               std::uint8_t* buf, std::vector<EscapeT>& esc) {
-  const int d = n / heads;
-  const std::uint32_t row_bytes = sq.bit_at[sz(n)] / 8;
-  for (std::int64_t r = 0; r < rows; ++r) {
-    const std::int16_t* q = codes + sz(r) * sz(n);
-    std::uint8_t* row = buf + sz(t_first + r) * row_bytes;
-    const std::size_t esc0 = esc.size();
-    std::size_t g = 0;
-    for (int h = 0; h < heads; ++h)
-      for (int p = 0; p < d; p += 8, ++g) {
-        const std::int32_t* o = sq.order.data() + sz(h) * sz(d) + sz(p);
-        const int m = std::min(8, d - p);
-        const unsigned w = sq.group_width[g];
-        const std::int32_t bias = std::int32_t{1} << (w - 1);
-        std::uint8_t* at = row + sq.group_byte[g];
-        if (w <= 8) {
-          std::uint64_t acc = 0;
-          for (int i = 0; i < m; ++i) {
-            const std::int32_t v = q[o[i]];
-            if (v < bias && v > -bias) acc |= static_cast<std::uint64_t>(v + bias) << (static_cast<unsigned>(i) * w);
-            else esc.push_back({static_cast<std::int32_t>(t_first + r), o[i], v});
-          }
-          std::memcpy(at, &acc, (static_cast<unsigned>(m) * w + 7) / 8);
-        } else {
-          for (int i = 0; i < m; ++i) {
-            const std::int32_t v = q[o[i]];
-            const auto f = static_cast<std::uint16_t>(v < bias && v > -bias ? v + bias : 0);
-            if (!f) esc.push_back({static_cast<std::int32_t>(t_first + r), o[i], v});
-            std::memcpy(at + 2 * i, &f, 2);
-          }
-        }
-      }
-    if (esc.size() - esc0 > 1)
-      std::sort(esc.begin() + static_cast<std::ptrdiff_t>(esc0), esc.end(), [](const EscapeT& a, const EscapeT& b) { return a.c < b.c; });
-  }
-}
 }  // namespace
 
 bool VqKVCache::append_codes(const VqLayerCodes& in, DType dtype) {
@@ -966,6 +927,7 @@ bool VqKVCache::append_codes(const VqLayerCodes& in, DType dtype) {
     calibrated_ = true;
   }
   const std::int64_t q0 = quantized_, q1 = quantized_ + S;
+  std::vector<code_pack::Escape> esc;
   for (int side = 0; side < 2; ++side) {
     const VqSideCodes& s = side == 0 ? in.k : in.v;
     SideQuant& sq = side == 0 ? kq_ : vq_;
@@ -975,9 +937,13 @@ bool VqKVCache::append_codes(const VqLayerCodes& in, DType dtype) {
     for (std::int64_t b = 0; b < B; ++b) {
       auto& buf = st.packed[sz(b)];
       const std::size_t need = packed_bytes(q1, sq.bit_at[sz(n)]);
-      if (need > buf.capacity()) buf.reserve(std::max(need, buf.capacity() + buf.capacity() / 8));
+      // Grow by half (update() grows by 1/8): a load appends chunk after chunk, and growing by 1/8
+      // re-allocated and copied the rows at nearly every chunk (perf: memmove, page faults).
+      if (need > buf.capacity()) buf.reserve(std::max(need, buf.capacity() + buf.capacity() / 2));
       buf.resize(need, 0);
-      pack_rows(sq, n, H, s.codes.data() + sz(b * S) * sz(n), S, q0, buf.data(), st.escapes[sz(b)]);
+      esc.clear();
+      code_pack::pack_rows(pack_layout(sq, n, H), s.codes.data() + sz(b * S) * sz(n), S, q0, buf.data(), esc);
+      for (const code_pack::Escape& e : esc) st.escapes[sz(b)].push_back({e.t, e.c, e.q});
     }
     // Widen (a re-pack of every row when escapes cost too much) only when the rows held pass a
     // power of 4: a load appends many chunks, and widening after each re-packed the whole cache
