@@ -10,6 +10,10 @@
 
 #include <fmt/format.h>
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <xmmintrin.h>
+#endif
+
 #include "attention_small_d.hpp"
 #include "attention_threads.hpp"
 #include "veloxquant/cache/attention_kernels.hpp"
@@ -45,9 +49,9 @@ void check_attention_queries(const KVCache& cache, const Tensor& queries, double
 
 namespace {
 
-// Tokens per tile for rows of d float32 values.
-std::int64_t tile_tokens(std::int64_t d) {
-  return std::clamp<std::int64_t>(static_cast<std::int64_t>(kAttentionTileBytes / 4) / std::max<std::int64_t>(d, 1), 16, 256);
+// Tokens per tile: the cache's choice (KVCache::attention_tile_tokens), clamped.
+std::int64_t tile_tokens(const KVCache& cache) {
+  return std::clamp<std::int64_t>(cache.attention_tile_tokens(), 1, kAttentionMaxTileTokens);
 }
 
 // Calls with less work than this (tokens x query tokens x batch x KV heads) run their (batch,
@@ -59,6 +63,27 @@ constexpr std::int64_t kParallelPairsMinWork = std::int64_t{1} << 16;
 constexpr std::int64_t kHeadMajorRunTokens = 2048;
 
 constexpr std::size_t U(std::int64_t x) { return static_cast<std::size_t>(x); }
+
+// Flush-to-zero and denormals-are-zero for the loop's float arithmetic on this thread, the
+// caller's mode restored on exit (also when a hook throws). The online softmax makes subnormal
+// floats as a matter of course: the weights of tokens far below a row's maximum (the eight-lane
+// exp clamps near FLT_MIN, and its products with values underflow), accumulators rescaled by tiny
+// factors. On x86 each operation that reads or writes a subnormal takes a microcode assist: at
+// 64k tokens they were half of a decode step's time (one process, same caches: vq:bits=2
+// 150 -> 67 ms, fp16 dense 138 -> 70 ms; docs/benchmarks.md). Flushing changes a row's terms by
+// less than FLT_MIN each, against a sum of weights of at least 1 (the maximum's own exp(0)).
+class FlushSubnormals {
+ public:
+#if defined(__x86_64__) || defined(__i386__)
+  FlushSubnormals() : saved_(_mm_getcsr()) { _mm_setcsr(saved_ | kFtzDaz); }
+  ~FlushSubnormals() { _mm_setcsr((saved_ & ~kFlags) | (_mm_getcsr() & kFlags)); }  // the mode back, the sticky flags kept
+
+ private:
+  static constexpr unsigned kFtzDaz = 0x8040;  // MXCSR bits 15 (flush to zero) and 6 (denormals are zero)
+  static constexpr unsigned kFlags = 0x3F;     // MXCSR bits 0..5: the exception flags raised so far
+  unsigned saved_;
+#endif
+};
 
 // The shape of one attend call and what every piece of it shares.
 struct Plan {
@@ -171,8 +196,9 @@ Tensor attend_tiled(const KVCache& cache, const Tensor& queries, float scale) {
   check_attention_queries(cache, queries, scale);
   const std::int64_t B = queries.dim(0), Hq = queries.dim(1), Sq = queries.dim(2), Dk = cache.key_dim(), Dv = cache.value_dim();
   const std::int64_t Hkv = cache.kv_heads(), G = Hq / Hkv, T = cache.offset(), rows = G * Sq;
-  Plan p{cache, scale, B, Hq, Sq, Dk, Dv, Hkv, G, T, rows, tile_tokens(std::max(Dk, Dv)), detail::pick_small_d_kernel(Dk, Dv), {}};
+  Plan p{cache, scale, B, Hq, Sq, Dk, Dv, Hkv, G, T, rows, tile_tokens(cache), detail::pick_small_d_kernel(Dk, Dv), {}};
   Tensor out = Tensor::uninitialized({B, Hq, Sq, Dv}, DType::F32);
+  [[maybe_unused]] FlushSubnormals flush;
   // Every row's query, converted to float32 and mapped into the cache's attention space once.
   p.q.resize(U(B * Hkv * rows * Dk));
   for (std::int64_t b = 0; b < B; ++b)
@@ -190,6 +216,7 @@ Tensor attend_tiled(const KVCache& cache, const Tensor& queries, float scale) {
     const std::int64_t n_splits = (T + split - 1) / split;
     std::vector<RowState> parts(U(B * n_splits), RowState(0, Dv));
     detail::attention_parallel_for(U(B * n_splits), [&](std::size_t item) {
+      [[maybe_unused]] FlushSubnormals flush;  // on the thread that runs the piece
       const auto b = static_cast<std::int64_t>(item) / n_splits, s = static_cast<std::int64_t>(item) % n_splits;
       RowState st(Hkv * rows, Dv);
       TileScratch sc(p);
@@ -212,6 +239,7 @@ Tensor attend_tiled(const KVCache& cache, const Tensor& queries, float scale) {
   const bool pairs = B * Hkv > 1 && T * Sq * B * Hkv >= kParallelPairsMinWork && attention_threads() > 1;
   if (pairs) {
     detail::attention_parallel_for(U(B * Hkv), [&](std::size_t item) {
+      [[maybe_unused]] FlushSubnormals flush;
       const auto b = static_cast<std::int64_t>(item) / Hkv, h = static_cast<std::int64_t>(item) % Hkv;
       RowState& st = states[U(b)];
       TileScratch sc(p);

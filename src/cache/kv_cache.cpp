@@ -127,6 +127,11 @@ std::int64_t KVCache::trim(std::int64_t n) {
 
 Tensor KVCache::attend(const Tensor& queries, float scale) const { return attend_tiled(*this, queries, scale); }
 
+std::int64_t KVCache::attention_tile_tokens() const {
+  const std::int64_t d = std::max<std::int64_t>({key_dim(), value_dim(), 1});
+  return std::clamp<std::int64_t>(static_cast<std::int64_t>(kAttentionTileBytes / 4) / d, 16, 256);
+}
+
 namespace {
 const float* dense_tile(const Tensor& buf, std::int64_t b, std::int64_t h, std::int64_t t0, std::int64_t n, float* scratch) {
   const std::int64_t D = buf.dim(3);

@@ -275,9 +275,104 @@ VQ_ATTN_INLINE void accumulate_run(const HeadFields& f, std::int64_t n, std::int
   }
 }
 
+// --- AVX-512 (VBMI) values for widths <= 4 --------------------------------------------------------
+// Two full groups of one width W <= 4 are 16 fields in 2W <= 8 consecutive bytes (groups of a run
+// are back to back), so one 64-bit broadcast holds them all: vpmultishiftqb moves field i's bits
+// (at bit i*W) to the low byte of dword lane i, and vpermps (16 lanes: the low 4 bits index) looks
+// the code up as a float in a 16-entry table (fields of W < 4 repeated, as in code_table, so the
+// neighbour's bits above are ignored; escape 0 -> 0). 3 instructions per 16 codes against 3 to 6
+// per 8 on AVX2. Each lane still adds its field's weighted codes token by token, from the same
+// starting sum, with the same fused multiply-add: the result is the AVX2 loop's bit for bit.
+#define VQ_ATTN512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi,avx2,fma,f16c")))
+
+bool cpu_has_avx512_vbmi() {
+  static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vbmi");
+  return has;
+}
+
+template <int W>
+VQ_ATTN512 inline __m512i multishift_control() {
+  // Byte 0 of qword k (dword lane 2k) takes the bits at 2k*W, byte 4 (lane 2k + 1) those at (2k+1)*W.
+  alignas(64) std::uint8_t c[64] = {};
+  for (int k = 0; k < 8; ++k) c[8 * k] = static_cast<std::uint8_t>(2 * k * W), c[8 * k + 4] = static_cast<std::uint8_t>((2 * k + 1) * W);
+  return _mm512_load_si512(c);
+}
+
+template <int W>
+VQ_ATTN512 inline __m512 code_table16() {
+  alignas(64) float t[16];
+  for (int i = 0; i < 16; ++i) t[i] = code_of(i & ((1 << W) - 1), W);
+  return _mm512_load_ps(t);
+}
+
+// GCC 12's vpmultishiftqb / vpermps intrinsics start from _mm512_undefined_*, which -Wextra
+// reports as maybe-uninitialized wherever they are inlined (a false positive).
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+template <int W>
+VQ_ATTN512 __attribute__((always_inline)) inline __m512 decode16(const std::uint8_t* p, __m512i ctrl, __m512 table) {
+  std::uint64_t x;
+  std::memcpy(&x, p, 8);  // 2W <= 8 bytes of the two groups; the buffer has 8 bytes of slack
+  return _mm512_permutexvar_ps(_mm512_multishift_epi64_epi8(ctrl, _mm512_set1_epi64(static_cast<long long>(x))), table);
+}
+
+// accumulate_run for W <= 4: four groups per pass over the tokens (two zmm per row: eight
+// accumulators at R = 4, enough to cover the FMA latency), then a pair, then a lone group on AVX2.
+template <int W, int R>
+VQ_ATTN512 void accumulate_run_512(const HeadFields& f, std::int64_t n, std::int64_t g0, std::int64_t g1, const float* w, float* acc) {
+  static_assert(W <= 4);
+  const std::int64_t d = f.d;
+  const std::uint8_t* first = f.rows + static_cast<std::size_t>(f.t0) * f.row_bytes;
+  const __m512i ctrl = multishift_control<W>();
+  const __m512 table = code_table16<W>();
+  std::int64_t g = g0;
+  for (; g + 4 <= g1; g += 4) {
+    const std::uint32_t off = f.group_byte[g];  // groups g .. g + 3 at off, off + W, off + 2W, off + 3W
+    __m512 a[R][2];
+    for (int r = 0; r < R; ++r) a[r][0] = _mm512_loadu_ps(acc + r * d + 8 * g), a[r][1] = _mm512_loadu_ps(acc + r * d + 8 * g + 16);
+    const std::uint8_t* p = first + off;
+    for (std::int64_t j = 0; j < n; ++j, p += f.row_bytes) {
+      const __m512 x0 = decode16<W>(p, ctrl, table), x1 = decode16<W>(p + 2 * W, ctrl, table);
+      for (int r = 0; r < R; ++r) {
+        const __m512 wv = _mm512_set1_ps(w[r * n + j]);
+        a[r][0] = _mm512_fmadd_ps(wv, x0, a[r][0]);
+        a[r][1] = _mm512_fmadd_ps(wv, x1, a[r][1]);
+      }
+    }
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(acc + r * d + 8 * g, a[r][0]), _mm512_storeu_ps(acc + r * d + 8 * g + 16, a[r][1]);
+  }
+  if (g + 2 <= g1) {
+    __m512 a[R];
+    for (int r = 0; r < R; ++r) a[r] = _mm512_loadu_ps(acc + r * d + 8 * g);
+    const std::uint8_t* p = first + f.group_byte[g];
+    for (std::int64_t j = 0; j < n; ++j, p += f.row_bytes) {
+      const __m512 x = decode16<W>(p, ctrl, table);
+      for (int r = 0; r < R; ++r) a[r] = _mm512_fmadd_ps(_mm512_set1_ps(w[r * n + j]), x, a[r]);
+    }
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(acc + r * d + 8 * g, a[r]);
+    g += 2;
+  }
+  if (g < g1) accumulate_run<W, R>(f, n, g, g1, w, acc);
+}
+
+#pragma GCC diagnostic pop
+
 template <int R>
-VQ_ATTN_INLINE void accumulate_rows_by_width(const HeadFields& f, const std::vector<Run>& runs, std::int64_t n, const float* w, float* acc) {
+VQ_ATTN_INLINE void accumulate_rows_by_width(const HeadFields& f, const std::vector<Run>& runs, std::int64_t n, const float* w, float* acc,
+                                             bool wide) {
   for (const Run& run : runs) {
+    if (wide && run.w <= 4 && run.g1 - run.g0 >= 2) {
+#define VQ_ACC_RUN_512(width) accumulate_run_512<width, R>(f, n, run.g0, run.g1, w, acc)
+      switch (run.w) {
+        case 1: VQ_ACC_RUN_512(1); break;
+        case 2: VQ_ACC_RUN_512(2); break;
+        case 3: VQ_ACC_RUN_512(3); break;
+        default: VQ_ACC_RUN_512(4); break;
+      }
+#undef VQ_ACC_RUN_512
+      continue;
+    }
 #define VQ_ACC_RUN(width) accumulate_run<width, R>(f, n, run.g0, run.g1, w, acc)
     switch (run.w) { VQ_WIDTH_CASES(VQ_ACC_RUN) }
 #undef VQ_ACC_RUN
@@ -313,14 +408,15 @@ __attribute__((target("avx2,fma,f16c"))) void accumulate_codes(const HeadFields&
                                                                float* acc, Decode how) {
   const std::int64_t d = f.d;
   if (how == Decode::kGeneric) return attn::simd::accumulate(Fields{f}, n, d, w, nq, acc);
+  const bool wide = how == Decode::kByWidth && cpu_has_avx512_vbmi();
   thread_local std::vector<Run> runs;
   width_runs(f, runs);
   std::int64_t r = 0;
-  for (; r + 4 <= nq; r += 4) accumulate_rows_by_width<4>(f, runs, n, w + r * n, acc + r * d);
+  for (; r + 4 <= nq; r += 4) accumulate_rows_by_width<4>(f, runs, n, w + r * n, acc + r * d, wide);
   switch (nq - r) {
-    case 3: accumulate_rows_by_width<3>(f, runs, n, w + r * n, acc + r * d); break;
-    case 2: accumulate_rows_by_width<2>(f, runs, n, w + r * n, acc + r * d); break;
-    case 1: accumulate_rows_by_width<1>(f, runs, n, w + r * n, acc + r * d); break;
+    case 3: accumulate_rows_by_width<3>(f, runs, n, w + r * n, acc + r * d, wide); break;
+    case 2: accumulate_rows_by_width<2>(f, runs, n, w + r * n, acc + r * d, wide); break;
+    case 1: accumulate_rows_by_width<1>(f, runs, n, w + r * n, acc + r * d, wide); break;
     default: break;
   }
 }

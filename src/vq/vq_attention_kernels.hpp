@@ -50,7 +50,9 @@ struct HeadFields {
 // specialised for its width, the default) or every group through the any-width decode (fields8).
 // Both give the same results bit for bit (same codes, same order of sums); kGeneric is there for
 // the tests. float16 input always takes the any-width decode.
-enum class Decode { kByWidth, kGeneric };
+// kByWidth takes AVX-512 (VBMI) for the values of widths <= 4 where the CPU has it (same bits);
+// kByWidthAvx2 never does (for the tests, which hold all three against each other).
+enum class Decode { kByWidth, kByWidthAvx2, kGeneric };
 
 // Compiled (x86-64) and attn::simd_enabled().
 bool available();

@@ -239,7 +239,8 @@ void VqKVCache::reset() {
   calibrated_ = false;
   quantized_ = 0;
   kq_ = vq_ = SideQuant();
-  ks_ = vs_ = SideStore();
+  ks_ = SideStore();
+  vs_ = SideStore();
   encoded_size_.reset();
 }
 
@@ -333,7 +334,7 @@ void VqKVCache::update(const Tensor& keys, const Tensor& values) {
   // Everything below up to "commit" only computes: a refusal leaves the cache unchanged.
   struct Work {
     SideQuant q;                     // the calibration to use (copied, or new)
-    std::vector<std::int32_t> codes; // [b][t - q0][n]
+    PageVector<std::int32_t> codes;  // [b][t - q0][n]: a prefill's are MBs, mapped and unmapped at once (no heap hole)
   } work[2];
   for (int side = 0; side < 2; ++side) {
     const Tensor& in = side == 0 ? keys : values;
@@ -366,7 +367,7 @@ void VqKVCache::update(const Tensor& keys, const Tensor& values) {
       w.q = side == 0 ? kq_ : vq_;
     }
     if (q1 == q0) continue;
-    w.codes.resize(sz(B * (q1 - q0)) * sz(n));
+    w.codes.append(sz(B * (q1 - q0)) * sz(n));
     std::vector<double> y(sz(n));
     const double inv_step = 1.0 / static_cast<double>(w.q.step), lim = vq_max_code(kVqMaxShift);
     for (std::int64_t b = 0; b < B; ++b)
@@ -390,7 +391,8 @@ void VqKVCache::update(const Tensor& keys, const Tensor& values) {
   if (offset_ == 0) {
     keys_buf_ = layout_of(keys);
     values_buf_ = layout_of(values);
-    ks_.packed.assign(sz(B), {}), vs_.packed.assign(sz(B), {});
+    ks_.packed.clear(), vs_.packed.clear();
+    ks_.packed.resize(sz(B)), vs_.packed.resize(sz(B));
     ks_.escapes.assign(sz(B), {}), vs_.escapes.assign(sz(B), {});
   }
   for (int side = 0; side < 2; ++side) {
@@ -416,9 +418,7 @@ void VqKVCache::update(const Tensor& keys, const Tensor& values) {
     const std::uint32_t row_bits = sq.bit_at[sz(n)];
     for (std::int64_t b = 0; b < B; ++b) {
       auto& buf = st.packed[sz(b)];
-      const std::size_t need = packed_bytes(q1, row_bits);
-      if (need > buf.capacity()) buf.reserve(std::max(need, buf.capacity() + buf.capacity() / 8));  // grow by 1/8: little slack held
-      buf.resize(need, 0);
+      buf.resize(packed_bytes(q1, row_bits));
       for (std::int64_t t = q0; t < q1; ++t) {
         const std::int32_t* q = work[side].codes.data() + sz(b * (q1 - q0) + (t - q0)) * sz(n);
         const std::uint64_t base = static_cast<std::uint64_t>(t) * row_bits;
@@ -485,14 +485,16 @@ void widen(SideQuantT& sq, SideStoreT& st, int n, int heads, std::int64_t rows) 
   nq.mean = sq.mean;
   lay_out(nq, n, heads);
   const code_pack::Layout from = pack_layout(sq, n, heads), to = pack_layout(nq, n, heads);
-  std::vector<std::int16_t> q(sz(rows) * sz(n));
+  PageVector<std::int16_t> q;  // rows x n codes: a mapping of its own once big, unmapped on return (no heap hole)
+  std::int16_t* qd = q.append(sz(rows) * sz(n));
   std::vector<code_pack::Escape> esc;
   for (std::int64_t b = 0; b < B; ++b) {
-    code_pack::unpack_rows(from, st.packed[sz(b)].data(), rows, q.data());
-    for (const EscapeT& x : st.escapes[sz(b)]) q[sz(x.t) * sz(n) + sz(x.c)] = static_cast<std::int16_t>(x.q);  // |q| <= vq_max_code(kVqMaxShift)
-    std::vector<std::uint8_t> buf(packed_bytes(rows, to.bit_at[n]));
+    code_pack::unpack_rows(from, st.packed[sz(b)].data(), rows, qd);
+    for (const EscapeT& x : st.escapes[sz(b)]) qd[sz(x.t) * sz(n) + sz(x.c)] = static_cast<std::int16_t>(x.q);  // |q| <= vq_max_code(kVqMaxShift)
+    typename std::remove_reference_t<decltype(st.packed[0])> buf;
+    buf.resize(packed_bytes(rows, to.bit_at[n]));
     esc.clear();
-    code_pack::pack_rows(to, q.data(), rows, 0, buf.data(), esc);
+    code_pack::pack_rows(to, qd, rows, 0, buf.data(), esc);
     st.packed[sz(b)] = std::move(buf);
     st.escapes[sz(b)] = escapes_as<EscapeT>(esc);
   }
@@ -581,6 +583,10 @@ bool VqKVCache::codes_direct(int side) const {
   if (dt != DType::F32 && dt != DType::F16) return false;
   const VqSideTransform& tr = side == 0 ? layer_->k : layer_->v;
   return tr.identity() && (side == 1 || layer_->rope_freq.empty());
+}
+
+std::int64_t VqKVCache::attention_tile_tokens() const {
+  return codes_direct(0) && codes_direct(1) ? kCodeTileTokens : KVCache::attention_tile_tokens();
 }
 
 // The kernels' view of tokens [t0, t1) of (b, h), one side (all coded), with the escapes among
@@ -777,8 +783,8 @@ std::int64_t VqKVCache::trim(std::int64_t n) {
       const std::uint64_t end = static_cast<std::uint64_t>(offset_) * row_bits;
       buf.resize(packed_bytes(offset_, row_bits));
       // Zero every bit past the last row (later rows are OR-ed in).
-      std::fill(buf.begin() + static_cast<std::ptrdiff_t>((end + 7) / 8), buf.end(), 0);
-      if (end % 8) buf[end / 8] &= static_cast<std::uint8_t>((1u << (end % 8)) - 1);
+      std::fill(buf.data() + (end + 7) / 8, buf.data() + buf.size(), std::uint8_t{0});
+      if (end % 8) buf.data()[end / 8] &= static_cast<std::uint8_t>((1u << (end % 8)) - 1);
       auto& e = st.escapes[sz(b)];
       e.erase(std::lower_bound(e.begin(), e.end(), offset_, [](const Escape& x, std::int64_t t) { return x.t < t; }), e.end());
     }
@@ -799,11 +805,26 @@ std::size_t VqKVCache::nbytes() const {
          q->group_byte.capacity() * sizeof(std::uint32_t) + q->group_width.capacity() + q->field_mean.capacity() * sizeof(float);
   for (const SideStore* s : {&ks_, &vs_}) {
     n += s->tail.capacity() + s->sinks.capacity();
-    n += (s->packed.capacity() + s->escapes.capacity()) * sizeof(std::vector<int>);
-    for (const auto& p : s->packed) n += p.capacity();
+    n += s->packed.capacity() * sizeof(PackedRows) + s->escapes.capacity() * sizeof(std::vector<Escape>);
+    for (const auto& p : s->packed) n += p.bytes().nbytes();
     for (const auto& e : s->escapes) n += e.capacity() * sizeof(Escape);
   }
   return n;
+}
+
+std::size_t VqKVCache::nbytes_mapped() const {
+  std::size_t n = 0;
+  for (const SideStore* s : {&ks_, &vs_})
+    for (const auto& p : s->packed) n += p.bytes().mapped() ? p.bytes().nbytes() : 0;
+  return n;
+}
+
+void VqKVCache::PackedRows::resize(std::size_t n) {
+  const std::size_t have = bytes_.size();
+  if (n > have)
+    std::memset(bytes_.append(n - have), 0, n - have);
+  else
+    bytes_.shrink(n);
 }
 
 std::size_t VqKVCache::escapes() const {
@@ -921,7 +942,8 @@ bool VqKVCache::append_codes(const VqLayerCodes& in, DType dtype) {
       for (int i = 0; i < s.n; ++i) q.mean[sz(i)] = vq_offset(q.offset[sz(i)], q.step);
       widths_from_codes(s.codes.data(), B * S, s.n, q.width);
       lay_out(q, s.n, H);
-      st.packed.assign(sz(B), {});
+      st.packed.clear();
+      st.packed.resize(sz(B));
       st.escapes.assign(sz(B), {});
     }
     calibrated_ = true;
@@ -936,11 +958,8 @@ bool VqKVCache::append_codes(const VqLayerCodes& in, DType dtype) {
     for (std::size_t i = 0; i < s.shift.size(); ++i) sq.shift[i] = std::max(sq.shift[i], s.shift[i]);
     for (std::int64_t b = 0; b < B; ++b) {
       auto& buf = st.packed[sz(b)];
-      const std::size_t need = packed_bytes(q1, sq.bit_at[sz(n)]);
-      // Grow by half (update() grows by 1/8): a load appends chunk after chunk, and growing by 1/8
-      // re-allocated and copied the rows at nearly every chunk (perf: memmove, page faults).
-      if (need > buf.capacity()) buf.reserve(std::max(need, buf.capacity() + buf.capacity() / 2));
-      buf.resize(need, 0);
+      // PackedRows grow in page mappings (mremap: no copy, no heap hole), so no reserve is needed.
+      buf.resize(packed_bytes(q1, sq.bit_at[sz(n)]));
       esc.clear();
       code_pack::pack_rows(pack_layout(sq, n, H), s.codes.data() + sz(b * S) * sz(n), S, q0, buf.data(), esc);
       for (const code_pack::Escape& e : esc) st.escapes[sz(b)].push_back({e.t, e.c, e.q});
@@ -1067,11 +1086,12 @@ std::shared_ptr<VqKVCache> VqKVCache::restore(VqConfig config, std::shared_ptr<c
     }
     lay_out(q, n, static_cast<int>(H));
     const std::uint32_t row_bits = q.bit_at[sz(n)];
-    st.packed.assign(sz(B), {});
+    st.packed.clear();
+    st.packed.resize(sz(B));
     st.escapes.assign(sz(B), {});
     for (std::int64_t b = 0; b < B; ++b) {
       auto& buf = st.packed[sz(b)];
-      buf.assign(packed_bytes(Q, row_bits), 0);
+      buf.resize(packed_bytes(Q, row_bits));
       for (std::int64_t t = 0; t < Q; ++t) {
         const std::int16_t* row = s.codes.data() + sz(b * Q + t) * sz(n);
         for (int i = 0; i < n; ++i) {

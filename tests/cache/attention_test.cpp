@@ -10,6 +10,10 @@
 
 #include <gtest/gtest.h>
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <xmmintrin.h>
+#endif
+
 #include "veloxquant/cache/kv_cache.hpp"
 #include "veloxquant/core/error.hpp"
 #include "../support/test_util.hpp"
@@ -139,6 +143,57 @@ TEST(Attend, ReadsTilesNotTheWholeCache) {
   EXPECT_EQ(c.key_tokens, 2 * 8 * 1000);  // once per (batch, KV head), shared by its 4 query heads
   EXPECT_EQ(c.value_tokens, 2 * 8 * 1000);
 }
+
+// A cache picks its tile length (KVCache::attention_tile_tokens); the loop clamps it to
+// 1 .. kAttentionMaxTileTokens and the result is still attention over the cache, across splits.
+class TiledCache : public CountingCache {
+ public:
+  std::int64_t tile = 0;
+  std::int64_t attention_tile_tokens() const override { return tile; }
+};
+
+TEST(Attend, TakesTheCachesTileLengthClamped) {
+  const Tensor k = vqtest::random_walk({1, 2, 4500, 64}, 9, DType::F16), v = vqtest::random_walk({1, 2, 4500, 64}, 10, DType::F16);
+  const Tensor q = vqtest::random_uniform({1, 4, 2, 64}, 11);
+  for (const std::int64_t asked : {std::int64_t{0}, std::int64_t{1}, std::int64_t{7}, std::int64_t{256}, std::int64_t{1000},
+                                   std::int64_t{100000}}) {
+    SCOPED_TRACE(asked);
+    TiledCache c;
+    c.tile = asked;
+    c.update(k, v);
+    const Tensor out = c.attend(q, 0.125f);
+    EXPECT_EQ(c.max_tile, std::clamp<std::int64_t>(asked, 1, vq::kAttentionMaxTileTokens));
+    EXPECT_EQ(c.key_tokens, 2 * 4500);
+    const auto [d, m] = max_diff(out, vq::attend_ref(c, q, 0.125));
+    EXPECT_GT(m, 0.1);
+    EXPECT_LE(d, 2e-6 * (1.0 + m));
+  }
+  KVCache plain;
+  plain.update(k, v);
+  EXPECT_EQ(plain.attention_tile_tokens(), static_cast<std::int64_t>(vq::kAttentionTileBytes / 4 / 64));  // the default: unchanged
+}
+
+// The loop flushes subnormals (FTZ/DAZ) while it runs and gives the caller's floating-point mode
+// back; scores far below a row's maximum (weights that would be subnormal) change nothing visible.
+#if defined(__x86_64__) || defined(__i386__)
+TEST(Attend, FlushesSubnormalsOnlyWhileItRuns) {
+  const Tensor k = vqtest::random_walk({1, 2, 3000, 64}, 21, DType::F16, 2.0f), v = vqtest::random_walk({1, 2, 3000, 64}, 22, DType::F16);
+  const Tensor q = vqtest::random_uniform({1, 4, 1, 64}, 23);
+  KVCache c;
+  c.update(k, v);
+  const unsigned mode = 0xFFC0;  // MXCSR's control bits (the low six are sticky exception flags)
+  const unsigned before = _mm_getcsr() & mode;
+  for (const int threads : {1, 2}) {
+    const int was = vq::set_attention_threads(threads);
+    const Tensor out = c.attend(q, 1.0f);  // scale 1 over a steep walk: most weights far below e^-87
+    vq::set_attention_threads(was);
+    EXPECT_EQ(_mm_getcsr() & mode, before);
+    const auto [d, m] = max_diff(out, vq::attend_ref(c, q, 1.0));
+    EXPECT_GT(m, 0.1);
+    EXPECT_LE(d, 2e-6 * (1.0 + m));
+  }
+}
+#endif
 
 // Long contexts of decode-sized calls run in token splits merged in order (attention.hpp,
 // "Threads"): they equal the reference too, including a last split that some rows do not see at

@@ -236,10 +236,29 @@ TEST(GgmlBlockCacheResident, RotationSpreadsAnOutlierAndIsUndone) {
   EXPECT_EQ(std::memcmp(&b, &r.key_blocks()[0], sizeof b), 0);
 }
 
-// Our vq cache (vq/vq_cache.hpp) is resident too; its test sits here, beside the heap counter.
+// Our vq cache (vq/vq_cache.hpp) is resident too; its tests sit here, beside the heap counter.
+// Its heap is nbytes() - nbytes_mapped(), and nbytes_mapped() is the pages the kernel has backed
+// for its packed rows (in mappings of their own once past kPageVectorHeapBytes each).
+std::size_t vq_backed_bytes(const vq::VqKVCache& c, std::int64_t batch) {
+  std::size_t n = 0;
+  for (int side = 0; side < 2; ++side)
+    for (std::int64_t b = 0; b < batch; ++b) {
+      const auto& rows = c.packed_rows(side, b).bytes();
+      if (rows.mapped()) n += resident_bytes(rows);
+    }
+  return n;
+}
+
+void expect_vq_heap_and_pages(const vq::VqKVCache& c, long long live, std::int64_t batch) {
+  const std::size_t nbytes = c.nbytes(), mapped = c.nbytes_mapped();
+  EXPECT_EQ(vq_backed_bytes(c, batch), mapped) << "nbytes_mapped() is not the pages the packed rows hold";
+  // malloc rounds each of the cache's ~20 vectors up by < 32 bytes; the layout tensors' control blocks are not counted.
+  EXPECT_GE(live, static_cast<long long>(nbytes - mapped)) << "nbytes() counts memory the cache did not allocate";
+  EXPECT_LE(live, static_cast<long long>(nbytes - mapped) + 1024) << "the cache holds memory nbytes() does not count";
+}
+
 TEST(VqCacheResident, NbytesIsExactlyWhatItAllocated) {
   const Tensor k = vqtest::random_walk({2, 8, 300, 64}, 1), v = vqtest::random_walk({2, 8, 300, 64}, 2);
-  long long live = 0;
   std::size_t nbytes = 0;
   // The same run twice, counted the second time: the coder memoises the tables it builds (per
   // process, not per cache), and the first run fills that memo.
@@ -255,16 +274,50 @@ TEST(VqCacheResident, NbytesIsExactlyWhatItAllocated) {
     (void)c->update_and_fetch(k.slice(2, 0, 0), v.slice(2, 0, 0));  // the fetched dense copy is the caller's
     (void)c->attend(vqtest::random_uniform({2, 16, 1, 64}, 3), 0.125f);
     (void)c->stored_bytes();
-    if (pass == 1) live = count->now() - static_cast<long long>(malloc_usable_size(c));
+    if (pass == 1) expect_vq_heap_and_pages(*c, count->now() - static_cast<long long>(malloc_usable_size(c)), 2);
     nbytes = c->nbytes();
     delete c;
+    if (pass == 1) EXPECT_EQ(count->now(), 0) << "the cache left memory behind";
   }
-  // malloc rounds each of the cache's ~20 vectors up by < 32 bytes; the layout tensors' control blocks are not counted.
-  EXPECT_GE(live, static_cast<long long>(nbytes));
-  EXPECT_LE(live, static_cast<long long>(nbytes) + 1024) << "the cache holds memory nbytes() does not count";
   // A few bits per element against float32's 32 (a random walk drifts from its calibration, so
   // fields widen), plus 18 exact tokens.
   EXPECT_LT(nbytes, (k.nbytes() + v.nbytes()) / 3);
+}
+
+// The same after trim (pages past the kept rows handed back) and growth after it, with packed
+// rows on the heap (300 tokens) and in mappings (3000), float32 and float16.
+TEST(VqCacheResident, NbytesFollowsTrimAndGrowth) {
+  for (const vq::DType dtype : {vq::DType::F32, vq::DType::F16})
+    for (const std::int64_t tokens : {std::int64_t{300}, std::int64_t{3000}}) {
+      SCOPED_TRACE(::testing::Message() << vq::dtype_name(dtype) << " " << tokens << " tokens");
+      const Tensor k = vqtest::random_walk({2, 4, tokens, 64}, 6, dtype), v = vqtest::random_walk({2, 4, tokens, 64}, 7, dtype);
+      const Tensor q = vqtest::random_uniform({2, 8, 1, 64}, 8);
+      vq::VqConfig cfg;
+      cfg.calib = 32;
+      cfg.sinks = 2;
+      cfg.residual = 16;
+      // Run twice, counted the second time (attend keeps per-thread scratch between calls).
+      for (int pass = 0; pass < 2; ++pass) {
+        std::optional<LiveBytes> count;
+        if (pass == 1) count.emplace();
+        auto* c = new vq::VqKVCache(cfg);
+        const auto live = [&] { return pass == 1 ? count->now() - static_cast<long long>(malloc_usable_size(c)) : 0; };
+        c->update(k.slice(2, 0, tokens / 2), v.slice(2, 0, tokens / 2));
+        for (std::int64_t t = tokens / 2; t < tokens; t += 97) c->update(k.slice(2, t, std::min(tokens, t + 97)), v.slice(2, t, std::min(tokens, t + 97)));
+        (void)c->attend(q, 0.125f);
+        ASSERT_GT(c->quantized_tokens(), 0);
+        if (pass == 1) {
+          expect_vq_heap_and_pages(*c, live(), 2);
+          EXPECT_EQ(c->nbytes_mapped() > 0, tokens > 1000);  // ~100 bytes a row: past 64 KiB at 3000 rows
+        }
+        c->trim(tokens / 3);
+        if (pass == 1) expect_vq_heap_and_pages(*c, live(), 2);
+        c->update(k.slice(2, 0, 200), v.slice(2, 0, 200));
+        if (pass == 1) expect_vq_heap_and_pages(*c, live(), 2);
+        delete c;
+        if (pass == 1) EXPECT_EQ(count->now(), 0) << "the cache left memory behind";
+      }
+    }
 }
 
 }  // namespace

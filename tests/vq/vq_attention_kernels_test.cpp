@@ -1,6 +1,6 @@
 // VqKVCache's attention kernels on packed codes (src/vq/vq_attention_kernels.hpp), on hand-built
-// heads: the width-specialised loops (Decode::kByWidth) against the any-width decode
-// (Decode::kGeneric), bit for bit, for every field width (1..8, 16), runs of mixed widths, a partial
+// heads: the width-specialised loops (Decode::kByWidth, with AVX-512 where the CPU has it, and
+// kByWidthAvx2) against the any-width decode (Decode::kGeneric), bit for bit, for every field width (1..8, 16), runs of mixed widths, a partial
 // last group, 1..5 query rows and tile lengths that are not multiples of the token blocks; and both
 // against a scalar reference that reads every field by its bit position.
 #include <algorithm>
@@ -103,6 +103,12 @@ void expect_kernels_agree(const Head& head, std::int64_t t0, std::int64_t n, std
   va::accumulate(f, n, w.data(), nq, a_width.data(), order.data(), va::Decode::kByWidth);
   va::accumulate(f, n, w.data(), nq, a_generic.data(), order.data(), va::Decode::kGeneric);
   EXPECT_TRUE(same_bits(a_width, a_generic));
+  // kByWidth takes AVX-512 for widths <= 4 where the CPU has it; kByWidthAvx2 never does.
+  std::vector<float> a_avx2 = a_start, s_avx2(s_width.size());
+  va::accumulate(f, n, w.data(), nq, a_avx2.data(), order.data(), va::Decode::kByWidthAvx2);
+  EXPECT_TRUE(same_bits(a_avx2, a_generic));
+  va::score(f, n, q.data(), nq, s_avx2.data(), va::Decode::kByWidthAvx2);
+  EXPECT_TRUE(same_bits(s_avx2, s_generic));
 
   // The scalar reference (double): value = mean_p + step * code.
   for (std::int64_t r = 0; r < nq; ++r) {
@@ -148,6 +154,9 @@ TEST(VqAttentionKernels, MixedRunsAndPartialGroups) {
   expect_kernels_agree(partial, 0, 40, 4);
   const Head tiny(5, 20, {4}, 4);  // no full group at all
   expect_kernels_agree(tiny, 2, 17, 2);
+  // Runs of 7, 3 and 5 groups of widths <= 4: AVX-512's passes of four groups, a pair and a lone group.
+  const Head odd(128, 60, {1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 4, 4, 4, 4, 4, 8}, 5);
+  for (const std::int64_t nq : {1, 3, 4, 5}) expect_kernels_agree(odd, 3, 50, nq);
 }
 
 }  // namespace

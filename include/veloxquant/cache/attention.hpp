@@ -42,6 +42,7 @@
 // non-finite scale.
 #pragma once
 #include <cstddef>
+#include <cstdint>
 
 #include "veloxquant/core/tensor.hpp"
 
@@ -49,8 +50,12 @@ namespace vq {
 
 class KVCache;
 
-// Float32 bytes of one side's tile: tokens per tile = clamp(kTileBytes / (4 * D), 16, 256).
+// Float32 bytes of one side's tile: tokens per tile = clamp(kTileBytes / (4 * D), 16, 256), the
+// default of KVCache::attention_tile_tokens().
 inline constexpr std::size_t kAttentionTileBytes = 16 * 1024;
+// The longest tile a cache may ask for (KVCache::attention_tile_tokens, clamped to 1 .. this):
+// one split of the threaded loop.
+inline constexpr std::int64_t kAttentionMaxTileTokens = 2048;
 
 // Tokens per split of a long decode-sized call (a multiple of every tile size up to 256 tokens
 // when D is a power of two; otherwise rounded down to whole tiles): 2048 tokens of D = 128 in

@@ -91,6 +91,12 @@ class KVCache {
   // Defaults: identity. `q` has key_dim() floats, `out` value_dim().
   virtual void map_query(float* /*q*/) const {}
   virtual void unmap_output(float* /*out*/) const {}
+  // Tokens per tile of the attend loop (it clamps the answer to 1 .. kAttentionMaxTileTokens). The
+  // default sizes a float32 tile of the wider side to kAttentionTileBytes (16 .. 256 tokens, the
+  // float tiles' size for L1/L2); a cache that scores and accumulates on its codes, with per-tile
+  // work of its own to amortise, may ask for longer tiles. Only the tiling changes, so the result
+  // may differ from the default's in float32 rounding (the online softmax rescales per tile).
+  virtual std::int64_t attention_tile_tokens() const;
   // The two steps of a tile that touch K and V, for caches that can do them on their codes
   // without a float32 tile (optional: the defaults read tiles through read_key_tile /
   // read_value_tile into `scratch` and run attention_kernels.hpp's float kernels). `queries`

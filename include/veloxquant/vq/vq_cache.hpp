@@ -38,8 +38,11 @@
 //   refused with InvalidArgument and the cache is unchanged.
 // - the exact tokens in the input dtype: the sinks, and the tail [quantized_tokens(), offset()).
 // - the calibration (step, offsets, splits, widths), a few bytes per coefficient.
-// nbytes() = the capacity of those vectors (the codes grow by 1/8 at a time, so at most ~12 %
-// beyond what is used). The transforms belong to the layer model (shared, not billed).
+// nbytes() = the memory those hold: the vectors' capacity, and for the packed rows (PackedRows
+// below, in page mappings once past 64 KiB) the pages that back their bytes, i.e. their size
+// rounded up to a page (nbytes_mapped() is that part). Big temporaries of update() and of
+// widening are mapped and unmapped at once too, so the process's RSS follows nbytes().
+// The transforms belong to the layer model (shared, not billed).
 // attend() on a model-less cache (identity transform, no RoPE) with float32/float16 input and
 // SIMD reads the packed codes directly (score_key_tile / accumulate_value_tile below); otherwise
 // it reads tiles: a quantized token's row of head h is rebuilt from its codes (head h's
@@ -79,6 +82,7 @@
 #include <vector>
 
 #include "veloxquant/cache/kv_cache.hpp"
+#include "veloxquant/core/page_vector.hpp"
 #include "veloxquant/vq/basis.hpp"
 #include "veloxquant/vq/codec.hpp"
 
@@ -127,6 +131,11 @@ class VqKVCache : public KVCache {
                       float* scores, float* scratch) const override;
   void accumulate_value_tile(std::int64_t b, std::int64_t h, std::int64_t t0, std::int64_t n, const float* weights,
                              std::int64_t nq, float* acc, float* scratch) const override;
+  // kCodeTileTokens when both sides run on their codes (the per-tile work of the code kernels:
+  // listing the tile's escapes, the field-order sum's epilogue, is then spread over more tokens;
+  // no float32 tile is formed, so a longer tile costs no cache space); the default otherwise.
+  std::int64_t attention_tile_tokens() const override;
+  static constexpr std::int64_t kCodeTileTokens = 256;
 
   const VqConfig& config() const { return config_; }
   std::int64_t quantized_tokens() const { return quantized_; }
@@ -176,6 +185,31 @@ class VqKVCache : public KVCache {
   const std::vector<std::uint8_t>& value_widths() const { return vq_.width; }
   std::size_t escapes() const;
 
+  // One batch row's packed code rows (the codes of its quantized tokens, "Packed layout" above):
+  // bytes in a PageVector (core/page_vector.hpp), on the heap while small and then in a mapping
+  // of their own grown without copies, so that many caches growing side by side leave no holes
+  // in malloc's heap (with std::vector growth, 16 caches of 4096 tokens at bits=2 grew the RSS by
+  // 1.64x their nbytes). Invariant: every byte past the last row's bits is zero (fields are OR-ed
+  // in; get_field reads 8 bytes, hence the 8 bytes of slack packed_bytes adds).
+  class PackedRows {
+   public:
+    std::uint8_t* data() { return bytes_.data(); }
+    const std::uint8_t* data() const { return bytes_.data(); }
+    std::size_t size() const { return bytes_.size(); }
+    // Grows with zero bytes, or drops the bytes past n (and returns their pages).
+    void resize(std::size_t n);
+    void clear() { bytes_.clear(); }
+    const PageVector<std::uint8_t>& bytes() const { return bytes_; }
+
+   private:
+    PageVector<std::uint8_t> bytes_;
+  };
+  // The packed rows of batch row b of a side (0: K, 1: V); for tests (their residency).
+  const PackedRows& packed_rows(int side, std::int64_t b) const { return (side == 0 ? ks_ : vs_).packed.at(static_cast<std::size_t>(b)); }
+  // The part of nbytes() held in page mappings rather than on the heap (the packed rows past
+  // kPageVectorHeapBytes each: their backed pages).
+  std::size_t nbytes_mapped() const;
+
  private:
   struct SideQuant {
     float step = 1.0f;
@@ -193,7 +227,7 @@ class VqKVCache : public KVCache {
     std::int32_t t, c, q;  // token, coefficient, code
   };
   struct SideStore {
-    std::vector<std::vector<std::uint8_t>> packed;  // per batch: quantized_ rows of bit_at[n] bits (+ 8 zero bytes)
+    std::vector<PackedRows> packed;                 // per batch: quantized_ rows of bit_at[n] bits (+ 8 zero bytes)
     std::vector<std::vector<Escape>> escapes;       // per batch, sorted by (t, c)
     std::vector<std::uint8_t> tail;                 // exact rows [quantized_, offset_), token-major [t][b][h][d], input dtype
     std::vector<std::uint8_t> sinks;                // exact rows [0, min(sinks, offset_)), same layout
