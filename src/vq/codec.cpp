@@ -64,21 +64,14 @@ void check_side(const VqSideCodes& s, std::int64_t rows, const char* name) {
     require(s.shift[sz(c)] <= kVqMaxShift, "vq_encode: {} shift {} exceeds {}", name, s.shift[sz(c)], kVqMaxShift);
 }
 
-// Every hi part within +-kVqMaxCode: a min / max over all of them (vectorised), then, only when
-// one is out, the search for the first for the message.
-void check_hi(const VqSideCodes& s, const std::int16_t* hi, std::size_t count, const char* name) {
-  std::int16_t lo = 0, up = 0;
-  for (std::size_t i = 0; i < count; ++i) {
-    lo = std::min(lo, hi[i]);
-    up = std::max(up, hi[i]);
-  }
-  if (lo >= -kVqMaxCode && up <= kVqMaxCode) [[likely]]
-    return;
+// Called when some hi part is outside +-kVqMaxCode: finds the first for the message and throws.
+[[noreturn]] void throw_hi_out_of_range(const VqSideCodes& s, const std::int16_t* hi, std::size_t count, const char* name) {
   for (std::size_t i = 0; i < count; ++i) {
     const int c = static_cast<int>(i % sz(s.n)), shift = s.shift.empty() ? 0 : s.shift[sz(c)];
     require(std::abs(hi[i]) <= kVqMaxCode, "vq_encode: {} code {} of coefficient {} is outside -{}..{} (shift {})", name,
             s.codes[i], c, kVqMaxCode << shift, ((kVqMaxCode + 1) << shift) - 1, shift);
   }
+  throw_invalid_argument(fmt::format("vq_encode: {} has a code outside the range", name));  // not reached
 }
 
 // The shifts of a side, the cheaper of two layouts (most caches have none or a few):
@@ -231,29 +224,63 @@ std::uint8_t best_param(const std::uint32_t* hist, int amax, int scale) {
   return best;
 }
 
-bool use_avx2(RansKernel k) {
-  if (k == RansKernel::Scalar) return false;
-  if (k == RansKernel::Avx2) require(rans_avx2_available(), "vq codec: the AVX2 kernel was requested but this CPU has no AVX2");
-  return rans_avx2_available();
+// The region kernels of a call (codec_kernels.hpp): null for the scalar reference.
+struct RegionKernels {
+  decltype(&vq_codec_detail::decode_region_avx2) decode = nullptr;
+  decltype(&vq_codec_detail::encode_region_avx2) encode = nullptr;
+  bool fast() const { return decode != nullptr; }
+};
+
+RegionKernels region_kernels(RansKernel k) {
+  constexpr RegionKernels avx2{vq_codec_detail::decode_region_avx2, vq_codec_detail::encode_region_avx2};
+  constexpr RegionKernels avx512{vq_codec_detail::decode_region_avx512, vq_codec_detail::encode_region_avx512};
+  switch (k) {
+    case RansKernel::Scalar:
+      return {};
+    case RansKernel::Avx2:
+      require(rans_avx2_available(), "vq codec: the AVX2 kernel was requested but this CPU has no AVX2");
+      return avx2;
+    case RansKernel::Avx512:
+      require(rans_avx512_available(), "vq codec: the AVX-512 kernel was requested but this CPU has no AVX-512 (F/BW/VL)");
+      return avx512;
+    case RansKernel::Auto:
+    default:
+      return rans_avx512_available() ? avx512 : rans_avx2_available() ? avx2 : RegionKernels{};
+  }
 }
 
 bool has_shifts(const VqSideCodes& s) {
   return std::any_of(s.shift.begin(), s.shift.end(), [](std::uint8_t v) { return v != 0; });
 }
 
-// amax and the best parameter of every coefficient of a side from its hi parts [rows, n]: one
-// row-major pass for the maxima, one for the histograms (all coefficients' in one array,
-// coefficient c's centred at hoff[c]).
-// scale: each coefficient's table precision (vq_coef_scale_bits, version 4).
-void side_models(const std::int16_t* hi, std::size_t n, std::size_t R, std::vector<int>& amax, std::vector<std::uint8_t>& param,
-                 std::vector<int>& scale) {
-  std::vector<std::int16_t> mx(n, 0);  // |hi| <= 255 (check_hi)
-  for (std::size_t r = 0; r < R; ++r)
-    for (std::size_t c = 0; c < n; ++c) {
-      const std::int16_t v = hi[r * n + c];
-      mx[c] = std::max(mx[c], static_cast<std::int16_t>(v < 0 ? -v : v));
-    }
+// One pass over a side's codes [R, n]: the hi parts (into hi, when the side has shifts; hi is null
+// otherwise) and each coefficient's amax = max |hi|; throws when one is outside +-kVqMaxCode.
+// simd: codec_kernels.hpp's AVX-512 pass, else the same in plain C++.
+void side_hi(const VqSideCodes& s, std::size_t R, bool simd, std::int16_t* hi, std::vector<int>& amax, const char* name) {
+  const std::size_t n = sz(s.n);
+  std::vector<std::uint16_t> mx(n, 0);
+  const std::uint8_t* sh = hi ? s.shift.data() : nullptr;
+  if (simd) {
+    vq_codec_detail::side_hi_avx512(s.codes.data(), sh, R, n, hi, mx.data());
+  } else {
+    for (std::size_t r = 0; r < R; ++r)
+      for (std::size_t c = 0; c < n; ++c) {
+        const std::int16_t q = s.codes[r * n + c], v = sh ? static_cast<std::int16_t>(q >> sh[c]) : q;
+        if (hi) hi[r * n + c] = v;
+        mx[c] = std::max(mx[c], static_cast<std::uint16_t>(v < 0 ? -static_cast<int>(v) : v));
+      }
+  }
+  if (*std::max_element(mx.begin(), mx.end()) > kVqMaxCode) [[unlikely]]
+    throw_hi_out_of_range(s, hi ? hi : s.codes.data(), R * n, name);
   amax.assign(mx.begin(), mx.end());
+}
+
+// The best parameter and table precision of every coefficient of a side from its hi parts [R, n]
+// and amax: one row-major pass for the histograms (all coefficients' in one array, coefficient
+// c's centred at hoff[c]; simd: codec_kernels.hpp's AVX-512 counting).
+// scale: each coefficient's table precision (vq_coef_scale_bits, version 4).
+void side_models(const std::int16_t* hi, std::size_t n, std::size_t R, bool simd, const std::vector<int>& amax, std::vector<std::uint8_t>& param,
+                 std::vector<int>& scale) {
   scale.resize(n);
   for (std::size_t c = 0; c < n; ++c) scale[c] = vq_coef_scale_bits(amax[c]);
   param.assign(n, 0);
@@ -264,8 +291,11 @@ void side_models(const std::int16_t* hi, std::size_t n, std::size_t R, std::vect
     total += sz(2 * amax[c] + 1);
   }
   std::vector<std::uint32_t> hist(total, 0);
-  for (std::size_t r = 0; r < R; ++r)
-    for (std::size_t c = 0; c < n; ++c) ++hist[static_cast<std::size_t>(hoff[c] + hi[r * n + c])];
+  if (simd)
+    vq_codec_detail::side_hist_avx512(hi, R, n, amax.data(), hoff.data(), hist.data());
+  else
+    for (std::size_t r = 0; r < R; ++r)
+      for (std::size_t c = 0; c < n; ++c) ++hist[static_cast<std::size_t>(hoff[c] + hi[r * n + c])];
   for (std::size_t c = 0; c < n; ++c)
     if (amax[c] > 0) param[c] = best_param(hist.data() + hoff[c] - amax[c], amax[c], scale[c]);
 }
@@ -556,7 +586,9 @@ std::uint8_t vq_best_param(std::span<const std::uint32_t> hist, int amax) {
 }
 
 std::vector<std::uint8_t> vq_encode(const VqLayerCodes& lc, RansKernel kernel) {
-  const bool fast = use_avx2(kernel);
+  const RegionKernels kern = region_kernels(kernel);
+  const bool fast = kern.fast();
+  const bool simd_prep = kern.encode == &vq_codec_detail::encode_region_avx512;  // the AVX-512 side pass
   require(lc.batch >= 0 && lc.tokens >= 0, "vq_encode: negative batch or token count");
   const std::int64_t rows = lc.rows();
   check_side(lc.k, rows, "K");
@@ -572,7 +604,7 @@ std::vector<std::uint8_t> vq_encode(const VqLayerCodes& lc, RansKernel kernel) {
   struct Side {
     const VqSideCodes* s;
     SideModel sm;
-    std::vector<std::int16_t> hi_buf;  // the region's codes when they are not the side's own
+    std::unique_ptr<std::int16_t[]> hi_buf;  // the region's codes when they are not the side's own
     const std::int16_t* hi = nullptr;
     std::vector<std::uint16_t> lows;  // [low column][row]
     std::size_t base = 0;             // stream index of the region's first symbol
@@ -583,22 +615,16 @@ std::vector<std::uint8_t> vq_encode(const VqLayerCodes& lc, RansKernel kernel) {
     const VqSideCodes& s = *sd.s;
     const std::size_t n = sz(s.n);
     const bool shifted = has_shifts(s);
-    // The hi parts: the codes themselves, or floor(q / 2^shift) column by column.
-    const std::int16_t* his = s.codes.data();
-    std::vector<std::int16_t> his_buf;
-    if (shifted) {
-      his_buf.resize(R * n);
-      const std::uint8_t* sh = s.shift.data();
-      for (std::size_t r = 0; r < R; ++r)
-        for (std::size_t c = 0; c < n; ++c) his_buf[r * n + c] = static_cast<std::int16_t>(s.codes[r * n + c] >> sh[c]);
-      his = his_buf.data();
-    }
-    check_hi(s, his, R * n, sd.s == &lc.k ? "K" : "V");
+    // The hi parts: the codes themselves, or floor(q / 2^shift) column by column (every entry
+    // written: no zero fill).
+    std::unique_ptr<std::int16_t[]> his_buf(shifted ? new std::int16_t[R * n] : nullptr);
+    const std::int16_t* his = shifted ? his_buf.get() : s.codes.data();
+    side_hi(s, R, simd_prep, his_buf.get(), sd.sm.amax, sd.s == &lc.k ? "K" : "V");
     std::uint32_t step_bits;
     std::memcpy(&step_bits, &s.step, 4);
     for (int i = 0; i < 4; ++i) out.push_back(static_cast<std::uint8_t>(step_bits >> (8 * i)));
     write_shifts(out, s);
-    side_models(his, n, R, sd.sm.amax, sd.sm.param, sd.sm.scale);
+    side_models(his, n, R, simd_prep, sd.sm.amax, sd.sm.param, sd.sm.scale);
     for (int c = 0; c < s.n; ++c) {
       const std::int64_t off = s.offset[sz(c)];
       put_varint(out, off < 0 ? static_cast<std::uint64_t>(-2 * off - 1) : static_cast<std::uint64_t>(2 * off));  // zigzag
@@ -609,12 +635,12 @@ std::vector<std::uint8_t> vq_encode(const VqLayerCodes& lc, RansKernel kernel) {
     const std::size_t m = sd.sm.m();
     if (m == n) {
       sd.hi_buf = std::move(his_buf);
-      sd.hi = shifted ? sd.hi_buf.data() : s.codes.data();
+      sd.hi = his;
     } else {
-      sd.hi_buf.resize(R * m);
+      sd.hi_buf.reset(new std::int16_t[R * m]);
       for (std::size_t r = 0; r < R; ++r)
         for (std::size_t j = 0; j < m; ++j) sd.hi_buf[r * m + j] = his[r * n + sz(sd.sm.cols[j])];
-      sd.hi = sd.hi_buf.data();
+      sd.hi = sd.hi_buf.get();
     }
     sd.lows.resize(sd.sm.low_cols.size() * R);
     for (std::size_t k = 0; k < sd.sm.low_cols.size(); ++k) {
@@ -667,7 +693,7 @@ std::vector<std::uint8_t> vq_encode(const VqLayerCodes& lc, RansKernel kernel) {
     const std::size_t aligned_end = (sd.base + N) / 32 * 32;
     const std::size_t g1 = aligned_end > sd.base + g0 ? aligned_end - sd.base : g0;
     ptr = encode_region_scalar(x, sd.hi, g1, N, sd.base, sd.sm, tables, ptr);
-    if (g1 > g0) ptr = vq_codec_detail::encode_region_avx2(x, sd.hi, g0, g1, g1 % m, rt, ptr);
+    if (g1 > g0) ptr = kern.encode(x, sd.hi, g0, g1, g1 % m, rt, ptr);
     ptr = encode_region_scalar(x, sd.hi, 0, g0, sd.base, sd.sm, tables, ptr);
   }
   // rans.hpp's stream: varint n, min(n, 32) final states, the words in decoder order.
@@ -683,7 +709,8 @@ std::vector<std::uint8_t> vq_encode(const VqLayerCodes& lc, RansKernel kernel) {
 }
 
 VqLayerCodes vq_decode(std::span<const std::uint8_t> bytes, std::uint64_t max_codes, RansKernel kernel) {
-  const bool fast = use_avx2(kernel);
+  const RegionKernels kern = region_kernels(kernel);
+  const bool fast = kern.fast();
   ByteReader r(bytes, "vq layer");
   const std::uint8_t version = r.u8();
   if (version < 1 || version > 4) r.fail(fmt::format("unknown version {} (expected 1 to 4)", version));
@@ -733,7 +760,7 @@ VqLayerCodes vq_decode(std::span<const std::uint8_t> bytes, std::uint64_t max_co
       rt.dec_pool = pools.packed.data();
       std::size_t i = std::min(N, (32 - base % 32) % 32);
       p = decode_region_packed(x, hi, 0, i, base, rt, p, end);
-      p = vq_codec_detail::decode_region_avx2(x, hi, i, N, i % m, rt, p, end);
+      p = kern.decode(x, hi, i, N, i % m, rt, p, end);
       p = decode_region_packed(x, hi, i, N, base, rt, p, end);
     } else if (N > 0) {
       if (pools.sym.empty()) pools.build(tables, false);  // a fast call's side with amax > 127
