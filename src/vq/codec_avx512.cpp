@@ -153,33 +153,58 @@ VQ_AVX512_TARGET void side_hi_avx512(const std::int16_t* codes, const std::uint8
 
 namespace {
 
-// Counts of the values -A..A of 32 columns (lanes) over rows [r0, r1), in 16-bit counters
-// (r1 - r0 <= 65535), added to hist.
-template <int A>
-VQ_AVX512_TARGET void count_block(const std::int16_t* hi, std::size_t n, std::size_t c, std::size_t r0, std::size_t r1, __mmask32 tail,
-                                  const std::int32_t* hoff, const int* amax, std::uint32_t* hist) {
-  __m512i cnt[2 * A + 1];
-  for (auto& v : cnt) v = _mm512_setzero_si512();
-  const __m512i one = _mm512_set1_epi16(1);
-  for (std::size_t r = r0; r < r1; ++r) {
-    const __m512i v = _mm512_maskz_loadu_epi16(tail, hi + r * n + c);
-#pragma GCC unroll 32
-    for (int k = 0; k <= 2 * A; ++k) cnt[k] = _mm512_mask_add_epi16(cnt[k], _mm512_cmpeq_epi16_mask(v, _mm512_set1_epi16(static_cast<short>(k - A))), cnt[k], one);
+// A row's 32 codes from `row` as int8 (the narrow lanes fit; 0 past the tail), its wide lanes
+// added to hist one by one (hoff from the row's first column).
+VQ_AVX512 __m256i row_bytes(const std::int16_t* row, __mmask32 tail, __mmask32 wide, const std::int32_t* hoff, std::uint32_t* hist) {
+  for (std::uint32_t m = wide; m; m &= m - 1) {
+    const auto l = static_cast<std::size_t>(__builtin_ctz(m));
+    ++hist[static_cast<std::size_t>(hoff[l] + row[l])];
   }
-  alignas(64) std::uint16_t out[2 * A + 1][32];
-  for (int k = 0; k <= 2 * A; ++k) _mm512_store_si512(out[k], cnt[k]);
+  return _mm512_cvtepi16_epi8(_mm512_maskz_loadu_epi16(tail, row));
+}
+
+// The histograms of up to 32 columns from c over rows [r0, r1): the lanes of `lanes` (each of
+// amax <= A) counted with byte compares, two rows a vector (row r in bytes 0..31, r + 1 in
+// 32..63), in 8-bit counters flushed every 127 row pairs; those of `wide` one by one, row by row
+// (so each row's 64 bytes are read once); tail: the columns that exist.
+template <int A>
+VQ_AVX512_TARGET void count_columns(const std::int16_t* hi, std::size_t n, std::size_t c, std::size_t rows, __mmask32 tail, __mmask32 lanes,
+                                    __mmask32 wide, const std::int32_t* hoff, const int* amax, std::uint32_t* hist) {
+  std::uint32_t acc[2 * A + 1][64] = {};
+  const __m512i one = _mm512_set1_epi8(1);
+  const __mmask64 both = static_cast<__mmask64>(lanes) | static_cast<__mmask64>(lanes) << 32;
+  for (std::size_t r0 = 0; r0 < rows;) {
+    __m512i cnt[2 * A + 1];
+    for (auto& v : cnt) v = _mm512_setzero_si512();
+    const std::size_t r1 = std::min(rows, r0 + 2 * 127);
+    for (std::size_t r = r0; r < r1; r += 2) {
+      const bool pair = r + 1 < r1;
+      // The rows are n codes apart: fetch ahead (prefetches past the end are harmless hints).
+      _mm_prefetch(reinterpret_cast<const char*>(hi + (r + 16) * n + c), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(hi + (r + 17) * n + c), _MM_HINT_T0);
+      const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(row_bytes(hi + r * n + c, tail, wide, hoff + c, hist)),
+                                             pair ? row_bytes(hi + (r + 1) * n + c, tail, wide, hoff + c, hist) : _mm256_setzero_si256(), 1);
+      const __mmask64 live = pair ? both : static_cast<__mmask64>(lanes);
+#pragma GCC unroll 32
+      for (int k = 0; k <= 2 * A; ++k)
+        cnt[k] = _mm512_mask_add_epi8(cnt[k], _mm512_mask_cmpeq_epi8_mask(live, v, _mm512_set1_epi8(static_cast<char>(k - A))), cnt[k], one);
+    }
+    for (int k = 0; k <= 2 * A; ++k)
+      for (int q = 0; q < 4; ++q) {
+        const __m512i w = _mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(cnt[k], q));
+        _mm512_storeu_si512(acc[k] + 16 * q, _mm512_add_epi32(_mm512_loadu_si512(acc[k] + 16 * q), w));
+      }
+    r0 = r1;
+  }
   for (std::size_t l = 0; l < 32; ++l) {
-    if (!(tail >> l & 1)) break;
+    if (!(lanes >> l & 1)) continue;
     const int a = amax[c + l];
-    for (int v = -a; v <= a; ++v) hist[static_cast<std::size_t>(hoff[c + l] + v)] += out[v + A][l];
+    for (int v = -a; v <= a; ++v) hist[static_cast<std::size_t>(hoff[c + l] + v)] += acc[v + A][l] + acc[v + A][l + 32];
   }
 }
 
-template <int A>
-VQ_AVX512_TARGET void count_columns(const std::int16_t* hi, std::size_t n, std::size_t c, std::size_t rows, __mmask32 tail,
-                                    const std::int32_t* hoff, const int* amax, std::uint32_t* hist) {
-  for (std::size_t r0 = 0; r0 < rows; r0 += 65535) count_block<A>(hi, n, c, r0, std::min(rows, r0 + 65535), tail, hoff, amax, hist);
-}
+// Columns up to this amax are counted with compares (2 amax + 1 counters), wider ones one by one.
+constexpr int kNarrow = 8;
 
 }  // namespace
 
@@ -188,22 +213,27 @@ VQ_AVX512_TARGET void side_hist_avx512(const std::int16_t* hi, std::size_t rows,
   for (std::size_t c = 0; c < n; c += 32) {
     const std::size_t w = std::min<std::size_t>(32, n - c);
     const __mmask32 tail = w == 32 ? ~__mmask32{0} : static_cast<__mmask32>((1u << w) - 1);
+    __mmask32 lanes = 0, wide = 0;
     int A = 0;
-    for (std::size_t l = 0; l < w; ++l) A = std::max(A, amax[c + l]);
+    for (std::size_t l = 0; l < w; ++l) {
+      const int a = amax[c + l];
+      if (a == 0) {  // every code 0: one bin
+        hist[static_cast<std::size_t>(hoff[c + l])] += static_cast<std::uint32_t>(rows);
+      } else if (a <= kNarrow) {
+        lanes |= 1u << l;
+        A = std::max(A, a);
+      } else {
+        wide |= 1u << l;
+      }
+    }
+    if (lanes == 0 && wide == 0) continue;
     switch (A) {
-      case 0:  // every code 0: hist[hoff] = rows (amax 0 has one bin)
-        for (std::size_t l = 0; l < w; ++l) hist[static_cast<std::size_t>(hoff[c + l])] += static_cast<std::uint32_t>(rows);
-        break;
 #define VQ_COUNT(a) \
   case a:           \
-    count_columns<a>(hi, n, c, rows, tail, hoff, amax, hist); \
+    count_columns<a>(hi, n, c, rows, tail, lanes, wide, hoff, amax, hist); \
     break;
-      VQ_COUNT(1) VQ_COUNT(2) VQ_COUNT(3) VQ_COUNT(4) VQ_COUNT(5) VQ_COUNT(6) VQ_COUNT(7) VQ_COUNT(8) VQ_COUNT(9) VQ_COUNT(10) VQ_COUNT(11)
-      VQ_COUNT(12)
+      VQ_COUNT(0) VQ_COUNT(1) VQ_COUNT(2) VQ_COUNT(3) VQ_COUNT(4) VQ_COUNT(5) VQ_COUNT(6) VQ_COUNT(7) VQ_COUNT(8)
 #undef VQ_COUNT
-      default:  // wide columns: one increment per code
-        for (std::size_t r = 0; r < rows; ++r)
-          for (std::size_t l = 0; l < w; ++l) ++hist[static_cast<std::size_t>(hoff[c + l] + hi[r * n + c + l])];
     }
   }
 }
