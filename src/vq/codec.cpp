@@ -770,18 +770,26 @@ VqLayerCodes vq_decode(std::span<const std::uint8_t> bytes, std::uint64_t max_co
     if (m != n_side)
       for (std::size_t row = 0; row < R; ++row)
         for (std::size_t j = 0; j < m; ++j) s->codes[row * n_side + sz(sm->cols[j])] = region[row * m + j];
-    for (const int c : sm->low_cols) {
-      const int shift = s->shift[sz(c)];
+    // The low parts, column after column in the stream: decoded into lows[column][row], then
+    // merged row by row (one pass over the codes instead of one strided pass per column).
+    const std::size_t L = sm->low_cols.size();
+    std::unique_ptr<std::uint16_t[]> lows(L ? new std::uint16_t[L * R] : nullptr);
+    for (std::size_t l = 0; l < L; ++l) {
+      const int shift = s->shift[sz(sm->low_cols[l])];
       const std::uint32_t lmask = (1u << shift) - 1;
       for (std::size_t row = 0; row < R; ++row, ++base) {
         std::uint32_t& xi = x[base & 31];
-        const std::uint32_t low = xi & lmask;
+        lows[l * R + row] = static_cast<std::uint16_t>(xi & lmask);
         xi >>= shift;  // freq 1, cum = low: x = (x >> shift) + low - low
         refill(xi, p, end);
-        std::int16_t& q = s->codes[row * n_side + sz(c)];
-        q = static_cast<std::int16_t>(q * (1 << shift) + static_cast<int>(low));
       }
     }
+    for (std::size_t row = 0; row < R && L; ++row)
+      for (std::size_t l = 0; l < L; ++l) {
+        const std::size_t c = sz(sm->low_cols[l]);
+        std::int16_t& q = s->codes[row * n_side + c];
+        q = static_cast<std::int16_t>(q * (1 << s->shift[c]) + static_cast<int>(lows[l * R + row]));
+      }
   }
   if (p != end) r.fail(fmt::format("{} rANS renormalisation words left over (corrupt)", (end - p) / 2));
   for (int j = 0; j < kRansLanes; ++j)
