@@ -606,7 +606,7 @@ std::vector<std::uint8_t> vq_encode(const VqLayerCodes& lc, RansKernel kernel) {
     SideModel sm;
     std::unique_ptr<std::int16_t[]> hi_buf;  // the region's codes when they are not the side's own
     const std::int16_t* hi = nullptr;
-    std::vector<std::uint16_t> lows;  // [low column][row]
+    std::vector<std::uint16_t> lows;  // [row][low column]
     std::size_t base = 0;             // stream index of the region's first symbol
   };
   Side sides[2] = {{&lc.k, {}, {}, nullptr, {}, 0}, {&lc.v, {}, {}, nullptr, {}, 0}};
@@ -642,12 +642,14 @@ std::vector<std::uint8_t> vq_encode(const VqLayerCodes& lc, RansKernel kernel) {
         for (std::size_t j = 0; j < m; ++j) sd.hi_buf[r * m + j] = his[r * n + sz(sd.sm.cols[j])];
       sd.hi = sd.hi_buf.get();
     }
-    sd.lows.resize(sd.sm.low_cols.size() * R);
-    for (std::size_t k = 0; k < sd.sm.low_cols.size(); ++k) {
-      const std::size_t c = sz(sd.sm.low_cols[k]);
-      const int mask = (1 << s.shift[c]) - 1;
-      for (std::size_t r = 0; r < R; ++r) sd.lows[k * R + r] = static_cast<std::uint16_t>(s.codes[r * n + c] & mask);
-    }
+    // The low parts [row][low column], row by row (one pass over the codes).
+    const std::size_t L = sd.sm.low_cols.size();
+    sd.lows.resize(L * R);
+    for (std::size_t r = 0; r < R && L; ++r)
+      for (std::size_t k = 0; k < L; ++k) {
+        const std::size_t c = sz(sd.sm.low_cols[k]);
+        sd.lows[r * L + k] = static_cast<std::uint16_t>(s.codes[r * n + c] & ((1 << s.shift[c]) - 1));
+      }
     sd.base = n_total;
     n_total += R * m + sd.lows.size();
   }
@@ -670,10 +672,10 @@ std::vector<std::uint8_t> vq_encode(const VqLayerCodes& lc, RansKernel kernel) {
   for (auto& v : x) v = kL;
   for (int k = 1; k >= 0; --k) {  // backwards: V, then K; within a side the low parts, then the region
     const Side& sd = sides[k];
-    const std::size_t m = sd.sm.m(), N = R * m, lbase = sd.base + N;
-    for (std::size_t l = sd.sm.low_cols.size(); l-- > 0;) {
+    const std::size_t m = sd.sm.m(), N = R * m, lbase = sd.base + N, L = sd.sm.low_cols.size();
+    for (std::size_t l = L; l-- > 0;) {
       const int shift = sd.s->shift[sz(sd.sm.low_cols[l])];
-      for (std::size_t r = R; r-- > 0;) enc_put(x[(lbase + l * R + r) & 31], 1, sd.lows[l * R + r], shift, ptr);
+      for (std::size_t r = R; r-- > 0;) enc_put(x[(lbase + l * R + r) & 31], 1, sd.lows[r * L + l], shift, ptr);
     }
     if (N == 0) continue;
     if (!fast) {
@@ -770,7 +772,7 @@ VqLayerCodes vq_decode(std::span<const std::uint8_t> bytes, std::uint64_t max_co
     if (m != n_side)
       for (std::size_t row = 0; row < R; ++row)
         for (std::size_t j = 0; j < m; ++j) s->codes[row * n_side + sz(sm->cols[j])] = region[row * m + j];
-    // The low parts, column after column in the stream: decoded into lows[column][row], then
+    // The low parts, column after column in the stream: decoded into lows[row][column], then
     // merged row by row (one pass over the codes instead of one strided pass per column).
     const std::size_t L = sm->low_cols.size();
     std::unique_ptr<std::uint16_t[]> lows(L ? new std::uint16_t[L * R] : nullptr);
@@ -779,7 +781,7 @@ VqLayerCodes vq_decode(std::span<const std::uint8_t> bytes, std::uint64_t max_co
       const std::uint32_t lmask = (1u << shift) - 1;
       for (std::size_t row = 0; row < R; ++row, ++base) {
         std::uint32_t& xi = x[base & 31];
-        lows[l * R + row] = static_cast<std::uint16_t>(xi & lmask);
+        lows[row * L + l] = static_cast<std::uint16_t>(xi & lmask);
         xi >>= shift;  // freq 1, cum = low: x = (x >> shift) + low - low
         refill(xi, p, end);
       }
@@ -788,7 +790,7 @@ VqLayerCodes vq_decode(std::span<const std::uint8_t> bytes, std::uint64_t max_co
       for (std::size_t l = 0; l < L; ++l) {
         const std::size_t c = sz(sm->low_cols[l]);
         std::int16_t& q = s->codes[row * n_side + c];
-        q = static_cast<std::int16_t>(q * (1 << s->shift[c]) + static_cast<int>(lows[l * R + row]));
+        q = static_cast<std::int16_t>(q * (1 << s->shift[c]) + static_cast<int>(lows[row * L + l]));
       }
   }
   if (p != end) r.fail(fmt::format("{} rANS renormalisation words left over (corrupt)", (end - p) / 2));
