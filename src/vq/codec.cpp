@@ -258,21 +258,28 @@ bool has_shifts(const VqSideCodes& s) {
 // simd: codec_kernels.hpp's AVX-512 pass, else the same in plain C++.
 void side_hi(const VqSideCodes& s, std::size_t R, bool simd, std::int16_t* hi, std::vector<int>& amax, const char* name) {
   const std::size_t n = sz(s.n);
-  std::vector<std::uint16_t> mx(n, 0);
-  const std::uint8_t* sh = hi ? s.shift.data() : nullptr;
+  amax.resize(n);
   if (simd) {
-    vq_codec_detail::side_hi_avx512(s.codes.data(), sh, R, n, hi, mx.data());
+    std::vector<std::uint16_t> mx(n);
+    vq_codec_detail::side_hi_avx512(s.codes.data(), hi ? s.shift.data() : nullptr, R, n, hi, mx.data());
+    amax.assign(mx.begin(), mx.end());
   } else {
+    // The hi parts (a variable shift per column), then per-column minima and maxima (loops the
+    // compiler vectorises for any x86-64).
+    if (hi)
+      for (std::size_t r = 0; r < R; ++r)
+        for (std::size_t c = 0; c < n; ++c) hi[r * n + c] = static_cast<std::int16_t>(s.codes[r * n + c] >> s.shift[c]);
+    const std::int16_t* v = hi ? hi : s.codes.data();
+    std::vector<std::int16_t> lo(n, 0), up(n, 0);
     for (std::size_t r = 0; r < R; ++r)
       for (std::size_t c = 0; c < n; ++c) {
-        const std::int16_t q = s.codes[r * n + c], v = sh ? static_cast<std::int16_t>(q >> sh[c]) : q;
-        if (hi) hi[r * n + c] = v;
-        mx[c] = std::max(mx[c], static_cast<std::uint16_t>(v < 0 ? -static_cast<int>(v) : v));
+        lo[c] = std::min(lo[c], v[r * n + c]);
+        up[c] = std::max(up[c], v[r * n + c]);
       }
+    for (std::size_t c = 0; c < n; ++c) amax[c] = std::max(-static_cast<int>(lo[c]), static_cast<int>(up[c]));
   }
-  if (*std::max_element(mx.begin(), mx.end()) > kVqMaxCode) [[unlikely]]
+  if (*std::max_element(amax.begin(), amax.end()) > kVqMaxCode) [[unlikely]]
     throw_hi_out_of_range(s, hi ? hi : s.codes.data(), R * n, name);
-  amax.assign(mx.begin(), mx.end());
 }
 
 // The best parameter and table precision of every coefficient of a side from its hi parts [R, n]
