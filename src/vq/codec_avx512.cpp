@@ -173,6 +173,11 @@ VQ_AVX512 __m256i row_bytes(const std::int16_t* row, __mmask32 tail, __mmask32 w
   return _mm512_cvtepi16_epi8(_mm512_maskz_loadu_epi16(tail, row));
 }
 
+// acc[0..15] += the 16 bytes of b.
+VQ_AVX512 void add_bytes(std::uint32_t* acc, __m128i b) {
+  _mm512_storeu_si512(acc, _mm512_add_epi32(_mm512_loadu_si512(acc), _mm512_cvtepu8_epi32(b)));
+}
+
 // The histograms of up to 32 columns from c over rows [r0, r1): the lanes of `lanes` (each of
 // amax <= A) counted with byte compares, two rows a vector (row r in bytes 0..31, r + 1 in
 // 32..63), in 8-bit counters flushed every 127 row pairs; those of `wide` one by one, row by row
@@ -199,11 +204,12 @@ VQ_AVX512_TARGET void count_columns(const std::int16_t* hi, std::size_t n, std::
       for (int k = 0; k <= 2 * A; ++k)
         cnt[k] = _mm512_mask_add_epi8(cnt[k], _mm512_mask_cmpeq_epi8_mask(live, v, _mm512_set1_epi8(static_cast<char>(k - A))), cnt[k], one);
     }
-    for (int k = 0; k <= 2 * A; ++k)
-      for (int q = 0; q < 4; ++q) {
-        const __m512i w = _mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(cnt[k], q));
-        _mm512_storeu_si512(acc[k] + 16 * q, _mm512_add_epi32(_mm512_loadu_si512(acc[k] + 16 * q), w));
-      }
+    for (int k = 0; k <= 2 * A; ++k) {  // (the extract's index must be an immediate at every -O level)
+      add_bytes(acc[k], _mm512_extracti32x4_epi32(cnt[k], 0));
+      add_bytes(acc[k] + 16, _mm512_extracti32x4_epi32(cnt[k], 1));
+      add_bytes(acc[k] + 32, _mm512_extracti32x4_epi32(cnt[k], 2));
+      add_bytes(acc[k] + 48, _mm512_extracti32x4_epi32(cnt[k], 3));
+    }
     r0 = r1;
   }
   for (std::size_t l = 0; l < 32; ++l) {
