@@ -5,6 +5,8 @@
 // 8 KV heads x 128 = 1024 coefficients per side and 4096 tokens (make_synthetic_kv, seed 7): 2 x 4 Mi
 // codes. Msym/s = items_per_second / 1e6 over all codes of both sides. zstd gets the row-major codes
 // as bytes when every code fits int8 (it does at 2 bits), else as int16.
+// BM_VqEncode/kernel:K and BM_VqDecode/kernel:K: K = 0 Auto (the best the CPU has), 1 Scalar
+// (the reference), 2 AVX2, 3 AVX-512 (skipped with a message where the CPU lacks it).
 #include <algorithm>
 #include <cstring>
 #include <vector>
@@ -78,30 +80,47 @@ void BM_VqMemcpy(benchmark::State& state) {
 }
 BENCHMARK(BM_VqMemcpy)->Unit(benchmark::kMillisecond);
 
+// The kernel of a BM_VqEncode / BM_VqDecode run (its argument): 0 Auto, 1 Scalar, 2 Avx2, 3 Avx512.
+// false (the run skipped with a message) where the CPU lacks it.
+bool pick_kernel(benchmark::State& state, vq::RansKernel& kernel) {
+  constexpr vq::RansKernel kKernels[] = {vq::RansKernel::Auto, vq::RansKernel::Scalar, vq::RansKernel::Avx2, vq::RansKernel::Avx512};
+  kernel = kKernels[state.range(0)];
+  if ((kernel == vq::RansKernel::Avx2 && !vq::rans_avx2_available()) || (kernel == vq::RansKernel::Avx512 && !vq::rans_avx512_available())) {
+    state.SkipWithError("this CPU lacks the kernel");
+    return false;
+  }
+  return true;
+}
+
 void BM_VqEncode(benchmark::State& state) {
   const auto& c = layer_codes();
+  vq::RansKernel kernel;
+  if (!pick_kernel(state, kernel)) return;
   std::size_t n = 0;
   for (auto _ : state) {
-    const auto b = vq::vq_encode(c);
+    const auto b = vq::vq_encode(c, kernel);
     n = b.size();
     benchmark::DoNotOptimize(b.data());
   }
+  if (vq::vq_encode(c, kernel) != vq::vq_encode(c, vq::RansKernel::Scalar)) state.SkipWithError("bytes differ from the reference's");
   report(state, n);
 }
-BENCHMARK(BM_VqEncode)->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_VqEncode)->ArgName("kernel")->Arg(0)->Arg(1)->Arg(2)->Arg(3)->Unit(benchmark::kMillisecond);
 
 void BM_VqDecode(benchmark::State& state) {
   const auto& c = layer_codes();
+  vq::RansKernel kernel;
+  if (!pick_kernel(state, kernel)) return;
   const auto b = vq::vq_encode(c);
   for (auto _ : state) {
-    auto back = vq::vq_decode(b, static_cast<std::uint64_t>(code_count()));
+    auto back = vq::vq_decode(b, static_cast<std::uint64_t>(code_count()), kernel);
     benchmark::DoNotOptimize(back.k.codes.data());
   }
-  const auto back = vq::vq_decode(b, static_cast<std::uint64_t>(code_count()));
+  const auto back = vq::vq_decode(b, static_cast<std::uint64_t>(code_count()), kernel);
   if (back.k.codes != c.k.codes || back.v.codes != c.v.codes) state.SkipWithError("round trip differs");
   report(state, b.size());
 }
-BENCHMARK(BM_VqDecode)->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_VqDecode)->ArgName("kernel")->Arg(0)->Arg(1)->Arg(2)->Arg(3)->Unit(benchmark::kMillisecond);
 
 #ifdef VQ_HAVE_ZSTD
 void BM_VqZstd1Compress(benchmark::State& state) { report(state, vqbench::zstd1_compress_loop(state, raw_codes())); }

@@ -1,6 +1,6 @@
 // libFuzzer target: vq_decode (vq/codec.hpp), our method's coded layer, on arbitrary bytes.
-// Checks: only vq::FormatError escapes; the AVX2 and scalar reference kernels agree (both throw, or
-// both decode the same layer; both re-encode it to the same bytes); a decoded layer has consistent
+// Checks: only vq::FormatError escapes; every kernel the CPU has (Auto, AVX2, AVX-512) agrees with
+// the scalar reference (all throw, or all decode the same layer; all re-encode it to the same bytes); a decoded layer has consistent
 // sizes, shifts <= 7 and codes whose hi part is within +-255; it re-encodes without an error to
 // bytes that decode to the same codes and re-encode to themselves. (The input itself need not come back: the encoder picks its
 // own model parameters and shift layout.)
@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <span>
+#include <utility>
 #include <vector>
 
 #include "veloxquant/core/error.hpp"
@@ -42,8 +43,18 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     ref_failed = true;
   }
   if (failed != ref_failed) std::abort();
+  if (!failed && !same(lc, ref)) std::abort();
+  // Auto is the best kernel the CPU has; the others it has must agree too.
+  for (const auto [kernel, present] : {std::pair{vq::RansKernel::Avx2, vq::rans_avx2_available()},
+                                       std::pair{vq::RansKernel::Avx512, vq::rans_avx512_available()}}) {
+    if (!present) continue;
+    try {
+      if (!same(vq::vq_decode(bytes, kMaxCodes, kernel), ref) || ref_failed) std::abort();
+    } catch (const vq::FormatError&) {
+      if (!ref_failed) std::abort();
+    }
+  }
   if (failed) return 0;
-  if (!same(lc, ref)) std::abort();
   for (const vq::VqSideCodes* s : {&lc.k, &lc.v}) {
     const auto n = static_cast<std::size_t>(s->n);
     if (s->offset.size() != n || s->shift.size() != n || s->codes.size() != static_cast<std::size_t>(lc.rows()) * n) std::abort();
@@ -54,6 +65,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   }
   const std::vector<std::uint8_t> again = vq::vq_encode(lc);  // must not throw
   if (vq::vq_encode(lc, vq::RansKernel::Scalar) != again) std::abort();
+  if (vq::rans_avx2_available() && vq::vq_encode(lc, vq::RansKernel::Avx2) != again) std::abort();
+  if (vq::rans_avx512_available() && vq::vq_encode(lc, vq::RansKernel::Avx512) != again) std::abort();
   const auto back = vq::vq_decode(again, kMaxCodes);
   if (!same(back, lc)) std::abort();
   if (vq::vq_encode(back) != again) std::abort();

@@ -609,6 +609,8 @@ namespace {
 bool use_avx2(RansKernel k) {
   if (k == RansKernel::Scalar) return false;
   if (k == RansKernel::Avx2) require(rans_avx2_available(), "context coder: the AVX2 kernel was requested but this CPU has no AVX2");
+  if (k == RansKernel::Avx512)  // no 16-lane kernel here: the AVX2 one
+    require(rans_avx512_available(), "context coder: the AVX-512 kernel was requested but this CPU has no AVX-512");
   return rans_avx2_available();
 }
 

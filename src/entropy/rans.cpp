@@ -219,6 +219,9 @@ bool use_avx2(RansKernel k) {
     case RansKernel::Avx2:
       require(rans_avx2_available(), "rANS: the AVX2 kernel was requested but this CPU has no AVX2");
       return true;
+    case RansKernel::Avx512:  // no 16-lane kernel here: the AVX2 one
+      require(rans_avx512_available(), "rANS: the AVX-512 kernel was requested but this CPU has no AVX-512");
+      return true;
     case RansKernel::Auto:
     default:
       return rans_avx2_available();

@@ -21,6 +21,12 @@ bool rans_avx2_available() {
   return ok;
 }
 
+bool rans_avx512_available() {
+  static const bool ok = rans_avx2_available() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                         __builtin_cpu_supports("avx512vl");
+  return ok;
+}
+
 namespace rans_detail {
 namespace {
 

@@ -65,21 +65,14 @@ void check_side(const VqSideCodes& s, std::int64_t rows, const char* name) {
     require(s.shift[sz(c)] <= kVqMaxShift, "vq_encode: {} shift {} exceeds {}", name, s.shift[sz(c)], kVqMaxShift);
 }
 
-// Every hi part within +-kVqMaxCode: a min / max over all of them (vectorised), then, only when
-// one is out, the search for the first for the message.
-void check_hi(const VqSideCodes& s, const std::int16_t* hi, std::size_t count, const char* name) {
-  std::int16_t lo = 0, up = 0;
-  for (std::size_t i = 0; i < count; ++i) {
-    lo = std::min(lo, hi[i]);
-    up = std::max(up, hi[i]);
-  }
-  if (lo >= -kVqMaxCode && up <= kVqMaxCode) [[likely]]
-    return;
+// Called when some hi part is outside +-kVqMaxCode: finds the first for the message and throws.
+[[noreturn]] void throw_hi_out_of_range(const VqSideCodes& s, const std::int16_t* hi, std::size_t count, const char* name) {
   for (std::size_t i = 0; i < count; ++i) {
     const int c = static_cast<int>(i % sz(s.n)), shift = s.shift.empty() ? 0 : s.shift[sz(c)];
     require(std::abs(hi[i]) <= kVqMaxCode, "vq_encode: {} code {} of coefficient {} is outside -{}..{} (shift {})", name,
             s.codes[i], c, kVqMaxCode << shift, ((kVqMaxCode + 1) << shift) - 1, shift);
   }
+  throw_invalid_argument(fmt::format("vq_encode: {} has a code outside the range", name));  // not reached
 }
 
 // A nibble per coefficient (the shifts; version 5's predictors, vq_pred_nibble), the cheaper of two
@@ -275,29 +268,75 @@ std::uint8_t best_param(const std::uint32_t* hist, int amax, int scale) {
   return best;
 }
 
-bool use_avx2(RansKernel k) {
-  if (k == RansKernel::Scalar) return false;
-  if (k == RansKernel::Avx2) require(rans_avx2_available(), "vq codec: the AVX2 kernel was requested but this CPU has no AVX2");
-  return rans_avx2_available();
+// The region kernels of a call (codec_kernels.hpp): null for the scalar reference.
+struct RegionKernels {
+  decltype(&vq_codec_detail::decode_region_avx2) decode = nullptr;
+  decltype(&vq_codec_detail::encode_region_avx2) encode = nullptr;
+  bool fast() const { return decode != nullptr; }
+};
+
+RegionKernels region_kernels(RansKernel k) {
+  constexpr RegionKernels avx2{vq_codec_detail::decode_region_avx2, vq_codec_detail::encode_region_avx2};
+  constexpr RegionKernels avx512{vq_codec_detail::decode_region_avx512, vq_codec_detail::encode_region_avx512};
+  switch (k) {
+    case RansKernel::Scalar:
+      return {};
+    case RansKernel::Avx2:
+      require(rans_avx2_available(), "vq codec: the AVX2 kernel was requested but this CPU has no AVX2");
+      return avx2;
+    case RansKernel::Avx512:
+      require(rans_avx512_available(), "vq codec: the AVX-512 kernel was requested but this CPU has no AVX-512 (F/BW/VL)");
+      return avx512;
+    case RansKernel::Auto:
+    default:
+      return rans_avx512_available() ? avx512 : rans_avx2_available() ? avx2 : RegionKernels{};
+  }
 }
 
 bool has_shifts(const VqSideCodes& s) {
   return std::any_of(s.shift.begin(), s.shift.end(), [](std::uint8_t v) { return v != 0; });
 }
 
-// amax and the best parameter of every coefficient of a side from its hi parts [rows, n]: one
-// row-major pass for the maxima, one for the histograms (all coefficients' in one array,
-// coefficient c's centred at hoff[c]).
-// scale: each coefficient's table precision (vq_coef_scale_bits, version 4).
-void side_models(const std::int16_t* hi, std::size_t n, std::size_t R, std::vector<int>& amax, std::vector<std::uint8_t>& param,
-                 std::vector<int>& scale) {
-  std::vector<std::int16_t> mx(n, 0);  // |hi| <= 255 (check_hi)
+// Per coefficient the largest |v| over rows [0, R) of v [R, n] ; loops the compiler vectorises.
+void column_amax(const std::int16_t* v, std::size_t n, std::size_t R, std::vector<int>& amax) {
+  std::vector<std::int16_t> lo(n, 0), up(n, 0);
   for (std::size_t r = 0; r < R; ++r)
     for (std::size_t c = 0; c < n; ++c) {
-      const std::int16_t v = hi[r * n + c];
-      mx[c] = std::max(mx[c], static_cast<std::int16_t>(v < 0 ? -v : v));
+      lo[c] = std::min(lo[c], v[r * n + c]);
+      up[c] = std::max(up[c], v[r * n + c]);
     }
-  amax.assign(mx.begin(), mx.end());
+  amax.resize(n);
+  for (std::size_t c = 0; c < n; ++c) amax[c] = std::max(-static_cast<int>(lo[c]), static_cast<int>(up[c]));
+}
+
+// One pass over a side's codes [R, n]: the hi parts (into hi, when the side has shifts; hi is null
+// otherwise) and each coefficient's amax = max |hi|; throws when one is outside +-kVqMaxCode.
+// simd: codec_kernels.hpp's AVX-512 pass, else the same in plain C++.
+void side_hi(const VqSideCodes& s, std::size_t R, bool simd, std::int16_t* hi, std::vector<int>& amax, const char* name) {
+  const std::size_t n = sz(s.n);
+  amax.resize(n);
+  if (simd) {
+    std::vector<std::uint16_t> mx(n);
+    vq_codec_detail::side_hi_avx512(s.codes.data(), hi ? s.shift.data() : nullptr, R, n, hi, mx.data());
+    amax.assign(mx.begin(), mx.end());
+  } else {
+    // The hi parts (a variable shift per column), then per-column minima and maxima (loops the
+    // compiler vectorises for any x86-64).
+    if (hi)
+      for (std::size_t r = 0; r < R; ++r)
+        for (std::size_t c = 0; c < n; ++c) hi[r * n + c] = static_cast<std::int16_t>(s.codes[r * n + c] >> s.shift[c]);
+    column_amax(hi ? hi : s.codes.data(), n, R, amax);
+  }
+  if (*std::max_element(amax.begin(), amax.end()) > kVqMaxCode) [[unlikely]]
+    throw_hi_out_of_range(s, hi ? hi : s.codes.data(), R * n, name);
+}
+
+// The best parameter and table precision of every coefficient of a side from its hi parts [R, n]
+// and amax: one row-major pass for the histograms (all coefficients' in one array, coefficient
+// c's centred at hoff[c]; simd: codec_kernels.hpp's AVX-512 counting).
+// scale: each coefficient's table precision (vq_coef_scale_bits, version 4).
+void side_models(const std::int16_t* hi, std::size_t n, std::size_t R, bool simd, const std::vector<int>& amax, std::vector<std::uint8_t>& param,
+                 std::vector<int>& scale) {
   scale.resize(n);
   for (std::size_t c = 0; c < n; ++c) scale[c] = vq_coef_scale_bits(amax[c]);
   param.assign(n, 0);
@@ -308,8 +347,11 @@ void side_models(const std::int16_t* hi, std::size_t n, std::size_t R, std::vect
     total += sz(2 * amax[c] + 1);
   }
   std::vector<std::uint32_t> hist(total, 0);
-  for (std::size_t r = 0; r < R; ++r)
-    for (std::size_t c = 0; c < n; ++c) ++hist[static_cast<std::size_t>(hoff[c] + hi[r * n + c])];
+  if (simd)
+    vq_codec_detail::side_hist_avx512(hi, R, n, amax.data(), hoff.data(), hist.data());
+  else
+    for (std::size_t r = 0; r < R; ++r)
+      for (std::size_t c = 0; c < n; ++c) ++hist[static_cast<std::size_t>(hoff[c] + hi[r * n + c])];
   for (std::size_t c = 0; c < n; ++c)
     if (amax[c] > 0) param[c] = best_param(hist.data() + hoff[c] - amax[c], amax[c], scale[c]);
 }
@@ -615,7 +657,9 @@ std::uint8_t vq_best_param(std::span<const std::uint32_t> hist, int amax) {
 }
 
 std::vector<std::uint8_t> vq_encode(const VqLayerCodes& lc, RansKernel kernel) {
-  const bool fast = use_avx2(kernel);
+  const RegionKernels kern = region_kernels(kernel);
+  const bool fast = kern.fast();
+  const bool simd_prep = kern.encode == &vq_codec_detail::encode_region_avx512;  // the AVX-512 side pass
   require(lc.batch >= 0 && lc.tokens >= 0, "vq_encode: negative batch or token count");
   const std::int64_t rows = lc.rows();
   check_side(lc.k, rows, "K");
@@ -631,9 +675,9 @@ std::vector<std::uint8_t> vq_encode(const VqLayerCodes& lc, RansKernel kernel) {
   struct Side {
     const VqSideCodes* s;
     SideModel sm;
-    std::vector<std::int16_t> hi_buf;  // the region's codes when they are not the side's own
+    std::unique_ptr<std::int16_t[]> hi_buf;  // the region's codes when they are not the side's own
     const std::int16_t* hi = nullptr;
-    std::vector<std::uint16_t> lows;  // [low column][row]
+    std::vector<std::uint16_t> lows;  // [row][low column]
     std::size_t base = 0;             // stream index of the region's first symbol
   };
   Side sides[2] = {{&lc.k, {}, {}, nullptr, {}, 0}, {&lc.v, {}, {}, nullptr, {}, 0}};
@@ -642,41 +686,44 @@ std::vector<std::uint8_t> vq_encode(const VqLayerCodes& lc, RansKernel kernel) {
     const VqSideCodes& s = *sd.s;
     const std::size_t n = sz(s.n);
     const bool shifted = has_shifts(s);
-    // The hi parts: the codes themselves, or floor(q / 2^shift) column by column.
-    const std::int16_t* his = s.codes.data();
-    std::vector<std::int16_t> his_buf;
-    if (shifted) {
-      his_buf.resize(R * n);
-      const std::uint8_t* sh = s.shift.data();
-      for (std::size_t r = 0; r < R; ++r)
-        for (std::size_t c = 0; c < n; ++c) his_buf[r * n + c] = static_cast<std::int16_t>(s.codes[r * n + c] >> sh[c]);
-      his = his_buf.data();
-    }
-    check_hi(s, his, R * n, sd.s == &lc.k ? "K" : "V");
+    // The hi parts: the codes themselves, or floor(q / 2^shift) column by column, with the range
+    // check in the same pass (every entry written: no zero fill).
+    std::unique_ptr<std::int16_t[]> his_buf(shifted ? new std::int16_t[R * n] : nullptr);
+    const std::int16_t* his = shifted ? his_buf.get() : s.codes.data();
+    std::vector<int> hi_amax;
+    side_hi(s, R, simd_prep, his_buf.get(), hi_amax, sd.s == &lc.k ? "K" : "V");
     // Version 5: the region codes each hi part's residual from the previous token's, and not at all
     // the rows that repeat an earlier one (codec_predict.hpp).
-    std::vector<std::int16_t> res_buf(R * n);
-    const auto pred = vq_codec_detail::vq_predict(his, res_buf.data(), n, sz(lc.batch), sz(lc.tokens), kVqMaxCode);
+    std::unique_ptr<std::int16_t[]> res_buf(new std::int16_t[R * n]);
+    const auto pred = vq_codec_detail::vq_predict(his, res_buf.get(), n, sz(lc.batch), sz(lc.tokens), kVqMaxCode);
     std::vector<std::uint8_t> pred_nibbles(n);
-    for (std::size_t c = 0; c < n; ++c) pred_nibbles[c] = vq_codec_detail::vq_pred_nibble(pred[c]);
+    bool predicted = false;
+    for (std::size_t c = 0; c < n; ++c) {
+      pred_nibbles[c] = vq_codec_detail::vq_pred_nibble(pred[c]);
+      predicted |= pred[c] != 0;
+    }
     const auto copy_from = vq_codec_detail::vq_find_copies(his, n, R);
     std::size_t rc = 0;  // coded rows, compacted in place
     for (std::size_t r = 0; r < R; ++r)
       if (copy_from[r] < 0) {
-        if (rc != r) std::copy_n(res_buf.data() + r * n, n, res_buf.data() + rc * n);
+        if (rc != r) std::copy_n(res_buf.get() + r * n, n, res_buf.get() + rc * n);
         ++rc;
       }
-    res_buf.resize(rc * n);
     sd.sm.coded_rows = rc;
     his_buf = std::move(res_buf);
-    his = his_buf.data();
+    his = his_buf.get();
     std::uint32_t step_bits;
     std::memcpy(&step_bits, &s.step, 4);
     for (int i = 0; i < 4; ++i) out.push_back(static_cast<std::uint8_t>(step_bits >> (8 * i)));
     write_nibbles(out, s.shift, s.n);
     write_nibbles(out, pred_nibbles, s.n);
     write_copies(out, copy_from);
-    side_models(his, n, rc, sd.sm.amax, sd.sm.param, sd.sm.scale);
+    // amax of what the region codes: the hi parts' when they are coded as they are, else the residuals'.
+    if (!predicted && rc == R)
+      sd.sm.amax = std::move(hi_amax);
+    else
+      column_amax(his, n, rc, sd.sm.amax);
+    side_models(his, n, rc, simd_prep, sd.sm.amax, sd.sm.param, sd.sm.scale);
     for (int c = 0; c < s.n; ++c) {
       const std::int64_t off = s.offset[sz(c)];
       put_varint(out, off < 0 ? static_cast<std::uint64_t>(-2 * off - 1) : static_cast<std::uint64_t>(2 * off));  // zigzag
@@ -687,19 +734,21 @@ std::vector<std::uint8_t> vq_encode(const VqLayerCodes& lc, RansKernel kernel) {
     const std::size_t m = sd.sm.m();
     if (m == n) {
       sd.hi_buf = std::move(his_buf);
-      sd.hi = sd.hi_buf.data();
+      sd.hi = sd.hi_buf.get();
     } else {
-      sd.hi_buf.resize(rc * m);
+      sd.hi_buf.reset(new std::int16_t[rc * m]);
       for (std::size_t r = 0; r < rc; ++r)
         for (std::size_t j = 0; j < m; ++j) sd.hi_buf[r * m + j] = his[r * n + sz(sd.sm.cols[j])];
-      sd.hi = sd.hi_buf.data();
+      sd.hi = sd.hi_buf.get();
     }
-    sd.lows.resize(sd.sm.low_cols.size() * R);
-    for (std::size_t k = 0; k < sd.sm.low_cols.size(); ++k) {
-      const std::size_t c = sz(sd.sm.low_cols[k]);
-      const int mask = (1 << s.shift[c]) - 1;
-      for (std::size_t r = 0; r < R; ++r) sd.lows[k * R + r] = static_cast<std::uint16_t>(s.codes[r * n + c] & mask);
-    }
+    // The low parts [row][low column], row by row (one pass over the codes).
+    const std::size_t L = sd.sm.low_cols.size();
+    sd.lows.resize(L * R);
+    for (std::size_t r = 0; r < R && L; ++r)
+      for (std::size_t k = 0; k < L; ++k) {
+        const std::size_t c = sz(sd.sm.low_cols[k]);
+        sd.lows[r * L + k] = static_cast<std::uint16_t>(s.codes[r * n + c] & ((1 << s.shift[c]) - 1));
+      }
     sd.base = n_total;
     n_total += rc * m + sd.lows.size();
   }
@@ -722,10 +771,10 @@ std::vector<std::uint8_t> vq_encode(const VqLayerCodes& lc, RansKernel kernel) {
   for (auto& v : x) v = kL;
   for (int k = 1; k >= 0; --k) {  // backwards: V, then K; within a side the low parts, then the region
     const Side& sd = sides[k];
-    const std::size_t m = sd.sm.m(), N = sd.sm.coded_rows * m, lbase = sd.base + N;
-    for (std::size_t l = sd.sm.low_cols.size(); l-- > 0;) {
+    const std::size_t m = sd.sm.m(), N = sd.sm.coded_rows * m, lbase = sd.base + N, L = sd.sm.low_cols.size();
+    for (std::size_t l = L; l-- > 0;) {
       const int shift = sd.s->shift[sz(sd.sm.low_cols[l])];
-      for (std::size_t r = R; r-- > 0;) enc_put(x[(lbase + l * R + r) & 31], 1, sd.lows[l * R + r], shift, ptr);
+      for (std::size_t r = R; r-- > 0;) enc_put(x[(lbase + l * R + r) & 31], 1, sd.lows[r * L + l], shift, ptr);
     }
     if (N == 0) continue;
     if (!fast) {
@@ -745,7 +794,7 @@ std::vector<std::uint8_t> vq_encode(const VqLayerCodes& lc, RansKernel kernel) {
     const std::size_t aligned_end = (sd.base + N) / 32 * 32;
     const std::size_t g1 = aligned_end > sd.base + g0 ? aligned_end - sd.base : g0;
     ptr = encode_region_scalar(x, sd.hi, g1, N, sd.base, sd.sm, tables, ptr);
-    if (g1 > g0) ptr = vq_codec_detail::encode_region_avx2(x, sd.hi, g0, g1, g1 % m, rt, ptr);
+    if (g1 > g0) ptr = kern.encode(x, sd.hi, g0, g1, g1 % m, rt, ptr);
     ptr = encode_region_scalar(x, sd.hi, 0, g0, sd.base, sd.sm, tables, ptr);
   }
   // rans.hpp's stream: varint n, min(n, 32) final states, the words in decoder order.
@@ -761,7 +810,8 @@ std::vector<std::uint8_t> vq_encode(const VqLayerCodes& lc, RansKernel kernel) {
 }
 
 VqLayerCodes vq_decode(std::span<const std::uint8_t> bytes, std::uint64_t max_codes, RansKernel kernel) {
-  const bool fast = use_avx2(kernel);
+  const RegionKernels kern = region_kernels(kernel);
+  const bool fast = kern.fast();
   ByteReader r(bytes, "vq layer");
   const std::uint8_t version = r.u8();
   if (version < 1 || version > 5) r.fail(fmt::format("unknown version {} (expected 1 to 5)", version));
@@ -812,7 +862,7 @@ VqLayerCodes vq_decode(std::span<const std::uint8_t> bytes, std::uint64_t max_co
       rt.dec_pool = pools.packed.data();
       std::size_t i = std::min(N, (32 - base % 32) % 32);
       p = decode_region_packed(x, hi, 0, i, base, rt, p, end);
-      p = vq_codec_detail::decode_region_avx2(x, hi, i, N, i % m, rt, p, end);
+      p = kern.decode(x, hi, i, N, i % m, rt, p, end);
       p = decode_region_packed(x, hi, i, N, base, rt, p, end);
     } else if (N > 0) {
       if (pools.sym.empty()) pools.build(tables, false);  // a fast call's side with amax > 127
@@ -832,18 +882,26 @@ VqLayerCodes vq_decode(std::span<const std::uint8_t> bytes, std::uint64_t max_co
                                          sm->copy_from.empty() ? nullptr : sm->copy_from.data(), kVqMaxCode, fast))
         r.fail("a predicted hi part leaves +-255 (corrupt stream)");
     }
-    for (const int c : sm->low_cols) {
-      const int shift = s->shift[sz(c)];
+    // The low parts, column after column in the stream: decoded into lows[row][column], then
+    // merged row by row (one pass over the codes instead of one strided pass per column).
+    const std::size_t L = sm->low_cols.size();
+    std::unique_ptr<std::uint16_t[]> lows(L ? new std::uint16_t[L * R] : nullptr);
+    for (std::size_t l = 0; l < L; ++l) {
+      const int shift = s->shift[sz(sm->low_cols[l])];
       const std::uint32_t lmask = (1u << shift) - 1;
       for (std::size_t row = 0; row < R; ++row, ++base) {
         std::uint32_t& xi = x[base & 31];
-        const std::uint32_t low = xi & lmask;
+        lows[row * L + l] = static_cast<std::uint16_t>(xi & lmask);
         xi >>= shift;  // freq 1, cum = low: x = (x >> shift) + low - low
         refill(xi, p, end);
-        std::int16_t& q = s->codes[row * n_side + sz(c)];
-        q = static_cast<std::int16_t>(q * (1 << shift) + static_cast<int>(low));
       }
     }
+    for (std::size_t row = 0; row < R && L; ++row)
+      for (std::size_t l = 0; l < L; ++l) {
+        const std::size_t c = sz(sm->low_cols[l]);
+        std::int16_t& q = s->codes[row * n_side + c];
+        q = static_cast<std::int16_t>(q * (1 << s->shift[c]) + static_cast<int>(lows[row * L + l]));
+      }
   }
   if (p != end) r.fail(fmt::format("{} rANS renormalisation words left over (corrupt)", (end - p) / 2));
   for (int j = 0; j < kRansLanes; ++j)

@@ -2,9 +2,10 @@
 // hi parts are coded row by row across its coded coefficients ("the region": rows x m codes,
 // row-major, region index i = r * m + j for coded column j), each with its column's table.
 // Symbol i of the region has stream index base + i and lane (base + i) % 32 (rans.hpp's lanes).
-// The scalar reference lives in codec.cpp; the AVX2 kernels here (codec_avx2.cpp) code whole
-// groups of 32 symbols that start at a stream index divisible by 32, so vector v, lane k codes
-// lane 8 v + k, and produce the same words and codes as the reference.
+// The scalar reference lives in codec.cpp; the AVX2 kernels here (codec_avx2.cpp) and the AVX-512
+// ones (codec_avx512.cpp) code whole groups of 32 symbols that start at a stream index divisible
+// by 32, so vector v, lane k codes lane 8 v + k (16 v + k), and produce the same words and codes
+// as the reference.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -36,5 +37,21 @@ const std::uint8_t* decode_region_avx2(std::uint32_t* x, std::int16_t* codes, st
 // == 0), words below ptr; j1 = i1 % m. Returns the new ptr.
 std::uint16_t* encode_region_avx2(std::uint32_t* x, const std::int16_t* codes, std::size_t i0, std::size_t i1, std::size_t j1,
                                   const RegionTables& t, std::uint16_t* ptr);
+
+// The same on 16 lanes a vector (AVX-512 F/BW/VL: only where rans_avx512_available()).
+const std::uint8_t* decode_region_avx512(std::uint32_t* x, std::int16_t* codes, std::size_t& i, std::size_t n, std::size_t j,
+                                         const RegionTables& t, const std::uint8_t* p, const std::uint8_t* end);
+std::uint16_t* encode_region_avx512(std::uint32_t* x, const std::int16_t* codes, std::size_t i0, std::size_t i1, std::size_t j1,
+                                    const RegionTables& t, std::uint16_t* ptr);
+
+// The encoder's pass over a side's codes [rows, n] (row-major): with shift (per column), hi = the
+// codes' hi parts q >> shift[c]; without, hi is null (the codes are their own hi parts). amax[c]
+// (n entries) = max over rows of |hi| as an unsigned 16-bit value (|-32768| reads 32768).
+void side_hi_avx512(const std::int16_t* codes, const std::uint8_t* shift, std::size_t rows, std::size_t n, std::int16_t* hi,
+                    std::uint16_t* amax);
+// Adds the histograms of a side's hi parts [rows, n] to hist: column c's value v (|v| <= amax[c])
+// at hist[hoff[c] + v]. Columns of small amax are counted 32 at a time with compares.
+void side_hist_avx512(const std::int16_t* hi, std::size_t rows, std::size_t n, const int* amax, const std::int32_t* hoff,
+                      std::uint32_t* hist);
 
 }  // namespace vq::vq_codec_detail

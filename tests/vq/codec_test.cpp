@@ -210,6 +210,14 @@ TEST(VqCodec, EncodeRejectsInconsistentInput) {
   EXPECT_THROW(vq::vq_encode(lc), vq::InvalidArgument);
 }
 
+// The kernels a decode test runs: the reference, Auto, and each SIMD kernel this CPU has.
+std::vector<vq::RansKernel> decode_kernels() {
+  std::vector<vq::RansKernel> k = {vq::RansKernel::Scalar, vq::RansKernel::Auto};
+  if (vq::rans_avx2_available()) k.push_back(vq::RansKernel::Avx2);
+  if (vq::rans_avx512_available()) k.push_back(vq::RansKernel::Avx512);
+  return k;
+}
+
 TEST(VqCodec, DecodeRejectsEveryTruncationCorruptionAndTrailingByte) {
   const auto lc = random_codes(1, 40, 6, 6, 9, true);
   const auto bytes = vq::vq_encode(lc);
@@ -224,7 +232,7 @@ TEST(VqCodec, DecodeRejectsEveryTruncationCorruptionAndTrailingByte) {
   bad[0] = 6;  // version
   EXPECT_THROW(vq::vq_decode(bad, max), vq::FormatError);
   // Any single flipped bit either fails cleanly or decodes to something (never crashes).
-  for (const auto kernel : {vq::RansKernel::Scalar, vq::RansKernel::Auto})
+  for (const auto kernel : decode_kernels())
     for (std::size_t i = 0; i < bytes.size(); ++i) {
       auto b = bytes;
       b[i] ^= 0x10;
@@ -235,16 +243,47 @@ TEST(VqCodec, DecodeRejectsEveryTruncationCorruptionAndTrailingByte) {
     }
 }
 
-// Every kernel writes the same bytes and reads back the same codes (the AVX2 kernel codes whole
-// groups of 32 lanes with per-column tables; the scalar reference one symbol at a time).
+// Every kernel writes the same bytes and reads back the same codes (the AVX2 and AVX-512 kernels
+// code whole groups of 32 lanes with per-column tables; the scalar reference one symbol at a time).
+// A kernel the CPU lacks is skipped (after the others ran), not passed.
 void expect_kernels_agree(const vq::VqLayerCodes& lc) {
   const auto bytes = vq::vq_encode(lc, vq::RansKernel::Scalar);
   ASSERT_EQ(bytes[0], 5);
   const std::uint64_t max = static_cast<std::uint64_t>(lc.rows() * (lc.k.n + lc.v.n));
   expect_equal(lc, vq::vq_decode(bytes, max, vq::RansKernel::Scalar));
-  if (!vq::rans_avx2_available()) GTEST_SKIP() << "no AVX2 on this CPU";
-  EXPECT_EQ(vq::vq_encode(lc, vq::RansKernel::Avx2), bytes);
-  expect_equal(lc, vq::vq_decode(bytes, max, vq::RansKernel::Avx2));
+  struct Fast {
+    vq::RansKernel kernel;
+    bool present;
+    const char* name;
+  };
+  std::string missing;
+  for (const Fast& f : {Fast{vq::RansKernel::Avx2, vq::rans_avx2_available(), "AVX2"},
+                        Fast{vq::RansKernel::Avx512, vq::rans_avx512_available(), "AVX-512"}, Fast{vq::RansKernel::Auto, true, "Auto"}}) {
+    if (!f.present) {
+      missing += std::string(missing.empty() ? "" : ", ") + f.name;
+      continue;
+    }
+    SCOPED_TRACE(f.name);
+    EXPECT_EQ(vq::vq_encode(lc, f.kernel), bytes);
+    expect_equal(lc, vq::vq_decode(bytes, max, f.kernel));
+  }
+  if (!missing.empty()) GTEST_SKIP() << "no " << missing << " on this CPU";
+}
+
+// A kernel the CPU lacks is refused with InvalidArgument, never run.
+TEST(VqCodec, MissingKernelIsRefused) {
+  const auto lc = random_codes(1, 40, 6, 6, 9, false);
+  const auto bytes = vq::vq_encode(lc, vq::RansKernel::Scalar);
+  const std::uint64_t max = static_cast<std::uint64_t>(lc.rows() * 12);
+  bool any = false;
+  for (const auto [kernel, present] : {std::pair{vq::RansKernel::Avx2, vq::rans_avx2_available()},
+                                       std::pair{vq::RansKernel::Avx512, vq::rans_avx512_available()}}) {
+    if (present) continue;
+    any = true;
+    EXPECT_THROW(vq::vq_encode(lc, kernel), vq::InvalidArgument);
+    EXPECT_THROW(vq::vq_decode(bytes, max, kernel), vq::InvalidArgument);
+  }
+  if (!any) GTEST_SKIP() << "this CPU has every kernel";
 }
 
 TEST(VqCodec, FastKernelEqualsTheScalarReferenceBitForBit) {
@@ -253,11 +292,13 @@ TEST(VqCodec, FastKernelEqualsTheScalarReferenceBitForBit) {
     int nk, nv;
     bool shifts;
   };
-  // Empty and one-token sides, B > 1, widths below, at and above 32 lanes and not multiples of
-  // them, zero columns (c % 4 == 0) so the coded region is narrower than the side, split columns,
+  // Empty and one-token sides, B > 1, widths below, at and above 32 lanes (and 32 columns: the
+  // AVX-512 side pass and histogram) and not multiples of them, zero columns (c % 4 == 0) so the coded region is narrower than the side, split columns,
   // and sigma 40 (amax > 127: that side takes the reference path inside the fast call).
   for (const Case& c : {Case{1, 0, 3, 5, true}, Case{1, 1, 1, 1, false}, Case{1, 1, 40, 33, true}, Case{2, 33, 8, 12, true},
-                        Case{1, 256, 32, 32, false}, Case{3, 31, 5, 7, true}, Case{2, 300, 64, 96, false}, Case{1, 129, 100, 3, true}}) {
+                        Case{1, 256, 32, 32, false}, Case{3, 31, 5, 7, true}, Case{2, 300, 64, 96, false}, Case{1, 129, 100, 3, true},
+                        // more than 65,535 rows: the AVX-512 histogram's 16-bit counters are flushed
+                        Case{1, 70000, 3, 2, false}}) {
     SCOPED_TRACE(::testing::Message() << c.batch << "x" << c.tokens << " " << c.nk << "/" << c.nv);
     expect_kernels_agree(random_codes(c.batch, c.tokens, c.nk, c.nv, static_cast<std::uint64_t>(c.tokens * 5 + c.nv), c.shifts));
   }
@@ -332,7 +373,7 @@ TEST(VqCodec, VersionTwoStreamsStillDecode) {
     const std::vector<std::uint8_t> file((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
     ASSERT_EQ(file.at(0), 2);
     const auto max = static_cast<std::uint64_t>(g.codes.rows() * (g.codes.k.n + g.codes.v.n));
-    for (const auto kernel : {vq::RansKernel::Scalar, vq::RansKernel::Auto}) {
+    for (const auto kernel : decode_kernels()) {
       expect_equal(g.codes, vq::vq_decode(file, max, kernel));
       for (std::size_t n = 0; n < file.size(); n += 13) EXPECT_THROW(vq::vq_decode(std::span(file).first(n), max, kernel), vq::FormatError) << n;
     }
@@ -349,7 +390,7 @@ TEST(VqCodec, VersionThreeStreamsStillDecode) {
   ASSERT_EQ(file.at(0), 3);
   const auto codes = mixed_codes();
   const auto max = static_cast<std::uint64_t>(codes.rows() * (codes.k.n + codes.v.n));
-  for (const auto kernel : {vq::RansKernel::Scalar, vq::RansKernel::Auto}) {
+  for (const auto kernel : decode_kernels()) {
     expect_equal(codes, vq::vq_decode(file, max, kernel));
     for (std::size_t n = 0; n < file.size(); n += 13) EXPECT_THROW(vq::vq_decode(std::span(file).first(n), max, kernel), vq::FormatError) << n;
   }
@@ -360,7 +401,7 @@ TEST(VqCodec, LongStreamsTruncatedOrCorruptFailCleanly) {
   const auto lc = random_codes(2, 300, 64, 40, 77, false);
   const auto bytes = vq::vq_encode(lc);
   const std::uint64_t max = static_cast<std::uint64_t>(lc.rows() * 104);
-  for (const auto kernel : {vq::RansKernel::Scalar, vq::RansKernel::Auto}) {
+  for (const auto kernel : decode_kernels()) {
     for (std::size_t n = 0; n < bytes.size(); n += (n + 300 < bytes.size() ? 97 : 1))
       EXPECT_THROW(vq::vq_decode(std::span(bytes).first(n), max, kernel), vq::FormatError) << "prefix " << n;
     std::mt19937_64 rng(5);

@@ -44,11 +44,15 @@ inline constexpr int kRansLanes = 32;
 inline constexpr std::uint32_t kRansStateLow = 1u << 15;
 
 enum class RansKernel {
-  Auto,    // Avx2 where the CPU has it, else Scalar
+  Auto,    // the fastest the CPU has: Avx512, else Avx2, else Scalar
   Scalar,  // the reference
   Avx2,    // throws InvalidArgument where the CPU lacks AVX2
+  // The vq codec's 16-lane kernels (vq/codec.hpp); the other coders, which have no AVX-512
+  // kernels, run their AVX2 ones. Throws InvalidArgument where the CPU lacks AVX-512 F/BW/VL.
+  Avx512,
 };
 bool rans_avx2_available();
+bool rans_avx512_available();  // AVX-512 F, BW and VL (and AVX2)
 
 // One piece of a stream and its table. The table must outlive the call.
 struct RansEncodeSegment {

@@ -121,7 +121,7 @@ FrequencyTable vq_table(int amax, std::uint8_t param, int scale_bits = kVqScaleB
 std::uint8_t vq_best_param(std::span<const std::uint32_t> histogram, int amax);
 
 // Serialise; throws InvalidArgument on inconsistent sizes or a code outside +-kVqMaxCode.
-// Writes version 5. kernel: RansKernel::Scalar is the reference; Auto / Avx2 write the same bytes.
+// Writes version 5. kernel: RansKernel::Scalar is the reference; Auto / Avx2 / Avx512 write the same bytes.
 std::vector<std::uint8_t> vq_encode(const VqLayerCodes& codes, RansKernel kernel = RansKernel::Auto);
 // Parse and decode; max_codes bounds rows * (n_k + n_v) (the caller knows what it expects).
 // Throws FormatError on any malformed, truncated, oversized or trailing input.

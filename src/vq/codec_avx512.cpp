@@ -1,0 +1,257 @@
+// AVX-512 kernels of the vq codec's row-major regions (codec_kernels.hpp): the AVX2 kernels'
+// steps on 16 lanes a vector, two vectors a group of 32. Per 16 lanes one gather from the columns'
+// slot tables (decoder) or two 8-lane 64-bit gathers of their packed encoder constants (encoder).
+// The decoder's refill expands the next words into the lanes that need them (vpexpandd), the
+// encoder's renormalisation compresses the emitted words of the lanes that need it (vpcompressd)
+// and stores exactly those (a masked store). Same words and codes as the scalar reference in
+// codec.cpp: the words of a group are read (written) in ascending (descending) lane order.
+// Compiled for AVX-512 F/BW/VL through target attributes; called only where
+// rans_avx512_available() (codec.cpp's dispatch).
+// GCC 12's AVX-512 intrinsics start from _mm512_undefined_*(), which -Wmaybe-uninitialized
+// misreads (a known false positive of that compiler); nothing here reads an undefined value.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#include <immintrin.h>
+
+#include <algorithm>
+
+#include "codec_kernels.hpp"
+#include "../entropy/rans_kernels.hpp"
+
+#define VQ_AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx2,popcnt")))
+#define VQ_AVX512 VQ_AVX512_TARGET __attribute__((always_inline)) inline
+
+namespace vq::vq_codec_detail {
+
+namespace {
+
+constexpr int kF = 12;  // the packed entry's field width
+constexpr std::size_t kGroup = 32;
+
+VQ_AVX512 __m512i load16(const std::int32_t* p) { return _mm512_loadu_si512(p); }
+
+// 16 lanes, each with its column's precision: slot = x & (2^scale - 1), then
+// x = freq * (x >> scale) + (slot - cum), code = the entry's top byte.
+// The product freq * y (both < 2^32, product < 2^32) by two vpmuludq (even and odd lanes): a
+// shorter dependency chain than vpmulld's.
+VQ_AVX512 __m512i mul32(__m512i freq, __m512i y) {
+  const __m512i even = _mm512_mul_epu32(freq, y);
+  const __m512i odd = _mm512_mul_epu32(_mm512_srli_epi64(freq, 32), _mm512_srli_epi64(y, 32));
+  return _mm512_mask_blend_epi32(0xAAAA, even, _mm512_slli_epi64(odd, 32));
+}
+
+VQ_AVX512 __m512i dec_step(__m512i x, __m512i& code, const std::int32_t* col_scale, const std::int32_t* dec_off, const std::uint32_t* pool) {
+  const __m512i fmask = _mm512_set1_epi32((1 << kF) - 1);
+  const __m512i scale = load16(col_scale);
+  const __m512i one = _mm512_set1_epi32(1);
+  const __m512i smask = _mm512_sub_epi32(_mm512_sllv_epi32(one, scale), one);
+  const __m512i idx = _mm512_add_epi32(_mm512_and_si512(x, smask), load16(dec_off));
+  const __m512i e = _mm512_i32gather_epi32(idx, pool, 4);
+  code = _mm512_srai_epi32(e, 24);
+  const __m512i freq = _mm512_add_epi32(_mm512_and_si512(e, fmask), one);
+  const __m512i bias = _mm512_and_si512(_mm512_srli_epi32(e, kF), fmask);
+  return _mm512_add_epi32(mul32(freq, _mm512_srlv_epi32(x, scale)), bias);
+}
+
+// Lanes with x < 2^15 take the next words in lane order: 16 words are loaded (the caller keeps
+// 32 bytes readable), expanded into the needing lanes, shifted in; p moves by the words taken.
+VQ_AVX512 __m512i refill(__m512i x, const std::uint8_t*& p, __m512i low) {
+  const __mmask16 need = _mm512_cmplt_epu32_mask(x, low);
+  const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  p += 2 * static_cast<unsigned>(__builtin_popcount(need));
+  return _mm512_mask_or_epi32(x, need, _mm512_slli_epi32(x, 16), _mm512_maskz_expand_epi32(need, w));
+}
+
+// The encoder step of 16 lanes: the packed constants (rans_kernels.hpp's pack_enc) of es[idx],
+// renormalise while x >= freq << (31 - scale), then x = x + bias + (mulhi(x, rcp) >> shift) * cmpl.
+VQ_AVX512 __m512i enc_step(__m512i x, __m512i idx, __m512i scale, const std::uint64_t* es, std::uint16_t*& ptr) {
+  const auto* base = reinterpret_cast<const long long*>(es);
+  const __m512i lo8 = _mm512_i32gather_epi64(_mm512_castsi512_si256(idx), base, 8);        // lanes 0..7
+  const __m512i hi8 = _mm512_i32gather_epi64(_mm512_extracti64x4_epi64(idx, 1), base, 8);  // lanes 8..15
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i rcp = _mm512_permutex2var_epi32(lo8, even, hi8);
+  const __m512i hw = _mm512_permutex2var_epi32(lo8, _mm512_add_epi32(even, _mm512_set1_epi32(1)), hi8);
+  const __m512i f13 = _mm512_set1_epi32(0x1fff);
+  const __m512i bias = _mm512_and_si512(hw, f13);
+  const __m512i cmpl = _mm512_and_si512(_mm512_srli_epi32(hw, 13), f13);
+  const __m512i shift = _mm512_srli_epi32(hw, 26);
+  const __m512i total = _mm512_sllv_epi32(_mm512_set1_epi32(1), scale);
+  const __m512i x_max = _mm512_sllv_epi32(_mm512_sub_epi32(total, cmpl), _mm512_sub_epi32(_mm512_set1_epi32(31), scale));
+  // x_max may be 2^31: an unsigned compare.
+  const __mmask16 need = _mm512_cmpge_epu32_mask(x, x_max);
+  const unsigned cnt = static_cast<unsigned>(__builtin_popcount(need));
+  // The emitted words in ascending lane order end at the old ptr: exactly cnt words are written.
+  const __m256i words = _mm512_cvtepi32_epi16(_mm512_maskz_compress_epi32(need, x));
+  ptr -= cnt;
+  _mm256_mask_storeu_epi16(ptr, static_cast<__mmask16>((1u << cnt) - 1), words);
+  x = _mm512_mask_srli_epi32(x, need, x, 16);
+  const __m512i qe = _mm512_srli_epi64(_mm512_mul_epu32(x, rcp), 32);
+  const __m512i qo = _mm512_mul_epu32(_mm512_srli_epi64(x, 32), _mm512_srli_epi64(rcp, 32));
+  const __m512i q = _mm512_srlv_epi32(_mm512_mask_blend_epi32(0xAAAA, qe, qo), shift);
+  return _mm512_add_epi32(_mm512_add_epi32(x, bias), _mm512_mullo_epi32(q, cmpl));
+}
+
+}  // namespace
+
+VQ_AVX512_TARGET const std::uint8_t* decode_region_avx512(std::uint32_t* x, std::int16_t* codes, std::size_t& i, std::size_t n,
+                                                          std::size_t j, const RegionTables& t, const std::uint8_t* p,
+                                                          const std::uint8_t* end) {
+  __m512i X0 = _mm512_loadu_si512(x), X1 = _mm512_loadu_si512(x + 16);
+  const __m512i low = _mm512_set1_epi32(static_cast<int>(rans_detail::kL));
+  const std::size_t step = kGroup % t.m, m = t.m;  // columns a group advances, mod m
+  const std::int32_t *const col_scale = t.col_scale, *const dec_off = t.dec_off;  // (codes may alias t for the compiler)
+  const std::uint32_t* const pool = t.dec_pool;
+  // A group takes at most 32 words (64 bytes); each refill loads 32 bytes from where it starts.
+  while (n - i >= kGroup && static_cast<std::size_t>(end - p) >= 2 * kGroup) {
+    __m512i C0, C1;
+    X0 = dec_step(X0, C0, col_scale + j, dec_off + j, pool);
+    X1 = dec_step(X1, C1, col_scale + j + 16, dec_off + j + 16, pool);
+    X0 = refill(X0, p, low);
+    X1 = refill(X1, p, low);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + i), _mm512_cvtepi32_epi16(C0));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + i + 16), _mm512_cvtepi32_epi16(C1));
+    i += kGroup;
+    j += step;
+    if (j >= m) j -= m;
+  }
+  _mm512_storeu_si512(x, X0);
+  _mm512_storeu_si512(x + 16, X1);
+  return p;
+}
+
+VQ_AVX512_TARGET std::uint16_t* encode_region_avx512(std::uint32_t* x, const std::int16_t* codes, std::size_t i0, std::size_t i1,
+                                                     std::size_t j1, const RegionTables& t, std::uint16_t* ptr) {
+  __m512i X0 = _mm512_loadu_si512(x), X1 = _mm512_loadu_si512(x + 16);
+  const std::size_t step = kGroup % t.m;
+  std::size_t j = j1;
+  for (std::size_t g = i1; g > i0; g -= kGroup) {
+    j = j >= step ? j - step : j + t.m - step;  // the column of symbol g - 32
+    const std::int16_t* q = codes + g - kGroup;
+    // The high lanes first: their words lie above those of the lanes below.
+    const __m512i c1 = _mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 16)));
+    X1 = enc_step(X1, _mm512_add_epi32(c1, load16(t.enc_off + j + 16)), load16(t.col_scale + j + 16), t.enc_pool, ptr);
+    const __m512i c0 = _mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)));
+    X0 = enc_step(X0, _mm512_add_epi32(c0, load16(t.enc_off + j)), load16(t.col_scale + j), t.enc_pool, ptr);
+  }
+  _mm512_storeu_si512(x, X0);
+  _mm512_storeu_si512(x + 16, X1);
+  return ptr;
+}
+
+// The side pass (codec_kernels.hpp): 32 columns a vector, rows in order; the shifts by vpsravw.
+VQ_AVX512_TARGET void side_hi_avx512(const std::int16_t* codes, const std::uint8_t* shift, std::size_t rows, std::size_t n,
+                                     std::int16_t* hi, std::uint16_t* amax) {
+  for (std::size_t c = 0; c < n; c += 32) {
+    const __mmask32 tail = n - c >= 32 ? ~__mmask32{0} : static_cast<__mmask32>((1u << (n - c)) - 1);
+    _mm512_mask_storeu_epi16(amax + c, tail, _mm512_setzero_si512());
+  }
+  for (std::size_t r = 0; r < rows; ++r) {
+    const std::int16_t* q = codes + r * n;
+    std::int16_t* h = hi ? hi + r * n : nullptr;
+    for (std::size_t c = 0; c < n; c += 32) {
+      const __mmask32 tail = n - c >= 32 ? ~__mmask32{0} : static_cast<__mmask32>((1u << (n - c)) - 1);
+      __m512i v = _mm512_maskz_loadu_epi16(tail, q + c);
+      if (h) {
+        v = _mm512_srav_epi16(v, _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(tail, shift + c)));
+        _mm512_mask_storeu_epi16(h + c, tail, v);
+      }
+      // |v| as unsigned: |-32768| reads 32768.
+      const __m512i a = _mm512_max_epu16(_mm512_maskz_loadu_epi16(tail, amax + c), _mm512_abs_epi16(v));
+      _mm512_mask_storeu_epi16(amax + c, tail, a);
+    }
+  }
+}
+
+namespace {
+
+// A row's 32 codes from `row` as int8 (the narrow lanes fit; 0 past the tail), its wide lanes
+// added to hist one by one (hoff from the row's first column).
+VQ_AVX512 __m256i row_bytes(const std::int16_t* row, __mmask32 tail, __mmask32 wide, const std::int32_t* hoff, std::uint32_t* hist) {
+  for (std::uint32_t m = wide; m; m &= m - 1) {
+    const auto l = static_cast<std::size_t>(__builtin_ctz(m));
+    ++hist[static_cast<std::size_t>(hoff[l] + row[l])];
+  }
+  return _mm512_cvtepi16_epi8(_mm512_maskz_loadu_epi16(tail, row));
+}
+
+// acc[0..15] += the 16 bytes of b.
+VQ_AVX512 void add_bytes(std::uint32_t* acc, __m128i b) {
+  _mm512_storeu_si512(acc, _mm512_add_epi32(_mm512_loadu_si512(acc), _mm512_cvtepu8_epi32(b)));
+}
+
+// The histograms of up to 32 columns from c over rows [r0, r1): the lanes of `lanes` (each of
+// amax <= A) counted with byte compares, two rows a vector (row r in bytes 0..31, r + 1 in
+// 32..63), in 8-bit counters flushed every 127 row pairs; those of `wide` one by one, row by row
+// (so each row's 64 bytes are read once); tail: the columns that exist.
+template <int A>
+VQ_AVX512_TARGET void count_columns(const std::int16_t* hi, std::size_t n, std::size_t c, std::size_t rows, __mmask32 tail, __mmask32 lanes,
+                                    __mmask32 wide, const std::int32_t* hoff, const int* amax, std::uint32_t* hist) {
+  std::uint32_t acc[2 * A + 1][64] = {};
+  const __m512i one = _mm512_set1_epi8(1);
+  const __mmask64 both = static_cast<__mmask64>(lanes) | static_cast<__mmask64>(lanes) << 32;
+  for (std::size_t r0 = 0; r0 < rows;) {
+    __m512i cnt[2 * A + 1];
+    for (auto& v : cnt) v = _mm512_setzero_si512();
+    const std::size_t r1 = std::min(rows, r0 + 2 * 127);
+    for (std::size_t r = r0; r < r1; r += 2) {
+      const bool pair = r + 1 < r1;
+      // The rows are n codes apart: fetch ahead (prefetches past the end are harmless hints).
+      _mm_prefetch(reinterpret_cast<const char*>(hi + (r + 16) * n + c), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(hi + (r + 17) * n + c), _MM_HINT_T0);
+      const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(row_bytes(hi + r * n + c, tail, wide, hoff + c, hist)),
+                                             pair ? row_bytes(hi + (r + 1) * n + c, tail, wide, hoff + c, hist) : _mm256_setzero_si256(), 1);
+      const __mmask64 live = pair ? both : static_cast<__mmask64>(lanes);
+#pragma GCC unroll 32
+      for (int k = 0; k <= 2 * A; ++k)
+        cnt[k] = _mm512_mask_add_epi8(cnt[k], _mm512_mask_cmpeq_epi8_mask(live, v, _mm512_set1_epi8(static_cast<char>(k - A))), cnt[k], one);
+    }
+    for (int k = 0; k <= 2 * A; ++k) {  // (the extract's index must be an immediate at every -O level)
+      add_bytes(acc[k], _mm512_extracti32x4_epi32(cnt[k], 0));
+      add_bytes(acc[k] + 16, _mm512_extracti32x4_epi32(cnt[k], 1));
+      add_bytes(acc[k] + 32, _mm512_extracti32x4_epi32(cnt[k], 2));
+      add_bytes(acc[k] + 48, _mm512_extracti32x4_epi32(cnt[k], 3));
+    }
+    r0 = r1;
+  }
+  for (std::size_t l = 0; l < 32; ++l) {
+    if (!(lanes >> l & 1)) continue;
+    const int a = amax[c + l];
+    for (int v = -a; v <= a; ++v) hist[static_cast<std::size_t>(hoff[c + l] + v)] += acc[v + A][l] + acc[v + A][l + 32];
+  }
+}
+
+// Columns up to this amax are counted with compares (2 amax + 1 counters), wider ones one by one.
+constexpr int kNarrow = 8;
+
+}  // namespace
+
+VQ_AVX512_TARGET void side_hist_avx512(const std::int16_t* hi, std::size_t rows, std::size_t n, const int* amax, const std::int32_t* hoff,
+                                       std::uint32_t* hist) {
+  for (std::size_t c = 0; c < n; c += 32) {
+    const std::size_t w = std::min<std::size_t>(32, n - c);
+    const __mmask32 tail = w == 32 ? ~__mmask32{0} : static_cast<__mmask32>((1u << w) - 1);
+    __mmask32 lanes = 0, wide = 0;
+    int A = 0;
+    for (std::size_t l = 0; l < w; ++l) {
+      const int a = amax[c + l];
+      if (a == 0) {  // every code 0: one bin
+        hist[static_cast<std::size_t>(hoff[c + l])] += static_cast<std::uint32_t>(rows);
+      } else if (a <= kNarrow) {
+        lanes |= 1u << l;
+        A = std::max(A, a);
+      } else {
+        wide |= 1u << l;
+      }
+    }
+    if (lanes == 0 && wide == 0) continue;
+    switch (A) {
+#define VQ_COUNT(a) \
+  case a:           \
+    count_columns<a>(hi, n, c, rows, tail, lanes, wide, hoff, amax, hist); \
+    break;
+      VQ_COUNT(0) VQ_COUNT(1) VQ_COUNT(2) VQ_COUNT(3) VQ_COUNT(4) VQ_COUNT(5) VQ_COUNT(6) VQ_COUNT(7) VQ_COUNT(8)
+#undef VQ_COUNT
+    }
+  }
+}
+
+}  // namespace vq::vq_codec_detail
