@@ -45,7 +45,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   if (failed != ref_failed) std::abort();
   if (!failed && !same(lc, ref)) std::abort();
   // Auto is the best kernel the CPU has; the others it has must agree too.
-  for (const auto [kernel, present] : {std::pair{vq::RansKernel::Avx2, vq::rans_avx2_available()},
+  for (const auto& [kernel, present] : {std::pair{vq::RansKernel::Avx2, vq::rans_avx2_available()},
                                        std::pair{vq::RansKernel::Avx512, vq::rans_avx512_available()}}) {
     if (!present) continue;
     try {

@@ -276,7 +276,7 @@ TEST(VqCodec, MissingKernelIsRefused) {
   const auto bytes = vq::vq_encode(lc, vq::RansKernel::Scalar);
   const std::uint64_t max = static_cast<std::uint64_t>(lc.rows() * 12);
   bool any = false;
-  for (const auto [kernel, present] : {std::pair{vq::RansKernel::Avx2, vq::rans_avx2_available()},
+  for (const auto& [kernel, present] : {std::pair{vq::RansKernel::Avx2, vq::rans_avx2_available()},
                                        std::pair{vq::RansKernel::Avx512, vq::rans_avx512_available()}}) {
     if (present) continue;
     any = true;
