@@ -1,5 +1,7 @@
 // Shared helpers for the GoogleTest suite.
 #pragma once
+#include <filesystem>
+#include <system_error>
 #include <array>
 #include <cstdint>
 #include <cstdio>
@@ -54,13 +56,26 @@ inline void spit(const std::string& path, const std::string& bytes) {
   out << bytes;
 }
 
+// This test process's own scratch directory, made on first use and removed with everything in it
+// when the process exits (ctest runs every test in a process of its own: without the removal each
+// run left hundreds of /tmp/vq_test_* behind).
 inline std::string temp_dir() {
-  static const std::string dir = [] {
-    char tmpl[] = "/tmp/vq_test_XXXXXX";
-    const char* d = mkdtemp(tmpl);
-    return std::string(d ? d : "/tmp");
-  }();
-  return dir;
+  struct Dir {
+    std::string path;
+    bool made = false;
+    Dir() {
+      char tmpl[] = "/tmp/vq_test_XXXXXX";
+      const char* d = mkdtemp(tmpl);
+      made = d != nullptr;
+      path = made ? d : "/tmp";
+    }
+    ~Dir() {
+      std::error_code ec;
+      if (made) std::filesystem::remove_all(path, ec);
+    }
+  };
+  static const Dir dir;
+  return dir.path;
 }
 
 struct CliRun {
