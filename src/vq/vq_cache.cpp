@@ -149,13 +149,12 @@ template <class SideQuantT>
 code_pack::Layout pack_layout(const SideQuantT& sq, int n, int heads) {
   return {n, heads, sq.order.data(), sq.bit_at.data(), sq.width.data(), sq.group_byte.data(), sq.group_width.data()};
 }
-// code_pack's escapes as the cache's (the same three fields).
+// code_pack's escapes appended to the cache's list (the same three fields): an empty list gets
+// exactly their number (nbytes bills capacity), a list that grows chunk by chunk grows as vectors do.
 template <class EscapeT>
-std::vector<EscapeT> escapes_as(const std::vector<code_pack::Escape>& esc) {
-  std::vector<EscapeT> out;
-  out.reserve(esc.size());
-  for (const code_pack::Escape& e : esc) out.push_back({e.t, e.c, e.q});
-  return out;
+void append_escapes(std::vector<EscapeT>& dst, const std::vector<code_pack::Escape>& esc) {
+  if (dst.empty()) dst.reserve(esc.size());
+  for (const code_pack::Escape& e : esc) dst.push_back({e.t, e.c, e.q});
 }
 
 // The packed layout (vq_cache.hpp, "Packed layout") from per-coefficient preferred widths in
@@ -496,7 +495,9 @@ void widen(SideQuantT& sq, SideStoreT& st, int n, int heads, std::int64_t rows) 
     esc.clear();
     code_pack::pack_rows(to, qd, rows, 0, buf.data(), esc);
     st.packed[sz(b)] = std::move(buf);
-    st.escapes[sz(b)] = escapes_as<EscapeT>(esc);
+    std::vector<EscapeT> kept;  // a new list: the old one's memory released (clear() would keep its capacity)
+    append_escapes(kept, esc);
+    st.escapes[sz(b)] = std::move(kept);
   }
   sq.width = std::move(nq.width);
   sq.bit_at = std::move(nq.bit_at);
@@ -962,7 +963,7 @@ bool VqKVCache::append_codes(const VqLayerCodes& in, DType dtype) {
       buf.resize(packed_bytes(q1, sq.bit_at[sz(n)]));
       esc.clear();
       code_pack::pack_rows(pack_layout(sq, n, H), s.codes.data() + sz(b * S) * sz(n), S, q0, buf.data(), esc);
-      for (const code_pack::Escape& e : esc) st.escapes[sz(b)].push_back({e.t, e.c, e.q});
+      append_escapes(st.escapes[sz(b)], esc);
     }
     // Widen (a re-pack of every row when escapes cost too much) only when the rows held pass a
     // power of 4: a load appends many chunks, and widening after each re-packed the whole cache
@@ -1068,40 +1069,20 @@ std::shared_ptr<VqKVCache> VqKVCache::restore(VqConfig config, std::shared_ptr<c
     q.shift = s.shift;
     q.mean.resize(sz(n));
     for (int i = 0; i < n; ++i) q.mean[sz(i)] = vq_offset(q.offset[sz(i)], q.step);
-    // Widths from the codes held: per coefficient the width that minimises rows x width + escape bits.
-    const std::int64_t R = B * Q;
-    q.width.assign(sz(n), 1);
-    std::vector<std::int64_t> at_least(sz(n) * 17, 0);  // [c][w]: codes with |code| >= 2^(w-1)
-    for (std::int64_t r = 0; r < R; ++r)
-      for (int i = 0; i < n; ++i) {
-        const int a = std::abs(static_cast<int>(s.codes[sz(r) * sz(n) + sz(i)]));
-        for (int w = 1; w <= 16 && a >= (1 << (w - 1)); ++w) ++at_least[sz(i) * 17 + sz(w)];
-      }
-    for (int i = 0; i < n; ++i) {
-      double best = INFINITY;
-      for (int w = 1; w <= 16; ++w) {
-        const double cost = static_cast<double>(w) * static_cast<double>(R) + kEscapeBits * static_cast<double>(at_least[sz(i) * 17 + sz(w)]);
-        if (cost < best) best = cost, q.width[sz(i)] = static_cast<std::uint8_t>(w);
-      }
-    }
+    // Widths from the codes held (per coefficient the width that minimises rows x width + escape
+    // bits), then the rows packed at the layout they give.
+    widths_from_codes(s.codes.data(), B * Q, n, q.width);
     lay_out(q, n, static_cast<int>(H));
-    const std::uint32_t row_bits = q.bit_at[sz(n)];
     st.packed.clear();
     st.packed.resize(sz(B));
     st.escapes.assign(sz(B), {});
+    std::vector<code_pack::Escape> esc;
     for (std::int64_t b = 0; b < B; ++b) {
       auto& buf = st.packed[sz(b)];
-      buf.resize(packed_bytes(Q, row_bits));
-      for (std::int64_t t = 0; t < Q; ++t) {
-        const std::int16_t* row = s.codes.data() + sz(b * Q + t) * sz(n);
-        for (int i = 0; i < n; ++i) {
-          const std::int32_t v = row[i], bias = 1 << (q.width[sz(i)] - 1);
-          if (std::abs(v) < bias)
-            put_field(buf.data(), static_cast<std::uint64_t>(t) * row_bits + q.bit_at[sz(i)], static_cast<std::uint32_t>(v + bias));
-          else
-            st.escapes[sz(b)].push_back({static_cast<std::int32_t>(t), i, v});
-        }
-      }
+      buf.resize(packed_bytes(Q, q.bit_at[sz(n)]));
+      esc.clear();
+      code_pack::pack_rows(pack_layout(q, n, static_cast<int>(H)), s.codes.data() + sz(b * Q) * sz(n), Q, 0, buf.data(), esc);
+      append_escapes(st.escapes[sz(b)], esc);
     }
     // The exact tail, token-major [t][b][h][d] in the input dtype.
     const Tensor& in = side == 0 ? ek : ev;
