@@ -57,11 +57,6 @@ struct DemoOptions {
   int windows = 16;
 };
 
-std::optional<std::filesystem::path> opt(const std::string& s) {
-  if (s.empty()) return std::nullopt;
-  return std::filesystem::path(s);
-}
-
 // Resident bits per element: the memory the method's caches hold (KVCache::nbytes, buffers as
 // allocated) after prefilling one context, per element of K and V. (When the evaluator reports
 // resident_bits_per_element itself, this is the place to switch to it.)
@@ -113,7 +108,7 @@ int run_demo(const DemoOptions& o) {
   std::string text_arg = o.text.empty() ? beside_model(o.model, "tinystories_val.txt") : o.text;
   vq::ModelFiles files;
   try {
-    files = vq::resolve_model_files(opt(o.model), opt(tokenizer));
+    files = vq::resolve_model_files(optional_path(o.model), optional_path(tokenizer));
   } catch (const vq::IoError& e) {
     if (!o.model.empty() || !o.tokenizer.empty()) throw;  // an explicit path that is wrong is an error
     return run_synthetic(methods, e.what());

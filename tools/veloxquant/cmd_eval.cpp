@@ -15,6 +15,7 @@
 #include "json_out.hpp"
 #include "model_options.hpp"
 #include "numeric_options.hpp"
+#include "progress.hpp"
 #include "veloxquant/core/error.hpp"
 #include "veloxquant/eval/evaluator.hpp"
 #include "veloxquant/model/checkpoint.hpp"
@@ -35,35 +36,6 @@ struct EvalCliOptions {
   vq::EvalOptions eval;
   bool json = false;
 };
-
-// Progress on stderr once a run has taken more than a second; one line, rewritten in place.
-class Progress {
- public:
-  void operator()(double frac) {
-    const double t = std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
-    // On a terminal one line is rewritten in place; in a log, a line every 5 seconds.
-    if (t < 1.0 || (frac < 1.0 && t - last_ < (tty_ ? 0.25 : 5.0))) return;
-    last_ = t;
-    const double eta = frac > 0 ? t / frac - t : 0;
-    fmt::print(stderr, "{}eval: {:5.1f}%  {:.1f}s elapsed, ~{:.0f}s left{}", tty_ ? "\r" : "", 100.0 * frac, t, eta, tty_ ? "   " : "\n");
-    shown_ = tty_;
-  }
-  ~Progress() {
-    if (shown_) fmt::print(stderr, "\n");
-  }
-
- private:
-  std::chrono::steady_clock::time_point start_ = std::chrono::steady_clock::now();
-  double last_ = -1;
-  bool tty_ = isatty(fileno(stderr)) != 0;
-  bool shown_ = false;
-};
-
-std::optional<std::filesystem::path> opt(const std::string& s) {
-  if (s.empty()) return std::nullopt;
-  return std::filesystem::path(s);
-}
-
 int run_synthetic(const EvalCliOptions& o, const std::string& why) {
   fmt::print(stderr, "veloxquant: no model: {}\n", why);
   fmt::print(stderr, "veloxquant: running the caches on synthetic LLM-like K/V instead (no quality numbers without a model)\n");
@@ -97,7 +69,7 @@ int run_eval(EvalCliOptions o) {
   if (o.text.empty()) o.text = beside_model(o.model, "tinystories_val.txt");
   vq::ModelFiles files;
   try {
-    files = vq::resolve_model_files(opt(o.model), opt(o.tokenizer));
+    files = vq::resolve_model_files(optional_path(o.model), optional_path(o.tokenizer));
   } catch (const vq::IoError& e) {
     if (!o.model.empty() || !o.tokenizer.empty()) throw;  // an explicit path that is wrong is an error
     return run_synthetic(o, e.what());
@@ -114,7 +86,7 @@ int run_eval(EvalCliOptions o) {
                                                                        : 0);
   const std::vector<int> tokens = tok.encode(text, /*bos=*/false);
 
-  Progress progress;
+  Progress progress("eval:", 1.0, 5.0);
   o.eval.progress = [&](double f) { progress(f); };
   const auto results = vq::evaluate(model, tokens, methods, o.eval);
 

@@ -30,11 +30,6 @@ struct ProfileCliOptions {
   int window = 256;
 };
 
-std::optional<std::filesystem::path> opt(const std::string& s) {
-  if (s.empty()) return std::nullopt;
-  return std::filesystem::path(s);
-}
-
 // Mean code length in bits per symbol that `counts` cost under `tables` (the profile's own data).
 double mean_bits(const std::vector<std::vector<std::uint32_t>>& counts, const std::vector<vq::FrequencyTable>& tables) {
   double bits = 0, n = 0;
@@ -57,7 +52,7 @@ int run_profile(const ProfileCliOptions& o) {
     const auto beside = std::filesystem::path(o.model).parent_path() / vq::kDefaultTokenizerFile;
     if (std::filesystem::is_regular_file(beside)) tokenizer = beside.string();
   }
-  const vq::ModelFiles files = vq::resolve_model_files(opt(o.model), opt(tokenizer));
+  const vq::ModelFiles files = vq::resolve_model_files(optional_path(o.model), optional_path(tokenizer));
   vq::LoadedModel loaded = vq::load_model(files);
   vq::Transformer model(std::move(loaded.checkpoint));
   const vq::Tokenizer tok = std::move(loaded.tokenizer);

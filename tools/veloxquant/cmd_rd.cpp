@@ -17,6 +17,7 @@
 #include "json_out.hpp"
 #include "model_options.hpp"
 #include "numeric_options.hpp"
+#include "progress.hpp"
 #include "rd_report.hpp"
 #include "veloxquant/core/atomic_file.hpp"
 #include "veloxquant/core/error.hpp"
@@ -35,37 +36,6 @@ struct RdOptions {
   std::string model, tokenizer, text, methods, protocol = "reuse", plot;
   int ctx = 256, window = 512, chunk = 64, windows = 40, threads = 0;
   bool json = false;
-};
-
-std::optional<std::filesystem::path> opt(const std::string& s) {
-  if (s.empty()) return std::nullopt;
-  return std::filesystem::path(s);
-}
-
-// Progress on stderr: a line rewritten in place on a terminal, a line every 10 s in a log.
-class Progress {
- public:
-  explicit Progress(std::string what) : what_(std::move(what)) {}
-  void operator()(double frac) {
-    const double t = std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
-    // Quiet for short runs; the summary line after the run is always printed.
-    if (t < 2.0 || (frac < 1.0 && t - last_ < (tty_ ? 0.25 : 10.0))) return;
-    last_ = t;
-    const double eta = frac > 0 ? t / frac - t : 0;
-    fmt::print(stderr, "{}rd: {} {:5.1f}%  {:.0f}s elapsed, ~{:.0f}s left{}", tty_ ? "\r" : "", what_, 100.0 * frac, t, eta, tty_ ? "   " : "\n");
-    shown_ = tty_;
-  }
-  double elapsed() const { return std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count(); }
-  ~Progress() {
-    if (shown_) fmt::print(stderr, "\n");
-  }
-
- private:
-  std::string what_;
-  std::chrono::steady_clock::time_point start_ = std::chrono::steady_clock::now();
-  double last_ = -1e9;
-  bool tty_ = isatty(fileno(stderr)) != 0;
-  bool shown_ = false;
 };
 
 std::string join(const std::vector<std::string>& v, const char* sep) {
@@ -102,7 +72,7 @@ int run_rd(RdOptions o) {
   // As `eval`: a tokenizer or text not given is looked for beside an explicit model first.
   if (o.tokenizer.empty()) o.tokenizer = beside_model(o.model, "tok512.bin");
   if (o.text.empty()) o.text = beside_model(o.model, "tinystories_val.txt");
-  const vq::ModelFiles files = vq::resolve_model_files(opt(o.model), opt(o.tokenizer));
+  const vq::ModelFiles files = vq::resolve_model_files(optional_path(o.model), optional_path(o.tokenizer));
   vq::LoadedModel loaded = vq::load_model(files);
   vq::Transformer model(std::move(loaded.checkpoint));
   const vq::Tokenizer tok = std::move(loaded.tokenizer);
@@ -124,7 +94,7 @@ int run_rd(RdOptions o) {
   std::vector<rd::Point> points;
   double seconds = 0;
   {
-    Progress progress(fmt::format("{} settings x {} windows", methods.size(), n_windows));
+    Progress progress(fmt::format("rd: {} settings x {} windows", methods.size(), n_windows), 2.0, 10.0);
     eval.progress = [&](double f) { progress(f); };
     const auto results = vq::evaluate(model, tokens, methods, eval);
     seconds = progress.elapsed();

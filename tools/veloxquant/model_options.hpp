@@ -2,6 +2,7 @@
 // the text those subcommands read.
 #pragma once
 #include <filesystem>
+#include <optional>
 #include <string>
 
 #include <CLI/CLI.hpp>
@@ -16,6 +17,12 @@ namespace vqcli {
 inline void add_model_options(CLI::App& app, std::string& model, std::string& tokenizer) {
   app.add_option("--model", model, "llama2.c checkpoint or llama GGUF file (default: stories260K.bin in $VELOXQUANT_MODEL_DIR, ./models, ../shared/models)");
   app.add_option("--tokenizer", tokenizer, "llama2.c tokenizer (default: tok512.bin, looked up like --model; not used with a GGUF model)");
+}
+
+// An option's path, or none when the option was not given ("").
+inline std::optional<std::filesystem::path> optional_path(const std::string& s) {
+  if (s.empty()) return std::nullopt;
+  return std::filesystem::path(s);
 }
 
 // A file named `name` beside an explicit --model ("" when there is none or no such file).
