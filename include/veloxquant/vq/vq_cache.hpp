@@ -54,8 +54,9 @@
 // Sealed tiles (config.coded, spec `resident=coded`; default off): once kSealTokens quantized
 // tokens past the last sealed tile are held, their codes leave the packed rows and are held
 // Rice-coded, per batch row and side, one tile of kSealTokens tokens after another (vq/seal_coder.hpp:
-// per tile a 4-bit Rice parameter per coefficient, then the codes; ~0.1-0.25 bit above the
-// codes' entropy where a packed field costs ~0.8-1.3). Only the open tiles (fewer than
+// per tile and coefficient a Rice parameter and whether to code differences from the previous
+// token, then the codes; ~0.1-0.25 bit above the codes' entropy where a packed field costs
+// ~0.8-1.3). Only the open tiles (fewer than
 // kSealTokens quantized tokens) stay packed. Reading a sealed token (attend, state, codes) decodes
 // its whole tile into a per-thread scratch of one tile per side (not billed: the reader's working
 // memory, like attention's float tiles), reused while the same tile is read (attention's tiles are
