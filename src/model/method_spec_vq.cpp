@@ -17,7 +17,7 @@ namespace vq::detail {
 
 namespace {
 
-constexpr const char* kKeys = "bits, calib, residual, sinks, alloc, basis, shape, rope";
+constexpr const char* kKeys = "bits, calib, residual, sinks, resident, alloc, basis, shape, rope";
 
 double parse_real(const std::string& spec, const std::string& key, const std::string& value) {
   double v = 0;
@@ -77,6 +77,10 @@ MethodSpec parse_vq_spec(const std::string& spec, const std::string& args, bool 
       if (value.empty() || ec != std::errc() || p != end)
         throw InvalidArgument(fmt::format("method '{}': {}={} is not an integer", spec, key, value));
       (key == "calib" ? m.vq.calib : key == "residual" ? m.vq.residual : m.vq.sinks) = v;
+    } else if (key == "resident") {
+      if (value != "packed" && value != "coded")
+        throw InvalidArgument(fmt::format("method '{}': resident={} must be packed or coded", spec, value));
+      m.vq.coded = value == "coded";
     } else if (key == "alloc") {
       if (value != "flat") (void)alloc_values(spec, value);
       m.vq_alloc = value;
@@ -95,9 +99,9 @@ MethodSpec parse_vq_spec(const std::string& spec, const std::string& args, bool 
 }
 
 std::string vq_spec_string(const MethodSpec& m) {
-  // sinks only when set, so the canonical text of every earlier spec is unchanged.
-  return fmt::format("vq:bits={},calib={},residual={},{}alloc={},basis={},shape={},rope={}", m.vq.bits, m.vq.calib, m.vq.residual,
-                     m.vq.sinks > 0 ? fmt::format("sinks={},", m.vq.sinks) : std::string(), m.vq_alloc,
+  // sinks and resident only when set, so the canonical text of every earlier spec is unchanged.
+  return fmt::format("vq:bits={},calib={},residual={},{}{}alloc={},basis={},shape={},rope={}", m.vq.bits, m.vq.calib, m.vq.residual,
+                     m.vq.sinks > 0 ? fmt::format("sinks={},", m.vq.sinks) : std::string(), m.vq.coded ? "resident=coded," : "", m.vq_alloc,
                      vq_basis_name(m.vq_basis.basis),
                      m.vq_basis.shape ? "on" : "off", m.vq_basis.rope ? "on" : "off");
 }

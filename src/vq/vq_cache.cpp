@@ -1,6 +1,7 @@
 #include "veloxquant/vq/vq_cache.hpp"
 
 #include <algorithm>
+#include <atomic>
 #include <bit>
 #include <cmath>
 #include <cstring>
@@ -11,6 +12,7 @@
 #include "../core/dtype_round.hpp"
 #include "code_pack.hpp"
 #include "reconstruct_kernels.hpp"
+#include "seal_coder.hpp"
 #include "veloxquant/vq/vq_reconstruct_at.hpp"
 #include "veloxquant/core/dtype.hpp"
 #include "veloxquant/core/error.hpp"
@@ -22,6 +24,12 @@ namespace vq {
 namespace {
 
 std::size_t sz(std::int64_t v) { return static_cast<std::size_t>(v); }
+
+// Names for sealed tiles' contents, unique in the process (the readers' scratch is keyed by it).
+std::uint64_t next_seal_gen() {
+  static std::atomic<std::uint64_t> gen{0};
+  return ++gen;
+}
 
 // The high-rate code rate of a uniformly quantized Gaussian is log2(sigma * sqrt(2 pi e) / step).
 constexpr double kSqrt2PiE = 4.132731354122493;
@@ -227,7 +235,7 @@ void VqConfig::validate() const {
 }
 
 VqKVCache::VqKVCache(VqConfig config, std::shared_ptr<const VqLayerModel> layer)
-    : config_(config), layer_(std::move(layer)), identity_from_data_(!layer_) {
+    : config_(config), layer_(std::move(layer)), identity_from_data_(!layer_), seal_gen_(next_seal_gen()) {
   config_.validate();
   if (layer_)
     require(layer_->kv_heads > 0 && layer_->k.n % layer_->kv_heads == 0 && layer_->v.n % layer_->kv_heads == 0,
@@ -237,6 +245,8 @@ VqKVCache::VqKVCache(VqConfig config, std::shared_ptr<const VqLayerModel> layer)
 void VqKVCache::reset() {
   calibrated_ = false;
   quantized_ = 0;
+  sealed_ = 0;
+  seal_gen_ = next_seal_gen();
   kq_ = vq_ = SideQuant();
   ks_ = SideStore();
   vs_ = SideStore();
@@ -302,7 +312,7 @@ void calibrate_side(const std::vector<double>& y, int n, double bits, float& ste
 }  // namespace
 
 template <class SideQuantT, class SideStoreT>
-void widen(SideQuantT& sq, SideStoreT& st, int n, int heads, std::int64_t rows);  // below
+void widen(SideQuantT& sq, SideStoreT& st, int n, int heads, std::int64_t rows, std::int64_t base = 0);  // below
 
 void VqKVCache::update(const Tensor& keys, const Tensor& values) {
   check_chunk(keys, values);
@@ -417,10 +427,10 @@ void VqKVCache::update(const Tensor& keys, const Tensor& values) {
     const std::uint32_t row_bits = sq.bit_at[sz(n)];
     for (std::int64_t b = 0; b < B; ++b) {
       auto& buf = st.packed[sz(b)];
-      buf.resize(packed_bytes(q1, row_bits));
+      buf.resize(packed_bytes(q1 - sealed_, row_bits));
       for (std::int64_t t = q0; t < q1; ++t) {
         const std::int32_t* q = work[side].codes.data() + sz(b * (q1 - q0) + (t - q0)) * sz(n);
-        const std::uint64_t base = static_cast<std::uint64_t>(t) * row_bits;
+        const std::uint64_t base = static_cast<std::uint64_t>(t - sealed_) * row_bits;
         for (int c = 0; c < n; ++c) {
           const std::int32_t bias = 1 << (sq.width[sz(c)] - 1);
           if (std::abs(q[c]) < bias) {
@@ -431,23 +441,28 @@ void VqKVCache::update(const Tensor& keys, const Tensor& values) {
         }
       }
     }
-    widen(sq, st, n, static_cast<int>(H), q1);
+    widen(sq, st, n, static_cast<int>(H), q1 - sealed_, sealed_);
     st.tail.erase(st.tail.begin(), st.tail.begin() + static_cast<std::ptrdiff_t>(sz(q1 - q0) * tokb));
-    if (st.tail.capacity() > 2 * st.tail.size() + 4096) std::vector<std::uint8_t>(st.tail).swap(st.tail);  // a prefill's rows, released
+    // A prefill's rows released, and a decode step's spare too (nbytes bills capacity: a tail of a
+    // few tokens grown by doubling held up to 2x its rows; the copy is of the tail only).
+    if (st.tail.capacity() > st.tail.size() + st.tail.size() / 8 + 64) std::vector<std::uint8_t>(st.tail).swap(st.tail);
+    if (st.sinks.capacity() > st.sinks.size()) st.sinks.shrink_to_fit();
   }
   calibrated_ = calibrated_ || calibrate_now;
   quantized_ = q1;
   offset_ = T1;
   encoded_size_.reset();
+  seal_due();
 }
 
 // Data that drifts from its calibration escapes more and more codes of a coefficient. Once its
 // escapes cost more than one more bit in every row would, the coefficient's field widens to the
 // width that minimises rows x width + escape bits over the codes held, and the side is re-packed
 // (O(rows x n), rare: each widening at least doubles a field's range). Values never change.
-// (A template over the cache's private side types: the header stays as it is.)
+// (A template over the cache's private side types: the header stays as it is.) `rows` packed rows,
+// row r holding token base + r (base: the sealed tokens).
 template <class SideQuantT, class SideStoreT>
-void widen(SideQuantT& sq, SideStoreT& st, int n, int heads, std::int64_t rows) {
+void widen(SideQuantT& sq, SideStoreT& st, int n, int heads, std::int64_t rows, std::int64_t base) {
   using EscapeT = typename std::remove_reference_t<decltype(st.escapes[0])>::value_type;
   const std::int64_t B = static_cast<std::int64_t>(st.packed.size()), R = B * rows;
   std::vector<std::int64_t> count(sz(n), 0);
@@ -489,11 +504,12 @@ void widen(SideQuantT& sq, SideStoreT& st, int n, int heads, std::int64_t rows) 
   std::vector<code_pack::Escape> esc;
   for (std::int64_t b = 0; b < B; ++b) {
     code_pack::unpack_rows(from, st.packed[sz(b)].data(), rows, qd);
-    for (const EscapeT& x : st.escapes[sz(b)]) qd[sz(x.t) * sz(n) + sz(x.c)] = static_cast<std::int16_t>(x.q);  // |q| <= vq_max_code(kVqMaxShift)
+    for (const EscapeT& x : st.escapes[sz(b)]) qd[sz(x.t - base) * sz(n) + sz(x.c)] = static_cast<std::int16_t>(x.q);  // |q| <= vq_max_code(kVqMaxShift)
     typename std::remove_reference_t<decltype(st.packed[0])> buf;
     buf.resize(packed_bytes(rows, to.bit_at[n]));
     esc.clear();
     code_pack::pack_rows(to, qd, rows, 0, buf.data(), esc);
+    for (code_pack::Escape& e : esc) e.t += static_cast<std::int32_t>(base);
     st.packed[sz(b)] = std::move(buf);
     std::vector<EscapeT> kept;  // a new list: the old one's memory released (clear() would keep its capacity)
     append_escapes(kept, esc);
@@ -544,9 +560,12 @@ void VqKVCache::read_rows(int side, std::int64_t b, std::int64_t h, std::int64_t
       to_f32(st.sinks.data() + sz((t * B + b) * H + h) * rowb, dtype, o, sz(d));
     } else if (t >= quantized_) {
       to_f32(st.tail.data() + sz(((t - quantized_) * B + b) * H + h) * rowb, dtype, o, sz(d));
+    } else if (t < sealed_) {
+      const std::int16_t* q = sealed_row(side, b, t);
+      for (int c = c0; c < c1; ++c) yhat[sz(c - c0)] = sq.mean[sz(c)] + static_cast<float>(q[c]) * sq.step;
     } else {
       const std::uint8_t* buf = st.packed[sz(b)].data();
-      const std::uint64_t base = static_cast<std::uint64_t>(t) * sq.bit_at[sz(nc)];
+      const std::uint64_t base = static_cast<std::uint64_t>(t - sealed_) * sq.bit_at[sz(nc)];
       for (int c = c0; c < c1; ++c) {
         const unsigned w = sq.width[sz(c)];
         const std::uint32_t f = get_field(buf, base + sq.bit_at[sz(c)], w);
@@ -559,6 +578,8 @@ void VqKVCache::read_rows(int side, std::int64_t b, std::int64_t h, std::int64_t
         }
         yhat[sz(c - c0)] = sq.mean[sz(c)] + static_cast<float>(q) * sq.step;
       }
+    }
+    if (t >= sink_end && t < quantized_) {
       if (cols)
         reconstruct_head_cols(tr.inv_cols.data() + sz(h) * sz(span) * sz(d), span, yhat.data(), d, freq, t, acc.data(), o);
       else
@@ -579,7 +600,7 @@ const float* VqKVCache::read_value_tile(std::int64_t b, std::int64_t h, std::int
 }
 
 bool VqKVCache::codes_direct(int side) const {
-  if (!calibrated_ || quantized_ == 0 || !vq_attention::available()) return false;
+  if (config_.coded || !calibrated_ || quantized_ == 0 || !vq_attention::available()) return false;
   const DType dt = keys_buf_.dtype();
   if (dt != DType::F32 && dt != DType::F16) return false;
   const VqSideTransform& tr = side == 0 ? layer_->k : layer_->v;
@@ -587,6 +608,7 @@ bool VqKVCache::codes_direct(int side) const {
 }
 
 std::int64_t VqKVCache::attention_tile_tokens() const {
+  if (config_.coded) return kSealTokens;  // a sealed tile is decoded once per side for all heads
   return codes_direct(0) && codes_direct(1) ? kCodeTileTokens : KVCache::attention_tile_tokens();
 }
 
@@ -732,7 +754,12 @@ Tensor VqKVCache::materialise(int side) const {
       const std::uint32_t row_bits = sq.bit_at[sz(nc)];
       for (std::int64_t tk = q0; tk < q1; ++tk) {
         float* y = yhat.data() + sz(tk - q0) * sz(nc);
-        const std::uint64_t base = static_cast<std::uint64_t>(tk) * row_bits;
+        if (tk < sealed_) {
+          const std::int16_t* q = sealed_row(side, b, tk);
+          for (int c = 0; c < nc; ++c) y[c] = sq.mean[sz(c)] + static_cast<float>(q[c]) * sq.step;
+          continue;
+        }
+        const std::uint64_t base = static_cast<std::uint64_t>(tk - sealed_) * row_bits;
         for (int c = 0; c < nc; ++c) {
           const unsigned w = sq.width[sz(c)];
           const std::int32_t q = static_cast<std::int32_t>(get_field(buf, base + sq.bit_at[sz(c)], w)) - (1 << (w - 1));
@@ -767,6 +794,7 @@ std::int64_t VqKVCache::trim(std::int64_t n) {
     reset();
     return dropped;
   }
+  if (offset_ < sealed_) unseal();  // into a sealed tile: everything packed again, sealed again below
   const std::int64_t B = keys_buf_.dim(0), H = keys_buf_.dim(1);
   for (int side = 0; side < 2; ++side) {
     SideStore& st = side == 0 ? ks_ : vs_;
@@ -781,8 +809,8 @@ std::int64_t VqKVCache::trim(std::int64_t n) {
     const std::uint32_t row_bits = sq.bit_at.back();
     for (std::int64_t b = 0; b < B; ++b) {
       auto& buf = st.packed[sz(b)];
-      const std::uint64_t end = static_cast<std::uint64_t>(offset_) * row_bits;
-      buf.resize(packed_bytes(offset_, row_bits));
+      const std::uint64_t end = static_cast<std::uint64_t>(offset_ - sealed_) * row_bits;
+      buf.resize(packed_bytes(offset_ - sealed_, row_bits));
       // Zero every bit past the last row (later rows are OR-ed in).
       std::fill(buf.data() + (end + 7) / 8, buf.data() + buf.size(), std::uint8_t{0});
       if (end % 8) buf.data()[end / 8] &= static_cast<std::uint8_t>((1u << (end % 8)) - 1);
@@ -791,6 +819,7 @@ std::int64_t VqKVCache::trim(std::int64_t n) {
     }
   }
   quantized_ = std::min(quantized_, offset_);
+  seal_due();
   return dropped;
 }
 
@@ -809,14 +838,19 @@ std::size_t VqKVCache::nbytes() const {
     n += s->packed.capacity() * sizeof(PackedRows) + s->escapes.capacity() * sizeof(std::vector<Escape>);
     for (const auto& p : s->packed) n += p.bytes().nbytes();
     for (const auto& e : s->escapes) n += e.capacity() * sizeof(Escape);
+    n += s->sealed.capacity() * sizeof(PageVector<std::uint8_t>) + s->tile_at.capacity() * sizeof(std::vector<std::uint32_t>);
+    for (const auto& p : s->sealed) n += p.nbytes();
+    for (const auto& a : s->tile_at) n += a.capacity() * sizeof(std::uint32_t);
   }
   return n;
 }
 
 std::size_t VqKVCache::nbytes_mapped() const {
   std::size_t n = 0;
-  for (const SideStore* s : {&ks_, &vs_})
+  for (const SideStore* s : {&ks_, &vs_}) {
     for (const auto& p : s->packed) n += p.bytes().mapped() ? p.bytes().nbytes() : 0;
+    for (const auto& p : s->sealed) n += p.mapped() ? p.nbytes() : 0;
+  }
   return n;
 }
 
@@ -833,6 +867,94 @@ std::size_t VqKVCache::escapes() const {
   for (const SideStore* s : {&ks_, &vs_})
     for (const auto& e : s->escapes) n += e.size();
   return n;
+}
+
+void VqKVCache::seal_due() {
+  if (!config_.coded || quantized_ - sealed_ < kSealTokens) return;
+  const std::int64_t tiles = (quantized_ - sealed_) / kSealTokens, rows = tiles * kSealTokens;  // rows leaving the packed form
+  const VqLayerCodes lc = codes(sealed_, sealed_ + rows);
+  const std::int64_t B = lc.batch;
+  std::vector<std::uint8_t> bytes;
+  for (int side = 0; side < 2; ++side) {
+    const VqSideCodes& sc = side == 0 ? lc.k : lc.v;
+    const SideQuant& sq = side == 0 ? kq_ : vq_;
+    SideStore& st = side == 0 ? ks_ : vs_;
+    const int n = sc.n;
+    const std::uint32_t row_bytes = sq.bit_at[sz(n)] / 8;
+    if (st.sealed.size() != sz(B)) st.sealed.resize(sz(B)), st.tile_at.resize(sz(B));
+    for (std::int64_t b = 0; b < B; ++b) {
+      bytes.clear();
+      auto& at = st.tile_at[sz(b)];
+      auto& sealed = st.sealed[sz(b)];
+      std::size_t end = sealed.size() >= 8 ? sealed.size() - 8 : 0;  // past the last tile: the 8 zero bytes
+      for (std::int64_t i = 0; i < tiles; ++i) {
+        at.push_back(static_cast<std::uint32_t>(end + bytes.size()));
+        seal::encode_tile(sc.codes.data() + sz(b * rows + i * kSealTokens) * sz(n), kSealTokens, n, bytes);
+      }
+      if (sealed.size() >= 8) sealed.shrink(sealed.size() - 8);
+      std::uint8_t* dst = sealed.append(bytes.size() + 8);
+      std::memcpy(dst, bytes.data(), bytes.size());
+      std::memset(dst + bytes.size(), 0, 8);
+      end += bytes.size();
+      // The packed rows move up by `rows` (rows start on bytes); their escapes of sealed tokens go.
+      auto& buf = st.packed[sz(b)];
+      const std::size_t left = sz(quantized_ - sealed_ - rows) * row_bytes;
+      std::memmove(buf.data(), buf.data() + sz(rows) * row_bytes, left);
+      std::memset(buf.data() + left, 0, buf.size() - left);
+      buf.resize(packed_bytes(quantized_ - sealed_ - rows, row_bytes * 8));
+      auto& e = st.escapes[sz(b)];
+      const std::int64_t t_end = sealed_ + rows;
+      e.erase(e.begin(), std::lower_bound(e.begin(), e.end(), t_end, [](const Escape& x, std::int64_t t) { return x.t < t; }));
+    }
+  }
+  sealed_ += rows;
+}
+
+void VqKVCache::unseal() {
+  if (sealed_ == 0) return;
+  const VqLayerCodes lc = codes(0, quantized_);
+  const std::int64_t B = lc.batch, Q = quantized_;
+  const int H = static_cast<int>(keys_buf_.dim(1));
+  std::vector<code_pack::Escape> esc;
+  for (int side = 0; side < 2; ++side) {
+    const VqSideCodes& sc = side == 0 ? lc.k : lc.v;
+    const SideQuant& sq = side == 0 ? kq_ : vq_;
+    SideStore& st = side == 0 ? ks_ : vs_;
+    for (std::int64_t b = 0; b < B; ++b) {
+      PackedRows buf;
+      buf.resize(packed_bytes(Q, sq.bit_at[sz(sc.n)]));
+      esc.clear();
+      code_pack::pack_rows(pack_layout(sq, sc.n, H), sc.codes.data() + sz(b * Q) * sz(sc.n), Q, 0, buf.data(), esc);
+      st.packed[sz(b)] = std::move(buf);
+      std::vector<Escape> kept;
+      append_escapes(kept, esc);
+      st.escapes[sz(b)] = std::move(kept);
+    }
+    st.sealed.clear();
+    st.tile_at.clear();
+  }
+  sealed_ = 0;
+  seal_gen_ = next_seal_gen();
+}
+
+const std::int16_t* VqKVCache::sealed_row(int side, std::int64_t b, std::int64_t t) const {
+  // One decoded tile per side per thread, named by (contents, batch row, tile).
+  struct Slot {
+    std::uint64_t gen = 0;
+    std::int64_t b = -1, tile = -1;
+    std::vector<std::int16_t> codes;
+  };
+  thread_local Slot slots[2];
+  Slot& s = slots[side];
+  const std::int64_t tile = t / kSealTokens;
+  const int n = side == 0 ? layer_->k.n : layer_->v.n;
+  if (s.gen != seal_gen_ || s.b != b || s.tile != tile) {
+    const SideStore& st = side == 0 ? ks_ : vs_;
+    s.codes.resize(sz(kSealTokens) * sz(n));
+    seal::decode_tile(st.sealed[sz(b)].data() + st.tile_at[sz(b)][sz(tile)], kSealTokens, n, s.codes.data());
+    s.gen = seal_gen_, s.b = b, s.tile = tile;
+  }
+  return s.codes.data() + sz(t - tile * kSealTokens) * sz(n);
 }
 
 VqLayerCodes VqKVCache::codes() const { return codes(0, quantized_); }
@@ -859,12 +981,18 @@ VqLayerCodes VqKVCache::codes(std::int64_t t0, std::int64_t t1) const {
     out.codes.resize(sz(lc.batch * S) * sz(n));
     for (std::int64_t b = 0; b < lc.batch; ++b) {
       std::int16_t* o = out.codes.data() + sz(b * S) * sz(n);
-      for (std::int64_t t = t0; t < t1; ++t)
+      for (std::int64_t t = t0; t < t1; ++t) {
+        if (t < sealed_) {
+          std::copy_n(sealed_row(side, b, t), n, o + (t - t0) * n);
+          continue;
+        }
         for (int c = 0; c < n; ++c) {
           const unsigned w = sq.width[sz(c)];
-          const std::uint32_t f = get_field(st.packed[sz(b)].data(), static_cast<std::uint64_t>(t) * sq.bit_at[sz(n)] + sq.bit_at[sz(c)], w);
+          const std::uint32_t f =
+              get_field(st.packed[sz(b)].data(), static_cast<std::uint64_t>(t - sealed_) * sq.bit_at[sz(n)] + sq.bit_at[sz(c)], w);
           o[(t - t0) * n + c] = static_cast<std::int16_t>(static_cast<std::int32_t>(f) - (1 << (w - 1)));
         }
+      }
       const auto& esc = st.escapes[sz(b)];  // sorted by (t, c)
       auto it = std::lower_bound(esc.begin(), esc.end(), t0, [](const Escape& e, std::int64_t t) { return e.t < t; });
       for (; it != esc.end() && it->t < t1; ++it) o[sz(it->t - t0) * sz(n) + sz(it->c)] = static_cast<std::int16_t>(it->q);
@@ -905,7 +1033,7 @@ void widths_from_codes(const std::int16_t* codes, std::int64_t rows, int n, std:
 }  // namespace
 
 bool VqKVCache::append_codes(const VqLayerCodes& in, DType dtype) {
-  if (config_.residual != 0 || config_.sinks != 0 || !layer_ || identity_from_data_) return false;
+  if (config_.residual != 0 || config_.sinks != 0 || config_.coded || !layer_ || identity_from_data_) return false;
   const int H = layer_->kv_heads;
   const std::int64_t B = in.batch, S = in.tokens;
   require(B >= 1 && S >= 1 && in.k.n == layer_->k.n && in.v.n == layer_->v.n,
@@ -1096,6 +1224,7 @@ std::shared_ptr<VqKVCache> VqKVCache::restore(VqConfig config, std::shared_ptr<c
   c->quantized_ = Q;
   c->offset_ = T;
   c->encoded_size_.reset();
+  c->seal_due();
   return c;
 }
 

@@ -38,7 +38,7 @@ TEST(VqSpec, ErrorsNameTheProblem) {
     const std::string e = vqtest::spec_error(spec);
     EXPECT_NE(e.find(what), std::string::npos) << spec << ": " << e;
   };
-  has("vq:colour=blue", "unknown key 'colour' for vq; valid keys are bits, calib, residual, sinks, alloc, basis, shape, rope");
+  has("vq:colour=blue", "unknown key 'colour' for vq; valid keys are bits, calib, residual, sinks, resident, alloc, basis, shape, rope");
   has("vq:sinks=-1", "sinks=-1 must be >= 0");
   has("vq:bits=two", "bits=two is not a number");
   has("vq:bits=0", "bits=0 must be in (0, 10]");

@@ -9,15 +9,16 @@
 //   with mremap, which moves page-table entries rather than bytes and leaves no hole, and it
 //   never shares pages with the heap.
 // - Small arrays (up to kPageVectorHeapBytes) live on the heap like a vector's (first the exact
-//   size asked, then doubling), so a short cache does not hold a page per array; nbytes() is then
-//   the buffer's capacity. Past that size the array moves once into its mapping.
+//   size asked, then growing by an eighth), so a short cache does not hold a page per array;
+//   nbytes() is then the buffer's capacity, and shrink() to well below it moves the array into a
+//   buffer of the size kept. Past that size the array moves once into its mapping.
 // - In the mapping, address space is reserved geometrically (at least doubling), but the kernel
 //   backs a page only when it is first written, and elements are written front to back. So the
 //   memory it holds is exactly the pages that back size() elements: nbytes() = size() * sizeof(T)
 //   rounded up to the page size. shrink() hands the pages past the new size back at once
 //   (madvise MADV_DONTNEED); clear() frees everything.
 // - Appended elements are uninitialised (the caller writes them). Pointers into the array are
-//   invalidated by append (the mapping may move), like a vector's.
+//   invalidated by append (the mapping may move), like a vector's, and by shrink.
 #pragma once
 #include <cstddef>
 #include <type_traits>

@@ -51,6 +51,21 @@
 // update_and_fetch and state() rebuild every token into fresh dense tensors (O(offset) work per
 // call and a dense copy while the caller holds it): hosts that attend call update().
 //
+// Sealed tiles (config.coded, spec `resident=coded`; default off): once kSealTokens quantized
+// tokens past the last sealed tile are held, their codes leave the packed rows and are held
+// Rice-coded, per batch row and side, one tile of kSealTokens tokens after another (vq/seal_coder.hpp:
+// per tile and coefficient a Rice parameter and whether to code differences from the previous
+// token, then the codes; ~0.1-0.25 bit above the codes' entropy where a packed field costs
+// ~0.8-1.3). Only the open tiles (fewer than
+// kSealTokens quantized tokens) stay packed. Reading a sealed token (attend, state, codes) decodes
+// its whole tile into a per-thread scratch of one tile per side (not billed: the reader's working
+// memory, like attention's float tiles), reused while the same tile is read (attention's tiles are
+// the seal tiles then, so each tile is decoded once per side per attend). Values are the packed
+// form's bit for bit; only memory and speed differ. codes_direct is off (sealed tokens are read
+// through read_rows). Trim into a sealed tile re-packs everything and seals again; append_codes
+// declines (returns false); restore() seals what is due; a .vqkv file holds the codes, not this
+// option (config is saved without it: a loaded cache is packed).
+//
 // Packed layout (so that attention reads a head's codes with SIMD, vq/vq_attention_kernels.hpp):
 // a row is the heads' segments in order, head h's segment holding the fields of its d = n / H
 // coefficients h*d .. h*d+d-1 in field order `order` (order[h*d + p] = the coefficient at field
@@ -99,6 +114,7 @@ struct VqConfig {
   int residual = 0;                // most recent tokens kept exact (in the input dtype), >= 0
   int sinks = 0;                   // first tokens also kept exact (in the input dtype), >= 0
   double k_offset = 0, v_offset = 0;  // bits added to this layer's K / V (the layer allocation)
+  bool coded = false;                 // resident=coded: full tiles of quantized tokens held Rice-coded ("Sealed tiles")
   void validate() const;              // throws InvalidArgument
 };
 
@@ -136,6 +152,9 @@ class VqKVCache : public KVCache {
   // no float32 tile is formed, so a longer tile costs no cache space); the default otherwise.
   std::int64_t attention_tile_tokens() const override;
   static constexpr std::int64_t kCodeTileTokens = 256;
+  // Tokens per sealed tile (config.coded).
+  static constexpr std::int64_t kSealTokens = 64;
+  std::int64_t sealed_tokens() const { return sealed_; }
 
   const VqConfig& config() const { return config_; }
   std::int64_t quantized_tokens() const { return quantized_; }
@@ -231,6 +250,9 @@ class VqKVCache : public KVCache {
     std::vector<std::vector<Escape>> escapes;       // per batch, sorted by (t, c)
     std::vector<std::uint8_t> tail;                 // exact rows [quantized_, offset_), token-major [t][b][h][d], input dtype
     std::vector<std::uint8_t> sinks;                // exact rows [0, min(sinks, offset_)), same layout
+    // config.coded: per batch, tiles of tokens [0, sealed_) Rice-coded back to back (+ 8 zero bytes), and each tile's first byte.
+    std::vector<PageVector<std::uint8_t>> sealed;
+    std::vector<std::vector<std::uint32_t>> tile_at;
   };
   // Tokens [t0, t0 + n) of (b, h), one side, as float32 rows (what state() holds).
   void read_rows(int side, std::int64_t b, std::int64_t h, std::int64_t t0, std::int64_t n, float* out) const;
@@ -239,6 +261,12 @@ class VqKVCache : public KVCache {
   vq_attention::HeadFields head_fields(int side, std::int64_t b, std::int64_t h, std::int64_t t0, std::int64_t t1,
                                        std::vector<vq_attention::FieldEscape>& esc) const;
   void reset();
+  // config.coded: seal every full tile of quantized tokens past sealed_ (codes out of the packed rows).
+  void seal_due();
+  // Back to packed rows for every quantized token (sealed_ = 0).
+  void unseal();
+  // Token t < sealed_ of batch b, one side: its n codes, decoded into the per-thread tile scratch.
+  const std::int16_t* sealed_row(int side, std::int64_t b, std::int64_t t) const;
 
   VqConfig config_;
   std::shared_ptr<const VqLayerModel> layer_;
@@ -246,6 +274,8 @@ class VqKVCache : public KVCache {
   bool calibrated_ = false;
   SideQuant kq_, vq_;
   std::int64_t quantized_ = 0;
+  std::int64_t sealed_ = 0;     // tokens [0, sealed_) are in sealed tiles; packed row r is token sealed_ + r
+  std::uint64_t seal_gen_ = 0;  // names the sealed tiles' contents for the readers' scratch (new at each change but appending)
   SideStore ks_, vs_;
   mutable std::optional<std::size_t> encoded_size_;
 };
