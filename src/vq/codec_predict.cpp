@@ -186,7 +186,7 @@ __attribute__((target_clones("avx2", "default"))) std::vector<std::int8_t> vq_pr
                                                                                       std::vector<int>* res_amax) {
   std::vector<std::int8_t> k(n, 0);
   const std::size_t R = batch * tokens;
-  // Largest |residual| per coefficient (|hi| <= max_residual <= 511 here, so |residual| < 2^15).
+  // Largest |residual| per coefficient (|hi| <= 255 and |k| <= 8: |residual| <= 511).
   std::vector<std::uint16_t> amx(n, 0);
   auto give_amax = [&] {
     if (res_amax) res_amax->assign(amx.begin(), amx.end());
