@@ -5,7 +5,7 @@
 // 8 KV heads x 128 = 1024 coefficients per side and 4096 tokens (make_synthetic_kv, seed 7): 2 x 4 Mi
 // codes. Msym/s = items_per_second / 1e6 over all codes of both sides. zstd gets the row-major codes
 // as bytes when every code fits int8 (it does at 2 bits), else as int16.
-// BM_VqEncode/kernel:K and BM_VqDecode/kernel:K: K = 0 Auto (the best the CPU has), 1 Scalar
+// BM_VqEncode/kernel:K, BM_VqDecode/kernel:K and BM_VqDecodeInto/kernel:K: K = 0 Auto (the best the CPU has), 1 Scalar
 // (the reference), 2 AVX2, 3 AVX-512 (skipped with a message where the CPU lacks it).
 #include <algorithm>
 #include <cstring>
@@ -19,6 +19,7 @@
 #include "veloxquant/core/error.hpp"
 #include "veloxquant/synth/synthetic_kv.hpp"
 #include "veloxquant/vq/codec.hpp"
+#include "veloxquant/vq/codec_decode_into.hpp"
 #include "veloxquant/vq/vq_cache.hpp"
 
 namespace {
@@ -121,6 +122,23 @@ void BM_VqDecode(benchmark::State& state) {
   report(state, b.size());
 }
 BENCHMARK(BM_VqDecode)->ArgName("kernel")->Arg(0)->Arg(1)->Arg(2)->Arg(3)->Unit(benchmark::kMillisecond);
+
+// The same into one VqLayerCodes kept across calls (vq_decode's overload that reuses the caller's
+// code buffers: no allocation, no zero fill), as a loader decoding layer after layer would.
+void BM_VqDecodeInto(benchmark::State& state) {
+  const auto& c = layer_codes();
+  vq::RansKernel kernel;
+  if (!pick_kernel(state, kernel)) return;
+  const auto b = vq::vq_encode(c);
+  vq::VqLayerCodes back;
+  for (auto _ : state) {
+    vq::vq_decode(b, static_cast<std::uint64_t>(code_count()), back, kernel);
+    benchmark::DoNotOptimize(back.k.codes.data());
+  }
+  if (back.k.codes != c.k.codes || back.v.codes != c.v.codes) state.SkipWithError("round trip differs");
+  report(state, b.size());
+}
+BENCHMARK(BM_VqDecodeInto)->ArgName("kernel")->Arg(0)->Arg(1)->Arg(2)->Arg(3)->Unit(benchmark::kMillisecond);
 
 #ifdef VQ_HAVE_ZSTD
 void BM_VqZstd1Compress(benchmark::State& state) { report(state, vqbench::zstd1_compress_loop(state, raw_codes())); }

@@ -1,5 +1,5 @@
 // libFuzzer target: vq_decode (vq/codec.hpp), our method's coded layer, on arbitrary bytes.
-// Checks: only vq::FormatError escapes; every kernel the CPU has (Auto, AVX2, AVX-512) agrees with
+// Checks: only vq::FormatError escapes; decoding into junk-filled buffers agrees; every kernel the CPU has (Auto, AVX2, AVX-512) agrees with
 // the scalar reference (all throw, or all decode the same layer; all re-encode it to the same bytes); a decoded layer has consistent
 // sizes, shifts <= 7 and codes whose hi part is within +-255; it re-encodes without an error to
 // bytes that decode to the same codes and re-encode to themselves. (The input itself need not come back: the encoder picks its
@@ -13,11 +13,13 @@
 
 #include "veloxquant/core/error.hpp"
 #include "veloxquant/vq/codec.hpp"
+#include "veloxquant/vq/codec_decode_into.hpp"
 
 namespace {
 
-// Bounds what a hostile header may make the decoder allocate.
-constexpr std::uint64_t kMaxCodes = 1 << 16;
+// Bounds what a hostile header may make the decoder allocate (2^19: room for version 6's 64-lane
+// streams, >= 2^18 symbols).
+constexpr std::uint64_t kMaxCodes = 1 << 19;
 
 bool same(const vq::VqLayerCodes& a, const vq::VqLayerCodes& b) {
   auto side = [](const vq::VqSideCodes& x, const vq::VqSideCodes& y) {
@@ -50,6 +52,19 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     if (!present) continue;
     try {
       if (!same(vq::vq_decode(bytes, kMaxCodes, kernel), ref) || ref_failed) std::abort();
+    } catch (const vq::FormatError&) {
+      if (!ref_failed) std::abort();
+    }
+  }
+  // Decoding into a caller's junk-filled buffers (one of the right size, one not) gives the same
+  // layer, or the same failure.
+  {
+    vq::VqLayerCodes into;
+    into.k.codes.assign(ref.k.codes.size(), 0x2bad);
+    into.v.codes.assign(7, -1);
+    try {
+      vq::vq_decode(bytes, kMaxCodes, into);
+      if (ref_failed || !same(into, ref)) std::abort();
     } catch (const vq::FormatError&) {
       if (!ref_failed) std::abort();
     }

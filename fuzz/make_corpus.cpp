@@ -254,6 +254,9 @@ int main(int argc, char** argv) {
   // before version 4; v4_*: all five as version 4 streams, kept from before version 5.) Then a
   // sixth that version 5's prediction reaches: 48 tokens x 32 coefficients that drift along tokens
   // (a random walk per coefficient), every fifth token a repeat of the token three before (row copies).
+  // (v6_wide_*: a version 6 stream of 64 lanes, 2048 tokens x (64 + 64) drifting codes = 2^18
+  // symbols, valid, cut at 2/3 and with one bit flipped; written once by a one-off program with
+  // vq_encode, not by this tool.)
   const auto vl = root / "fuzz_vq_layer";
   std::mt19937 vrng(9);
   n = 0;

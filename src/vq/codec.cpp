@@ -1,4 +1,5 @@
 #include "veloxquant/vq/codec.hpp"
+#include "veloxquant/vq/codec_decode_into.hpp"
 
 #include <algorithm>
 #include <atomic>
@@ -357,15 +358,66 @@ void side_models(const std::int16_t* hi, std::size_t n, std::size_t R, bool simd
 }
 
 // The distinct (amax, param) tables of one encode or decode call.
+// One (amax, param, scale) model: its table and the fast decoder's packed slot entries
+// (codec_kernels.hpp; amax <= 127 only). Built on first use and kept for the process (shared by all
+// calls and threads, never freed) up to kCachedModelBytes in all, so calls with one calibration's
+// models (a loader decoding chunk after chunk of a layer) build no table; beyond the bound (a
+// hostile header names up to 65,280 models), a call builds and owns its own.
+struct Model {
+  FrequencyTable table;
+  std::vector<std::uint32_t> packed;
+};
+constexpr std::size_t kCachedModelBytes = std::size_t{32} << 20;
+
+std::unique_ptr<Model> make_model(int a, std::uint8_t param, int scale) {
+  auto md = std::make_unique<Model>();
+  md->table = vq_table(a, param, scale);
+  if (a <= 127) {
+    const FrequencyTable& tb = md->table;
+    md->packed.resize(tb.total());
+    for (int s = 0; s < tb.alphabet_size(); ++s) {
+      const std::uint32_t f = tb.freq(s), c = tb.cum(s);
+      const std::uint32_t e0 = (f - 1) | static_cast<std::uint32_t>(static_cast<std::uint8_t>(s - a)) << 24;
+      for (std::uint32_t i = 0; i < f; ++i) md->packed[c + i] = e0 | i << 12;
+    }
+  }
+  return md;
+}
+
+const Model* cached_model(int a, std::uint8_t param, int scale, std::unique_ptr<Model>& own) {
+  static std::atomic<const Model*> cache[2 * (kVqMaxCode + 1) * 256];
+  static std::atomic<std::size_t> bytes{0};
+  auto& slot = cache[(scale == kVqScaleBits ? 0 : (kVqMaxCode + 1) * 256) + sz(a) * 256 + param];
+  if (const Model* c = slot.load(std::memory_order_acquire)) return c;
+  auto made = make_model(a, param, scale);
+  const std::size_t b = sizeof(Model) + 8 * sz(made->table.alphabet_size()) + 4 * made->packed.size();
+  if (bytes.fetch_add(b) + b > kCachedModelBytes) {
+    bytes.fetch_sub(b);
+    own = std::move(made);
+    return own.get();
+  }
+  const Model* expected = nullptr;
+  if (slot.compare_exchange_strong(expected, made.get(), std::memory_order_acq_rel)) return made.release();
+  bytes.fetch_sub(b);
+  return expected;
+}
+
+// The distinct (amax, param, scale) models of one encode or decode call.
 struct CallTables {
-  std::vector<FrequencyTable> tables;
+  std::vector<const FrequencyTable*> tables;
+  std::vector<const Model*> models;
   std::vector<int> amax;
+  std::vector<std::unique_ptr<Model>> own;
   std::unordered_map<std::uint32_t, int> index;
   int get(int a, std::uint8_t param, int scale) {
     const auto [it, fresh] =
         index.try_emplace(static_cast<std::uint32_t>(scale) << 16 | static_cast<std::uint32_t>(a) << 8 | param, static_cast<int>(tables.size()));
     if (fresh) {
-      tables.push_back(vq_table(a, param, scale));
+      std::unique_ptr<Model> mine;
+      const Model* md = cached_model(a, param, scale, mine);
+      if (mine) own.push_back(std::move(mine));
+      models.push_back(md);
+      tables.push_back(&md->table);
       amax.push_back(a);
     }
     return it->second;
@@ -402,9 +454,9 @@ struct SideModel {
   std::size_t m() const { return cols.size(); }
 };
 
-// Per-column offsets for j = 0 .. m + 31 (codec_kernels.hpp), from each column's value.
+// Per-column offsets for j = 0 .. m + 63 (codec_kernels.hpp), from each column's value.
 std::vector<std::int32_t> wrapped(const std::vector<std::int32_t>& per_col) {
-  std::vector<std::int32_t> w(per_col.size() + 32);
+  std::vector<std::int32_t> w(per_col.size() + 64);
   for (std::size_t j = 0; j < w.size(); ++j) w[j] = per_col[j % per_col.size()];
   return w;
 }
@@ -431,14 +483,14 @@ inline void refill(std::uint32_t& x, const std::uint8_t*& p, const std::uint8_t*
 
 // The scalar reference over region symbols [i0, i1), backwards.
 std::uint16_t* encode_region_scalar(std::uint32_t* x, const std::int16_t* hi, std::size_t i0, std::size_t i1, std::size_t base,
-                                    const SideModel& sm, const CallTables& t, std::uint16_t* ptr) {
+                                    std::size_t lanes, const SideModel& sm, const CallTables& t, std::uint16_t* ptr) {
   if (i1 <= i0) return ptr;
   const std::size_t m = sm.m();
   std::size_t j = (i1 - 1) % m;
   for (std::size_t i = i1; i-- > i0;) {
-    const FrequencyTable& tb = t.tables[sz(sm.table[j])];
+    const FrequencyTable& tb = *t.tables[sz(sm.table[j])];
     const int sym = hi[i] + sm.col_amax[j];
-    enc_put(x[(base + i) & 31], tb.freq(sym), tb.cum(sym), sm.col_scale[j], ptr);
+    enc_put(x[(base + i) & (lanes - 1)], tb.freq(sym), tb.cum(sym), sm.col_scale[j], ptr);
     j = j == 0 ? m - 1 : j - 1;
   }
   return ptr;
@@ -457,30 +509,21 @@ struct DecodePools {
   void build(const CallTables& t, bool fast) {
     if (t.tables.size() > kMaxPoolTables) return;
     const std::size_t M = sz(1) << kVqScaleBits;
-    if (fast) {
+    if (fast) {  // the models' packed entries one after the other (a side with amax > 127 decodes with the reference)
       std::size_t total = 0;
-      for (const FrequencyTable& tb : t.tables) {
+      for (const FrequencyTable* tb : t.tables) {
         packed_off.push_back(static_cast<std::int32_t>(total));
-        total += tb.total();
+        total += tb->total();
       }
       packed.resize(total);
-    } else {
-      sym.resize(t.tables.size() * M);
+      for (std::size_t k = 0; k < t.tables.size(); ++k)
+        std::copy(t.models[k]->packed.begin(), t.models[k]->packed.end(), packed.begin() + packed_off[k]);
+      return;
     }
+    sym.resize(t.tables.size() * M);
     for (std::size_t k = 0; k < t.tables.size(); ++k) {
-      const FrequencyTable& tb = t.tables[k];
-      const int a = t.amax[k];
-      if (fast && a > 127) continue;  // a side with such a table decodes with the reference
-      for (int s = 0; s < tb.alphabet_size(); ++s) {
-        const std::uint32_t f = tb.freq(s), c = tb.cum(s);
-        if (!fast) {
-          std::fill_n(sym.data() + k * M + c, f, static_cast<std::uint16_t>(s));
-          continue;
-        }
-        const std::uint32_t e0 = (f - 1) | static_cast<std::uint32_t>(static_cast<std::uint8_t>(s - a)) << 24;
-        std::uint32_t* e = packed.data() + packed_off[k] + c;
-        for (std::uint32_t i = 0; i < f; ++i) e[i] = e0 | i << 12;
-      }
+      const FrequencyTable& tb = *t.tables[k];
+      for (int s = 0; s < tb.alphabet_size(); ++s) std::fill_n(sym.data() + k * M + tb.cum(s), tb.freq(s), static_cast<std::uint16_t>(s));
     }
   }
 };
@@ -501,15 +544,15 @@ int find_symbol(const FrequencyTable& t, std::uint32_t slot) {
 // The scalar reference over region symbols [i0, i1) into hi (codes); sym: DecodePools::sym, or
 // null (search).
 const std::uint8_t* decode_region_scalar(std::uint32_t* x, std::int16_t* hi, std::size_t i0, std::size_t i1, std::size_t base,
-                                         const SideModel& sm, const CallTables& t, const std::uint16_t* sym, const std::uint8_t* p,
+                                         std::size_t lanes, const SideModel& sm, const CallTables& t, const std::uint16_t* sym, const std::uint8_t* p,
                                          const std::uint8_t* end) {
   if (i1 <= i0) return p;
   const std::size_t m = sm.m();
   std::size_t j = i0 % m;
   for (std::size_t i = i0; i < i1; ++i) {
     const std::size_t k = sz(sm.table[j]);
-    const FrequencyTable& tb = t.tables[k];
-    std::uint32_t& xi = x[(base + i) & 31];
+    const FrequencyTable& tb = *t.tables[k];
+    std::uint32_t& xi = x[(base + i) & (lanes - 1)];
     const std::uint32_t slot = xi & (tb.total() - 1);
     const int s = sym ? sym[(k << kVqScaleBits) + slot] : find_symbol(tb, slot);
     xi = tb.freq(s) * (xi >> tb.scale_bits()) + slot - tb.cum(s);
@@ -526,7 +569,7 @@ const std::uint8_t* decode_region_packed(std::uint32_t* x, std::int16_t* hi, std
   if (i1 <= i0) return p;
   std::size_t j = i0 % rt.m;
   for (std::size_t i = i0; i < i1; ++i) {
-    std::uint32_t& xi = x[(base + i) & 31];
+    std::uint32_t& xi = x[(base + i) & (rt.lanes - 1)];
     const int scale = rt.col_scale[j];
     const std::uint32_t e = rt.dec_pool[sz(rt.dec_off[j]) + (xi & ((1u << scale) - 1))];
     xi = ((e & kField) + 1) * (xi >> scale) + ((e >> 12) & kField);
@@ -535,6 +578,24 @@ const std::uint8_t* decode_region_packed(std::uint32_t* x, std::int16_t* hi, std
     if (++j == rt.m) j = 0;
   }
   return p;
+}
+
+// A buffer of `count` codes: `keep` (a thread's, grown as needed and kept for the next call up to
+// 4 Mi codes, 8 MiB: a 7B-shaped side of 4096 tokens) or, beyond, a fresh one owned by temp. The
+// encoder's big buffers were allocated and page-faulted afresh in every call (~10 % of an encode).
+struct KeptCodes {
+  std::unique_ptr<std::int16_t[]> buf;
+  std::size_t size = 0;
+};
+std::int16_t* scratch_codes(KeptCodes& keep, std::size_t count, std::unique_ptr<std::int16_t[]>& temp) {
+  if (count <= keep.size) return keep.buf.get();
+  if (count <= (sz(1) << 22)) {
+    keep.buf.reset(new std::int16_t[count]);
+    keep.size = count;
+    return keep.buf.get();
+  }
+  temp.reset(new std::int16_t[count]);
+  return temp.get();
 }
 
 // Scratch for the encoder's words, kept per thread up to 16 MiB (as rans.cpp's).
@@ -616,7 +677,7 @@ void decode_v1(ByteReader& r, ParsedHeader& h, const CallTables& t, RansKernel k
       const int shift = s->shift[sz(c)], amax = sm->amax[sz(c)];
       if (amax > 0) {
         const auto j = static_cast<std::size_t>(std::lower_bound(sm->cols.begin(), sm->cols.end(), c) - sm->cols.begin());
-        seg_table.push_back(&t.tables[sz(sm->table[j])]);
+        seg_table.push_back(t.tables[sz(sm->table[j])]);
         coded.push_back({s, c, amax, shift, false});
       }
       if (shift > 0) {
@@ -640,6 +701,101 @@ void decode_v1(ByteReader& r, ParsedHeader& h, const CallTables& t, RansKernel k
       q = static_cast<std::int16_t>(k.low ? q + sym : (sym - k.amax) * (1 << k.shift));
     }
   }
+}
+
+// The decoder of one side's region (stream symbols base .. base + coded_rows * m): the lane states,
+// the word pointer, and how symbols are decoded (the fast kernel and its packed tables, or the
+// scalar reference with sym, DecodePools::sym or null).
+struct SideDecoder {
+  std::uint32_t* x;
+  const SideModel& sm;
+  const CallTables& t;
+  const std::uint16_t* sym;
+  decltype(&vq_codec_detail::decode_region_avx2) kernel;  // null: the scalar reference
+  vq_codec_detail::RegionTables rt;
+  std::size_t base;
+  std::size_t lanes;  // the stream's lanes (32 or 64)
+  const std::uint8_t* p;
+  const std::uint8_t* end;
+  // Region symbols [i0, i1) into out[i - sbase] (sbase % m == 0, so columns follow from out's index).
+  void decode(std::int16_t* out, std::size_t i0, std::size_t i1, std::size_t sbase) {
+    const std::size_t b = base + sbase;
+    std::size_t i = i0 - sbase;
+    const std::size_t n = i1 - sbase;
+    if (!kernel) {
+      p = decode_region_scalar(x, out, i, n, b, lanes, sm, t, sym, p, end);
+      return;
+    }
+    // Whole groups (one symbol per lane) from a stream index divisible by the lanes; the head and
+    // the rest one by one.
+    const std::size_t head = std::min(n, i + (lanes - (b + i) % lanes) % lanes);
+    p = decode_region_packed(x, out, i, head, b, rt, p, end);
+    i = head;
+    if (n > i) p = kernel(x, out, i, n, i % rt.m, rt, p, end);
+    p = decode_region_packed(x, out, i, n, b, rt, p, end);
+  }
+};
+
+// Region symbols a chunk decodes into the decoder's scratch: 16 KiB of codes (L1), then each row
+// is finished into the side's codes.
+constexpr std::size_t kDecodeChunk = 8192;
+
+// Decodes a side's region and writes its hi parts into s.codes [rows, n] (every entry): the region's
+// rows are decoded a chunk at a time into a small scratch buffer and each row finished from there
+// (its coded columns placed, the uncoded ones 0; version 5's prediction undone from the finished
+// previous token; copied rows copied), so the codes are written once and never zero-filled. A side
+// coded as it is (every column, no prediction, no copies) is decoded straight into s.codes.
+// False when a rebuilt hi part leaves +-kVqMaxCode (a corrupt stream); FormatError from the rANS steps.
+bool decode_side_hi(SideDecoder& d, VqSideCodes& s, std::size_t batch, std::size_t tokens, int simd) {
+  const SideModel& sm = d.sm;
+  const std::size_t m = sm.m(), n = sz(s.n), R = batch * tokens, N = sm.coded_rows * m;
+  if (m == n && sm.pred.empty() && sm.copy_from.empty()) {
+    if (N > 0) d.decode(s.codes.data(), 0, N, 0);
+    return true;
+  }
+  std::vector<std::int16_t> k16(n, 0);
+  for (std::size_t c = 0; c < sm.pred.size(); ++c) k16[c] = sm.pred[c];
+  const bool predicted = !sm.pred.empty();
+  std::vector<std::int16_t> wide(m == n ? 0 : n, 0);  // a coded row with its uncoded columns (0)
+  std::int16_t* const codes = s.codes.data();
+  std::size_t row = 0;  // the next row of the side to finish
+  // Finishes rows up to and including the next coded one (res: its m region codes); copied rows
+  // before it are copies of earlier finished rows.
+  auto finish = [&](const std::int16_t* res) {
+    for (; !sm.copy_from.empty() && sm.copy_from[row] >= 0; ++row)
+      std::memcpy(codes + row * n, codes + sz(sm.copy_from[row]) * n, 2 * n);
+    std::int16_t* out = codes + row * n;
+    if (m != n) {
+      for (std::size_t j = 0; j < m; ++j) wide[sz(sm.cols[j])] = res[j];
+      res = wide.data();
+    }
+    const std::int16_t* prev = predicted && row % tokens != 0 ? out - n : nullptr;
+    ++row;
+    return vq_codec_detail::vq_unpredict_row(out, res, prev, k16.data(), n, kVqMaxCode, simd);
+  };
+  if (m == 0) {
+    for (std::size_t k = 0; k < sm.coded_rows; ++k)
+      if (!finish(wide.data())) return false;
+  } else {
+    // Chunks end at stream indices divisible by the lanes (whole groups for the kernel); the scratch
+    // holds a partial row carried over plus one chunk.
+    std::vector<std::int16_t> scratch(m + kDecodeChunk + 64);
+    std::size_t i = 0, sbase = 0;  // next region symbol; region index of scratch[0] (a row start)
+    while (i < N) {
+      const std::size_t goal = (d.base + i + kDecodeChunk) / d.lanes * d.lanes - d.base;
+      const std::size_t i1 = std::min(N, goal);
+      d.decode(scratch.data(), i, i1, sbase);
+      i = i1;
+      const std::size_t full = i / m;  // coded rows complete
+      for (std::size_t k = sbase / m; k < full; ++k)
+        if (!finish(scratch.data() + (k * m - sbase))) return false;
+      const std::size_t carry = i - full * m;
+      if (carry) std::memmove(scratch.data(), scratch.data() + (full * m - sbase), 2 * carry);
+      sbase = full * m;
+    }
+  }
+  for (; row < R; ++row) std::memcpy(codes + row * n, codes + sz(sm.copy_from[row]) * n, 2 * n);  // trailing copies
+  return true;
 }
 
 }  // namespace
@@ -666,7 +822,7 @@ std::vector<std::uint8_t> vq_encode(const VqLayerCodes& lc, RansKernel kernel) {
   check_side(lc.v, rows, "V");
   const std::size_t R = sz(rows);
   std::vector<std::uint8_t> out;
-  out.push_back(5);
+  out.push_back(6);
   put_varint(out, static_cast<std::uint64_t>(lc.batch));
   put_varint(out, static_cast<std::uint64_t>(lc.tokens));
   put_varint(out, static_cast<std::uint64_t>(lc.k.n));
@@ -675,12 +831,14 @@ std::vector<std::uint8_t> vq_encode(const VqLayerCodes& lc, RansKernel kernel) {
   struct Side {
     const VqSideCodes* s;
     SideModel sm;
-    std::unique_ptr<std::int16_t[]> hi_buf;  // the region's codes when they are not the side's own
+    std::unique_ptr<std::int16_t[]> hi_buf;  // the region's codes when not in a kept buffer (scratch_codes)
     const std::int16_t* hi = nullptr;
     std::vector<std::uint16_t> lows;  // [row][low column]
     std::size_t base = 0;             // stream index of the region's first symbol
   };
   Side sides[2] = {{&lc.k, {}, {}, nullptr, {}, 0}, {&lc.v, {}, {}, nullptr, {}, 0}};
+  // Per thread: each side's region (residuals) and the hi parts of a split side.
+  thread_local KeptCodes kept_codes[3];
   std::size_t n_total = 0;
   for (Side& sd : sides) {
     const VqSideCodes& s = *sd.s;
@@ -688,14 +846,16 @@ std::vector<std::uint8_t> vq_encode(const VqLayerCodes& lc, RansKernel kernel) {
     const bool shifted = has_shifts(s);
     // The hi parts: the codes themselves, or floor(q / 2^shift) column by column, with the range
     // check in the same pass (every entry written: no zero fill).
-    std::unique_ptr<std::int16_t[]> his_buf(shifted ? new std::int16_t[R * n] : nullptr);
-    const std::int16_t* his = shifted ? his_buf.get() : s.codes.data();
+    std::unique_ptr<std::int16_t[]> his_temp;
+    std::int16_t* const his_buf = shifted ? scratch_codes(kept_codes[2], R * n, his_temp) : nullptr;
+    const std::int16_t* his = shifted ? his_buf : s.codes.data();
     std::vector<int> hi_amax;
-    side_hi(s, R, simd_prep, his_buf.get(), hi_amax, sd.s == &lc.k ? "K" : "V");
+    side_hi(s, R, simd_prep, his_buf, hi_amax, sd.s == &lc.k ? "K" : "V");
     // Version 5: the region codes each hi part's residual from the previous token's, and not at all
     // the rows that repeat an earlier one (codec_predict.hpp).
-    std::unique_ptr<std::int16_t[]> res_buf(new std::int16_t[R * n]);
-    const auto pred = vq_codec_detail::vq_predict(his, res_buf.get(), n, sz(lc.batch), sz(lc.tokens), kVqMaxCode);
+    std::int16_t* const res = scratch_codes(kept_codes[&sd - sides], R * n, sd.hi_buf);
+    std::vector<int> res_amax;
+    const auto pred = vq_codec_detail::vq_predict(his, res, n, sz(lc.batch), sz(lc.tokens), kVqMaxCode, &res_amax);
     std::vector<std::uint8_t> pred_nibbles(n);
     bool predicted = false;
     for (std::size_t c = 0; c < n; ++c) {
@@ -706,12 +866,11 @@ std::vector<std::uint8_t> vq_encode(const VqLayerCodes& lc, RansKernel kernel) {
     std::size_t rc = 0;  // coded rows, compacted in place
     for (std::size_t r = 0; r < R; ++r)
       if (copy_from[r] < 0) {
-        if (rc != r) std::copy_n(res_buf.get() + r * n, n, res_buf.get() + rc * n);
+        if (rc != r) std::copy_n(res + r * n, n, res + rc * n);
         ++rc;
       }
     sd.sm.coded_rows = rc;
-    his_buf = std::move(res_buf);
-    his = his_buf.get();
+    his = res;
     std::uint32_t step_bits;
     std::memcpy(&step_bits, &s.step, 4);
     for (int i = 0; i < 4; ++i) out.push_back(static_cast<std::uint8_t>(step_bits >> (8 * i)));
@@ -719,8 +878,11 @@ std::vector<std::uint8_t> vq_encode(const VqLayerCodes& lc, RansKernel kernel) {
     write_nibbles(out, pred_nibbles, s.n);
     write_copies(out, copy_from);
     // amax of what the region codes: the hi parts' when they are coded as they are, else the residuals'.
+    // (vq_predict's residual amax covers every row: right when no row is left out.)
     if (!predicted && rc == R)
       sd.sm.amax = std::move(hi_amax);
+    else if (rc == R)
+      sd.sm.amax = std::move(res_amax);
     else
       column_amax(his, n, rc, sd.sm.amax);
     side_models(his, n, rc, simd_prep, sd.sm.amax, sd.sm.param, sd.sm.scale);
@@ -732,15 +894,12 @@ std::vector<std::uint8_t> vq_encode(const VqLayerCodes& lc, RansKernel kernel) {
     }
     sd.sm.derive(s, tables);
     const std::size_t m = sd.sm.m();
-    if (m == n) {
-      sd.hi_buf = std::move(his_buf);
-      sd.hi = sd.hi_buf.get();
-    } else {
-      sd.hi_buf.reset(new std::int16_t[rc * m]);
+    // The region: the coded columns of the coded rows, compacted in place (entry r m + j comes from
+    // r n + cols[j] >= it).
+    if (m != n)
       for (std::size_t r = 0; r < rc; ++r)
-        for (std::size_t j = 0; j < m; ++j) sd.hi_buf[r * m + j] = his[r * n + sz(sd.sm.cols[j])];
-      sd.hi = sd.hi_buf.get();
-    }
+        for (std::size_t j = 0; j < m; ++j) res[r * m + j] = res[r * n + sz(sd.sm.cols[j])];
+    sd.hi = res;
     // The low parts [row][low column], row by row (one pass over the codes).
     const std::size_t L = sd.sm.low_cols.size();
     sd.lows.resize(L * R);
@@ -756,10 +915,10 @@ std::vector<std::uint8_t> vq_encode(const VqLayerCodes& lc, RansKernel kernel) {
   std::vector<std::uint64_t> enc_pool;
   std::vector<std::int32_t> tbase;
   if (fast) {
-    for (const FrequencyTable& tb : tables.tables) {
+    for (const FrequencyTable* tb : tables.tables) {
       tbase.push_back(static_cast<std::int32_t>(enc_pool.size()));
-      for (int s = 0; s < tb.alphabet_size(); ++s)
-        enc_pool.push_back(rans_detail::pack_enc(rans_detail::make_enc_sym(tb.freq(s), tb.cum(s), tb.scale_bits())));
+      for (int s = 0; s < tb->alphabet_size(); ++s)
+        enc_pool.push_back(rans_detail::pack_enc(rans_detail::make_enc_sym(tb->freq(s), tb->cum(s), tb->scale_bits())));
     }
   }
   std::unique_ptr<std::uint16_t[]> temp;
@@ -767,18 +926,19 @@ std::vector<std::uint8_t> vq_encode(const VqLayerCodes& lc, RansKernel kernel) {
   std::uint16_t* const buf = encode_scratch(need, temp);
   std::uint16_t* const end = buf + need;
   std::uint16_t* ptr = end;
-  std::uint32_t x[kRansLanes];
+  const std::size_t lanes = vq_codec_detail::vq_stream_lanes(6, n_total);
+  std::uint32_t x[vq_codec_detail::kVqLanes];
   for (auto& v : x) v = kL;
   for (int k = 1; k >= 0; --k) {  // backwards: V, then K; within a side the low parts, then the region
     const Side& sd = sides[k];
     const std::size_t m = sd.sm.m(), N = sd.sm.coded_rows * m, lbase = sd.base + N, L = sd.sm.low_cols.size();
     for (std::size_t l = L; l-- > 0;) {
       const int shift = sd.s->shift[sz(sd.sm.low_cols[l])];
-      for (std::size_t r = R; r-- > 0;) enc_put(x[(lbase + l * R + r) & 31], 1, sd.lows[r * L + l], shift, ptr);
+      for (std::size_t r = R; r-- > 0;) enc_put(x[(lbase + l * R + r) & (lanes - 1)], 1, sd.lows[r * L + l], shift, ptr);
     }
     if (N == 0) continue;
     if (!fast) {
-      ptr = encode_region_scalar(x, sd.hi, 0, N, sd.base, sd.sm, tables, ptr);
+      ptr = encode_region_scalar(x, sd.hi, 0, N, sd.base, lanes, sd.sm, tables, ptr);
       continue;
     }
     std::vector<std::int32_t> per_col(m);
@@ -786,20 +946,22 @@ std::vector<std::uint8_t> vq_encode(const VqLayerCodes& lc, RansKernel kernel) {
     const auto enc_off = wrapped(per_col), col_scale = wrapped(std::vector<std::int32_t>(sd.sm.col_scale.begin(), sd.sm.col_scale.end()));
     vq_codec_detail::RegionTables rt;
     rt.m = m;
+    rt.lanes = lanes;
     rt.col_scale = col_scale.data();
     rt.enc_off = enc_off.data();
     rt.enc_pool = enc_pool.data();
-    // Whole groups of 32 start at stream indices divisible by 32; the rest goes through the reference.
-    const std::size_t g0 = std::min(N, (32 - sd.base % 32) % 32);
-    const std::size_t aligned_end = (sd.base + N) / 32 * 32;
+    // Whole groups (a symbol per lane) start at stream indices divisible by the lanes; the rest goes
+    // through the reference.
+    const std::size_t g0 = std::min(N, (lanes - sd.base % lanes) % lanes);
+    const std::size_t aligned_end = (sd.base + N) / lanes * lanes;
     const std::size_t g1 = aligned_end > sd.base + g0 ? aligned_end - sd.base : g0;
-    ptr = encode_region_scalar(x, sd.hi, g1, N, sd.base, sd.sm, tables, ptr);
+    ptr = encode_region_scalar(x, sd.hi, g1, N, sd.base, lanes, sd.sm, tables, ptr);
     if (g1 > g0) ptr = kern.encode(x, sd.hi, g0, g1, g1 % m, rt, ptr);
-    ptr = encode_region_scalar(x, sd.hi, 0, g0, sd.base, sd.sm, tables, ptr);
+    ptr = encode_region_scalar(x, sd.hi, 0, g0, sd.base, lanes, sd.sm, tables, ptr);
   }
-  // rans.hpp's stream: varint n, min(n, 32) final states, the words in decoder order.
+  // rans.hpp's stream framing with `lanes` lanes: varint n, min(n, lanes) final states, the words in decoder order.
   const std::size_t words = static_cast<std::size_t>(end - ptr);
-  const std::size_t k = std::min<std::size_t>(n_total, kRansLanes);
+  const std::size_t k = std::min<std::size_t>(n_total, lanes);
   put_varint(out, n_total);
   out.resize(out.size() + 4 * k + 2 * words);
   std::uint8_t* o = out.data() + out.size() - 4 * k - 2 * words;
@@ -810,26 +972,38 @@ std::vector<std::uint8_t> vq_encode(const VqLayerCodes& lc, RansKernel kernel) {
 }
 
 VqLayerCodes vq_decode(std::span<const std::uint8_t> bytes, std::uint64_t max_codes, RansKernel kernel) {
+  VqLayerCodes out;
+  vq_decode(bytes, max_codes, out, kernel);
+  return out;
+}
+
+void vq_decode(std::span<const std::uint8_t> bytes, std::uint64_t max_codes, VqLayerCodes& out, RansKernel kernel) {
   const RegionKernels kern = region_kernels(kernel);
   const bool fast = kern.fast();
   ByteReader r(bytes, "vq layer");
   const std::uint8_t version = r.u8();
-  if (version < 1 || version > 5) r.fail(fmt::format("unknown version {} (expected 1 to 5)", version));
+  if (version < 1 || version > 6) r.fail(fmt::format("unknown version {} (expected 1 to 6)", version));
   CallTables tables;
   ParsedHeader h = parse_header(r, version, max_codes, tables);
   if (version == 1) {
     decode_v1(r, h, tables, kernel);
-    return std::move(h.lc);
+    out = std::move(h.lc);
+    return;
   }
+  // The caller's code buffers: every code is written below, so storage of the right size is
+  // reused as it is (no zero fill).
+  h.lc.k.codes.swap(out.k.codes);
+  h.lc.v.codes.swap(out.v.codes);
   const std::size_t R = sz(static_cast<std::int64_t>(h.rows));
   std::size_t n_total = 0;
   for (const SideModel* sm : {&h.k, &h.v}) n_total += sm->coded_rows * sm->m() + R * sm->low_cols.size();
   // rans.hpp's stream header.
   const std::uint64_t n = r.varint(~0ull, "symbol count");
   if (n != n_total) r.fail(fmt::format("the rANS stream holds {} symbols, the header implies {}", n, n_total));
-  std::uint32_t x[kRansLanes];
+  const std::size_t lanes = vq_codec_detail::vq_stream_lanes(version, n_total);
+  std::uint32_t x[vq_codec_detail::kVqLanes];
   for (auto& v : x) v = kL;
-  for (std::size_t j = 0; j < std::min<std::size_t>(n_total, kRansLanes); ++j) {
+  for (std::size_t j = 0; j < std::min<std::size_t>(n_total, lanes); ++j) {
     x[j] = r.u32le();
     if (x[j] < kL || x[j] >= (kL << 16)) r.fail(fmt::format("state of lane {} = {} is outside [2^15, 2^31)", j, x[j]));
   }
@@ -840,48 +1014,28 @@ VqLayerCodes vq_decode(std::span<const std::uint8_t> bytes, std::uint64_t max_co
   DecodePools pools;
   if (R > 0) pools.build(tables, fast);
   std::size_t base = 0;
+  const int simd = kern.decode == &vq_codec_detail::decode_region_avx512 ? 2 : fast ? 1 : 0;
   for (auto [s, sm] : {std::pair{&h.lc.k, &h.k}, std::pair{&h.lc.v, &h.v}}) {
     const std::size_t m = sm->m(), n_side = sz(s->n), N = sm->coded_rows * m;
-    s->codes.assign(R * n_side, 0);
-    std::vector<std::int16_t> region;
-    std::int16_t* hi = s->codes.data();
-    const bool compact = m != n_side || sm->coded_rows != R;  // the region is not the side's own codes
-    if (compact) {
-      region.resize(N);
-      hi = region.data();
-    }
+    s->codes.resize(R * n_side);  // every code is written below (no zero fill needed)
     const bool side_fast = fast && !pools.packed.empty() && std::all_of(sm->col_amax.begin(), sm->col_amax.end(), [](int a) { return a <= 127; });
-    if (N > 0 && side_fast) {
-      std::vector<std::int32_t> per_col(m);
+    if (!side_fast && N > 0 && pools.sym.empty()) pools.build(tables, false);  // a fast call's side with amax > 127
+    SideDecoder d{x, *sm, tables, pools.sym.empty() ? nullptr : pools.sym.data(), side_fast ? kern.decode : nullptr, {}, base, lanes, p, end};
+    std::vector<std::int32_t> per_col, dec_off, col_scale;
+    if (side_fast && m > 0) {
+      per_col.resize(m);
       for (std::size_t j = 0; j < m; ++j) per_col[j] = pools.packed_off[sz(sm->table[j])];
-      const auto dec_off = wrapped(per_col), col_scale = wrapped(std::vector<std::int32_t>(sm->col_scale.begin(), sm->col_scale.end()));
-      vq_codec_detail::RegionTables rt;
-      rt.m = m;
-      rt.col_scale = col_scale.data();
-      rt.dec_off = dec_off.data();
-      rt.dec_pool = pools.packed.data();
-      std::size_t i = std::min(N, (32 - base % 32) % 32);
-      p = decode_region_packed(x, hi, 0, i, base, rt, p, end);
-      p = kern.decode(x, hi, i, N, i % m, rt, p, end);
-      p = decode_region_packed(x, hi, i, N, base, rt, p, end);
-    } else if (N > 0) {
-      if (pools.sym.empty()) pools.build(tables, false);  // a fast call's side with amax > 127
-      p = decode_region_scalar(x, hi, 0, N, base, *sm, tables, pools.sym.empty() ? nullptr : pools.sym.data(), p, end);
+      dec_off = wrapped(per_col);
+      col_scale = wrapped(std::vector<std::int32_t>(sm->col_scale.begin(), sm->col_scale.end()));
+      d.rt.m = m;
+      d.rt.lanes = lanes;
+      d.rt.col_scale = col_scale.data();
+      d.rt.dec_off = dec_off.data();
+      d.rt.dec_pool = pools.packed.data();
     }
+    if (!decode_side_hi(d, *s, sz(h.lc.batch), sz(h.lc.tokens), simd)) r.fail("a predicted hi part leaves +-255 (corrupt stream)");
+    p = d.p;
     base += N;
-    if (compact)
-      for (std::size_t row = 0, i = 0; row < R; ++row) {
-        if (!sm->copy_from.empty() && sm->copy_from[row] >= 0) continue;
-        for (std::size_t j = 0; j < m; ++j) s->codes[row * n_side + sz(sm->cols[j])] = region[i * m + j];
-        ++i;
-      }
-    // Version 5: the region held residuals of the rows not copied; rebuild the hi parts token by token.
-    if (!sm->pred.empty() || !sm->copy_from.empty()) {
-      const std::vector<std::int8_t> none(sm->pred.empty() ? n_side : 0, 0);
-      if (!vq_codec_detail::vq_unpredict(s->codes.data(), n_side, sz(h.lc.batch), sz(h.lc.tokens), sm->pred.empty() ? none.data() : sm->pred.data(),
-                                         sm->copy_from.empty() ? nullptr : sm->copy_from.data(), kVqMaxCode, fast))
-        r.fail("a predicted hi part leaves +-255 (corrupt stream)");
-    }
     // The low parts, column after column in the stream: decoded into lows[row][column], then
     // merged row by row (one pass over the codes instead of one strided pass per column).
     const std::size_t L = sm->low_cols.size();
@@ -890,7 +1044,7 @@ VqLayerCodes vq_decode(std::span<const std::uint8_t> bytes, std::uint64_t max_co
       const int shift = s->shift[sz(sm->low_cols[l])];
       const std::uint32_t lmask = (1u << shift) - 1;
       for (std::size_t row = 0; row < R; ++row, ++base) {
-        std::uint32_t& xi = x[base & 31];
+        std::uint32_t& xi = x[base & (lanes - 1)];
         lows[row * L + l] = static_cast<std::uint16_t>(xi & lmask);
         xi >>= shift;  // freq 1, cum = low: x = (x >> shift) + low - low
         refill(xi, p, end);
@@ -904,9 +1058,9 @@ VqLayerCodes vq_decode(std::span<const std::uint8_t> bytes, std::uint64_t max_co
       }
   }
   if (p != end) r.fail(fmt::format("{} rANS renormalisation words left over (corrupt)", (end - p) / 2));
-  for (int j = 0; j < kRansLanes; ++j)
+  for (std::size_t j = 0; j < lanes; ++j)
     if (x[j] != kL) r.fail(fmt::format("rANS lane {} did not return to its initial state (corrupt stream)", j));
-  return std::move(h.lc);
+  out = std::move(h.lc);
 }
 
 }  // namespace vq

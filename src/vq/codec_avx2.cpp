@@ -16,7 +16,6 @@ namespace {
 using namespace rans_detail::avx2;
 
 constexpr int kF = 12;  // the packed entry's field width
-constexpr std::size_t kGroup = 32;
 
 // Each lane with its column's precision: slot = x & (2^scale - 1), x >> scale.
 VQ_AVX2 __m256i dec_step(__m256i x, __m256i& code, const RegionTables& t, std::size_t j) {
@@ -49,47 +48,66 @@ VQ_AVX2 void store16(std::int16_t* out, __m256i a, __m256i b) {
 
 }  // namespace
 
-__attribute__((target("avx2,popcnt"))) const std::uint8_t* decode_region_avx2(std::uint32_t* x, std::int16_t* codes, std::size_t& i,
-                                                                              std::size_t n, std::size_t j, const RegionTables& t,
-                                                                              const std::uint8_t* p, const std::uint8_t* end) {
-  __m256i X[4];
-  for (int v = 0; v < 4; ++v) X[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 8 * v));
+namespace {
+
+// The kernels on V vectors of 8 lanes: a group of 8 V symbols (V = 4: 32 lanes, V = 8: 64 lanes).
+template <int V>
+__attribute__((target("avx2,popcnt"))) const std::uint8_t* decode_lanes(std::uint32_t* x, std::int16_t* codes, std::size_t& i, std::size_t n,
+                                                                        std::size_t j, const RegionTables& t, const std::uint8_t* p,
+                                                                        const std::uint8_t* end) {
+  constexpr std::size_t G = 8 * V;
+  __m256i X[V];
+  for (int v = 0; v < V; ++v) X[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 8 * v));
   const __m256i low = _mm256_set1_epi32(static_cast<int>(rans_detail::kL));
-  const std::size_t step = kGroup % t.m;  // columns a group advances, mod m
-  while (n - i >= kGroup && static_cast<std::size_t>(end - p) >= 2 * kGroup) {
-    __m256i C[4];
-    for (int v = 0; v < 4; ++v) X[v] = dec_step(X[v], C[v], t, j + 8 * v);
-    for (int v = 0; v < 4; ++v) X[v] = refill(X[v], p, low);
-    store16(codes + i, C[0], C[1]);
-    store16(codes + i + 16, C[2], C[3]);
-    i += kGroup;
+  const std::size_t step = G % t.m;  // columns a group advances, mod m
+  while (n - i >= G && static_cast<std::size_t>(end - p) >= 2 * G) {
+    __m256i C[V];
+    for (int v = 0; v < V; ++v) X[v] = dec_step(X[v], C[v], t, j + 8 * v);
+    for (int v = 0; v < V; ++v) X[v] = refill(X[v], p, low);
+    for (int v = 0; v < V; v += 2) store16(codes + i + 8 * v, C[v], C[v + 1]);
+    i += G;
     j += step;
     if (j >= t.m) j -= t.m;
   }
-  for (int v = 0; v < 4; ++v) _mm256_storeu_si256(reinterpret_cast<__m256i*>(x + 8 * v), X[v]);
+  for (int v = 0; v < V; ++v) _mm256_storeu_si256(reinterpret_cast<__m256i*>(x + 8 * v), X[v]);
   return p;
 }
 
-__attribute__((target("avx2,popcnt"))) std::uint16_t* encode_region_avx2(std::uint32_t* x, const std::int16_t* codes, std::size_t i0,
-                                                                         std::size_t i1, std::size_t j1, const RegionTables& t,
-                                                                         std::uint16_t* ptr) {
-  __m256i X[4];
-  for (int v = 0; v < 4; ++v) X[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 8 * v));
-  const std::size_t step = kGroup % t.m;
+template <int V>
+__attribute__((target("avx2,popcnt"))) std::uint16_t* encode_lanes(std::uint32_t* x, const std::int16_t* codes, std::size_t i0, std::size_t i1,
+                                                                   std::size_t j1, const RegionTables& t, std::uint16_t* ptr) {
+  constexpr std::size_t G = 8 * V;
+  __m256i X[V];
+  for (int v = 0; v < V; ++v) X[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 8 * v));
+  const std::size_t step = G % t.m;
   __m256i bad = _mm256_setzero_si256();
   std::size_t j = j1;
-  for (std::size_t g = i1; g > i0; g -= kGroup) {
-    j = j >= step ? j - step : j + t.m - step;  // the column of symbol g - 32
-    const std::int16_t* q = codes + g - kGroup;
+  for (std::size_t g = i1; g > i0; g -= G) {
+    j = j >= step ? j - step : j + t.m - step;  // the column of symbol g - G
+    const std::int16_t* q = codes + g - G;
     // The highest lanes first: their words lie above those of the lanes below.
-    for (int v = 3; v >= 0; --v) {
+    for (int v = V - 1; v >= 0; --v) {
       const __m256i code = _mm256_cvtepi16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 8 * v)));
       const __m256i idx = _mm256_add_epi32(code, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.enc_off + j + 8 * v)));
       X[v] = enc_step(X[v], idx, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.col_scale + j + 8 * v)), t.enc_pool, bad, ptr);
     }
   }
-  for (int v = 0; v < 4; ++v) _mm256_storeu_si256(reinterpret_cast<__m256i*>(x + 8 * v), X[v]);
+  for (int v = 0; v < V; ++v) _mm256_storeu_si256(reinterpret_cast<__m256i*>(x + 8 * v), X[v]);
   return ptr;
+}
+
+}  // namespace
+
+__attribute__((target("avx2,popcnt"))) const std::uint8_t* decode_region_avx2(std::uint32_t* x, std::int16_t* codes, std::size_t& i,
+                                                                              std::size_t n, std::size_t j, const RegionTables& t,
+                                                                              const std::uint8_t* p, const std::uint8_t* end) {
+  return t.lanes == 64 ? decode_lanes<8>(x, codes, i, n, j, t, p, end) : decode_lanes<4>(x, codes, i, n, j, t, p, end);
+}
+
+__attribute__((target("avx2,popcnt"))) std::uint16_t* encode_region_avx2(std::uint32_t* x, const std::int16_t* codes, std::size_t i0,
+                                                                         std::size_t i1, std::size_t j1, const RegionTables& t,
+                                                                         std::uint16_t* ptr) {
+  return t.lanes == 64 ? encode_lanes<8>(x, codes, i0, i1, j1, t, ptr) : encode_lanes<4>(x, codes, i0, i1, j1, t, ptr);
 }
 
 }  // namespace vq::vq_codec_detail

@@ -1,5 +1,5 @@
 // AVX-512 kernels of the vq codec's row-major regions (codec_kernels.hpp): the AVX2 kernels'
-// steps on 16 lanes a vector, two vectors a group of 32. Per 16 lanes one gather from the columns'
+// steps on 16 lanes a vector, two vectors a group of 32 lanes (versions 2-5) or four of 64 (version 6). Per 16 lanes one gather from the columns'
 // slot tables (decoder) or two 8-lane 64-bit gathers of their packed encoder constants (encoder).
 // The decoder's refill expands the next words into the lanes that need them (vpexpandd), the
 // encoder's renormalisation compresses the emitted words of the lanes that need it (vpcompressd)
@@ -25,7 +25,6 @@ namespace vq::vq_codec_detail {
 namespace {
 
 constexpr int kF = 12;  // the packed entry's field width
-constexpr std::size_t kGroup = 32;
 
 VQ_AVX512 __m512i load16(const std::int32_t* p) { return _mm512_loadu_si512(p); }
 
@@ -92,49 +91,65 @@ VQ_AVX512 __m512i enc_step(__m512i x, __m512i idx, __m512i scale, const std::uin
 
 }  // namespace
 
-VQ_AVX512_TARGET const std::uint8_t* decode_region_avx512(std::uint32_t* x, std::int16_t* codes, std::size_t& i, std::size_t n,
-                                                          std::size_t j, const RegionTables& t, const std::uint8_t* p,
-                                                          const std::uint8_t* end) {
-  __m512i X0 = _mm512_loadu_si512(x), X1 = _mm512_loadu_si512(x + 16);
+namespace {
+
+// The kernels on V vectors of 16 lanes: a group of 16 V symbols (V = 2: 32 lanes, V = 4: 64 lanes).
+template <int V>
+VQ_AVX512_TARGET const std::uint8_t* decode_lanes(std::uint32_t* x, std::int16_t* codes, std::size_t& i, std::size_t n, std::size_t j,
+                                                  const RegionTables& t, const std::uint8_t* p, const std::uint8_t* end) {
+  constexpr std::size_t G = 16 * V;
+  __m512i X[V];
+  for (int v = 0; v < V; ++v) X[v] = _mm512_loadu_si512(x + 16 * v);
   const __m512i low = _mm512_set1_epi32(static_cast<int>(rans_detail::kL));
-  const std::size_t step = kGroup % t.m, m = t.m;  // columns a group advances, mod m
+  const std::size_t step = G % t.m, m = t.m;  // columns a group advances, mod m
   const std::int32_t *const col_scale = t.col_scale, *const dec_off = t.dec_off;  // (codes may alias t for the compiler)
   const std::uint32_t* const pool = t.dec_pool;
-  // A group takes at most 32 words (64 bytes); each refill loads 32 bytes from where it starts.
-  while (n - i >= kGroup && static_cast<std::size_t>(end - p) >= 2 * kGroup) {
-    __m512i C0, C1;
-    X0 = dec_step(X0, C0, col_scale + j, dec_off + j, pool);
-    X1 = dec_step(X1, C1, col_scale + j + 16, dec_off + j + 16, pool);
-    X0 = refill(X0, p, low);
-    X1 = refill(X1, p, low);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + i), _mm512_cvtepi32_epi16(C0));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + i + 16), _mm512_cvtepi32_epi16(C1));
-    i += kGroup;
+  // A group takes at most G words (2 G bytes); each refill loads 32 bytes from where it starts.
+  while (n - i >= G && static_cast<std::size_t>(end - p) >= 2 * G) {
+    __m512i C[V];
+    for (int v = 0; v < V; ++v) X[v] = dec_step(X[v], C[v], col_scale + j + 16 * v, dec_off + j + 16 * v, pool);
+    for (int v = 0; v < V; ++v) X[v] = refill(X[v], p, low);
+    for (int v = 0; v < V; ++v) _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + i + 16 * v), _mm512_cvtepi32_epi16(C[v]));
+    i += G;
     j += step;
     if (j >= m) j -= m;
   }
-  _mm512_storeu_si512(x, X0);
-  _mm512_storeu_si512(x + 16, X1);
+  for (int v = 0; v < V; ++v) _mm512_storeu_si512(x + 16 * v, X[v]);
   return p;
+}
+
+template <int V>
+VQ_AVX512_TARGET std::uint16_t* encode_lanes(std::uint32_t* x, const std::int16_t* codes, std::size_t i0, std::size_t i1, std::size_t j1,
+                                             const RegionTables& t, std::uint16_t* ptr) {
+  constexpr std::size_t G = 16 * V;
+  __m512i X[V];
+  for (int v = 0; v < V; ++v) X[v] = _mm512_loadu_si512(x + 16 * v);
+  const std::size_t step = G % t.m;
+  std::size_t j = j1;
+  for (std::size_t g = i1; g > i0; g -= G) {
+    j = j >= step ? j - step : j + t.m - step;  // the column of symbol g - G
+    const std::int16_t* q = codes + g - G;
+    // The highest lanes first: their words lie above those of the lanes below.
+    for (int v = V - 1; v >= 0; --v) {
+      const __m512i c = _mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 16 * v)));
+      X[v] = enc_step(X[v], _mm512_add_epi32(c, load16(t.enc_off + j + 16 * v)), load16(t.col_scale + j + 16 * v), t.enc_pool, ptr);
+    }
+  }
+  for (int v = 0; v < V; ++v) _mm512_storeu_si512(x + 16 * v, X[v]);
+  return ptr;
+}
+
+}  // namespace
+
+VQ_AVX512_TARGET const std::uint8_t* decode_region_avx512(std::uint32_t* x, std::int16_t* codes, std::size_t& i, std::size_t n,
+                                                          std::size_t j, const RegionTables& t, const std::uint8_t* p,
+                                                          const std::uint8_t* end) {
+  return t.lanes == 64 ? decode_lanes<4>(x, codes, i, n, j, t, p, end) : decode_lanes<2>(x, codes, i, n, j, t, p, end);
 }
 
 VQ_AVX512_TARGET std::uint16_t* encode_region_avx512(std::uint32_t* x, const std::int16_t* codes, std::size_t i0, std::size_t i1,
                                                      std::size_t j1, const RegionTables& t, std::uint16_t* ptr) {
-  __m512i X0 = _mm512_loadu_si512(x), X1 = _mm512_loadu_si512(x + 16);
-  const std::size_t step = kGroup % t.m;
-  std::size_t j = j1;
-  for (std::size_t g = i1; g > i0; g -= kGroup) {
-    j = j >= step ? j - step : j + t.m - step;  // the column of symbol g - 32
-    const std::int16_t* q = codes + g - kGroup;
-    // The high lanes first: their words lie above those of the lanes below.
-    const __m512i c1 = _mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 16)));
-    X1 = enc_step(X1, _mm512_add_epi32(c1, load16(t.enc_off + j + 16)), load16(t.col_scale + j + 16), t.enc_pool, ptr);
-    const __m512i c0 = _mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)));
-    X0 = enc_step(X0, _mm512_add_epi32(c0, load16(t.enc_off + j)), load16(t.col_scale + j), t.enc_pool, ptr);
-  }
-  _mm512_storeu_si512(x, X0);
-  _mm512_storeu_si512(x + 16, X1);
-  return ptr;
+  return t.lanes == 64 ? encode_lanes<4>(x, codes, i0, i1, j1, t, ptr) : encode_lanes<2>(x, codes, i0, i1, j1, t, ptr);
 }
 
 // The side pass (codec_kernels.hpp): 32 columns a vector, rows in order; the shifts by vpsravw.

@@ -1,10 +1,11 @@
 // Private: the lane kernels of the vq codec's version 2 stream (vq/codec.hpp), in which a side's
 // hi parts are coded row by row across its coded coefficients ("the region": rows x m codes,
 // row-major, region index i = r * m + j for coded column j), each with its column's table.
-// Symbol i of the region has stream index base + i and lane (base + i) % 32 (rans.hpp's lanes).
+// Symbol i of the region has stream index base + i and lane (base + i) % L, L = t.lanes (32, or 64 for
+// version 6's long streams: vq_stream_lanes below).
 // The scalar reference lives in codec.cpp; the AVX2 kernels here (codec_avx2.cpp) and the AVX-512
-// ones (codec_avx512.cpp) code whole groups of 32 symbols that start at a stream index divisible
-// by 32, so vector v, lane k codes lane 8 v + k (16 v + k), and produce the same words and codes
+// ones (codec_avx512.cpp) code whole groups of L symbols that start at a stream index divisible
+// by L, so vector v, lane k codes lane 8 v + k (16 v + k), and produce the same words and codes
 // as the reference.
 #pragma once
 #include <cstddef>
@@ -12,11 +13,21 @@
 
 namespace vq::vq_codec_detail {
 
-// Tables of a region. Offsets are given for j = 0 .. m + 31 (entry j is column j % m's), so a group
-// of 32 starting at column j reads them contiguously whatever m.
+// Interleaved rANS lanes of a vq stream (vq/codec.hpp): version 6 takes kVqLanes = 64 when the stream
+// holds at least kVqWideLaneSymbols symbols, else (and versions 2-5 always) rans.hpp's 32. The 32
+// more final states cost 128 bytes: <= 0.3 % of a stream of 2^18 symbols at ~1.4 bits a symbol.
+inline constexpr std::size_t kVqLanes = 64;
+inline constexpr std::uint64_t kVqWideLaneSymbols = std::uint64_t{1} << 18;
+inline constexpr std::size_t vq_stream_lanes(int version, std::uint64_t symbols) {
+  return version >= 6 && symbols >= kVqWideLaneSymbols ? kVqLanes : 32;
+}
+
+// Tables of a region. Offsets are given for j = 0 .. m + 63 (entry j is column j % m's), so a group
+// of 32 or 64 starting at column j reads them contiguously whatever m.
 struct RegionTables {
   std::size_t m = 0;                          // coded columns
-  // Per column (j = 0 .. m + 31, as the offsets) its table's precision: 2^scale slots (10 or 12;
+  std::size_t lanes = 32;                     // the stream's lanes: 32 (versions 2-5) or 64 (version 6)
+  // Per column (j = 0 .. m + 63, as the offsets) its table's precision: 2^scale slots (10 or 12;
   // version 4 chooses it per coefficient, so one lane's tables may be 1 K and the next lane's 4 K).
   const std::int32_t* col_scale = nullptr;
   // Decoder: one entry per slot, (freq - 1) | (slot - cum) << 12 | (code & 0xff) << 24 (12-bit
@@ -28,12 +39,12 @@ struct RegionTables {
   const std::uint64_t* enc_pool = nullptr;    // rans_detail::pack_enc of each table's symbols
 };
 
-// Decodes region symbols [i, n) in groups of 32 while at least 64 payload bytes remain (so every
-// 16-byte word load stays inside); (base + i) % 32 == 0 and j == i % m on entry. Advances i and
+// Decodes region symbols [i, n) in groups of L = t.lanes while at least 2 L payload bytes remain (so
+// every word load stays inside); (base + i) % L == 0 and j == i % m on entry. Advances i and
 // returns the new word pointer. Codes need |code| <= 127 (the entry's byte).
 const std::uint8_t* decode_region_avx2(std::uint32_t* x, std::int16_t* codes, std::size_t& i, std::size_t n, std::size_t j,
                                        const RegionTables& t, const std::uint8_t* p, const std::uint8_t* end);
-// Encodes region symbols [i0, i1) backwards in groups of 32 ((base + i0) % 32 == 0, (i1 - i0) % 32
+// Encodes region symbols [i0, i1) backwards in groups of L ((base + i0) % L == 0, (i1 - i0) % L
 // == 0), words below ptr; j1 = i1 % m. Returns the new ptr.
 std::uint16_t* encode_region_avx2(std::uint32_t* x, const std::int16_t* codes, std::size_t i0, std::size_t i1, std::size_t j1,
                                   const RegionTables& t, std::uint16_t* ptr);

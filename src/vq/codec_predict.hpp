@@ -37,9 +37,10 @@ inline constexpr double kVqPredMinGain = 0.10;
 
 // Chooses k_c for each coefficient of hi [batch * tokens, n] (least squares on the previous token,
 // rounded to eighths, kept when kVqPredMinGain is met and every residual fits +-max_residual) and
-// writes the residuals to res [batch * tokens, n]. Returns the n predictors.
+// writes the residuals to res [batch * tokens, n]. Returns the n predictors; res_amax (when not
+// null) receives each coefficient's largest |residual| over all rows.
 std::vector<std::int8_t> vq_predict(const std::int16_t* hi, std::int16_t* res, std::size_t n, std::size_t batch, std::size_t tokens,
-                                    int max_residual);
+                                    int max_residual, std::vector<int>* res_amax = nullptr);
 
 // A side is searched for row copies only when a row is at least this wide: a copy costs the header
 // ~2-3 bytes, which a coded row of fewer coefficients may not exceed.
@@ -48,6 +49,13 @@ inline constexpr std::size_t kVqMinCopyWidth = 16;
 // Per row of hi [rows, n]: the earlier row it repeats (the last one equal to it), or -1. All -1
 // when n < kVqMinCopyWidth.
 std::vector<std::int32_t> vq_find_copies(const std::int16_t* hi, std::size_t n, std::size_t rows);
+
+// One row of the decoder: out[c] = res[c] + ((k[c] * prev[c] + 4) >> 3) for c < n, or out = res when
+// prev is null (token 0 of a batch, or no predictor); false when one leaves +-max_hi (max_hi <= 255,
+// so the 16-bit arithmetic is exact). out may equal res; prev is an earlier, finished row. simd: 0
+// plain C++, 1 AVX2, 2 AVX-512 BW (only where the CPU has it; same results).
+bool vq_unpredict_row(std::int16_t* out, const std::int16_t* res, const std::int16_t* prev, const std::int16_t* k, std::size_t n, int max_hi,
+                      int simd);
 
 // Undoes vq_predict in place (codes: the residuals in, the hi parts out). Returns false, with codes
 // partly rebuilt, when a rebuilt hi part leaves +-max_hi (a corrupt stream). copy_from: null, or per

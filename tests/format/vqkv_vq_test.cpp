@@ -144,11 +144,13 @@ TEST(VqkvVq, GoldenFileIsWrittenAndReadExactly) {
 }
 
 // The same file as written before vq layer version 3 (its layers are version 2 streams: 12-bit
-// tables), before version 4 (version 3 streams: one table precision per side) and before version 5
-// (version 4 streams: no prediction across tokens), kept as written then: each still loads to the
-// same cache.
+// tables), before version 4 (version 3 streams: one table precision per side), before version 5
+// (version 4 streams: no prediction across tokens) and before version 6 (version 5 streams: the
+// same bytes but the version, as these streams are short), kept as written then: each still loads
+// to the same cache.
 TEST(VqkvVq, GoldenFileWithVersionTwoLayersStillLoads) {
-  for (const char* file : {"valid_v2_vq_layer_v2.vqkv", "valid_v2_vq_layer_v3.vqkv", "valid_v2_vq_layer_v4.vqkv"}) {
+  for (const char* file : {"valid_v2_vq_layer_v2.vqkv", "valid_v2_vq_layer_v3.vqkv", "valid_v2_vq_layer_v4.vqkv",
+                           "valid_v2_vq_layer_v5.vqkv"}) {
   SCOPED_TRACE(file);
   const std::string path = std::string(VQ_SOURCE_DIR) + "/tests/golden/" + file;
   const auto k = vqtest::random_walk({1, 2, 20, 4}, 101, vq::DType::F16), v = vqtest::random_walk({1, 2, 20, 4}, 102, vq::DType::F16);
@@ -157,7 +159,7 @@ TEST(VqkvVq, GoldenFileWithVersionTwoLayersStillLoads) {
   const std::string stored = vqtest::slurp(path);
   ASSERT_FALSE(stored.empty()) << path;
   const auto bytes = std::vector<std::uint8_t>(stored.begin(), stored.end());
-  EXPECT_NE(vq::serialize_prompt_cache({live}, {{"golden", "v2 vq"}}, {.chunk_tokens = 8}), bytes);  // now written as version 5
+  EXPECT_NE(vq::serialize_prompt_cache({live}, {{"golden", "v2 vq"}}, {.chunk_tokens = 8}), bytes);  // now written as version 6
   expect_same_vq(*live, *vq::deserialize_prompt_cache(bytes).caches[0], file);
   }
 }

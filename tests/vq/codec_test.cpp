@@ -1,5 +1,8 @@
 // Our method's coder (vq/codec.hpp): bit-exact round trips, the parametric tables, hostile input.
 #include "veloxquant/vq/codec.hpp"
+#include "veloxquant/vq/codec_decode_into.hpp"
+
+#include "../../src/vq/codec_kernels.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -229,7 +232,7 @@ TEST(VqCodec, DecodeRejectsEveryTruncationCorruptionAndTrailingByte) {
   EXPECT_THROW(vq::vq_decode(longer, max), vq::FormatError);
   EXPECT_THROW(vq::vq_decode(bytes, max - 1), vq::FormatError);  // more codes than the caller expects
   auto bad = bytes;
-  bad[0] = 6;  // version
+  bad[0] = 7;  // version
   EXPECT_THROW(vq::vq_decode(bad, max), vq::FormatError);
   // Any single flipped bit either fails cleanly or decodes to something (never crashes).
   for (const auto kernel : decode_kernels())
@@ -248,7 +251,7 @@ TEST(VqCodec, DecodeRejectsEveryTruncationCorruptionAndTrailingByte) {
 // A kernel the CPU lacks is skipped (after the others ran), not passed.
 void expect_kernels_agree(const vq::VqLayerCodes& lc) {
   const auto bytes = vq::vq_encode(lc, vq::RansKernel::Scalar);
-  ASSERT_EQ(bytes[0], 5);
+  ASSERT_EQ(bytes[0], 6);
   const std::uint64_t max = static_cast<std::uint64_t>(lc.rows() * (lc.k.n + lc.v.n));
   expect_equal(lc, vq::vq_decode(bytes, max, vq::RansKernel::Scalar));
   struct Fast {
@@ -377,7 +380,7 @@ TEST(VqCodec, VersionTwoStreamsStillDecode) {
       expect_equal(g.codes, vq::vq_decode(file, max, kernel));
       for (std::size_t n = 0; n < file.size(); n += 13) EXPECT_THROW(vq::vq_decode(std::span(file).first(n), max, kernel), vq::FormatError) << n;
     }
-    EXPECT_EQ(vq::vq_encode(g.codes)[0], 5);  // what is written now
+    EXPECT_EQ(vq::vq_encode(g.codes)[0], 6);  // what is written now
   }
 }
 
@@ -518,17 +521,43 @@ TEST(VqCodec, VersionFourStreamsStillDecode) {
   }
 }
 
-// Version 5 predicts each coefficient's hi part from the previous token's and copies repeated rows.
-// On codes that drift along tokens this build writes exactly tests/golden/vq_layer_v5_drift.bin
-// (every size change shows in review; regenerate only on a deliberate format change:
-//   VQ_WRITE_GOLDEN=1 ./build/tests/vq_tests --gtest_filter='VqCodec.VersionFive*'),
+// A version 5 stream (prediction and row copies, 32 lanes; written by the version 5 encoder of commit
+// 778c61a) still decodes in every kernel, also into junk-filled buffers, and fails cleanly when cut;
+// it holds the symbols version 6 writes for so short a stream (32 lanes below 2^18 symbols): the
+// same bytes but the version.
+TEST(VqCodec, VersionFiveStreamsStillDecode) {
+  std::ifstream in(std::string(VQ_SOURCE_DIR) + "/tests/golden/vq_layer_v5_drift.bin", std::ios::binary);
+  ASSERT_TRUE(in);
+  const std::vector<std::uint8_t> file((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  ASSERT_EQ(file.at(0), 5);
+  const auto codes = drift_codes();
+  const auto max = static_cast<std::uint64_t>(codes.rows() * (codes.k.n + codes.v.n));
+  for (const auto kernel : decode_kernels()) {
+    expect_equal(codes, vq::vq_decode(file, max, kernel));
+    vq::VqLayerCodes into;
+    into.k.codes.assign(codes.k.codes.size(), 0x5a5a);
+    into.v.codes.assign(3, -7);
+    vq::vq_decode(file, max, into, kernel);
+    expect_equal(codes, into);
+    for (std::size_t n = 0; n < file.size(); n += 13) EXPECT_THROW(vq::vq_decode(std::span(file).first(n), max, kernel), vq::FormatError) << n;
+  }
+  auto v6 = vq::vq_encode(codes);
+  ASSERT_EQ(v6.at(0), 6);
+  v6[0] = 5;
+  EXPECT_EQ(v6, file);
+}
+
+// Version 6 (version 5's prediction and row copies; 64 lanes for long streams) on codes that drift
+// along tokens writes exactly tests/golden/vq_layer_v6_drift.bin (every size change shows in review;
+// regenerate only on a deliberate format change:
+//   VQ_WRITE_GOLDEN=1 ./build/tests/vq_tests --gtest_filter='VqCodec.VersionSix*'),
 // well below version 4's stream of the same codes; with every ninth V row a repeat of an earlier one
 // (V is 20 wide: searched for copies) smaller still; the kernels agree, cuts and flips fail cleanly.
-TEST(VqCodec, VersionFivePredictsAcrossTokens) {
-  const std::string path = std::string(VQ_SOURCE_DIR) + "/tests/golden/vq_layer_v5_drift.bin";
+TEST(VqCodec, VersionSixPredictsAcrossTokens) {
+  const std::string path = std::string(VQ_SOURCE_DIR) + "/tests/golden/vq_layer_v6_drift.bin";
   const auto codes = drift_codes();
   const auto bytes = vq::vq_encode(codes);
-  ASSERT_EQ(bytes.at(0), 5);
+  ASSERT_EQ(bytes.at(0), 6);
   if (std::getenv("VQ_WRITE_GOLDEN") != nullptr)
     std::ofstream(path, std::ios::binary).write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
   std::ifstream in(path, std::ios::binary);
@@ -540,7 +569,7 @@ TEST(VqCodec, VersionFivePredictsAcrossTokens) {
   ASSERT_FALSE(v4.empty());
   EXPECT_LT(static_cast<double>(bytes.size()), 0.85 * static_cast<double>(v4.size()));
   const auto max = static_cast<std::uint64_t>(codes.rows() * (codes.k.n + codes.v.n));
-  EXPECT_EQ(vq::vq_encode(vq::vq_decode(v4, max)), bytes);  // a version 4 stream re-encodes as version 5
+  EXPECT_EQ(vq::vq_encode(vq::vq_decode(v4, max)), bytes);  // a version 4 stream re-encodes as version 6
   expect_kernels_agree(codes);
   auto repeats = codes;
   const auto n_v = static_cast<std::size_t>(repeats.v.n);
@@ -560,6 +589,94 @@ TEST(VqCodec, VersionFivePredictsAcrossTokens) {
         } catch (const vq::FormatError&) {
         }
       }
+  }
+}
+
+// Codes that drift along tokens, `tokens` x (nk + nv) with every coefficient coded (no zero
+// column), so a long one gives a stream of 64 lanes.
+vq::VqLayerCodes wide_drift_codes(std::int64_t batch, std::int64_t tokens, int nk, int nv, std::uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  vq::VqLayerCodes lc;
+  lc.batch = batch;
+  lc.tokens = tokens;
+  std::normal_distribution<double> g(0.0, 1.0);
+  for (vq::VqSideCodes* s : {&lc.k, &lc.v}) {
+    s->n = s == &lc.k ? nk : nv;
+    s->step = 0.5f;
+    s->offset.assign(static_cast<std::size_t>(s->n), 1);
+    s->codes.assign(static_cast<std::size_t>(lc.rows() * s->n), 0);
+    for (int c = 0; c < s->n; ++c)
+      for (std::int64_t b = 0; b < batch; ++b) {
+        double x = 0.0;
+        for (std::int64_t t = 0; t < tokens; ++t) {
+          x = (c % 3 == 0 ? 0.95 : 0.3) * x + (1.0 + c % 7) * g(rng);
+          s->codes[static_cast<std::size_t>((b * tokens + t) * s->n + c)] = static_cast<std::int16_t>(std::clamp<long>(std::lround(x), -120, 120));
+        }
+      }
+  }
+  return lc;
+}
+
+// Streams of >= 2^18 symbols take 64 lanes (vq_stream_lanes): every kernel writes the reference's
+// bytes and decodes them (also straddling the boundary, with B > 1, widths that are not multiples
+// of 64, a few rows copied), and cuts and flips of one fail cleanly.
+TEST(VqCodec, VersionSixLongStreamsUse64LanesInEveryKernel) {
+  EXPECT_EQ(vq::vq_codec_detail::vq_stream_lanes(6, (1u << 18) - 1), 32u);
+  EXPECT_EQ(vq::vq_codec_detail::vq_stream_lanes(6, 1u << 18), 64u);
+  EXPECT_EQ(vq::vq_codec_detail::vq_stream_lanes(5, 1u << 20), 32u);
+  // 2 x 1024 x (70 + 58) = 262,144 symbols: exactly the first 64-lane stream; 1 x 2100 x 130 above it.
+  auto copies = wide_drift_codes(1, 2100, 66, 64, 32);
+  for (std::size_t r = 7; r < 2100; r += 11)
+    std::copy_n(copies.k.codes.begin() + static_cast<std::ptrdiff_t>((r - 5) * 66), 66, copies.k.codes.begin() + static_cast<std::ptrdiff_t>(r * 66));
+  for (const auto& lc : {wide_drift_codes(2, 1024, 70, 58, 30), wide_drift_codes(2, 1024, 70, 57, 31), copies}) {
+    SCOPED_TRACE(lc.rows() * (lc.k.n + lc.v.n));
+    expect_kernels_agree(lc);
+  }
+  const auto lc = wide_drift_codes(1, 2100, 70, 60, 33);
+  const auto bytes = vq::vq_encode(lc);
+  const auto max = static_cast<std::uint64_t>(lc.rows() * (lc.k.n + lc.v.n));
+  for (const auto kernel : decode_kernels()) {
+    for (std::size_t n = 0; n < bytes.size(); n += 1999) EXPECT_THROW(vq::vq_decode(std::span(bytes).first(n), max, kernel), vq::FormatError) << n;
+    for (std::size_t i = 0; i < bytes.size(); i += 997) {
+      auto b = bytes;
+      b[i] ^= 0x21;
+      try {
+        (void)vq::vq_decode(b, max, kernel);  // decodes (to something) or throws FormatError: nothing else
+      } catch (const vq::FormatError&) {
+      }
+    }
+  }
+}
+
+// vq_decode into a caller's VqLayerCodes: its code buffers are reused as they are (junk of the right
+// size is overwritten in place, without reallocation; other sizes are resized), whatever the version,
+// kernel and side layout (zero columns, split columns, row copies), with the result vq_decode returns.
+TEST(VqCodec, DecodeIntoTheCallersBuffersOverJunk) {
+  auto copies = drift_codes();
+  for (std::size_t r = 4; r < static_cast<std::size_t>(copies.rows()); r += 9)
+    std::copy_n(copies.v.codes.begin() + static_cast<std::ptrdiff_t>((r - 4) * 20), 20, copies.v.codes.begin() + static_cast<std::ptrdiff_t>(r * 20));
+  std::ifstream in(std::string(VQ_SOURCE_DIR) + "/tests/golden/vq_layer_v1.bin", std::ios::binary);
+  const std::vector<std::uint8_t> v1((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  ASSERT_FALSE(v1.empty());
+  std::vector<std::vector<std::uint8_t>> streams = {vq::vq_encode(random_codes(2, 33, 8, 12, 5, true)), vq::vq_encode(copies),
+                                                    vq::vq_encode(wide_drift_codes(1, 2100, 70, 60, 34)), vq::vq_encode(small_codes(1, 40, 40, 3)), v1};
+  for (std::size_t k = 0; k < streams.size(); ++k) {
+    const auto& b = streams[k];
+    SCOPED_TRACE(k);
+    const std::uint64_t max = ~0ull >> 1;
+    const auto want = vq::vq_decode(b, max, vq::RansKernel::Scalar);
+    for (const auto kernel : decode_kernels()) {
+      vq::VqLayerCodes out;
+      out.k.codes.assign(want.k.codes.size(), 0x7abc);  // right size: reused
+      out.v.codes.assign(want.v.codes.size() / 2 + 1, -0x1234);  // wrong size: resized
+      out.k.offset.assign(5, 99);
+      const std::int16_t* kept = out.k.codes.data();
+      vq::vq_decode(b, max, out, kernel);
+      expect_equal(want, out);
+      if (b[0] >= 2) EXPECT_EQ(out.k.codes.data(), kept);
+      vq::vq_decode(b, max, out, kernel);  // again over its own result
+      expect_equal(want, out);
+    }
   }
 }
 

@@ -33,7 +33,7 @@
 //   cannot see: on a 7B-shaped synthetic layer at 2 bits the prediction halves the stream, on
 //   stories260K the row copies save 12 % (docs/benchmarks.md, "Version 5: prediction across tokens").
 // - Format (integers little-endian, varint = unsigned LEB128):
-//     u8      version = 5 (1 to 4 still decode; see below)
+//     u8      version = 6 (1 to 5 still decode; see below)
 //     varint  batch, tokens, n_k, n_v
 //     per side (K, then V):
 //       u32     step (float32 bits; finite, > 0: float16 could not hold the step of small data)
@@ -44,12 +44,19 @@
 //               order (gap = row - previous copied row - 1), row copying row - d (d >= 1, any batch)
 //       per coefficient c: varint zigzag(m_c) (|m_c| <= kVqMaxOffset); varint amax_c (<= kVqMaxCode);
 //                          u8 param_c, only when amax_c > 0 (amax_c = 0: every hi part is 0, none coded)
-//     one rANS stream (entropy/rans.hpp's framing and lanes: symbol i in lane i % 32) to the end,
+//     one rANS stream to the end: entropy/rans.hpp's framing with L lanes (varint count n, min(n, L)
+//     final states, the words; symbol i in lane i % L), L = 64 when n >= 2^18, else 32 (src/vq/codec_kernels.hpp's vq_stream_lanes),
 //     holding per side (K, then V):
 //       the side's REGION: its hi parts' residuals + amax_c row by row, the copied rows left out (row r: the coded coefficients, those
 //         with amax_c > 0, in order), each with its coefficient's table; then
 //       per coefficient with shift_c > 0, in order: its `rows` low parts (uniform, shift_c bits).
 //     Coefficient c's table has 2^S_c slots: S_c = 10 when amax_c <= 63, else 12 (vq_coef_scale_bits).
+//     Version 5 is version 6 with 32 lanes always (rans.hpp's: symbol i in lane i % 32). 64 lanes give
+//     the fast decoder four independent 16-lane vectors per step instead of two: its steps are bound
+//     by the latency of each lane's chain (table gather, product, refill), not by throughput
+//     (docs/benchmarks.md, "Version 6: 64 lanes"). Their 32 more final states (128 bytes) would cost
+//     a small stream several percent, so only streams of >= 2^18 symbols (>= 0.3 % of a stream at
+//     ~1.4 bits a symbol) take them; shorter ones are version 5's stream. Same symbols, tables, header.
 //     Version 4 is version 5 without the predictors (no byte; every k_c = 0: the region holds the
 //     hi parts themselves). Version 3 is version 4 with one S per side (10 when the side's largest amax_c is <= 31, else
 //     12: vq_side_scale_bits); version 2 is version 3 with S = 12 always.
@@ -121,11 +128,12 @@ FrequencyTable vq_table(int amax, std::uint8_t param, int scale_bits = kVqScaleB
 std::uint8_t vq_best_param(std::span<const std::uint32_t> histogram, int amax);
 
 // Serialise; throws InvalidArgument on inconsistent sizes or a code outside +-kVqMaxCode.
-// Writes version 5. kernel: RansKernel::Scalar is the reference; Auto / Avx2 / Avx512 write the same bytes.
+// Writes version 6. kernel: RansKernel::Scalar is the reference; Auto / Avx2 / Avx512 write the same bytes.
 std::vector<std::uint8_t> vq_encode(const VqLayerCodes& codes, RansKernel kernel = RansKernel::Auto);
 // Parse and decode; max_codes bounds rows * (n_k + n_v) (the caller knows what it expects).
 // Throws FormatError on any malformed, truncated, oversized or trailing input.
-// Reads versions 1 to 5; every kernel returns the same codes.
+// Reads versions 1 to 6; every kernel returns the same codes. (vq/codec_decode_into.hpp: the same
+// into a caller's buffers, without allocating or zero-filling them.)
 VqLayerCodes vq_decode(std::span<const std::uint8_t> bytes, std::uint64_t max_codes, RansKernel kernel = RansKernel::Auto);
 
 }  // namespace vq
