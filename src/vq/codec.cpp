@@ -1,4 +1,5 @@
 #include "veloxquant/vq/codec.hpp"
+#include "veloxquant/vq/code_buffers.hpp"
 
 #include <algorithm>
 #include <atomic>
@@ -356,16 +357,68 @@ void side_models(const std::int16_t* hi, std::size_t n, std::size_t R, bool simd
     if (amax[c] > 0) param[c] = best_param(hist.data() + hoff[c] - amax[c], amax[c], scale[c]);
 }
 
-// The distinct (amax, param) tables of one encode or decode call.
+// The packed decoder entries of a table (codec_kernels.hpp, RegionTables::dec_pool): tb.total() of them.
+void pack_decoder_entries(const FrequencyTable& tb, int a, std::uint32_t* out) {
+  for (int s = 0; s < tb.alphabet_size(); ++s) {
+    const std::uint32_t f = tb.freq(s), c = tb.cum(s);
+    const std::uint32_t e0 = (f - 1) | static_cast<std::uint32_t>(static_cast<std::uint8_t>(s - a)) << 24;
+    for (std::uint32_t i = 0; i < f; ++i) out[c + i] = e0 | i << 12;
+  }
+}
+
+// Decoder tables kept by a thread across vq_decode calls. A load decodes layer after layer and
+// chunk after chunk, and their models name mostly the same (amax, param, scale) triples: building
+// each call's ~100-200 tables again (vq_table, then their packed entries) was ~5 % of a code-domain
+// load (perf). Entries are only added; once they pass kMaxEntries (4 MiB) the next call starts over,
+// so a thread holds at most that plus one call's tables.
+struct DecodeTableCache {
+  static constexpr std::size_t kMaxEntries = std::size_t{1} << 20;
+  std::unordered_map<std::uint32_t, std::uint32_t> index;  // key (CallTables') -> entry
+  std::vector<FrequencyTable> tables;
+  std::vector<int> amax;
+  std::vector<std::int32_t> packed_off;  // per entry: its packed entries in `packed`, -1 until packed
+  std::vector<std::uint32_t> packed;
+  void start_call() {
+    if (packed.size() <= kMaxEntries && tables.size() <= 4096) return;
+    index.clear(), tables.clear(), amax.clear(), packed_off.clear(), packed.clear();
+  }
+  std::uint32_t entry(std::uint32_t key, int a, std::uint8_t param, int scale) {
+    const auto [it, fresh] = index.try_emplace(key, static_cast<std::uint32_t>(tables.size()));
+    if (fresh) {
+      tables.push_back(vq_table(a, param, scale));
+      amax.push_back(a);
+      packed_off.push_back(-1);
+    }
+    return it->second;
+  }
+  std::int32_t packed_at(std::uint32_t e) {
+    if (packed_off[e] < 0) {
+      packed_off[e] = static_cast<std::int32_t>(packed.size());
+      packed.resize(packed.size() + tables[e].total());
+      pack_decoder_entries(tables[e], amax[e], packed.data() + packed_off[e]);
+    }
+    return packed_off[e];
+  }
+};
+
+// The distinct (amax, param) tables of one encode or decode call. With a cache (decoder), the
+// tables come from it, and cache_entry[k] names table k's entry there.
 struct CallTables {
   std::vector<FrequencyTable> tables;
   std::vector<int> amax;
   std::unordered_map<std::uint32_t, int> index;
+  DecodeTableCache* cache = nullptr;
+  std::vector<std::uint32_t> cache_entry;
   int get(int a, std::uint8_t param, int scale) {
-    const auto [it, fresh] =
-        index.try_emplace(static_cast<std::uint32_t>(scale) << 16 | static_cast<std::uint32_t>(a) << 8 | param, static_cast<int>(tables.size()));
+    const std::uint32_t key = static_cast<std::uint32_t>(scale) << 16 | static_cast<std::uint32_t>(a) << 8 | param;
+    const auto [it, fresh] = index.try_emplace(key, static_cast<int>(tables.size()));
     if (fresh) {
-      tables.push_back(vq_table(a, param, scale));
+      if (cache) {
+        cache_entry.push_back(cache->entry(key, a, param, scale));
+        tables.push_back(cache->tables[cache_entry.back()]);
+      } else {
+        tables.push_back(vq_table(a, param, scale));
+      }
       amax.push_back(a);
     }
     return it->second;
@@ -454,9 +507,15 @@ struct DecodePools {
   std::vector<std::uint16_t> sym;
   std::vector<std::uint32_t> packed;
   std::vector<std::int32_t> packed_off;
+  const std::uint32_t* pool = nullptr;  // the packed entries: `packed`, or the call's DecodeTableCache's
   void build(const CallTables& t, bool fast) {
     if (t.tables.size() > kMaxPoolTables) return;
     const std::size_t M = sz(1) << kVqScaleBits;
+    if (fast && t.cache) {  // entries packed once per thread (tables with amax > 127 are not used)
+      for (std::size_t k = 0; k < t.tables.size(); ++k) packed_off.push_back(t.amax[k] > 127 ? 0 : t.cache->packed_at(t.cache_entry[k]));
+      pool = t.cache->packed.data();
+      return;
+    }
     if (fast) {
       std::size_t total = 0;
       for (const FrequencyTable& tb : t.tables) {
@@ -471,17 +530,13 @@ struct DecodePools {
       const FrequencyTable& tb = t.tables[k];
       const int a = t.amax[k];
       if (fast && a > 127) continue;  // a side with such a table decodes with the reference
-      for (int s = 0; s < tb.alphabet_size(); ++s) {
-        const std::uint32_t f = tb.freq(s), c = tb.cum(s);
-        if (!fast) {
-          std::fill_n(sym.data() + k * M + c, f, static_cast<std::uint16_t>(s));
-          continue;
-        }
-        const std::uint32_t e0 = (f - 1) | static_cast<std::uint32_t>(static_cast<std::uint8_t>(s - a)) << 24;
-        std::uint32_t* e = packed.data() + packed_off[k] + c;
-        for (std::uint32_t i = 0; i < f; ++i) e[i] = e0 | i << 12;
+      if (fast) {
+        pack_decoder_entries(tb, a, packed.data() + packed_off[k]);
+        continue;
       }
+      for (int s = 0; s < tb.alphabet_size(); ++s) std::fill_n(sym.data() + k * M + tb.cum(s), tb.freq(s), static_cast<std::uint16_t>(s));
     }
+    if (fast) pool = packed.data();
   }
 };
 
@@ -809,13 +864,44 @@ std::vector<std::uint8_t> vq_encode(const VqLayerCodes& lc, RansKernel kernel) {
   return out;
 }
 
+std::vector<std::int16_t> VqCodeBuffers::take() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (free_.empty()) return {};
+  std::vector<std::int16_t> v = std::move(free_.back());
+  free_.pop_back();
+  return v;
+}
+
+void VqCodeBuffers::give(std::vector<std::int16_t>&& codes) {
+  if (codes.capacity() == 0) return;
+  std::lock_guard<std::mutex> lock(mu_);
+  free_.push_back(std::move(codes));
+}
+
+void VqCodeBuffers::give(VqLayerCodes&& codes) {
+  give(std::move(codes.k.codes));
+  give(std::move(codes.v.codes));
+}
+
+std::size_t VqCodeBuffers::held() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return free_.size();
+}
+
 VqLayerCodes vq_decode(std::span<const std::uint8_t> bytes, std::uint64_t max_codes, RansKernel kernel) {
+  return vq_decode(bytes, max_codes, kernel, nullptr);
+}
+
+VqLayerCodes vq_decode(std::span<const std::uint8_t> bytes, std::uint64_t max_codes, RansKernel kernel, VqCodeBuffers* buffers) {
   const RegionKernels kern = region_kernels(kernel);
   const bool fast = kern.fast();
   ByteReader r(bytes, "vq layer");
   const std::uint8_t version = r.u8();
   if (version < 1 || version > 5) r.fail(fmt::format("unknown version {} (expected 1 to 5)", version));
+  thread_local DecodeTableCache table_cache;
+  table_cache.start_call();
   CallTables tables;
+  tables.cache = &table_cache;
   ParsedHeader h = parse_header(r, version, max_codes, tables);
   if (version == 1) {
     decode_v1(r, h, tables, kernel);
@@ -842,15 +928,20 @@ VqLayerCodes vq_decode(std::span<const std::uint8_t> bytes, std::uint64_t max_co
   std::size_t base = 0;
   for (auto [s, sm] : {std::pair{&h.lc.k, &h.k}, std::pair{&h.lc.v, &h.v}}) {
     const std::size_t m = sm->m(), n_side = sz(s->n), N = sm->coded_rows * m;
-    s->codes.assign(R * n_side, 0);
+    const bool compact = m != n_side || sm->coded_rows != R;  // the region is not the side's own codes
+    // A reused array keeps its old codes: not compact, every code is written below (the region is
+    // the side's codes, then unpredicted and merged in place); compact, the scatter writes only the
+    // coded columns of the rows not copied, so the array is zeroed first.
+    if (buffers) s->codes = buffers->take();
+    s->codes.resize(R * n_side);
+    if (compact) std::fill(s->codes.begin(), s->codes.end(), std::int16_t{0});
     std::vector<std::int16_t> region;
     std::int16_t* hi = s->codes.data();
-    const bool compact = m != n_side || sm->coded_rows != R;  // the region is not the side's own codes
     if (compact) {
       region.resize(N);
       hi = region.data();
     }
-    const bool side_fast = fast && !pools.packed.empty() && std::all_of(sm->col_amax.begin(), sm->col_amax.end(), [](int a) { return a <= 127; });
+    const bool side_fast = fast && pools.pool != nullptr && std::all_of(sm->col_amax.begin(), sm->col_amax.end(), [](int a) { return a <= 127; });
     if (N > 0 && side_fast) {
       std::vector<std::int32_t> per_col(m);
       for (std::size_t j = 0; j < m; ++j) per_col[j] = pools.packed_off[sz(sm->table[j])];
@@ -859,7 +950,7 @@ VqLayerCodes vq_decode(std::span<const std::uint8_t> bytes, std::uint64_t max_co
       rt.m = m;
       rt.col_scale = col_scale.data();
       rt.dec_off = dec_off.data();
-      rt.dec_pool = pools.packed.data();
+      rt.dec_pool = pools.pool;
       std::size_t i = std::min(N, (32 - base % 32) % 32);
       p = decode_region_packed(x, hi, 0, i, base, rt, p, end);
       p = kern.decode(x, hi, i, N, i % m, rt, p, end);
