@@ -369,17 +369,19 @@ void pack_decoder_entries(const FrequencyTable& tb, int a, std::uint32_t* out) {
 // Decoder tables kept by a thread across vq_decode calls. A load decodes layer after layer and
 // chunk after chunk, and their models name mostly the same (amax, param, scale) triples: building
 // each call's ~100-200 tables again (vq_table, then their packed entries) was ~5 % of a code-domain
-// load (perf). Entries are only added; once they pass kMaxEntries (4 MiB) the next call starts over,
-// so a thread holds at most that plus one call's tables.
+// load (perf). Entries are only added; once they pass kMaxEntries (4 MiB) or kMaxTables the next
+// call starts over, and a call that would pass kMaxTables (a hostile header names up to 65,280
+// tables) builds the rest of its tables as its own; so a thread keeps at most that plus one call's.
 struct DecodeTableCache {
   static constexpr std::size_t kMaxEntries = std::size_t{1} << 20;
+  static constexpr std::size_t kMaxTables = 2048;
   std::unordered_map<std::uint32_t, std::uint32_t> index;  // key (CallTables') -> entry
   std::vector<FrequencyTable> tables;
   std::vector<int> amax;
   std::vector<std::int32_t> packed_off;  // per entry: its packed entries in `packed`, -1 until packed
   std::vector<std::uint32_t> packed;
   void start_call() {
-    if (packed.size() <= kMaxEntries && tables.size() <= 4096) return;
+    if (packed.size() <= kMaxEntries && tables.size() < kMaxTables) return;
     index.clear(), tables.clear(), amax.clear(), packed_off.clear(), packed.clear();
   }
   std::uint32_t entry(std::uint32_t key, int a, std::uint8_t param, int scale) {
@@ -413,6 +415,10 @@ struct CallTables {
     const std::uint32_t key = static_cast<std::uint32_t>(scale) << 16 | static_cast<std::uint32_t>(a) << 8 | param;
     const auto [it, fresh] = index.try_emplace(key, static_cast<int>(tables.size()));
     if (fresh) {
+      if (cache && cache->tables.size() >= DecodeTableCache::kMaxTables && !cache->index.count(key)) {
+        cache = nullptr;  // full: this call's tables are its own from here on (DecodePools packs them)
+        cache_entry.clear();
+      }
       if (cache) {
         cache_entry.push_back(cache->entry(key, a, param, scale));
         tables.push_back(cache->tables[cache_entry.back()]);

@@ -160,3 +160,33 @@ TEST(VqCodeBuffers, WideningInBlocksKeepsEveryCode) {
   EXPECT_EQ(a.v.codes, b.v.codes);
   EXPECT_EQ(once.state().keys.to_f32_vector(), steps.state().keys.to_f32_vector());
 }
+
+// A stream naming more distinct tables than the per-thread cache keeps (its coefficients of many
+// amax and scales) decodes right, and so do the ordinary streams decoded before and after it.
+TEST(VqCodeBuffers, StreamsOfManyTablesPassTheCacheAndDecode) {
+  std::mt19937_64 rng(77);
+  vq::VqLayerCodes many;
+  many.batch = 1;
+  many.tokens = 48;
+  for (vq::VqSideCodes* s : {&many.k, &many.v}) {
+    s->n = 3000;
+    s->step = 1.0f;
+    s->offset.assign(3000, 0);
+    s->codes.resize(48 * 3000);
+    for (int c = 0; c < 3000; ++c) {
+      const int amax = 1 + c % 255;
+      std::normal_distribution<double> g(0.0, 0.3 + 0.15 * (c / 255) * amax / 8.0);
+      for (int r = 0; r < 48; ++r)
+        s->codes[static_cast<std::size_t>(r * 3000 + c)] = static_cast<std::int16_t>(r == 0 ? amax : std::clamp<long>(std::lround(g(rng)), -amax, amax));
+    }
+  }
+  const auto big = vq::vq_encode(many);
+  const vq::VqLayerCodes small = codes_of(1, 60, 32, 9, 0);
+  const auto little = vq::vq_encode(small);
+  for (int round = 0; round < 3; ++round) {
+    EXPECT_EQ(vq::vq_decode(little, 1 << 24).k.codes, small.k.codes) << round;
+    const vq::VqLayerCodes got = vq::vq_decode(big, 1 << 24);
+    EXPECT_EQ(got.k.codes, many.k.codes) << round;
+    EXPECT_EQ(got.v.codes, many.v.codes) << round;
+  }
+}
