@@ -245,6 +245,7 @@ int main(int argc, char** argv) {
     // The loader's source of vq layer models (a host keeps one per model): it finds the held ones.
     const vq::VqLayerModelSource vq_models = vq::chunk_vq_models(model);
 
+    double host_bytes = 0;  // nbytes() of the last load's host caches, summed over layers
     // host: the method of the caches loaded into ("fp32": rows; "vq:bits=2": the code domain for vq:bits=2 chunks).
     const auto load = [&](vq::KVStore& st, const vq::ChunkScheme& s, std::optional<double> mbps, int nthreads, bool recompute = false,
                           std::optional<double> slo = std::nullopt, std::optional<double> after = std::nullopt, std::uint64_t drop = 0,
@@ -260,6 +261,8 @@ int main(int argc, char** argv) {
       o.vq_models = vq_models;
       auto caches = vq::make_caches(host, model);
       auto r = vq::load_prefix(st, model, caches, tokens, o, [](const std::string& w) { fmt::print(stderr, "warning: {}\n", w); });
+      host_bytes = 0;
+      for (const auto& c : caches) host_bytes += static_cast<double>(c->nbytes());
       if (!slo && r.tokens_reused != a.tokens / a.chunk_tokens * a.chunk_tokens)
         throw vq::Error(fmt::format("load of {} reused {} tokens only", s.levels.front(), r.tokens_reused));
       return r;
@@ -332,6 +335,7 @@ int main(int argc, char** argv) {
                    "1 thread {:.2f}, {} threads {:.2f}; chunk decode ms summed / load ms with {} threads: {:.2f}\n",
                    median(cpu1), fp16_bytes / median(cpu1) / 1e6, threads, median(cpun), median(c1), threads, median(cn), threads,
                    median(overlap));
+        fmt::print("  the host caches hold {:.2f} MB after a load (nbytes)\n", host_bytes / 1e6);
         std::fflush(stdout);
       }
     }

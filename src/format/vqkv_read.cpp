@@ -13,6 +13,7 @@
 #include "veloxquant/entropy/context_coder.hpp"
 #include "veloxquant/entropy/frequency_table.hpp"
 #include "veloxquant/format/vqkv.hpp"
+#include "veloxquant/vq/code_buffers.hpp"
 #include "veloxquant/quant/group_quant.hpp"
 #include "veloxquant/vq/codec.hpp"
 #include "veloxquant/vq/vq_cache.hpp"
@@ -394,7 +395,7 @@ class FileReader {
       fail_at(b, fmt::format("claims more codes than {} bytes can hold (at most {} per byte)", body.size(), vqkv::kVqMaxCodesPerByte));
     VqLayerCodes c;
     try {
-      c = vq_decode(body, static_cast<std::uint64_t>(codes), kernel_);
+      c = vq_decode(body, static_cast<std::uint64_t>(codes), kernel_, code_buffers_);
     } catch (const FormatError& ex) {
       fail_at(b, ex.what());
     }
@@ -438,6 +439,7 @@ class FileReader {
       vd.v[bi].insert(vd.v[bi].end(), rows_v, rows_v + static_cast<std::ptrdiff_t>(count * static_cast<std::size_t>(c.v.n)));
     }
     vd.tokens += count;
+    if (code_buffers_) code_buffers_->give(std::move(c));
   }
 
   static void append_floats(UninitVector<float>& out, std::span<const std::uint8_t> raw, const ByteReader& r, bool scale) {
@@ -661,6 +663,9 @@ class FileReader {
   std::vector<std::uint16_t> symbols_;
   VqLayerModelSource vq_models_;
   std::vector<VqData> vq_;
+
+ public:
+  VqCodeBuffers* code_buffers_ = nullptr;  // VqkvLoadOptions::vq_code_buffers
 };
 
 }  // namespace
@@ -668,6 +673,7 @@ class FileReader {
 PromptCache deserialize_prompt_cache(std::span<const std::uint8_t> bytes, const VqkvLoadOptions& options) {
   require(!options.max_tokens || *options.max_tokens >= 0, "max_tokens must be >= 0, got {}", options.max_tokens.value_or(0));
   FileReader r(bytes, true, options.kernel, options.max_tokens, options.vq_models);
+  r.code_buffers_ = options.vq_code_buffers;
   r.run();
   return r.caches(options.dense_states, options.vq_codes);
 }

@@ -206,7 +206,7 @@ Blob encode_chunk(const LevelCaches& fresh, std::uint64_t fingerprint, const std
 
 namespace {
 ChunkCodes decode_chunk_as(std::span<const std::uint8_t> blob, std::uint64_t fingerprint, const std::string& level, int index,
-                           std::span<const int> tokens, const VqLayerModelSource& vq_models, bool vq_codes);
+                           std::span<const int> tokens, const VqLayerModelSource& vq_models, bool vq_codes, VqCodeBuffers* buffers = nullptr);
 }  // namespace
 
 ChunkKV decode_chunk(std::span<const std::uint8_t> blob, std::uint64_t fingerprint, const std::string& level, int index,
@@ -215,8 +215,8 @@ ChunkKV decode_chunk(std::span<const std::uint8_t> blob, std::uint64_t fingerpri
 }
 
 ChunkCodes decode_chunk_codes(std::span<const std::uint8_t> blob, std::uint64_t fingerprint, const std::string& level, int index,
-                              std::span<const int> tokens, const VqLayerModelSource& vq_models) {
-  return decode_chunk_as(blob, fingerprint, level, index, tokens, vq_models, true);
+                              std::span<const int> tokens, const VqLayerModelSource& vq_models, VqCodeBuffers* buffers) {
+  return decode_chunk_as(blob, fingerprint, level, index, tokens, vq_models, true, buffers);
 }
 
 ChunkLayer vq_chunk_rows(const VqStoredLayer& v, std::int64_t first_position) {
@@ -244,8 +244,9 @@ bool live_coded_level(const std::vector<std::shared_ptr<KVCache>>& caches, int c
 
 namespace {
 ChunkCodes decode_chunk_as(std::span<const std::uint8_t> blob, std::uint64_t fingerprint, const std::string& level, int index,
-                           std::span<const int> tokens, const VqLayerModelSource& vq_models, bool vq_codes) {
+                           std::span<const int> tokens, const VqLayerModelSource& vq_models, bool vq_codes, VqCodeBuffers* buffers) {
   VqkvLoadOptions lo;
+  lo.vq_code_buffers = buffers;
   lo.vq_models = vq_models;
   lo.dense_states = true;  // the K/V only: vq layers go from codes to rows without a resident cache
   lo.vq_codes = true;  // vq layers of codes only come as codes: rows made below unless the caller wants codes

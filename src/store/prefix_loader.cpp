@@ -16,6 +16,7 @@
 #include "veloxquant/model/method_spec.hpp"
 #include "veloxquant/model/transformer.hpp"
 #include "veloxquant/store/load_plan.hpp"
+#include "veloxquant/vq/code_buffers.hpp"
 #include "veloxquant/vq/vq_cache.hpp"
 
 namespace vq {
@@ -205,9 +206,12 @@ LoadReport load(KVStore& store, Transformer* model, const ChunkShape& shape, std
       vq_hosts.push_back(v);
     }
   const bool code_host = !vq_hosts.empty();
+  // The code arrays of chunks fed, given back for the decoders of later chunks (no allocation, page
+  // faults or zeroing per layer and chunk).
+  VqCodeBuffers code_buffers;
   const auto decode = [&](const Blob& blob, const std::string& level, int i) -> ChunkCodes {
     if (code_host && MethodSpec::parse(level).kind == MethodSpec::Kind::Vq)
-      return decode_chunk_codes(blob, scheme.model_fingerprint, level, i, chunk_tokens(i), vq_models);
+      return decode_chunk_codes(blob, scheme.model_fingerprint, level, i, chunk_tokens(i), vq_models, &code_buffers);
     return ChunkCodes{decode_chunk(blob, scheme.model_fingerprint, level, i, chunk_tokens(i), vq_models), {}};
   };
 
@@ -419,7 +423,10 @@ LoadReport load(KVStore& store, Transformer* model, const ChunkShape& shape, std
       for (std::size_t l = 0; l < caches.size(); ++l) {
         if (l < got.vq.size() && got.vq[l]) {
           VqStoredLayer& v = *got.vq[l];
-          if (same_vq_layer(*vq_hosts[l], v) && vq_hosts[l]->append_codes(v.codes, v.dtype)) continue;
+          if (same_vq_layer(*vq_hosts[l], v) && vq_hosts[l]->append_codes(v.codes, v.dtype)) {
+            code_buffers.give(std::move(v.codes));
+            continue;
+          }
           // Not this host's calibration or level: the rows, re-quantized by the host's update().
           const ChunkLayer rows = vq_chunk_rows(v, got.first_position);
           caches[l]->update(rows.keys, rows.values);

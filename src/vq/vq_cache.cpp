@@ -493,23 +493,32 @@ void widen(SideQuantT& sq, SideStoreT& st, int n, int heads, std::int64_t rows, 
   }
   if (!any) return;
   // Re-pack every row at the new widths (and the layout they give): unpack, the escapes in their
-  // places, pack (code_pack.hpp).
+  // places, pack (code_pack.hpp), a block of rows at a time through one small buffer that stays in
+  // cache (unpacking the whole side first wrote and read back a fresh mapping of rows x n codes:
+  // perf of a code-domain load showed its page faults and misses above the packing itself).
   SideQuantT nq;
   nq.width = std::move(width);
   nq.mean = sq.mean;
   lay_out(nq, n, heads);
   const code_pack::Layout from = pack_layout(sq, n, heads), to = pack_layout(nq, n, heads);
-  PageVector<std::int16_t> q;  // rows x n codes: a mapping of its own once big, unmapped on return (no heap hole)
-  std::int16_t* qd = q.append(sz(rows) * sz(n));
+  const std::int64_t block = std::max<std::int64_t>(8, 32768 / n);  // ~64 KiB of codes
+  std::vector<std::int16_t> q(sz(std::min(block, rows)) * sz(n));
+  std::int16_t* qd = q.data();
   std::vector<code_pack::Escape> esc;
   for (std::int64_t b = 0; b < B; ++b) {
-    code_pack::unpack_rows(from, st.packed[sz(b)].data(), rows, qd);
-    for (const EscapeT& x : st.escapes[sz(b)]) qd[sz(x.t - base) * sz(n) + sz(x.c)] = static_cast<std::int16_t>(x.q);  // |q| <= vq_max_code(kVqMaxShift)
     typename std::remove_reference_t<decltype(st.packed[0])> buf;
     buf.resize(packed_bytes(rows, to.bit_at[n]));
     esc.clear();
-    code_pack::pack_rows(to, qd, rows, 0, buf.data(), esc);
-    for (code_pack::Escape& e : esc) e.t += static_cast<std::int32_t>(base);
+    const auto& old_esc = st.escapes[sz(b)];  // sorted by (t, c); t from base on
+    std::size_t e = 0;
+    for (std::int64_t t0 = 0; t0 < rows; t0 += block) {
+      const std::int64_t count = std::min(block, rows - t0);
+      code_pack::unpack_rows(from, st.packed[sz(b)].data() + sz(t0) * from.row_bytes(), count, qd);
+      for (; e < old_esc.size() && old_esc[e].t - base < t0 + count; ++e)  // |q| <= vq_max_code(kVqMaxShift)
+        qd[sz(old_esc[e].t - base - t0) * sz(n) + sz(old_esc[e].c)] = static_cast<std::int16_t>(old_esc[e].q);
+      code_pack::pack_rows(to, qd, count, t0, buf.data(), esc);
+    }
+    for (code_pack::Escape& x : esc) x.t += static_cast<std::int32_t>(base);
     st.packed[sz(b)] = std::move(buf);
     std::vector<EscapeT> kept;  // a new list: the old one's memory released (clear() would keep its capacity)
     append_escapes(kept, esc);
@@ -1005,26 +1014,43 @@ namespace {
 // Packed widths from codes alone (restore's rule): per coefficient the width that minimises
 // rows x width + escape bits over `rows` rows of n codes. A code needs width w when its bit length
 // (of |code|) is < w, so one histogram of bit lengths per coefficient gives every width's escapes.
+// The smallest and largest code of codes[0 .. count): int16 lanes throughout (pminsw / pmaxsw; an
+// int accumulator made the compiler widen every code to 32 bits).
+std::pair<int, int> code_range(const std::int16_t* codes, std::size_t count) {
+  std::int16_t lo = 0, hi = 0;
+  for (std::size_t i = 0; i < count; ++i) lo = std::min(lo, codes[i]), hi = std::max(hi, codes[i]);
+  return {lo, hi};
+}
+
 void widths_from_codes(const std::int16_t* codes, std::int64_t rows, int n, std::vector<std::uint8_t>& width) {
-  std::vector<std::int64_t> len(sz(n) * 17, 0);  // [c][bit length of |code|], 0..16
-  for (std::int64_t r = 0; r < rows; ++r) {
-    const std::int16_t* q = codes + sz(r) * sz(n);
-    for (int c = 0; c < n; ++c) {
-      const auto a = static_cast<unsigned>(std::abs(static_cast<int>(q[c])));
-      ++len[sz(c) * 17 + sz(a ? 32 - __builtin_clz(a) : 0)];
+  // esc[c][w] = codes of c with bit length >= w, i.e. |code| >= 2^(w-1), for w = 1 .. the longest
+  // bit length present (none longer): per row one pass over the coefficients per w, counted in
+  // 16-bit lanes (flushed every 65535 rows), which the compiler vectorises (a histogram of bit
+  // lengths per code did not).
+  const auto [lo, hi] = code_range(codes, sz(rows) * sz(n));
+  const int longest = std::bit_width(static_cast<unsigned>(std::max(-lo, hi)));
+  std::vector<std::int64_t> esc(sz(n) * 17, 0);  // [c][w]
+  std::vector<std::uint16_t> cnt(sz(n) * sz(longest + 1), 0);  // [w][c], w = 1 .. longest
+  std::vector<std::uint16_t> mag(sz(n));
+  for (std::int64_t r0 = 0; r0 < rows; r0 += 65535) {
+    const std::int64_t r1 = std::min<std::int64_t>(rows, r0 + 65535);
+    for (std::int64_t r = r0; r < r1; ++r) {
+      const std::int16_t* q = codes + sz(r) * sz(n);
+      for (int c = 0; c < n; ++c) mag[sz(c)] = static_cast<std::uint16_t>(q[c] < 0 ? -q[c] : q[c]);  // -32768 -> 32768
+      for (int w = 1; w <= longest; ++w) {
+        std::uint16_t* k = cnt.data() + sz(w) * sz(n);
+        const unsigned s = static_cast<unsigned>(w - 1);
+        for (int c = 0; c < n; ++c) k[c] = static_cast<std::uint16_t>(k[c] + ((mag[sz(c)] >> s) != 0));
+      }
     }
+    for (int w = 1; w <= longest; ++w)
+      for (int c = 0; c < n; ++c) esc[sz(c) * 17 + sz(w)] += cnt[sz(w) * sz(n) + sz(c)], cnt[sz(w) * sz(n) + sz(c)] = 0;
   }
   width.assign(sz(n), 1);
   for (int c = 0; c < n; ++c) {
-    std::int64_t at_least = 0;  // codes with bit length >= w, w from 16 down
-    std::vector<std::int64_t> esc(17, 0);
-    for (int w = 16; w >= 1; --w) {
-      at_least += len[sz(c) * 17 + sz(w)];
-      esc[sz(w)] = at_least;
-    }
     double best = INFINITY;
     for (int w = 1; w <= 16; ++w) {
-      const double cost = static_cast<double>(w) * static_cast<double>(rows) + kEscapeBits * static_cast<double>(esc[sz(w)]);
+      const double cost = static_cast<double>(w) * static_cast<double>(rows) + kEscapeBits * static_cast<double>(esc[sz(c) * 17 + sz(w)]);
       if (cost < best) best = cost, width[sz(c)] = static_cast<std::uint8_t>(w);
     }
   }
@@ -1043,8 +1069,7 @@ bool VqKVCache::append_codes(const VqLayerCodes& in, DType dtype) {
     require(s->offset.size() == sz(s->n) && s->codes.size() == sz(B) * sz(S) * sz(s->n) && (s->shift.empty() || s->shift.size() == sz(s->n)),
             "vq append_codes: inconsistent code arrays");
     for (std::uint8_t sh : s->shift) require(sh <= kVqMaxShift, "vq append_codes: a code split {} above the coder's {}", sh, kVqMaxShift);
-    int lo = 0, hi = 0;  // one pass the compiler vectorises, then one check
-    for (std::int16_t q : s->codes) lo = std::min<int>(lo, q), hi = std::max<int>(hi, q);
+    const auto [lo, hi] = code_range(s->codes.data(), s->codes.size());  // one pass in int16 lanes, then one check
     require(-lo <= vq_max_code(kVqMaxShift) && hi <= vq_max_code(kVqMaxShift), "vq append_codes: a code ({} or {}) lies beyond the codes' reach",
             lo, hi);
   }

@@ -44,6 +44,8 @@
 
 namespace vq {
 
+class VqCodeBuffers;  // vq/code_buffers.hpp
+
 // Free-form string pairs saved with the caches (mlx_lm's prompt-cache metadata), e.g. the model
 // and the text a context came from.
 using PromptMetadata = std::map<std::string, std::string>;
@@ -83,6 +85,10 @@ struct VqkvLoadOptions {
   // takes codes as they are (VqKVCache::append_codes, the store's code-domain loads). Other layers
   // come as states.
   bool vq_codes = false;
+  // Where vq layers' code arrays come from (vq_decode's buffers; null: fresh ones). A loader that
+  // gives the arrays back after use (VqCodeBuffers::give) decodes chunk after chunk without
+  // allocating them again. Must outlive the call.
+  VqCodeBuffers* vq_code_buffers = nullptr;
 };
 
 // A vq layer as saved: what VqKVCache::restore / append_codes take (VqkvLoadOptions::vq_codes).

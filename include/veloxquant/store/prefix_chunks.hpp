@@ -113,8 +113,10 @@ struct ChunkCodes {
 // A vq layer of a chunk as float32 rows ([1, H, C, D] each): what decode_chunk gives for it (keys
 // re-rotated at first_position + t). Throws InvalidArgument / FormatError on codes that do not fit.
 ChunkLayer vq_chunk_rows(const VqStoredLayer& layer, std::int64_t first_position);
+// `buffers`: where the vq layers' code arrays come from (VqkvLoadOptions::vq_code_buffers), e.g.
+// those of chunks already fed, given back by the loader.
 ChunkCodes decode_chunk_codes(std::span<const std::uint8_t> blob, std::uint64_t model_fingerprint, const std::string& level, int index,
-                              std::span<const int> tokens, const VqLayerModelSource& vq_models = {});
+                              std::span<const int> tokens, const VqLayerModelSource& vq_models = {}, VqCodeBuffers* buffers = nullptr);
 // Whether caches of a level are live-coded by put_context (see above).
 bool live_coded_level(const std::vector<std::shared_ptr<KVCache>>& fresh_caches, int chunk_tokens);
 // The layer models of `model` for decode_chunk, built once per (layer, basis) and shared by every
