@@ -87,6 +87,17 @@ std::int16_t choose_k(std::int64_t sxx, std::int64_t sxy, std::int64_t syy) {
   return energy <= (1.0 - kVqPredMinGain) * yy ? static_cast<std::int16_t>(kc) : 0;
 }
 
+// Coefficient c coded as it is (k = 0), for a column whose residuals leave +-max_residual: its
+// residuals are its hi parts, and amx its largest |hi|.
+void code_as_is(std::size_t c, std::size_t n, std::size_t R, const std::int16_t* hi, std::int16_t* res, std::int16_t& k, std::uint16_t& amx) {
+  k = 0;
+  amx = 0;
+  for (std::size_t row = 0; row < R; ++row) {
+    res[row * n + c] = hi[row * n + c];
+    amx = std::max(amx, static_cast<std::uint16_t>(std::abs(hi[row * n + c])));
+  }
+}
+
 // vq_predict with AVX-512 BW, 32 coefficients a vector (same sums, same k, same residuals):
 // - the sums two tokens at a time: with P = (y_s, y_s+1) and Q = (y_s+1, y_s+2) interleaved per
 //   coefficient (vpunpck*wd), vpmaddwd gives y_s^2 + y_s+1^2 (P.P) and y_s y_s+1 + y_s+1 y_s+2 (P.Q)
@@ -159,14 +170,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx2"))) std::vector<std::int8_
   // A column with a residual outside +-max_residual is coded as it is (k = 0).
   std::vector<std::int8_t> k(n, 0);
   for (std::size_t c = 0; c < n; ++c) {
-    if (amx[c] > max_residual) {
-      k16[c] = 0;
-      amx[c] = 0;
-      for (std::size_t row = 0; row < R; ++row) {
-        res[row * n + c] = hi[row * n + c];
-        amx[c] = std::max(amx[c], static_cast<std::uint16_t>(std::abs(hi[row * n + c])));
-      }
-    }
+    if (amx[c] > max_residual) code_as_is(c, n, R, hi, res, k16[c], amx[c]);
     k[c] = static_cast<std::int8_t>(k16[c]);
   }
   return k;
@@ -249,14 +253,7 @@ __attribute__((target_clones("avx2", "default"))) std::vector<std::int8_t> vq_pr
       }
     }
   for (std::size_t c = 0; c < n; ++c) {
-    if (out[c]) {
-      k16[c] = 0;
-      amx[c] = 0;
-      for (std::size_t row = 0; row < R; ++row) {
-        res[row * n + c] = hi[row * n + c];
-        amx[c] = std::max(amx[c], static_cast<std::uint16_t>(std::abs(hi[row * n + c])));
-      }
-    }
+    if (out[c]) code_as_is(c, n, R, hi, res, k16[c], amx[c]);
     k[c] = static_cast<std::int8_t>(k16[c]);
   }
   give_amax();
