@@ -357,17 +357,28 @@ void side_models(const std::int16_t* hi, std::size_t n, std::size_t R, bool simd
     if (amax[c] > 0) param[c] = best_param(hist.data() + hoff[c] - amax[c], amax[c], scale[c]);
 }
 
-// The distinct (amax, param) tables of one encode or decode call.
 // One (amax, param, scale) model: its table and the fast decoder's packed slot entries
 // (codec_kernels.hpp; amax <= 127 only). Built on first use and kept for the process (shared by all
 // calls and threads, never freed) up to kCachedModelBytes in all, so calls with one calibration's
 // models (a loader decoding chunk after chunk of a layer) build no table; beyond the bound (a
-// hostile header names up to 65,280 models), a call builds and owns its own.
+// hostile header names up to 65,280 models), a call builds and owns its own. The cached models'
+// packed entries lie in one arena, so a call whose models are all cached decodes from the arena
+// itself (DecodePools): nothing is copied per call.
+constexpr std::size_t kCachedModelBytes = std::size_t{32} << 20;
+constexpr std::size_t kArenaEntries = kCachedModelBytes / 4;
+
+// Reserved once and never freed, like the cache; the kernel backs its pages as entries are written.
+std::uint32_t* model_arena() {
+  static std::uint32_t* const arena = new std::uint32_t[kArenaEntries];
+  return arena;
+}
+
 struct Model {
   FrequencyTable table;
-  std::vector<std::uint32_t> packed;
+  std::vector<std::uint32_t> packed;  // the entries while the model is being built, or of a model a call owns
+  std::int32_t arena_off = -1;        // a cached model's entries: model_arena() from here on
+  const std::uint32_t* entries() const { return arena_off >= 0 ? model_arena() + arena_off : packed.data(); }
 };
-constexpr std::size_t kCachedModelBytes = std::size_t{32} << 20;
 
 std::unique_ptr<Model> make_model(int a, std::uint8_t param, int scale) {
   auto md = std::make_unique<Model>();
@@ -395,6 +406,17 @@ const Model* cached_model(int a, std::uint8_t param, int scale, std::unique_ptr<
     bytes.fetch_sub(b);
     own = std::move(made);
     return own.get();
+  }
+  // Its entries into the arena (space a lost race below leaves unused; a full arena leaves them in
+  // the model), written before the model is published.
+  static std::atomic<std::size_t> arena_used{0};
+  if (const std::size_t e = made->packed.size(); e > 0) {
+    const std::size_t off = arena_used.fetch_add(e);
+    if (off + e <= kArenaEntries) {
+      std::copy(made->packed.begin(), made->packed.end(), model_arena() + off);
+      made->arena_off = static_cast<std::int32_t>(off);
+      std::vector<std::uint32_t>().swap(made->packed);
+    }
   }
   const Model* expected = nullptr;
   if (slot.compare_exchange_strong(expected, made.get(), std::memory_order_acq_rel)) return made.release();
@@ -506,10 +528,19 @@ struct DecodePools {
   std::vector<std::uint16_t> sym;
   std::vector<std::uint32_t> packed;
   std::vector<std::int32_t> packed_off;
+  const std::uint32_t* pool = nullptr;  // the fast kernel's entries (packed_off into it): the model arena, or `packed`
   void build(const CallTables& t, bool fast) {
     if (t.tables.size() > kMaxPoolTables) return;
     const std::size_t M = sz(1) << kVqScaleBits;
-    if (fast) {  // the models' packed entries one after the other (a side with amax > 127 decodes with the reference)
+    if (fast) {  // a table with amax > 127 has no entries (its side decodes with the reference)
+      bool in_arena = true;
+      for (std::size_t k = 0; k < t.models.size(); ++k) in_arena = in_arena && (t.amax[k] > 127 || t.models[k]->arena_off >= 0);
+      if (in_arena) {  // every model cached: decode from the arena
+        for (std::size_t k = 0; k < t.models.size(); ++k) packed_off.push_back(t.amax[k] > 127 ? 0 : t.models[k]->arena_off);
+        pool = model_arena();
+        return;
+      }
+      // A model of the call's own: every model's entries one after the other.
       std::size_t total = 0;
       for (const FrequencyTable* tb : t.tables) {
         packed_off.push_back(static_cast<std::int32_t>(total));
@@ -517,7 +548,8 @@ struct DecodePools {
       }
       packed.resize(total);
       for (std::size_t k = 0; k < t.tables.size(); ++k)
-        std::copy(t.models[k]->packed.begin(), t.models[k]->packed.end(), packed.begin() + packed_off[k]);
+        if (t.amax[k] <= 127) std::copy_n(t.models[k]->entries(), t.tables[k]->total(), packed.begin() + packed_off[k]);
+      pool = packed.data();
       return;
     }
     sym.resize(t.tables.size() * M);
@@ -1018,7 +1050,7 @@ void vq_decode(std::span<const std::uint8_t> bytes, std::uint64_t max_codes, VqL
   for (auto [s, sm] : {std::pair{&h.lc.k, &h.k}, std::pair{&h.lc.v, &h.v}}) {
     const std::size_t m = sm->m(), n_side = sz(s->n), N = sm->coded_rows * m;
     s->codes.resize(R * n_side);  // every code is written below (no zero fill needed)
-    const bool side_fast = fast && !pools.packed.empty() && std::all_of(sm->col_amax.begin(), sm->col_amax.end(), [](int a) { return a <= 127; });
+    const bool side_fast = fast && pools.pool != nullptr && std::all_of(sm->col_amax.begin(), sm->col_amax.end(), [](int a) { return a <= 127; });
     if (!side_fast && N > 0 && pools.sym.empty()) pools.build(tables, false);  // a fast call's side with amax > 127
     SideDecoder d{x, *sm, tables, pools.sym.empty() ? nullptr : pools.sym.data(), side_fast ? kern.decode : nullptr, {}, base, lanes, p, end};
     std::vector<std::int32_t> per_col, dec_off, col_scale;
@@ -1031,7 +1063,7 @@ void vq_decode(std::span<const std::uint8_t> bytes, std::uint64_t max_codes, VqL
       d.rt.lanes = lanes;
       d.rt.col_scale = col_scale.data();
       d.rt.dec_off = dec_off.data();
-      d.rt.dec_pool = pools.packed.data();
+      d.rt.dec_pool = pools.pool;
     }
     if (!decode_side_hi(d, *s, sz(h.lc.batch), sz(h.lc.tokens), simd)) r.fail("a predicted hi part leaves +-255 (corrupt stream)");
     p = d.p;
