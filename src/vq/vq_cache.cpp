@@ -904,7 +904,6 @@ void VqKVCache::seal_due() {
       std::uint8_t* dst = sealed.append(bytes.size() + 8);
       std::memcpy(dst, bytes.data(), bytes.size());
       std::memset(dst + bytes.size(), 0, 8);
-      end += bytes.size();
       // The packed rows move up by `rows` (rows start on bytes); their escapes of sealed tokens go.
       auto& buf = st.packed[sz(b)];
       const std::size_t left = sz(quantized_ - sealed_ - rows) * row_bytes;
