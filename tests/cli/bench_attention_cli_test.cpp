@@ -18,7 +18,7 @@ TEST(BenchAttentionCli, JsonHasOneRowPerMethodAndContext) {
   const auto r = vqtest::run_cli("bench attention --context 64 --context 300 --methods 'q4_0;q8_0:rotate=1' --threads 2 --json");
   ASSERT_EQ(r.code, 0) << r.err;
   const auto j = nlohmann::json::parse(r.out);
-  ASSERT_EQ(j.size(), 4u);  // exactly memcpy_gb_s, rows, and the threads and clock they were timed with
+  ASSERT_EQ(j.size(), 5u);  // exactly memcpy_gb_s, rows, and the threads, clock and rounds they were timed with
   EXPECT_GT(j.at("memcpy_gb_s").get<double>(), 0.0);
   EXPECT_EQ(j.at("threads").get<int>(), 2);
   EXPECT_EQ(j.at("clock").get<std::string>(), "wall");
@@ -26,10 +26,16 @@ TEST(BenchAttentionCli, JsonHasOneRowPerMethodAndContext) {
   ASSERT_EQ(rows.size(), 8u);  // fp32, fp16, q4_0, q8_0:rotate=1 at two contexts
   std::map<std::pair<std::string, std::int64_t>, nlohmann::json> by;
   for (const auto& row : rows) {
-    ASSERT_EQ(row.size(), 5u);
-    for (const char* key : {"method", "context", "us_per_step", "resident_bytes", "speedup_vs_fp16"}) ASSERT_TRUE(row.contains(key)) << key;
+    ASSERT_EQ(row.size(), 8u);
+    for (const char* key : {"method", "context", "us_per_step", "resident_bytes", "speedup_vs_fp16", "speedup_vs_fp16_min",
+                            "speedup_vs_fp16_max", "vs_memcpy"})
+      ASSERT_TRUE(row.contains(key)) << key;
     EXPECT_GT(row.at("us_per_step").get<double>(), 0.0);
     EXPECT_GT(row.at("speedup_vs_fp16").get<double>(), 0.0);
+    EXPECT_GT(row.at("vs_memcpy").get<double>(), 0.0);
+    // The median of the rounds' paired ratios lies within their range.
+    EXPECT_LE(row.at("speedup_vs_fp16_min").get<double>(), row.at("speedup_vs_fp16").get<double>());
+    EXPECT_GE(row.at("speedup_vs_fp16_max").get<double>(), row.at("speedup_vs_fp16").get<double>());
     by[{row.at("method").get<std::string>(), row.at("context").get<std::int64_t>()}] = row;
   }
   for (std::int64_t ctx : {64, 300}) {
@@ -53,8 +59,9 @@ TEST(BenchAttentionCli, JsonHasOneRowPerMethodAndContext) {
 }
 
 TEST(BenchAttentionCli, TextTableAndBadInput) {
-  const auto r = vqtest::run_cli("bench attention --context 40 --methods q4_1 --threads 1");
+  const auto r = vqtest::run_cli("bench attention --context 40 --methods q4_1 --threads 1 --rounds 3");
   ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("3 rounds"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("memcpy"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("attend threads: 1 (thread CPU clock)"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("q4_1"), std::string::npos) << r.out;
@@ -68,6 +75,9 @@ TEST(BenchAttentionCli, TextTableAndBadInput) {
   const auto bad_threads = vqtest::run_cli("bench attention --context 40 --threads -1");
   EXPECT_NE(bad_threads.code, 0);
   EXPECT_NE(bad_threads.err.find("--threads"), std::string::npos) << bad_threads.err;
+  const auto bad_rounds = vqtest::run_cli("bench attention --context 40 --rounds 0");
+  EXPECT_NE(bad_rounds.code, 0);
+  EXPECT_NE(bad_rounds.err.find("--rounds"), std::string::npos) << bad_rounds.err;
 }
 
 }  // namespace

@@ -12,6 +12,8 @@ struct BenchAttentionOptions {
   std::vector<std::string> methods{"q8_0", "q4_0", "q4_1", "q8_0:rotate=1", "q4_0:rotate=1", "fp8"};
   // Threads attend uses (vq::set_attention_threads); 0 = every hardware thread.
   int threads = 0;
+  // Rounds per context: each times memcpy and one step of every form (cmd_bench_attention.cpp).
+  int rounds = 7;
   bool json = false;
 };
 

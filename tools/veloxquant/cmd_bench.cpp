@@ -678,7 +678,14 @@ Runner add_bench(CLI::App& app) {
                         "memcpy stays one thread")
       ->capture_default_str()
       ->transform(integer_in(0, vq::kMaxAttentionThreads));
-  attention->add_flag("--json", a->json, "print one JSON object: {memcpy_gb_s, rows: [{method, context, us_per_step, resident_bytes, speedup_vs_fp16}]}");
+  attention->add_option("--rounds", a->rounds,
+                        "rounds per context, each timing memcpy and one step of every form in a rotated order; medians and paired "
+                        "ratios over rounds are reported")
+      ->capture_default_str()
+      ->transform(integer_in(1, 1000));
+  attention->add_flag("--json", a->json,
+                      "print one JSON object: {memcpy_gb_s, threads, clock, rounds, rows: [{method, context, us_per_step, resident_bytes, "
+                      "speedup_vs_fp16, speedup_vs_fp16_min, speedup_vs_fp16_max, vs_memcpy}]}");
   return [o, a, attention] { return attention->parsed() ? run_bench_attention(*a) : run_bench_codec(*o); };
 }
 

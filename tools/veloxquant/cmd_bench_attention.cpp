@@ -4,14 +4,20 @@
 // query token, over `context` tokens of synthetic K/V (synth/synthetic_kv.hpp, float16, seed 0)
 // fed in chunks of 4096 tokens. Storage forms: "fp32" and "fp16" are plain KVCaches of that dtype
 // (the dense baselines, the same attention loop), every other form is a method spec's cache
-// (model/method_spec.hpp) fed float32. Each row times KVCache::attend (the fastest of repeats: at
-// least 3 and at least ~0.3 s) and reports the cache's nbytes() as resident bytes. Threads
-// (--threads, vq::set_attention_threads; default every core): with one, steps are timed on the
-// thread's CPU clock; with more, on the wall clock (the CPU clock of the calling thread would miss
-// the others' work), memcpy included. Baselines from the same process: the fp16 cache's step
-// (speedup_vs_fp16 = its time / the row's) and memcpy of the fp16 cache's bytes on one thread
-// (memcpy_gb_s, measured at the largest context; vs_memcpy in the table = the row's time / the
-// time memcpy takes for the fp16 cache's bytes at that context).
+// (model/method_spec.hpp) fed float32. Threads (--threads, vq::set_attention_threads; default every
+// core): with one, steps are timed on the thread's CPU clock; with more, on the wall clock (the CPU
+// clock of the calling thread would miss the others' work), memcpy included.
+//
+// How a context is measured, so that one run's ratios hold on a shared, noisy machine: every
+// form's cache is filled first, then --rounds rounds each time memcpy of the fp16 cache's bytes
+// (one thread) and one decode step of every form, the forms in an order rotated by one each round
+// (a slow spell of the machine falls on different forms). A round's time of a form is the fastest
+// of its repeats in that round (at least 2, and ~20 ms). Reported: us_per_step = the median over
+// rounds; speedup_vs_fp16 = the median over rounds of (fp16's time / the form's time in the same
+// round), with its smallest and largest round; vs_memcpy likewise with that round's memcpy (the
+// form's time / memcpy's). Paired ratios cancel what the machine's load does to both sides of a
+// round; the spread between rounds shows what it does not. memcpy_gb_s: the median round's memcpy
+// at the largest context.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -38,6 +44,8 @@ namespace {
 
 constexpr std::int64_t kHq = 32, kHkv = 8, kD = 128, kChunk = 4096;
 
+constexpr std::size_t U(std::int64_t x) { return static_cast<std::size_t>(x); }
+
 // This thread's CPU time in seconds. Steps are timed on the CPU clock, not the wall clock: on a
 // shared machine the wall clock mostly measures the scheduler's share of the cores, while the CPU
 // clock counts what the step itself costs (memory stalls included).
@@ -51,17 +59,24 @@ double wall_seconds() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
-// The fastest of f()'s repeats (>= 3, and until ~min_s has passed), in seconds of `clock`.
+// The fastest of f()'s repeats (>= min_repeats, and until ~min_s has passed), in seconds of `clock`.
 template <class F>
-double best_seconds(double (*clock)(), F&& f, double min_s = 0.3) {
+double best_seconds(double (*clock)(), F&& f, double min_s, std::size_t min_repeats) {
   std::vector<double> t;
   const double start = clock();
-  while (t.size() < 3 || (clock() - start < min_s && t.size() < 1000)) {
+  while (t.size() < min_repeats || (clock() - start < min_s && t.size() < 1000)) {
     const double t0 = clock();
     f();
     t.push_back(clock() - t0);
   }
   return *std::min_element(t.begin(), t.end());
+}
+
+// The median of x (the mean of the middle two for an even count); x is reordered.
+double median(std::vector<double> x) {
+  std::sort(x.begin(), x.end());
+  const std::size_t n = x.size();
+  return n % 2 ? x[n / 2] : 0.5 * (x[n / 2 - 1] + x[n / 2]);
 }
 
 }  // namespace
@@ -84,24 +99,20 @@ int run_bench_attention(const BenchAttentionOptions& o) {
   double (*const clock)() = threads > 1 ? wall_seconds : cpu_seconds;
   const char* clock_name = threads > 1 ? "wall" : "thread CPU";
 
-  // memcpy of the fp16 cache's bytes at the largest context.
+  vq::require(o.rounds >= 1 && o.rounds <= 1000, "bench attention: --rounds {} must be 1 .. 1000", o.rounds);
   const std::int64_t max_ctx = *std::max_element(o.contexts.begin(), o.contexts.end());
-  const std::size_t fp16_bytes_max = static_cast<std::size_t>(2 * kHkv * max_ctx * kD * 2);
-  double memcpy_gb_s = 0;
-  {
-    std::vector<std::byte> src(fp16_bytes_max, std::byte{1}), dst(fp16_bytes_max, std::byte{0});
-    const double s = best_seconds(clock, [&] { std::memcpy(dst.data(), src.data(), src.size()); });
-    memcpy_gb_s = static_cast<double>(fp16_bytes_max) / s / 1e9;
-  }
 
   struct Row {
     std::string method;
     std::int64_t context;
     double us;
     std::size_t resident;
-    double speedup = 0, vs_memcpy = 0;
+    double speedup = 0, speedup_min = 0, speedup_max = 0, vs_memcpy = 0;
   };
   std::vector<Row> rows;
+  double memcpy_gb_s = 0;
+  constexpr double kRoundSeconds = 0.02;
+  constexpr std::size_t kRoundRepeats = 2;
   for (const std::int64_t ctx : o.contexts) {
     vq::SyntheticKVConfig sc;
     sc.heads = kHkv, sc.tokens = ctx, sc.head_dim = kD, sc.dtype = vq::DType::F16;
@@ -110,7 +121,7 @@ int run_bench_attention(const BenchAttentionOptions& o) {
     qc.heads = kHq, qc.tokens = 1, qc.seed = 1, qc.dtype = vq::DType::F32;
     const vq::Tensor q = vq::make_synthetic_kv(qc).keys;
     const float scale = 1.0f / std::sqrt(static_cast<float>(kD));
-    double fp16_us = 0;
+    std::vector<std::shared_ptr<vq::KVCache>> caches;
     for (const auto& method : methods) {
       std::shared_ptr<vq::KVCache> cache =
           method == "fp32" || method == "fp16" ? std::make_shared<vq::KVCache>()
@@ -120,13 +131,31 @@ int run_bench_attention(const BenchAttentionOptions& o) {
         const std::int64_t e = std::min(ctx, s + kChunk);
         cache->update_and_fetch(kv.keys.slice(2, s, e).to(in), kv.values.slice(2, s, e).to(in));
       }
-      const double us = 1e6 * best_seconds(clock, [&] { (void)cache->attend(q, scale); });
-      if (method == "fp16") fp16_us = us;
-      rows.push_back({method, ctx, us, cache->nbytes()});
+      caches.push_back(std::move(cache));
     }
-    const double memcpy_us = 1e6 * static_cast<double>(2 * kHkv * ctx * kD * 2) / (memcpy_gb_s * 1e9);
-    for (auto& r : rows)
-      if (r.context == ctx) r.speedup = fp16_us / r.us, r.vs_memcpy = r.us / memcpy_us;
+    const std::size_t fp16_bytes = static_cast<std::size_t>(2 * kHkv * ctx * kD * 2);
+    std::vector<std::byte> src(fp16_bytes, std::byte{1}), dst(fp16_bytes, std::byte{0});
+    const std::size_t M = methods.size(), fp16_index = 1;  // methods[1] == "fp16"
+    std::vector<double> memcpy_s(U(o.rounds));
+    std::vector<std::vector<double>> step_s(M, std::vector<double>(U(o.rounds)));
+    for (int r = 0; r < o.rounds; ++r) {
+      memcpy_s[U(r)] = best_seconds(clock, [&] { std::memcpy(dst.data(), src.data(), src.size()); }, kRoundSeconds, kRoundRepeats);
+      for (std::size_t i = 0; i < M; ++i) {
+        const std::size_t m = (i + U(r)) % M;
+        step_s[m][U(r)] = best_seconds(clock, [&] { (void)caches[m]->attend(q, scale); }, kRoundSeconds, kRoundRepeats);
+      }
+    }
+    if (ctx == max_ctx) memcpy_gb_s = static_cast<double>(fp16_bytes) / median(memcpy_s) / 1e9;
+    for (std::size_t m = 0; m < M; ++m) {
+      std::vector<double> speedup(U(o.rounds)), vs_memcpy(U(o.rounds));
+      for (int r = 0; r < o.rounds; ++r) {
+        speedup[U(r)] = step_s[fp16_index][U(r)] / step_s[m][U(r)];
+        vs_memcpy[U(r)] = step_s[m][U(r)] / memcpy_s[U(r)];
+      }
+      const auto [lo, hi] = std::minmax_element(speedup.begin(), speedup.end());
+      rows.push_back({methods[m], ctx, 1e6 * median(step_s[m]), caches[m]->nbytes(), m == fp16_index ? 1.0 : median(speedup),
+                      m == fp16_index ? 1.0 : *lo, m == fp16_index ? 1.0 : *hi, median(vs_memcpy)});
+    }
   }
 
   if (o.json) {
@@ -134,20 +163,28 @@ int run_bench_attention(const BenchAttentionOptions& o) {
     j["memcpy_gb_s"] = memcpy_gb_s;
     j["threads"] = threads;
     j["clock"] = clock_name;
+    j["rounds"] = o.rounds;
     j["rows"] = nlohmann::json::array();
     for (const auto& r : rows)
       j["rows"].push_back({{"method", r.method}, {"context", r.context}, {"us_per_step", r.us}, {"resident_bytes", r.resident},
-                           {"speedup_vs_fp16", r.speedup}});
+                           {"speedup_vs_fp16", r.speedup}, {"speedup_vs_fp16_min", r.speedup_min}, {"speedup_vs_fp16_max", r.speedup_max},
+                           {"vs_memcpy", r.vs_memcpy}});
     fmt::print("{}\n", json_text(j));
     return 0;
   }
   fmt::print("attention, one decode step: B=1, Hq={}, Hkv={}, D={}, 1 query token, synthetic K/V; memcpy {:.2f} GB/s (1 thread)\n",
              kHq, kHkv, kD, memcpy_gb_s);
-  fmt::print("attend threads: {} ({} clock)\n", threads, clock_name);
-  fmt::print("{:<16} {:>8} {:>12} {:>15} {:>10} {:>10}\n", "method", "context", "us/step", "resident bytes", "vs fp16", "vs memcpy");
+  fmt::print("attend threads: {} ({} clock), {} rounds\n", threads, clock_name, o.rounds);
+  std::size_t width = 16;
+  for (const auto& r : rows) width = std::max(width, r.method.size());
+  fmt::print("{:<{}} {:>8} {:>12} {:>15} {:>10} {:>15} {:>10}\n", "method", width, "context", "us/step", "resident bytes", "vs fp16",
+             "(rounds)", "vs memcpy");
   for (const auto& r : rows)
-    fmt::print("{:<16} {:>8} {:>12.1f} {:>15} {:>9.2f}x {:>9.2f}x\n", r.method, r.context, r.us, r.resident, r.speedup, r.vs_memcpy);
-  fmt::print("(vs fp16: the fp16 dense cache's time / this row's; vs memcpy: this row's time / memcpy of the fp16 cache's bytes)\n");
+    fmt::print("{:<{}} {:>8} {:>12.1f} {:>15} {:>9.2f}x {:>15} {:>9.2f}x\n", r.method, width, r.context, r.us, r.resident, r.speedup,
+               fmt::format("{:.2f}-{:.2f}x", r.speedup_min, r.speedup_max), r.vs_memcpy);
+  fmt::print(
+      "(medians over rounds; vs fp16: the fp16 dense cache's time / this row's in the same round, its lowest-highest round in "
+      "brackets; vs memcpy: this row's time / the same round's memcpy of the fp16 cache's bytes)\n");
   return 0;
 }
 
