@@ -387,6 +387,102 @@ VQ_ATTN_INLINE void accumulate_rows_by_width(const HeadFields& f, const std::vec
     }
 }
 
+// --- AVX-512 (VBMI) scores for four query rows -----------------------------------------------------
+// Two tokens side by side in one zmm: lanes 0..7 hold token j's 8 codes of a group, lanes 8..15 token
+// j + 1's, against the group's query values duplicated in both halves. For W <= 4 the two groups
+// (W <= 4 bytes each) go in one 64-bit broadcast, token j's in the low dword: vpmultishiftqb moves
+// field i's bits to the low byte of lane i (token j + 1's: lane 8 + i, from bit 32), and vpermps
+// looks the code up in code_table16: 5 instructions per 16 codes and 4 fused multiply-adds per 16
+// lanes for the four rows, against AVX2's 8 lanes at a time. Wider groups are AVX2's decode8 of
+// each token, side by side. Four tokens a step (two zmm per row: eight accumulators). Each lane adds
+// the same fused multiply-adds in the same order (the runs' groups in turn, from zero) as the AVX2
+// loop's lane for that token and row, and the eight lanes are summed by hsum8: the AVX2 loop's
+// scores bit for bit (tests/vq/vq_attention_kernels_test.cpp holds them against each other).
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+template <int W>
+VQ_ATTN512 inline __m512i pair_shift_control() {
+  // Dword lane i sits in qword i / 2 at byte 4 (i % 2); every qword holds the broadcast pair.
+  alignas(64) std::uint8_t c[64] = {};
+  for (int i = 0; i < 16; ++i) c[4 * i] = static_cast<std::uint8_t>(i < 8 ? i * W : 32 + (i - 8) * W);
+  return _mm512_load_si512(c);
+}
+
+// Group g's codes of tokens at p0 and p1 (group bytes), as 16 floats.
+template <int W>
+VQ_ATTN512 __attribute__((always_inline)) inline __m512 decode_pair(const std::uint8_t* p0, const std::uint8_t* p1, __m512i ctrl,
+                                                                    __m512 table) {
+  if constexpr (W <= 4) {
+    std::uint32_t x0, x1;
+    std::memcpy(&x0, p0, 4);  // W <= 4 bytes of the group; the buffer has 8 bytes of slack
+    std::memcpy(&x1, p1, 4);
+    const std::uint64_t v = x0 | (static_cast<std::uint64_t>(x1) << 32);
+    return _mm512_permutexvar_ps(_mm512_multishift_epi64_epi8(ctrl, _mm512_set1_epi64(static_cast<long long>(v))), table);
+  } else {
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(decode8<W>(p0))), _mm256_castps_pd(decode8<W>(p1)), 1));
+  }
+}
+
+// acc[p * 4 + r] += row r's query . the codes of tokens tok[2p] (low half) and tok[2p + 1] (high),
+// groups [g0, g1) of width W.
+template <int W>
+VQ_ATTN512 inline void score_run_512(const HeadFields& f, const std::uint8_t* const* tok, std::int64_t g0, std::int64_t g1, const float* q,
+                                     __m512* acc) {
+  const std::int64_t d = f.d;
+  __m512i ctrl = _mm512_setzero_si512();
+  __m512 table = _mm512_setzero_ps();
+  if constexpr (W <= 4) ctrl = pair_shift_control<W>(), table = code_table16<W>();
+  for (std::int64_t g = g0; g < g1; ++g) {
+    const std::uint32_t off = f.group_byte[g];
+    const __m512 x0 = decode_pair<W>(tok[0] + off, tok[1] + off, ctrl, table);
+    const __m512 x1 = decode_pair<W>(tok[2] + off, tok[3] + off, ctrl, table);
+    for (int r = 0; r < 4; ++r) {
+      const __m512 qv = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(q + r * d + 8 * g))));
+      acc[r] = _mm512_fmadd_ps(qv, x0, acc[r]);
+      acc[4 + r] = _mm512_fmadd_ps(qv, x1, acc[4 + r]);
+    }
+  }
+}
+// Scores of four query rows against tokens j .. j + 3 (score_tokens_by_width<4, 2> twice, same bits).
+VQ_ATTN512 void score_tokens_512(const HeadFields& f, const std::vector<Run>& runs, std::int64_t j, std::int64_t n, const float* q,
+                                 float* s) {
+  __m512 acc[8];
+  for (auto& a : acc) a = _mm512_setzero_ps();
+  const std::uint8_t* tok[4];
+  for (int t = 0; t < 4; ++t) tok[t] = f.rows + static_cast<std::size_t>(f.t0 + j + t) * f.row_bytes;
+  for (const Run& run : runs) {
+#define VQ_SCORE_RUN_512(w) score_run_512<w>(f, tok, run.g0, run.g1, q, acc)
+    switch (run.w) { VQ_WIDTH_CASES(VQ_SCORE_RUN_512) }
+#undef VQ_SCORE_RUN_512
+  }
+  const std::int64_t d = f.d, e = 8 * (d / 8);
+  const Fields src{f};
+  for (int p = 0; p < 2; ++p) {
+    __m256 lanes[8];  // AVX2's acc[t * 4 + r] for tokens 2p (t = 0) and 2p + 1 (t = 1)
+    for (int r = 0; r < 4; ++r) {
+      lanes[r] = _mm512_castps512_ps256(acc[4 * p + r]);
+      lanes[4 + r] = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[4 * p + r]), 1));
+    }
+    alignas(32) float out[8];
+    _mm256_store_ps(out, attn::simd::hsum8(lanes));
+    for (int t = 0; t < 2; ++t)
+      for (int r = 0; r < 4; ++r) {
+        const std::int64_t jt = j + 2 * p + t;
+        float v = out[t * 4 + r];
+        for (std::int64_t x = e; x < d; ++x) v += q[r * d + x] * src.scalar(jt, x);
+        s[r * n + jt] = v;
+      }
+  }
+}
+
+VQ_ATTN512 void score_rows_512(const HeadFields& f, const std::vector<Run>& runs, std::int64_t n, const float* q, float* s) {
+  std::int64_t j = 0;
+  for (; j + 4 <= n; j += 4) score_tokens_512(f, runs, j, n, q, s);
+  for (; j + 2 <= n; j += 2) score_tokens_by_width<4, 2>(f, runs, j, n, q, s);
+  for (; j < n; ++j) score_tokens_by_width<4, 1>(f, runs, j, n, q, s);
+}
+#pragma GCC diagnostic pop
+
 // s = the tile's codes scored (float32 input; before the step, c and the escapes).
 __attribute__((target("avx2,fma,f16c"))) void score_codes(const HeadFields& f, std::int64_t n, const float* q, std::int64_t nq, float* s,
                                                           Decode how) {
@@ -394,8 +490,14 @@ __attribute__((target("avx2,fma,f16c"))) void score_codes(const HeadFields& f, s
   if (how == Decode::kGeneric) return attn::simd::score(Fields{f}, n, d, q, nq, s);
   thread_local std::vector<Run> runs;
   width_runs(f, runs);
+  const bool wide = how == Decode::kByWidth && cpu_has_avx512_vbmi();
   std::int64_t r = 0;
-  for (; r + 4 <= nq; r += 4) score_rows_by_width<4>(f, runs, n, q + r * d, s + r * n);
+  for (; r + 4 <= nq; r += 4) {
+    if (wide)
+      score_rows_512(f, runs, n, q + r * d, s + r * n);
+    else
+      score_rows_by_width<4>(f, runs, n, q + r * d, s + r * n);
+  }
   switch (nq - r) {
     case 3: score_rows_by_width<3>(f, runs, n, q + r * d, s + r * n); break;
     case 2: score_rows_by_width<2>(f, runs, n, q + r * d, s + r * n); break;
