@@ -26,7 +26,7 @@ VQ_AVX2 __m256i dec_step(__m256i x, __m256i& code, const RegionTables& t, std::s
   const __m256i idx = _mm256_add_epi32(_mm256_and_si256(x, smask), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.dec_off + j)));
   const __m256i e = _mm256_i32gather_epi32(reinterpret_cast<const int*>(t.dec_pool), idx, 4);
   code = _mm256_srai_epi32(e, 24);
-  const __m256i freq = _mm256_add_epi32(_mm256_and_si256(e, fmask), _mm256_set1_epi32(1));
+  const __m256i freq = _mm256_and_si256(e, fmask);
   const __m256i bias = _mm256_and_si256(_mm256_srli_epi32(e, kF), fmask);
   return _mm256_add_epi32(_mm256_mullo_epi32(freq, _mm256_srlv_epi32(x, scale)), bias);
 }

@@ -30,29 +30,38 @@ VQ_AVX512 __m512i load16(const std::int32_t* p) { return _mm512_loadu_si512(p); 
 
 // 16 lanes, each with its column's precision: slot = x & (2^scale - 1), then
 // x = freq * (x >> scale) + (slot - cum), code = the entry's top byte.
-// The product freq * y (both < 2^32, product < 2^32) by two vpmuludq (even and odd lanes): a
-// shorter dependency chain than vpmulld's.
-VQ_AVX512 __m512i mul32(__m512i freq, __m512i y) {
-  const __m512i even = _mm512_mul_epu32(freq, y);
-  const __m512i odd = _mm512_mul_epu32(_mm512_srli_epi64(freq, 32), _mm512_srli_epi64(y, 32));
-  return _mm512_mask_blend_epi32(0xAAAA, even, _mm512_slli_epi64(odd, 32));
-}
-
+template <int S>
 VQ_AVX512 __m512i dec_step(__m512i x, __m512i& code, const std::int32_t* col_scale, const std::int32_t* dec_off, const std::uint32_t* pool) {
   const __m512i fmask = _mm512_set1_epi32((1 << kF) - 1);
-  const __m512i scale = load16(col_scale);
-  const __m512i one = _mm512_set1_epi32(1);
-  const __m512i smask = _mm512_sub_epi32(_mm512_sllv_epi32(one, scale), one);
-  const __m512i idx = _mm512_add_epi32(_mm512_and_si512(x, smask), load16(dec_off));
-  const __m512i e = _mm512_i32gather_epi32(idx, pool, 4);
+  __m512i slot, y;
+  if constexpr (S > 0) {
+    slot = _mm512_and_si512(x, _mm512_set1_epi32((1 << S) - 1));
+    y = _mm512_srli_epi32(x, S);
+  } else {
+    const __m512i scale = load16(col_scale);
+    const __m512i one = _mm512_set1_epi32(1);
+    slot = _mm512_and_si512(x, _mm512_sub_epi32(_mm512_sllv_epi32(one, scale), one));
+    y = _mm512_srlv_epi32(x, scale);
+  }
+  const __m512i e = _mm512_i32gather_epi32(_mm512_add_epi32(slot, load16(dec_off)), pool, 4);
   code = _mm512_srai_epi32(e, 24);
-  const __m512i freq = _mm512_add_epi32(_mm512_and_si512(e, fmask), one);
+  const __m512i freq = _mm512_and_si512(e, fmask);
   const __m512i bias = _mm512_and_si512(_mm512_srli_epi32(e, kF), fmask);
-  return _mm512_add_epi32(mul32(freq, _mm512_srlv_epi32(x, scale)), bias);
+  return _mm512_add_epi32(_mm512_mullo_epi32(freq, y), bias);
+}
+
+// 32 int32 codes (two vectors, lane order) stored as 32 int16 in order: vpackssdw packs them per
+// 128-bit lane (a0-3 b0-3 a4-7 ...), one vpermq puts the quadwords in order (4 uops for 32 codes
+// against 6 for two vpmovdw).
+VQ_AVX512 void store32(std::int16_t* out, __m512i a, __m512i b) {
+  const __m512i order = _mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7);
+  _mm512_storeu_si512(out, _mm512_permutexvar_epi64(order, _mm512_packs_epi32(a, b)));
 }
 
 // Lanes with x < 2^15 take the next words in lane order: 16 words are loaded (the caller keeps
 // 32 bytes readable), expanded into the needing lanes, shifted in; p moves by the words taken.
+// (Measured and not kept: the V vectors' start offsets as popcounts of one 64-bit mask of all
+// needs, independent of each other instead of p moved vector by vector: ~10 % slower.)
 VQ_AVX512 __m512i refill(__m512i x, const std::uint8_t*& p, __m512i low) {
   const __mmask16 need = _mm512_cmplt_epu32_mask(x, low);
   const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
@@ -62,7 +71,9 @@ VQ_AVX512 __m512i refill(__m512i x, const std::uint8_t*& p, __m512i low) {
 
 // The encoder step of 16 lanes: the packed constants (rans_kernels.hpp's pack_enc) of es[idx],
 // renormalise while x >= freq << (31 - scale), then x = x + bias + (mulhi(x, rcp) >> shift) * cmpl.
-VQ_AVX512 __m512i enc_step(__m512i x, __m512i idx, __m512i scale, const std::uint64_t* es, std::uint16_t*& ptr) {
+// S: the region's one precision, or 0 (each lane's from scale).
+template <int S>
+VQ_AVX512 __m512i enc_step(__m512i x, __m512i idx, const std::int32_t* col_scale, const std::uint64_t* es, std::uint16_t*& ptr) {
   const auto* base = reinterpret_cast<const long long*>(es);
   const __m512i lo8 = _mm512_i32gather_epi64(_mm512_castsi512_si256(idx), base, 8);        // lanes 0..7
   const __m512i hi8 = _mm512_i32gather_epi64(_mm512_extracti64x4_epi64(idx, 1), base, 8);  // lanes 8..15
@@ -73,8 +84,14 @@ VQ_AVX512 __m512i enc_step(__m512i x, __m512i idx, __m512i scale, const std::uin
   const __m512i bias = _mm512_and_si512(hw, f13);
   const __m512i cmpl = _mm512_and_si512(_mm512_srli_epi32(hw, 13), f13);
   const __m512i shift = _mm512_srli_epi32(hw, 26);
-  const __m512i total = _mm512_sllv_epi32(_mm512_set1_epi32(1), scale);
-  const __m512i x_max = _mm512_sllv_epi32(_mm512_sub_epi32(total, cmpl), _mm512_sub_epi32(_mm512_set1_epi32(31), scale));
+  __m512i x_max;
+  if constexpr (S > 0) {
+    x_max = _mm512_slli_epi32(_mm512_sub_epi32(_mm512_set1_epi32(1 << S), cmpl), 31 - S);
+  } else {
+    const __m512i scale = load16(col_scale);
+    const __m512i total = _mm512_sllv_epi32(_mm512_set1_epi32(1), scale);
+    x_max = _mm512_sllv_epi32(_mm512_sub_epi32(total, cmpl), _mm512_sub_epi32(_mm512_set1_epi32(31), scale));
+  }
   // x_max may be 2^31: an unsigned compare.
   const __mmask16 need = _mm512_cmpge_epu32_mask(x, x_max);
   const unsigned cnt = static_cast<unsigned>(__builtin_popcount(need));
@@ -94,7 +111,7 @@ VQ_AVX512 __m512i enc_step(__m512i x, __m512i idx, __m512i scale, const std::uin
 namespace {
 
 // The kernels on V vectors of 16 lanes: a group of 16 V symbols (V = 2: 32 lanes, V = 4: 64 lanes).
-template <int V>
+template <int V, int S>
 VQ_AVX512_TARGET const std::uint8_t* decode_lanes(std::uint32_t* x, std::int16_t* codes, std::size_t& i, std::size_t n, std::size_t j,
                                                   const RegionTables& t, const std::uint8_t* p, const std::uint8_t* end) {
   constexpr std::size_t G = 16 * V;
@@ -105,20 +122,23 @@ VQ_AVX512_TARGET const std::uint8_t* decode_lanes(std::uint32_t* x, std::int16_t
   const std::int32_t *const col_scale = t.col_scale, *const dec_off = t.dec_off;  // (codes may alias t for the compiler)
   const std::uint32_t* const pool = t.dec_pool;
   // A group takes at most G words (2 G bytes); each refill loads 32 bytes from where it starts.
-  while (n - i >= G && static_cast<std::size_t>(end - p) >= 2 * G) {
+  // k: i in a register (through the reference, the compiler reloaded it after every store).
+  std::size_t k = i;
+  while (n - k >= G && static_cast<std::size_t>(end - p) >= 2 * G) {
     __m512i C[V];
-    for (int v = 0; v < V; ++v) X[v] = dec_step(X[v], C[v], col_scale + j + 16 * v, dec_off + j + 16 * v, pool);
+    for (int v = 0; v < V; ++v) X[v] = dec_step<S>(X[v], C[v], col_scale + j + 16 * v, dec_off + j + 16 * v, pool);
     for (int v = 0; v < V; ++v) X[v] = refill(X[v], p, low);
-    for (int v = 0; v < V; ++v) _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + i + 16 * v), _mm512_cvtepi32_epi16(C[v]));
-    i += G;
+    for (int v = 0; v < V; v += 2) store32(codes + k + 16 * v, C[v], C[v + 1]);
+    k += G;
     j += step;
     if (j >= m) j -= m;
   }
+  i = k;
   for (int v = 0; v < V; ++v) _mm512_storeu_si512(x + 16 * v, X[v]);
   return p;
 }
 
-template <int V>
+template <int V, int S>
 VQ_AVX512_TARGET std::uint16_t* encode_lanes(std::uint32_t* x, const std::int16_t* codes, std::size_t i0, std::size_t i1, std::size_t j1,
                                              const RegionTables& t, std::uint16_t* ptr) {
   constexpr std::size_t G = 16 * V;
@@ -132,7 +152,7 @@ VQ_AVX512_TARGET std::uint16_t* encode_lanes(std::uint32_t* x, const std::int16_
     // The highest lanes first: their words lie above those of the lanes below.
     for (int v = V - 1; v >= 0; --v) {
       const __m512i c = _mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 16 * v)));
-      X[v] = enc_step(X[v], _mm512_add_epi32(c, load16(t.enc_off + j + 16 * v)), load16(t.col_scale + j + 16 * v), t.enc_pool, ptr);
+      X[v] = enc_step<S>(X[v], _mm512_add_epi32(c, load16(t.enc_off + j + 16 * v)), t.col_scale + j + 16 * v, t.enc_pool, ptr);
     }
   }
   for (int v = 0; v < V; ++v) _mm512_storeu_si512(x + 16 * v, X[v]);
@@ -144,12 +164,26 @@ VQ_AVX512_TARGET std::uint16_t* encode_lanes(std::uint32_t* x, const std::int16_
 VQ_AVX512_TARGET const std::uint8_t* decode_region_avx512(std::uint32_t* x, std::int16_t* codes, std::size_t& i, std::size_t n,
                                                           std::size_t j, const RegionTables& t, const std::uint8_t* p,
                                                           const std::uint8_t* end) {
-  return t.lanes == 64 ? decode_lanes<4>(x, codes, i, n, j, t, p, end) : decode_lanes<2>(x, codes, i, n, j, t, p, end);
+  // The region's one precision as a constant where its columns share it (most regions: every
+  // column of a 7B-shaped layer at 2 bits has a 10-bit table), else each lane's own.
+  switch ((t.lanes == 64 ? 100 : 0) + t.uniform_scale) {
+    case 110: return decode_lanes<4, 10>(x, codes, i, n, j, t, p, end);
+    case 112: return decode_lanes<4, 12>(x, codes, i, n, j, t, p, end);
+    case 10: return decode_lanes<2, 10>(x, codes, i, n, j, t, p, end);
+    case 12: return decode_lanes<2, 12>(x, codes, i, n, j, t, p, end);
+    default: return t.lanes == 64 ? decode_lanes<4, 0>(x, codes, i, n, j, t, p, end) : decode_lanes<2, 0>(x, codes, i, n, j, t, p, end);
+  }
 }
 
 VQ_AVX512_TARGET std::uint16_t* encode_region_avx512(std::uint32_t* x, const std::int16_t* codes, std::size_t i0, std::size_t i1,
                                                      std::size_t j1, const RegionTables& t, std::uint16_t* ptr) {
-  return t.lanes == 64 ? encode_lanes<4>(x, codes, i0, i1, j1, t, ptr) : encode_lanes<2>(x, codes, i0, i1, j1, t, ptr);
+  switch ((t.lanes == 64 ? 100 : 0) + t.uniform_scale) {
+    case 110: return encode_lanes<4, 10>(x, codes, i0, i1, j1, t, ptr);
+    case 112: return encode_lanes<4, 12>(x, codes, i0, i1, j1, t, ptr);
+    case 10: return encode_lanes<2, 10>(x, codes, i0, i1, j1, t, ptr);
+    case 12: return encode_lanes<2, 12>(x, codes, i0, i1, j1, t, ptr);
+    default: return t.lanes == 64 ? encode_lanes<4, 0>(x, codes, i0, i1, j1, t, ptr) : encode_lanes<2, 0>(x, codes, i0, i1, j1, t, ptr);
+  }
 }
 
 // The side pass (codec_kernels.hpp): 32 columns a vector, rows in order; the shifts by vpsravw.
@@ -198,7 +232,7 @@ VQ_AVX512 void add_bytes(std::uint32_t* acc, __m128i b) {
 // 32..63), in 8-bit counters flushed every 127 row pairs; those of `wide` one by one, row by row
 // (so each row's 64 bytes are read once); tail: the columns that exist.
 template <int A>
-VQ_AVX512_TARGET void count_columns(const std::int16_t* hi, std::size_t n, std::size_t c, std::size_t rows, __mmask32 tail, __mmask32 lanes,
+VQ_AVX512_TARGET void count_columns(const std::int16_t* hi, std::size_t stride, std::size_t c, std::size_t rows, __mmask32 tail, __mmask32 lanes,
                                     __mmask32 wide, const std::int32_t* hoff, const int* amax, std::uint32_t* hist) {
   std::uint32_t acc[2 * A + 1][64] = {};
   const __m512i one = _mm512_set1_epi8(1);
@@ -210,10 +244,10 @@ VQ_AVX512_TARGET void count_columns(const std::int16_t* hi, std::size_t n, std::
     for (std::size_t r = r0; r < r1; r += 2) {
       const bool pair = r + 1 < r1;
       // The rows are n codes apart: fetch ahead (prefetches past the end are harmless hints).
-      _mm_prefetch(reinterpret_cast<const char*>(hi + (r + 16) * n + c), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(hi + (r + 17) * n + c), _MM_HINT_T0);
-      const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(row_bytes(hi + r * n + c, tail, wide, hoff + c, hist)),
-                                             pair ? row_bytes(hi + (r + 1) * n + c, tail, wide, hoff + c, hist) : _mm256_setzero_si256(), 1);
+      _mm_prefetch(reinterpret_cast<const char*>(hi + (r + 16) * stride + c), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(hi + (r + 17) * stride + c), _MM_HINT_T0);
+      const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(row_bytes(hi + r * stride + c, tail, wide, hoff + c, hist)),
+                                             pair ? row_bytes(hi + (r + 1) * stride + c, tail, wide, hoff + c, hist) : _mm256_setzero_si256(), 1);
       const __mmask64 live = pair ? both : static_cast<__mmask64>(lanes);
 #pragma GCC unroll 32
       for (int k = 0; k <= 2 * A; ++k)
@@ -239,7 +273,7 @@ constexpr int kNarrow = 8;
 
 }  // namespace
 
-VQ_AVX512_TARGET void side_hist_avx512(const std::int16_t* hi, std::size_t rows, std::size_t n, const int* amax, const std::int32_t* hoff,
+VQ_AVX512_TARGET void side_hist_avx512(const std::int16_t* hi, std::size_t rows, std::size_t n, std::size_t stride, const int* amax, const std::int32_t* hoff,
                                        std::uint32_t* hist) {
   for (std::size_t c = 0; c < n; c += 32) {
     const std::size_t w = std::min<std::size_t>(32, n - c);
@@ -261,7 +295,7 @@ VQ_AVX512_TARGET void side_hist_avx512(const std::int16_t* hi, std::size_t rows,
     switch (A) {
 #define VQ_COUNT(a) \
   case a:           \
-    count_columns<a>(hi, n, c, rows, tail, lanes, wide, hoff, amax, hist); \
+    count_columns<a>(hi, stride, c, rows, tail, lanes, wide, hoff, amax, hist); \
     break;
       VQ_COUNT(0) VQ_COUNT(1) VQ_COUNT(2) VQ_COUNT(3) VQ_COUNT(4) VQ_COUNT(5) VQ_COUNT(6) VQ_COUNT(7) VQ_COUNT(8)
 #undef VQ_COUNT

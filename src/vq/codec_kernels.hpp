@@ -30,8 +30,11 @@ struct RegionTables {
   // Per column (j = 0 .. m + 63, as the offsets) its table's precision: 2^scale slots (10 or 12;
   // version 4 chooses it per coefficient, so one lane's tables may be 1 K and the next lane's 4 K).
   const std::int32_t* col_scale = nullptr;
-  // Decoder: one entry per slot, (freq - 1) | (slot - cum) << 12 | (code & 0xff) << 24 (12-bit
-  // fields whatever the scale), tables of 2^scale entries one after the other (4 KiB each at
+  // The precision every column shares (10 or 12), or 0 when they differ: the AVX-512 decoder then
+  // takes it as a constant (no per-lane shift and mask).
+  int uniform_scale = 0;
+  // Decoder: one entry per slot, freq | (slot - cum) << 12 | (code & 0xff) << 24 (12-bit fields
+  // whatever the scale: a coded column has amax >= 1, so >= 3 symbols and freq <= 2^12 - 2), tables of 2^scale entries one after the other (4 KiB each at
   // scale 10, so the ~120 tables of a 7B-shaped layer at 2 bits fit L2: one gather per 8 lanes).
   const std::int32_t* dec_off = nullptr;      // offset of the column's table in dec_pool
   const std::uint32_t* dec_pool = nullptr;
@@ -60,9 +63,9 @@ std::uint16_t* encode_region_avx512(std::uint32_t* x, const std::int16_t* codes,
 // (n entries) = max over rows of |hi| as an unsigned 16-bit value (|-32768| reads 32768).
 void side_hi_avx512(const std::int16_t* codes, const std::uint8_t* shift, std::size_t rows, std::size_t n, std::int16_t* hi,
                     std::uint16_t* amax);
-// Adds the histograms of a side's hi parts [rows, n] to hist: column c's value v (|v| <= amax[c])
+// Adds the histograms of a side's hi parts [rows, n], row r at hi + r * stride, to hist: column c's value v (|v| <= amax[c])
 // at hist[hoff[c] + v]. Columns of small amax are counted 32 at a time with compares.
-void side_hist_avx512(const std::int16_t* hi, std::size_t rows, std::size_t n, const int* amax, const std::int32_t* hoff,
+void side_hist_avx512(const std::int16_t* hi, std::size_t rows, std::size_t n, std::size_t stride, const int* amax, const std::int32_t* hoff,
                       std::uint32_t* hist);
 
 }  // namespace vq::vq_codec_detail

@@ -648,6 +648,42 @@ TEST(VqCodec, VersionSixLongStreamsUse64LanesInEveryKernel) {
   }
 }
 
+// Regions whose columns share one table precision take the AVX-512 kernels' constant-precision
+// paths (RegionTables::uniform_scale: every column 10-bit, every column 12-bit), the others the
+// per-lane one; each on 32 lanes (short streams) and 64 (>= 2^18 symbols): every kernel writes the
+// reference's bytes and decodes them. sigma per column: 1.5 (amax <= 63: 10-bit), 45 (amax 64-127:
+// 12-bit, still the fast decoder's byte), or both in one side.
+TEST(VqCodec, RegionsOfOneOrMixedPrecisionsAgreeWithTheReference) {
+  auto make = [](std::int64_t tokens, int n, int mode, std::uint64_t seed) {
+    std::mt19937_64 rng(seed);
+    vq::VqLayerCodes lc;
+    lc.batch = 1;
+    lc.tokens = tokens;
+    for (vq::VqSideCodes* s : {&lc.k, &lc.v}) {
+      s->n = n;
+      s->offset.assign(static_cast<std::size_t>(n), 0);
+      s->codes.resize(static_cast<std::size_t>(tokens * n));
+      for (std::int64_t r = 0; r < tokens; ++r)
+        for (int c = 0; c < n; ++c) {
+          const bool wide = mode == 1 || (mode == 2 && c % 5 == 2);
+          std::normal_distribution<double> g(0.0, wide ? 45.0 : 1.5);
+          s->codes[static_cast<std::size_t>(r * n + c)] = static_cast<std::int16_t>(std::clamp<long>(std::lround(g(rng)), -127, 127));
+        }
+      // Every wide column reaches past 63 and every narrow one stays within it.
+      for (int c = 0; c < n; ++c) {
+        const bool wide = mode == 1 || (mode == 2 && c % 5 == 2);
+        s->codes[static_cast<std::size_t>(c)] = static_cast<std::int16_t>(wide ? 100 : 0);
+      }
+    }
+    return lc;
+  };
+  for (int mode = 0; mode < 3; ++mode)
+    for (const std::int64_t tokens : {std::int64_t{300}, std::int64_t{2100}}) {  // 2 x 300 x 70: 32 lanes; 2 x 2100 x 70: 64
+      SCOPED_TRACE(::testing::Message() << "mode " << mode << ", " << tokens << " tokens");
+      expect_kernels_agree(make(tokens, 70, mode, static_cast<std::uint64_t>(mode * 10 + tokens)));
+    }
+}
+
 // vq_decode into a caller's VqLayerCodes: its code buffers are reused as they are (junk of the right
 // size is overwritten in place, without reallocation; other sizes are resized), whatever the version,
 // kernel and side layout (zero columns, split columns, row copies), with the result vq_decode returns.
