@@ -142,10 +142,25 @@ TEST(VqReconstructKernels, WholeRowTilesAreTheStatesRows) {
   const int kv_heads = 4, hd = 8;
   const auto model = std::make_shared<const vq::VqLayerModel>(vqtest::random_weights_layer_model(kv_heads, hd, 32, 77));
   ASSERT_EQ(model->k.col_span, kv_heads * hd);
+  // Tiles of 7 and 64 tokens and the whole cache; batch row 1's whole-cache tile, the last one
+  // read, is read first too (what a tile kept from before a change would be mistaken for), before
+  // state(), whose own reads would replace a kept tile. (Without the renewal of seal_gen_ in
+  // trim, "trimmed and refed" fails here.)
   auto check = [&](const vq::VqKVCache& c, const char* what) {
-    const vq::KVState st = c.state();
     const std::int64_t T = c.offset();
     std::vector<float> scratch(static_cast<std::size_t>(T * hd));
+    std::vector<float> first[2];
+    for (int side = 0; side < 2; ++side) {
+      const float* got = side == 0 ? c.read_key_tile(1, 3, 0, T, scratch.data()) : c.read_value_tile(1, 3, 0, T, scratch.data());
+      first[side].assign(got, got + T * hd);
+    }
+    const vq::KVState st = c.state();
+    for (int side = 0; side < 2; ++side) {
+      const vq::Tensor& want = side == 0 ? st.keys : st.values;
+      std::vector<float> ref(static_cast<std::size_t>(T * hd));
+      vq::to_f32(want.row(1, 3, 0), want.dtype(), ref.data(), ref.size());
+      ASSERT_EQ(std::memcmp(first[side].data(), ref.data(), ref.size() * sizeof(float)), 0) << what << " side " << side << ", first read";
+    }
     for (const std::int64_t tile : {std::int64_t{7}, std::int64_t{64}, T})
       for (std::int64_t t0 = 0; t0 < T; t0 += tile) {
         const std::int64_t n = std::min(tile, T - t0);
