@@ -562,11 +562,20 @@ void VqKVCache::read_rows(int side, std::int64_t b, std::int64_t h, std::int64_t
   // construction, reset, trim and unseal: the changes that are not appends) and the token counts.
   if (!tr.identity() && tr.col_span == nc && H * d == nc && sz(H * d * nc) == tr.inv_cols.size()) {
     struct Tile {
-      std::uint64_t gen = 0, w_gen = 0;
+      std::uint64_t gen = 0;
       std::int64_t b = -1, t0 = -1, n = -1, offset = -1, quantized = -1;
-      std::vector<float> rows, y, acc, part, w;
+      std::vector<float> rows, y, acc, part;
     };
     thread_local Tile tiles[2];
+    // The whole-row matrices of the layer models read lately (a decode step reads every layer in
+    // turn), named by the model's control block: a weak_ptr keeps it from being reused by another
+    // model while the entry lives.
+    struct Matrix {
+      std::weak_ptr<const VqLayerModel> model;
+      std::vector<float> w;
+    };
+    thread_local std::vector<Matrix> matrices[2];
+    thread_local std::size_t next_matrix = 0;
     Tile& s = tiles[side];
     if (!(s.gen == seal_gen_ && s.b == b && s.t0 == t0 && s.n == n && s.offset == offset_ && s.quantized == quantized_)) {
       s.gen = 0;  // invalid until filled
@@ -634,15 +643,23 @@ void VqKVCache::read_rows(int side, std::int64_t b, std::int64_t h, std::int64_t
         const auto& e = st.escapes[sz(b)];
         for (auto it = std::lower_bound(e.begin(), e.end(), pa, [](const Escape& x, std::int64_t t) { return x.t < t; }); it != e.end() && it->t < qb; ++it)
           s.y[sz(it->t - qa) * sz(nc) + sz(it->c)] = sq.mean[sz(it->c)] + static_cast<float>(it->q) * step;
-        if (s.w_gen != seal_gen_ || s.w.size() != sz(nc) * sz(nc)) {  // the layer's matrix: fixed for a cache's life
-          s.w.resize(sz(nc) * sz(nc));
-          vq_whole_row_matrix(tr.inv_cols.data(), nc, static_cast<int>(H), s.w.data());
-          s.w_gen = seal_gen_;
+        std::vector<Matrix>& ms = matrices[side];
+        auto same = [&](const Matrix& x) { return !x.model.owner_before(layer_) && !layer_.owner_before(x.model) && !x.model.expired(); };
+        auto mit = std::find_if(ms.begin(), ms.end(), same);
+        if (mit == ms.end()) {
+          // Layers' matrices kept per side and thread: up to 64, and 1 MiB of them (n x n floats each).
+          const std::size_t kKept = std::clamp<std::size_t>((std::size_t{1} << 18) / (sz(nc) * sz(nc)), 1, 64);
+          if (ms.size() < kKept) mit = ms.insert(ms.end(), Matrix{});
+          else mit = ms.begin() + static_cast<std::ptrdiff_t>(next_matrix++ % kKept);
+          mit->model = layer_;
+          mit->w.resize(sz(nc) * sz(nc));
+          vq_whole_row_matrix(tr.inv_cols.data(), nc, static_cast<int>(H), mit->w.data());
         }
+        const std::vector<float>& w = mit->w;
         const auto rope = side == 0 ? vq_rope_table(layer_->rope_freq, qb) : nullptr;
         s.acc.resize(sz(m) * sz(nc));
         float* dst = m == n ? s.rows.data() : (s.part.resize(sz(H) * sz(m) * sz(d)), s.part.data());
-        vq_all_head_rows(s.w.data(), nc, static_cast<int>(H), s.y.data(), m, rope.get(), qa, s.acc.data(), dst);
+        vq_all_head_rows(w.data(), nc, static_cast<int>(H), s.y.data(), m, rope.get(), qa, s.acc.data(), dst);
         if (dtype != DType::F32) round_through(dst, sz(H) * sz(m) * sz(d), dtype);  // what a fetch in that dtype holds
         if (m != n)
           for (std::int64_t hh = 0; hh < H; ++hh)
