@@ -11,18 +11,17 @@
 
 #include <fmt/core.h>
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#include <immintrin.h>
-#endif
-
 #include "veloxquant/core/dtype.hpp"
 #include "veloxquant/core/error.hpp"
 #include "veloxquant/model/method_spec.hpp"
+#include "matmul.hpp"
 #include "method_spec_vq.hpp"
 
 namespace vq {
 
 namespace {
+
+using detail::matmul_t;
 
 constexpr float kRmsEps = 1e-5f;
 constexpr float kRopeTheta = 10000.0f;
@@ -30,114 +29,6 @@ constexpr float kRopeTheta = 10000.0f;
 std::size_t sz(long long v) { return static_cast<std::size_t>(v); }
 
 int round_up8(int v) { return (v + 7) / 8 * 8; }
-
-// out[t, o] = sum_i in[t, i] * wt[i, o] for t < n, o < out_dim, with wt the TRANSPOSED nn.Linear
-// weight [in_dim, ws] (ws >= out_dim: padded row stride); in rows are `is` floats apart, out rows
-// `os`. Each output sums its products in order i = 0, 1, ..., starting from 0, exactly as run.c's
-// matmul does: vectorising over outputs reassociates nothing. This is the portable version; the
-// AVX2 one below computes the same roundings.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-__attribute__((target_clones("avx2", "default")))
-#endif
-void matmul_ref(float* __restrict out, std::size_t os, const float* __restrict in, std::size_t is, const float* __restrict wt,
-                std::size_t ws, int n, int in_dim, int out_dim) {
-  const std::size_t O = static_cast<std::size_t>(out_dim);
-  for (int t = 0; t < n; ++t) {
-    const float* x = in + static_cast<std::size_t>(t) * is;
-    float* __restrict y = out + static_cast<std::size_t>(t) * os;
-    for (std::size_t o = 0; o < O; ++o) y[o] = 0.0f;
-    for (int i = 0; i < in_dim; ++i) {
-      const float xi = x[i];
-      const float* __restrict w = wt + static_cast<std::size_t>(i) * ws;
-      for (std::size_t o = 0; o < O; ++o) y[o] += xi * w[o];
-    }
-  }
-}
-
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define VQ_AVX2_PATH 1
-#define VQ_AVX2 __attribute__((target("avx2")))
-
-bool cpu_has_avx2() {
-  static const bool has = __builtin_cpu_supports("avx2");
-  return has;
-}
-
-// R rows x NV vectors of 8 outputs, accumulated in registers over the whole input: acc = 0, then
-// acc = acc + x_i * w_i in order i (a separate multiply and add: no FMA, same roundings as run.c).
-template <int R, int NV>
-VQ_AVX2 inline void mm_block(float* y, std::size_t ys, const float* x, std::size_t xs, const float* w, std::size_t ws, int in_dim, int o0,
-                             int out_dim) {
-  __m256 acc[R][NV];
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 8
-    for (int v = 0; v < NV; ++v) acc[r][v] = _mm256_setzero_ps();
-  const float* wp = w + o0;
-  for (int i = 0; i < in_dim; ++i, wp += ws) {
-    __m256 b[R];
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) b[r] = _mm256_broadcast_ss(x + static_cast<std::size_t>(r) * xs + i);
-#pragma GCC unroll 8
-    for (int v = 0; v < NV; ++v) {
-      const __m256 wv = _mm256_loadu_ps(wp + 8 * v);
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) acc[r][v] = _mm256_add_ps(acc[r][v], _mm256_mul_ps(b[r], wv));
-    }
-  }
-#pragma GCC unroll 8
-  for (int v = 0; v < NV; ++v) {
-    const int o = o0 + 8 * v;
-    if (o + 8 <= out_dim) {
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + static_cast<std::size_t>(r) * ys + o, acc[r][v]);
-    } else if (o < out_dim) {
-      const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-      const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(out_dim - o), lane);
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) _mm256_maskstore_ps(y + static_cast<std::size_t>(r) * ys + o, mask, acc[r][v]);
-    }
-  }
-}
-
-// matmul_ref's result, register-blocked. ws must be a multiple of 8 with zero padding past out_dim.
-VQ_AVX2 void matmul_avx2(float* out, std::size_t os, const float* in, std::size_t is, const float* wt, std::size_t ws, int n, int in_dim,
-                         int out_dim) {
-  const int op = static_cast<int>(ws);
-  int t = 0;
-  for (; t + 4 <= n; t += 4) {
-    float* y = out + static_cast<std::size_t>(t) * os;
-    const float* x = in + static_cast<std::size_t>(t) * is;
-    int o = 0;
-    for (; o + 16 <= op && o < out_dim; o += 16) mm_block<4, 2>(y, os, x, is, wt, ws, in_dim, o, out_dim);
-    for (; o < out_dim; o += 8) mm_block<4, 1>(y, os, x, is, wt, ws, in_dim, o, out_dim);
-  }
-  for (; t < n; ++t) {
-    float* y = out + static_cast<std::size_t>(t) * os;
-    const float* x = in + static_cast<std::size_t>(t) * is;
-    int o = 0;
-    for (; o + 64 <= op && o < out_dim; o += 64) mm_block<1, 8>(y, os, x, is, wt, ws, in_dim, o, out_dim);
-    // The rest in one block: as many independent accumulators as possible.
-    if (o >= out_dim) continue;
-    switch ((std::min(op, out_dim + 7) - o) / 8) {
-      case 1: mm_block<1, 1>(y, os, x, is, wt, ws, in_dim, o, out_dim); break;
-      case 2: mm_block<1, 2>(y, os, x, is, wt, ws, in_dim, o, out_dim); break;
-      case 3: mm_block<1, 3>(y, os, x, is, wt, ws, in_dim, o, out_dim); break;
-      case 4: mm_block<1, 4>(y, os, x, is, wt, ws, in_dim, o, out_dim); break;
-      case 5: mm_block<1, 5>(y, os, x, is, wt, ws, in_dim, o, out_dim); break;
-      case 6: mm_block<1, 6>(y, os, x, is, wt, ws, in_dim, o, out_dim); break;
-      default: mm_block<1, 7>(y, os, x, is, wt, ws, in_dim, o, out_dim); break;
-    }
-  }
-}
-#endif
-
-void matmul_t(float* out, std::size_t os, const float* in, std::size_t is, const float* wt, std::size_t ws, int n, int in_dim, int out_dim) {
-#ifdef VQ_AVX2_PATH
-  if (cpu_has_avx2() && ws % 8 == 0) return matmul_avx2(out, os, in, is, wt, ws, n, in_dim, out_dim);
-#endif
-  matmul_ref(out, os, in, is, wt, ws, n, in_dim, out_dim);
-}
 
 // Per layer, [rows, cols] -> [cols, rows_pad], zero-filled past rows.
 std::vector<float> transpose_layers(const std::vector<float>& w, int layers, int rows, int cols, int rows_pad) {

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <mutex>
 
 #if defined(__x86_64__)
@@ -83,7 +84,157 @@ bool have_avx2() { return false; }
 
 constexpr int kTile = 6;  // tokens per pass (12 accumulators + 2 columns + 1 broadcast of 16 ymm registers)
 
+#if defined(__x86_64__)
+// The all-heads product (vq_all_head_rows) on AVX-512: TT tokens x NB blocks of 16 outputs per
+// pass, each of w's rows loaded once for the TT tokens; y and acc have row stride n. Product then
+// add (_mm512_mul_ps, _mm512_add_ps), j ascending from 0: the scalar path's roundings.
+template <int TT, int NB>
+__attribute__((target("avx512f"))) inline void tile_avx512(const float* __restrict w, int n, const float* __restrict y, int i0,
+                                                          float* __restrict acc) {
+  __m512 a[TT][NB];
+  for (int t = 0; t < TT; ++t)
+    for (int k = 0; k < NB; ++k) a[t][k] = _mm512_setzero_ps();
+  for (int j = 0; j < n; ++j) {
+    __m512 c[NB];
+    for (int k = 0; k < NB; ++k) c[k] = _mm512_loadu_ps(w + sz(j) * sz(n) + sz(i0 + 16 * k));
+    for (int t = 0; t < TT; ++t) {
+      const __m512 yb = _mm512_set1_ps(y[sz(t) * sz(n) + sz(j)]);
+      for (int k = 0; k < NB; ++k) a[t][k] = _mm512_add_ps(a[t][k], _mm512_mul_ps(c[k], yb));
+    }
+  }
+  for (int t = 0; t < TT; ++t)
+    for (int k = 0; k < NB; ++k) _mm512_storeu_ps(acc + sz(t) * sz(n) + sz(i0 + 16 * k), a[t][k]);
+}
+
+// TT tokens, all n outputs: blocks of 32, then of 16, then the rest scalar.
+template <int TT>
+__attribute__((target("avx512f"))) void tokens_avx512(const float* w, int n, const float* y, float* acc) {
+  int i0 = 0;
+  for (; i0 + 32 <= n; i0 += 32) tile_avx512<TT, 2>(w, n, y, i0, acc);
+  for (; i0 + 16 <= n; i0 += 16) tile_avx512<TT, 1>(w, n, y, i0, acc);
+  if (i0 < n)
+    for (int t = 0; t < TT; ++t) scalar_outputs(w, n, n, y + sz(t) * sz(n), i0, n, acc + sz(t) * sz(n));
+}
+
+constexpr int kTile512 = 12;  // 24 accumulators + 2 rows of w + 1 broadcast of 32 zmm registers
+
+template <int TT>
+void tokens_avx512_upto(const float* w, int n, const float* y, std::int64_t tokens, float* acc) {
+  if constexpr (TT > 0) {
+    if (tokens == TT) return tokens_avx512<TT>(w, n, y, acc);
+    tokens_avx512_upto<TT - 1>(w, n, y, tokens, acc);
+  }
+}
+
+// Keys re-rotated 4 pairs (8 values) at a time in double, from acc rows (stride n, head h at h * d)
+// into head-major out: x * (c, c) + swap(x) * (-s, s), i.e. (v0 c - v1 s, v1 c + v0 s): the same
+// products, and a + (-b) = a - b, b + a = a + b exactly, so the same bits as rotate_row.
+__attribute__((target("avx512f"))) void rotate_all_avx512(const float* acc, int n, int heads, int d, std::int64_t tokens,
+                                                          const VqRopeTable& rope, std::int64_t pos0, float* out) {
+  const __m512i even = _mm512_set_epi64(6, 6, 4, 4, 2, 2, 0, 0), odd = _mm512_set_epi64(7, 7, 5, 5, 3, 3, 1, 1);
+  const __m512i neg_even = _mm512_set_epi64(0, INT64_MIN, 0, INT64_MIN, 0, INT64_MIN, 0, INT64_MIN);
+  for (std::int64_t t = 0; t < tokens; ++t) {
+    const double* cs = rope.at(pos0 + t);
+    for (int p0 = 0; p0 < d; p0 += 8) {
+      const __m512d csv = _mm512_loadu_pd(cs + p0);
+      const __m512d c = _mm512_permutexvar_pd(even, csv);
+      const __m512d s = _mm512_castsi512_pd(_mm512_xor_si512(_mm512_castpd_si512(_mm512_permutexvar_pd(odd, csv)), neg_even));
+      for (int h = 0; h < heads; ++h) {
+        const __m512d x = _mm512_cvtps_pd(_mm256_loadu_ps(acc + sz(t) * sz(n) + sz(h * d + p0)));
+        const __m512d r = _mm512_add_pd(_mm512_mul_pd(x, c), _mm512_mul_pd(_mm512_permute_pd(x, 0x55), s));
+        _mm256_storeu_ps(out + (sz(h) * sz(tokens) + sz(t)) * sz(d) + sz(p0), _mm512_cvtpd_ps(r));
+      }
+    }
+  }
+}
+
+bool have_avx512() {
+  static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl");
+  return yes;
+}
+#else
+bool have_avx512() { return false; }
+#endif
+
+// acc rows (stride n) to head-major out, keys re-rotated: the scalar rotation.
+void rotate_all_scalar(const float* acc, int n, int heads, int d, std::int64_t tokens, const VqRopeTable* rope, std::int64_t pos0,
+                       float* out) {
+  if (!rope) {  // head-major copies (d = 8: two 16-byte moves, not a library call per row)
+    for (int h = 0; h < heads; ++h) {
+      float* __restrict o = out + sz(h) * sz(tokens) * sz(d);
+      const float* __restrict a = acc + sz(h * d);
+      if (d == 8)
+        for (std::int64_t t = 0; t < tokens; ++t) std::memcpy(o + sz(t) * 8, a + sz(t) * sz(n), 8 * sizeof(float));
+      else
+        for (std::int64_t t = 0; t < tokens; ++t) std::memcpy(o + sz(t) * sz(d), a + sz(t) * sz(n), sz(d) * sizeof(float));
+    }
+    return;
+  }
+  for (std::int64_t t = 0; t < tokens; ++t)
+    for (int h = 0; h < heads; ++h)
+      rotate_row(acc + sz(t) * sz(n) + sz(h * d), d, rope ? rope->at(pos0 + t) : nullptr, out + (sz(h) * sz(tokens) + sz(t)) * sz(d));
+}
+
+#if defined(__x86_64__)
+// vq_unpack_heads8 on AVX-512: per token and head, the group's 64 bits broadcast to 8 lanes and
+// shifted by i * w, masked, narrowed to int32, minus 2^(w-1), converted, times step plus the
+// field's mean (field order), then permuted into coefficient order: the scalar path's operations
+// on each value (an int converted exactly, a product, a sum), so the same bits.
+__attribute__((target("avx512f,avx512vl"))) void unpack_heads8_avx512(const VqPackedHeads8& p, std::int64_t tokens, float* y) {
+  const int H = p.heads, n = 8 * H;
+  constexpr int kMaxHeads = 32;
+  __m512i shift[kMaxHeads], mask[kMaxHeads];
+  __m256i half[kMaxHeads], perm[kMaxHeads];
+  __m256 mean[kMaxHeads];
+  for (int h = 0; h < H; ++h) {
+    const int w = p.group_width[h];
+    shift[h] = _mm512_set_epi64(7 * w, 6 * w, 5 * w, 4 * w, 3 * w, 2 * w, w, 0);
+    mask[h] = _mm512_set1_epi64((std::int64_t{1} << w) - 1);
+    half[h] = _mm256_set1_epi32(1 << (w - 1));
+    perm[h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.pos + 8 * h));
+    mean[h] = _mm256_loadu_ps(p.field_mean + 8 * h);
+  }
+  const __m256 step = _mm256_set1_ps(p.step);
+  for (std::int64_t t = 0; t < tokens; ++t) {
+    const std::uint8_t* row = p.rows + sz(t) * p.row_bytes;
+    for (int h = 0; h < H; ++h) {
+      std::uint64_t v;
+      std::memcpy(&v, row + p.group_byte[h], 8);
+      const __m512i f = _mm512_and_si512(_mm512_srlv_epi64(_mm512_set1_epi64(static_cast<std::int64_t>(v)), shift[h]), mask[h]);
+      const __m256i q = _mm256_sub_epi32(_mm512_cvtepi64_epi32(f), half[h]);
+      const __m256 val = _mm256_add_ps(mean[h], _mm256_mul_ps(_mm256_cvtepi32_ps(q), step));
+      _mm256_storeu_ps(y + sz(t) * sz(n) + sz(8 * h), _mm256_permutexvar_ps(perm[h], val));
+    }
+  }
+}
+#endif
+
 }  // namespace
+
+void vq_unpack_heads8_scalar(const VqPackedHeads8& p, std::int64_t tokens, float* y) {
+  const int n = 8 * p.heads;
+  for (std::int64_t t = 0; t < tokens; ++t) {
+    const std::uint8_t* row = p.rows + sz(t) * p.row_bytes;
+    for (int h = 0; h < p.heads; ++h) {
+      std::uint64_t v;
+      std::memcpy(&v, row + p.group_byte[h], 8);
+      const unsigned w = p.group_width[h];
+      const std::int32_t half = 1 << (w - 1);
+      for (int i = 0; i < 8; ++i) {
+        const int f = p.pos[8 * h + i];  // coefficient h * 8 + i sits at field f
+        const auto q = static_cast<std::int32_t>((v >> (static_cast<unsigned>(f) * w)) & ((std::uint64_t{1} << w) - 1)) - half;
+        y[sz(t) * sz(n) + sz(8 * h + i)] = p.field_mean[8 * h + f] + static_cast<float>(q) * p.step;
+      }
+    }
+  }
+}
+
+void vq_unpack_heads8(const VqPackedHeads8& p, std::int64_t tokens, float* y) {
+#if defined(__x86_64__)
+  if (have_avx512() && p.heads <= 32) return unpack_heads8_avx512(p, tokens, y);
+#endif
+  vq_unpack_heads8_scalar(p, tokens, y);
+}
 
 std::shared_ptr<const VqRopeTable> vq_rope_table(const std::vector<double>& freq, std::int64_t positions) {
   if (freq.empty()) return nullptr;
@@ -148,6 +299,37 @@ void vq_head_rows(const float* cols, int span, int d, const float* y, std::size_
     default: break;
   }
 #endif
+}
+
+void vq_whole_row_matrix(const float* inv_cols, int n, int heads, float* w) {
+  const int d = n / heads;
+  for (int j = 0; j < n; ++j)
+    for (int h = 0; h < heads; ++h) std::copy_n(inv_cols + (sz(h) * sz(n) + sz(j)) * sz(d), d, w + sz(j) * sz(n) + sz(h * d));
+}
+
+bool vq_all_head_rows_avx512() { return have_avx512(); }
+
+void vq_all_head_rows_scalar(const float* w, int n, int heads, const float* y, std::int64_t tokens, const VqRopeTable* rope,
+                             std::int64_t pos0, float* acc, float* out) {
+  for (std::int64_t t = 0; t < tokens; ++t) scalar_outputs(w, n, n, y + sz(t) * sz(n), 0, n, acc + sz(t) * sz(n));
+  rotate_all_scalar(acc, n, heads, n / heads, tokens, rope, pos0, out);
+}
+
+void vq_all_head_rows(const float* w, int n, int heads, const float* y, std::int64_t tokens, const VqRopeTable* rope, std::int64_t pos0,
+                      float* acc, float* out) {
+  const int d = n / heads;
+#if defined(__x86_64__)
+  if (have_avx512() && n >= 16) {
+    std::int64_t t = 0;
+    for (; t + kTile512 <= tokens; t += kTile512) tokens_avx512<kTile512>(w, n, y + sz(t) * sz(n), acc + sz(t) * sz(n));
+    if (t < tokens) tokens_avx512_upto<kTile512 - 1>(w, n, y + sz(t) * sz(n), tokens - t, acc + sz(t) * sz(n));
+    if (rope && d % 8 == 0) return rotate_all_avx512(acc, n, heads, d, tokens, *rope, pos0, out);
+    return rotate_all_scalar(acc, n, heads, d, tokens, rope, pos0, out);
+  }
+#endif
+  // vq_head_rows' tiles over all n outputs at once (no rotation), then the rotation.
+  vq_head_rows(w, n, n, y, sz(n), tokens, nullptr, 0, acc);
+  rotate_all_scalar(acc, n, heads, d, tokens, rope, pos0, out);
 }
 
 }  // namespace vq

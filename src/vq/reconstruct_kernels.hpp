@@ -45,4 +45,39 @@ void vq_head_rows_scalar(const float* cols, int span, int d, const float* y, std
 // Whether vq_head_rows takes the AVX2 path on this machine (benchmarks and tests report it).
 bool vq_head_rows_avx2();
 
+// A transform that mixes every head (VqSideTransform::col_span == n, n = heads * d): every head's
+// column block side by side, w[j * n + h * d + i] = inv_cols[(h * n + j) * d + i], so that one pass
+// over a token's whole y_hat row makes the rows of all heads at once (an [tokens x n] x [n x n]
+// product instead of `heads` passes of [tokens x n] x [n x d], each reading the row again).
+void vq_whole_row_matrix(const float* inv_cols, int n, int heads, float* w);
+// The rows of every head for `tokens` tokens from whole y_hat rows y[t * n + j] (j < n) and w
+// (vq_whole_row_matrix): out[(h * tokens + t) * d + i], head-major, bit for bit what vq_head_rows
+// makes for each head (same products, same sums in the same order, same rotation); keys re-rotated
+// at position pos0 + t (rope: null or a table covering those positions). `acc`: tokens * n floats of
+// scratch. AVX-512 (16 outputs per register, 12 tokens per pass) where the machine has it.
+void vq_all_head_rows(const float* w, int n, int heads, const float* y, std::int64_t tokens, const VqRopeTable* rope,
+                      std::int64_t pos0, float* acc, float* out);
+// The same with the scalar arithmetic only: the reference the tests compare with.
+void vq_all_head_rows_scalar(const float* w, int n, int heads, const float* y, std::int64_t tokens, const VqRopeTable* rope,
+                             std::int64_t pos0, float* acc, float* out);
+bool vq_all_head_rows_avx512();
+
+// y_hat of `tokens` packed rows (VqKVCache's "Packed layout") whose heads are one group of 8
+// fields each (head dim 8) at widths <= 8: y[t * n + h * 8 + i] = mean[h * 8 + i] + (float)(f - 2^(w-1))
+// * step, f the field of coefficient h * 8 + i (field 0, an escape, gives the formula's value:
+// the caller patches escapes from its side list), the per-token path's expression and bits.
+// pos[h * 8 + i] = the field position (0..7) of coefficient h * 8 + i in its head's group.
+struct VqPackedHeads8 {
+  const std::uint8_t* rows;          // the first row; 8 bytes of slack past the last
+  std::size_t row_bytes;
+  int heads;
+  const std::uint32_t* group_byte;   // [heads]
+  const std::uint8_t* group_width;   // [heads], 1..8
+  const std::int32_t* pos;           // [heads * 8]
+  const float* field_mean;           // [heads * 8], field order: mean of the coefficient at each field
+  float step;
+};
+void vq_unpack_heads8(const VqPackedHeads8& p, std::int64_t tokens, float* y);
+void vq_unpack_heads8_scalar(const VqPackedHeads8& p, std::int64_t tokens, float* y);
+
 }  // namespace vq

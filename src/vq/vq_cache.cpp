@@ -551,6 +551,125 @@ void VqKVCache::read_rows(int side, std::int64_t b, std::int64_t h, std::int64_t
   const int d = static_cast<int>((side == 0 ? keys_buf_ : values_buf_).dim(3)), nc = tr.n;
   const std::size_t rowb = sz(d) * dtype_size(dtype);
   const std::int64_t sink_end = std::min<std::int64_t>(config_.sinks, offset_);
+  // A transform that mixes every head (one column block of the whole row: the weight-derived
+  // basis on stories260K): a tile's rows of all heads are built at once from whole y_hat rows and
+  // kept per thread (and side) for the other heads' reads of the same tile; the attend loop reads
+  // a tile's heads in turn. Exact tokens are copied; the quantized tokens' y_hat is unpacked a
+  // token's groups at a time (8 fields from one 64-bit load, or reconstruct_kernels.hpp's
+  // vq_unpack_heads8 where every head is one group of 8; escapes patched from the side list
+  // afterwards), then one product with every head's column block and the rotation
+  // (vq_all_head_rows: the per-token path's bits). The kept tile is named by seal_gen_ (new at
+  // construction, reset, trim and unseal: the changes that are not appends) and the token counts.
+  if (!tr.identity() && tr.col_span == nc && H * d == nc && sz(H * d * nc) == tr.inv_cols.size()) {
+    struct Tile {
+      std::uint64_t gen = 0;
+      std::int64_t b = -1, t0 = -1, n = -1, offset = -1, quantized = -1;
+      std::vector<float> rows, y, acc, part;
+    };
+    thread_local Tile tiles[2];
+    // The whole-row matrices of the layer models read lately (a decode step reads every layer in
+    // turn), named by the model's control block: a weak_ptr keeps it from being reused by another
+    // model while the entry lives.
+    struct Matrix {
+      std::weak_ptr<const VqLayerModel> model;
+      std::vector<float> w;
+    };
+    thread_local std::vector<Matrix> matrices[2];
+    thread_local std::size_t next_matrix = 0;
+    Tile& s = tiles[side];
+    if (!(s.gen == seal_gen_ && s.b == b && s.t0 == t0 && s.n == n && s.offset == offset_ && s.quantized == quantized_)) {
+      s.gen = 0;  // invalid until filled
+      s.rows.resize(sz(H) * sz(n) * sz(d));
+      const std::int64_t qa = std::max(t0, sink_end), qb = std::max(qa, std::min(t0 + n, quantized_));
+      for (std::int64_t t = t0; t < t0 + n; ++t) {  // exact tokens: the sinks and the tail
+        if (t >= qa && t < qb) continue;
+        const std::uint8_t* src = t < sink_end ? st.sinks.data() + sz(t * B + b) * sz(H) * rowb
+                                               : st.tail.data() + sz((t - quantized_) * B + b) * sz(H) * rowb;
+        for (std::int64_t hh = 0; hh < H; ++hh) to_f32(src + sz(hh) * rowb, dtype, s.rows.data() + (sz(hh) * sz(n) + sz(t - t0)) * sz(d), sz(d));
+      }
+      if (qa < qb) {
+        const std::int64_t m = qb - qa;
+        s.y.resize(sz(m) * sz(nc));
+        const std::uint8_t* buf = st.packed[sz(b)].data();
+        const std::size_t row_bytes = sq.bit_at[sz(nc)] / 8;
+        const std::int64_t groups = static_cast<std::int64_t>(sq.group_width.size()), gph = groups / H;
+        const float step = sq.step;
+        const std::int64_t pa = std::max(qa, std::min(qb, sealed_));  // [qa, pa) sealed, [pa, qb) packed
+        for (std::int64_t t = qa; t < pa; ++t) {
+          const std::int16_t* q = sealed_row(side, b, t);
+          float* y = s.y.data() + sz(t - qa) * sz(nc);
+          for (int c = 0; c < nc; ++c) y[c] = sq.mean[sz(c)] + static_cast<float>(q[c]) * step;
+        }
+        bool heads8 = d == 8 && groups == H;
+        for (std::int64_t g = 0; g < groups && heads8; ++g) heads8 = sq.group_width[sz(g)] <= 8;
+        if (heads8 && pa < qb) {  // one group of 8 fields per head: a token's head in a few vector operations
+          std::int32_t pos[8 * 32];
+          if (H <= 32) {
+            for (int k = 0; k < nc; ++k) pos[sq.order[sz(k)]] = k % 8;  // order[k]: the coefficient at field k % 8 of its head
+            const VqPackedHeads8 ph{buf + sz(pa - sealed_) * row_bytes, row_bytes, static_cast<int>(H), sq.group_byte.data(),
+                                    sq.group_width.data(), pos, sq.field_mean.data(), step};
+            vq_unpack_heads8(ph, qb - pa, s.y.data() + sz(pa - qa) * sz(nc));
+          } else {
+            heads8 = false;
+          }
+        }
+        for (std::int64_t t = heads8 ? qb : pa; t < qb; ++t) {
+          float* y = s.y.data() + sz(t - qa) * sz(nc);
+          const std::uint8_t* row = buf + sz(t - sealed_) * row_bytes;
+          for (std::int64_t g = 0; g < groups; ++g) {
+            const std::int64_t p0 = (g % gph) * 8;
+            const int fields = static_cast<int>(std::min<std::int64_t>(8, d - p0));
+            const unsigned w = sq.group_width[sz(g)];
+            const std::int32_t half = 1 << (w - 1);
+            const std::int32_t* ord = sq.order.data() + sz(g / gph * d + p0);
+            const std::uint8_t* gb = row + sq.group_byte[sz(g)];
+            if (w <= 8) {  // the group's fields in one 64-bit load (8 bytes of slack past the last row)
+              std::uint64_t v;
+              std::memcpy(&v, gb, 8);
+              const std::uint64_t mask = (std::uint64_t{1} << w) - 1;
+              for (int i = 0; i < fields; ++i) {
+                const std::int32_t c = ord[i];
+                y[c] = sq.mean[sz(c)] + static_cast<float>(static_cast<std::int32_t>((v >> (sz(i) * w)) & mask) - half) * step;
+              }
+            } else {
+              for (int i = 0; i < fields; ++i) {
+                const std::int32_t c = ord[i];
+                y[c] = sq.mean[sz(c)] + static_cast<float>(static_cast<std::int32_t>(get_field(gb, sz(i) * w, w)) - half) * step;
+              }
+            }
+          }
+        }
+        // Field 0 is an escape: its code is in the side list (packed tokens only).
+        const auto& e = st.escapes[sz(b)];
+        for (auto it = std::lower_bound(e.begin(), e.end(), pa, [](const Escape& x, std::int64_t t) { return x.t < t; }); it != e.end() && it->t < qb; ++it)
+          s.y[sz(it->t - qa) * sz(nc) + sz(it->c)] = sq.mean[sz(it->c)] + static_cast<float>(it->q) * step;
+        std::vector<Matrix>& ms = matrices[side];
+        auto same = [&](const Matrix& x) { return !x.model.owner_before(layer_) && !layer_.owner_before(x.model) && !x.model.expired(); };
+        auto mit = std::find_if(ms.begin(), ms.end(), same);
+        if (mit == ms.end()) {
+          // Layers' matrices kept per side and thread: up to 64, and 1 MiB of them (n x n floats each).
+          const std::size_t kKept = std::clamp<std::size_t>((std::size_t{1} << 18) / (sz(nc) * sz(nc)), 1, 64);
+          if (ms.size() < kKept) mit = ms.insert(ms.end(), Matrix{});
+          else mit = ms.begin() + static_cast<std::ptrdiff_t>(next_matrix++ % kKept);
+          mit->model = layer_;
+          mit->w.resize(sz(nc) * sz(nc));
+          vq_whole_row_matrix(tr.inv_cols.data(), nc, static_cast<int>(H), mit->w.data());
+        }
+        const std::vector<float>& w = mit->w;
+        const auto rope = side == 0 ? vq_rope_table(layer_->rope_freq, qb) : nullptr;
+        s.acc.resize(sz(m) * sz(nc));
+        float* dst = m == n ? s.rows.data() : (s.part.resize(sz(H) * sz(m) * sz(d)), s.part.data());
+        vq_all_head_rows(w.data(), nc, static_cast<int>(H), s.y.data(), m, rope.get(), qa, s.acc.data(), dst);
+        if (dtype != DType::F32) round_through(dst, sz(H) * sz(m) * sz(d), dtype);  // what a fetch in that dtype holds
+        if (m != n)
+          for (std::int64_t hh = 0; hh < H; ++hh)
+            std::copy_n(dst + sz(hh) * sz(m) * sz(d), sz(m) * sz(d), s.rows.data() + (sz(hh) * sz(n) + sz(qa - t0)) * sz(d));
+      }
+      s.gen = seal_gen_, s.b = b, s.t0 = t0, s.n = n, s.offset = offset_, s.quantized = quantized_;
+    }
+    std::copy_n(s.rows.data() + sz(h) * sz(n) * sz(d), sz(n) * sz(d), out);
+    return;
+  }
   const std::vector<double>* freq = side == 0 && !layer_->rope_freq.empty() ? &layer_->rope_freq : nullptr;
   // The identity reads head h's coefficients only (y_hat holds them at 0 .. d); a transform that
   // mixes heads needs the whole row. Scratch per call (a tile), freed on return.
@@ -799,6 +918,7 @@ std::int64_t VqKVCache::trim(std::int64_t n) {
   const std::int64_t dropped = KVCache::trim(n);
   if (dropped == 0) return 0;
   encoded_size_.reset();
+  seal_gen_ = next_seal_gen();  // a change (tokens past the new end may come back with other rows): read_rows' kept tiles go
   if (offset_ == 0) {
     reset();
     return dropped;

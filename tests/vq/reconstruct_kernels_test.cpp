@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <algorithm>
 #include <cstring>
 #include <random>
 #include <vector>
@@ -12,6 +13,7 @@
 #include "../../src/vq/reconstruct_kernels.hpp"
 #include "../support/test_util.hpp"
 #include "../support/vq_random_layer.hpp"
+#include "veloxquant/core/dtype.hpp"
 #include "veloxquant/core/error.hpp"
 #include "veloxquant/vq/codec.hpp"
 #include "veloxquant/vq/vq_cache.hpp"
@@ -50,6 +52,154 @@ TEST(VqReconstructKernels, TiledRowsEqualThePerTokenPathBitForBit) {
       }
     }
   }
+}
+
+// The all-heads kernel (one product with every head's column block side by side, AVX-512 where
+// the machine has it) against vq_head_rows run head by head and against its own scalar path, bit
+// for bit: head dims 8 (the model's), 16 and 24 (16-wide blocks and a scalar rest), 3 and 4
+// heads, token counts around the 12-token pass, with and without RoPE at a nonzero position.
+TEST(VqReconstructKernels, AllHeadRowsEqualEachHeadsRowsBitForBit) {
+  for (const int d : {8, 16, 24}) {
+    for (const int heads : {3, 4}) {
+      const int n = heads * d;
+      std::vector<double> freq;
+      for (int p = 0; p < d / 2; ++p) freq.push_back(std::pow(10000.0, -2.0 * p / d));
+      const auto rope = vq::vq_rope_table(freq, 300);
+      const auto cols = random_floats(static_cast<std::size_t>(heads * n * d), 3u + static_cast<std::uint32_t>(n), 0.1f);
+      std::vector<float> w(static_cast<std::size_t>(n * n));
+      vq::vq_whole_row_matrix(cols.data(), n, heads, w.data());
+      for (const std::int64_t tokens : {1, 5, 11, 12, 13, 24, 31, 64}) {
+        const auto y = random_floats(static_cast<std::size_t>(tokens * n), 9u + static_cast<std::uint32_t>(tokens), 3.0f);
+        for (const vq::VqRopeTable* r : {static_cast<const vq::VqRopeTable*>(nullptr), rope.get()}) {
+          const std::size_t out_n = static_cast<std::size_t>(tokens * n);
+          std::vector<float> acc(out_n), fast(out_n, NAN), scalar(out_n, -NAN), per_head(out_n, NAN);
+          vq::vq_all_head_rows(w.data(), n, heads, y.data(), tokens, r, 41, acc.data(), fast.data());
+          vq::vq_all_head_rows_scalar(w.data(), n, heads, y.data(), tokens, r, 41, acc.data(), scalar.data());
+          for (int h = 0; h < heads; ++h)
+            vq::vq_head_rows_scalar(cols.data() + static_cast<std::size_t>(h * n * d), n, d, y.data(), static_cast<std::size_t>(n), tokens, r, 41,
+                                    per_head.data() + static_cast<std::size_t>(h) * static_cast<std::size_t>(tokens * d));
+          EXPECT_TRUE(same_bits(fast, per_head)) << "d " << d << " heads " << heads << " tokens " << tokens << " rope " << (r != nullptr);
+          EXPECT_TRUE(same_bits(scalar, per_head)) << "d " << d << " heads " << heads << " tokens " << tokens << " rope " << (r != nullptr);
+        }
+      }
+    }
+  }
+}
+
+// The bulk unpack of heads of one 8-field group (AVX-512 where available) against the scalar
+// path and against reading each field on its own (bits i * w of the group's bytes, 2^(w-1)
+// subtracted): every width 1..8, a permutation per head, odd row sizes.
+TEST(VqReconstructKernels, UnpackHeads8EqualsFieldByField) {
+  std::mt19937 rng(5);
+  for (const int heads : {1, 4, 5}) {
+    std::vector<std::uint32_t> group_byte(static_cast<std::size_t>(heads));
+    std::vector<std::uint8_t> width(static_cast<std::size_t>(heads));
+    std::uint32_t bytes = 0;
+    for (int h = 0; h < heads; ++h) {
+      width[static_cast<std::size_t>(h)] = static_cast<std::uint8_t>(1 + (h * 3 + heads) % 8);
+      group_byte[static_cast<std::size_t>(h)] = bytes;
+      bytes += width[static_cast<std::size_t>(h)];  // 8 fields of w bits: w bytes
+    }
+    const std::size_t row_bytes = bytes + 1;  // a spare byte: rows need not be the groups' sum
+    std::vector<std::int32_t> pos(static_cast<std::size_t>(8 * heads));
+    for (int h = 0; h < heads; ++h) {
+      std::vector<std::int32_t> p = {0, 1, 2, 3, 4, 5, 6, 7};
+      std::shuffle(p.begin(), p.end(), rng);
+      std::copy(p.begin(), p.end(), pos.begin() + 8 * h);
+    }
+    const auto mean = random_floats(static_cast<std::size_t>(8 * heads), 17u, 2.0f);
+    for (const std::int64_t tokens : {1, 3, 40}) {
+      std::vector<std::uint8_t> rows(static_cast<std::size_t>(tokens) * row_bytes + 8);
+      for (auto& b : rows) b = static_cast<std::uint8_t>(rng());
+      const vq::VqPackedHeads8 p{rows.data(), row_bytes, heads, group_byte.data(), width.data(), pos.data(), mean.data(), 0.37f};
+      const std::size_t n = static_cast<std::size_t>(tokens * 8 * heads);
+      std::vector<float> fast(n, NAN), slow(n, -NAN), want(n);
+      vq::vq_unpack_heads8(p, tokens, fast.data());
+      vq::vq_unpack_heads8_scalar(p, tokens, slow.data());
+      for (std::int64_t t = 0; t < tokens; ++t)
+        for (int h = 0; h < heads; ++h)
+          for (int i = 0; i < 8; ++i) {
+            const unsigned w = width[static_cast<std::size_t>(h)];
+            const unsigned f = static_cast<unsigned>(pos[static_cast<std::size_t>(8 * h + i)]);
+            const std::uint8_t* g = rows.data() + static_cast<std::size_t>(t) * row_bytes + group_byte[static_cast<std::size_t>(h)];
+            std::uint32_t field = 0;
+            for (unsigned k = 0; k < w; ++k) field |= ((g[(f * w + k) / 8] >> ((f * w + k) % 8)) & 1u) << k;
+            const std::int32_t q = static_cast<std::int32_t>(field) - (1 << (w - 1));
+            want[static_cast<std::size_t>((t * heads + h) * 8 + i)] = mean[8 * static_cast<std::size_t>(h) + f] + static_cast<float>(q) * 0.37f;
+          }
+      EXPECT_TRUE(same_bits(fast, want)) << heads << " " << tokens;
+      EXPECT_TRUE(same_bits(slow, want)) << heads << " " << tokens;
+    }
+  }
+}
+
+// A live cache's tiles (read_key_tile / read_value_tile) with a transform across heads are read a
+// tile of all heads at a time and kept per thread for the next head: every tile equals state()'s
+// rows bit for bit, across sinks, calibration, the exact tail, sealed tiles, float16 input and
+// tiles that straddle them, and after a trim and a different continuation (the kept tile must
+// not outlive the rows it holds), and with two caches read in turn.
+TEST(VqReconstructKernels, WholeRowTilesAreTheStatesRows) {
+  const int kv_heads = 4, hd = 8;
+  const auto model = std::make_shared<const vq::VqLayerModel>(vqtest::random_weights_layer_model(kv_heads, hd, 32, 77));
+  ASSERT_EQ(model->k.col_span, kv_heads * hd);
+  // Tiles of 7 and 64 tokens and the whole cache; batch row 1's whole-cache tile, the last one
+  // read, is read first too (what a tile kept from before a change would be mistaken for), before
+  // state(), whose own reads would replace a kept tile. (Without the renewal of seal_gen_ in
+  // trim, "trimmed and refed" fails here.)
+  auto check = [&](const vq::VqKVCache& c, const char* what) {
+    const std::int64_t T = c.offset();
+    std::vector<float> scratch(static_cast<std::size_t>(T * hd));
+    std::vector<float> first[2];
+    for (int side = 0; side < 2; ++side) {
+      const float* got = side == 0 ? c.read_key_tile(1, 3, 0, T, scratch.data()) : c.read_value_tile(1, 3, 0, T, scratch.data());
+      first[side].assign(got, got + T * hd);
+    }
+    const vq::KVState st = c.state();
+    for (int side = 0; side < 2; ++side) {
+      const vq::Tensor& want = side == 0 ? st.keys : st.values;
+      std::vector<float> ref(static_cast<std::size_t>(T * hd));
+      vq::to_f32(want.row(1, 3, 0), want.dtype(), ref.data(), ref.size());
+      ASSERT_EQ(std::memcmp(first[side].data(), ref.data(), ref.size() * sizeof(float)), 0) << what << " side " << side << ", first read";
+    }
+    for (const std::int64_t tile : {std::int64_t{7}, std::int64_t{64}, T})
+      for (std::int64_t t0 = 0; t0 < T; t0 += tile) {
+        const std::int64_t n = std::min(tile, T - t0);
+        for (std::int64_t b = 0; b < st.keys.dim(0); ++b)
+          for (std::int64_t h = 0; h < kv_heads; ++h)
+            for (int side = 0; side < 2; ++side) {
+              const vq::Tensor& want = side == 0 ? st.keys : st.values;
+              std::vector<float> ref(static_cast<std::size_t>(n * hd));
+              vq::to_f32(want.row(b, h, t0), want.dtype(), ref.data(), ref.size());
+              const float* got = side == 0 ? c.read_key_tile(b, h, t0, n, scratch.data()) : c.read_value_tile(b, h, t0, n, scratch.data());
+              ASSERT_EQ(std::memcmp(got, ref.data(), ref.size() * sizeof(float)), 0)
+                  << what << " side " << side << " b " << b << " h " << h << " t0 " << t0 << " n " << n;
+            }
+      }
+  };
+  for (const auto dtype : {vq::DType::F32, vq::DType::F16})
+    for (const bool coded : {false, true}) {
+      vq::VqConfig cfg;
+      cfg.bits = 2;
+      cfg.calib = 16;
+      cfg.residual = 5;
+      cfg.sinks = 3;
+      cfg.coded = coded;
+      vq::VqKVCache c(cfg, model), other(cfg, model);
+      const vq::Tensor K = vqtest::random_walk({2, kv_heads, 200, hd}, 61, dtype), V = vqtest::random_walk({2, kv_heads, 200, hd}, 62, dtype);
+      c.update(K.slice(2, 0, 10).contiguous(true), V.slice(2, 0, 10).contiguous(true));  // not calibrated yet
+      check(c, "uncalibrated");
+      c.update(K.slice(2, 10, 150).contiguous(true), V.slice(2, 10, 150).contiguous(true));
+      ASSERT_GT(c.quantized_tokens(), 100);
+      check(c, "calibrated");
+      other.update(V.slice(2, 0, 150).contiguous(true), K.slice(2, 0, 150).contiguous(true));
+      check(other, "other cache");
+      check(c, "first cache again");
+      c.trim(40);  // then other tokens at the same positions
+      c.update(V.slice(2, 110, 150).contiguous(true), K.slice(2, 110, 150).contiguous(true));
+      check(c, "trimmed and refed");
+      c.update(K.slice(2, 150, 200).contiguous(true), V.slice(2, 150, 200).contiguous(true));
+      check(c, "grown");
+    }
 }
 
 TEST(VqReconstructKernels, ScalarPathIsTheProductThenTheRotation) {
