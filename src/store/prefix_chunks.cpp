@@ -6,12 +6,14 @@
 
 #include <algorithm>
 #include <charconv>
+#include <cstring>
 #include <map>
 #include <memory>
 #include <mutex>
 
 #include <fmt/core.h>
 #include <nlohmann/json.hpp>
+#include <zstd.h>
 
 #include "veloxquant/core/error.hpp"
 #include "veloxquant/format/vqkv.hpp"
@@ -99,6 +101,18 @@ Blob live_chunk_blob(const std::vector<std::shared_ptr<KVCache>>& live, std::uin
     caches.push_back(VqKVCache::restore(v.config(), layer, v.codes(t0, t0 + C), no_exact_rows(*layer, dtype)));
   }
   return chunk_blob(caches, fingerprint, level, index, tokens, t0);
+}
+
+// A live-coded level's widths hint (ChunkDirectory::Entry::widths): its live caches' field widths now.
+std::vector<std::uint8_t> live_widths(const std::vector<std::shared_ptr<KVCache>>& live) {
+  std::vector<std::uint8_t> w;
+  for (const auto& c : live) {
+    const auto& v = dynamic_cast<const VqKVCache&>(*c);
+    if (v.key_widths().empty() || v.value_widths().empty()) return {};  // not calibrated yet
+    w.insert(w.end(), v.key_widths().begin(), v.key_widths().end());
+    w.insert(w.end(), v.value_widths().begin(), v.value_widths().end());
+  }
+  return w;
 }
 
 }  // namespace
@@ -309,9 +323,62 @@ VqLayerModelSource chunk_vq_models(const Transformer& model) {
   };
 }
 
+namespace {
+// A directory's width hints: zstd (they repeat a few values), then base64 (JSON text).
+constexpr char kBase64[] = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+std::string base64(const std::vector<std::uint8_t>& in) {
+  std::string out;
+  out.reserve((in.size() + 2) / 3 * 4);
+  for (std::size_t i = 0; i < in.size(); i += 3) {
+    const std::uint32_t v = std::uint32_t{in[i]} << 16 | (i + 1 < in.size() ? std::uint32_t{in[i + 1]} << 8 : 0) |
+                            (i + 2 < in.size() ? std::uint32_t{in[i + 2]} : 0);
+    const std::size_t rem = std::min<std::size_t>(3, in.size() - i);  // bytes in this group: chars 0..rem, then '='
+    for (std::size_t k = 0; k < 4; ++k) out += k <= rem ? kBase64[(v >> (18 - 6 * k)) & 63] : '=';
+  }
+  return out;
+}
+std::vector<std::uint8_t> unbase64(const std::string& in) {
+  if (in.size() % 4 != 0) throw FormatError("malformed chunk directory: widths are not base64");
+  std::vector<std::uint8_t> out;
+  out.reserve(in.size() / 4 * 3);
+  for (std::size_t i = 0; i < in.size(); i += 4) {
+    std::uint32_t v = 0;
+    int pad = 0;
+    for (std::size_t k = 0; k < 4; ++k) {
+      const char ch = in[i + k];
+      const char* at = ch ? std::strchr(kBase64, ch) : nullptr;
+      if (ch == '=' && i + 4 == in.size() && k >= 2) ++pad;
+      else if (!at || pad) throw FormatError("malformed chunk directory: widths are not base64");
+      v = v << 6 | (at ? static_cast<std::uint32_t>(at - kBase64) : 0);
+    }
+    for (int k = 0; k < 3 - pad; ++k) out.push_back(static_cast<std::uint8_t>(v >> (16 - 8 * k)));
+  }
+  return out;
+}
+std::string pack_widths(const std::vector<std::uint8_t>& w) {
+  std::vector<std::uint8_t> z(ZSTD_compressBound(w.size()));
+  const std::size_t n = ZSTD_compress(z.data(), z.size(), w.data(), w.size(), 3);
+  if (ZSTD_isError(n)) throw Error(fmt::format("chunk directory: zstd failed ({})", ZSTD_getErrorName(n)));
+  z.resize(n);
+  return base64(z);
+}
+std::vector<std::uint8_t> unpack_widths(const std::string& text, std::uint64_t count) {
+  // 2^24: 4096 layers of two 2048-wide sides; a forged count is refused before allocating.
+  if (count > (std::uint64_t{1} << 24)) throw FormatError("malformed chunk directory: too many widths");
+  const std::vector<std::uint8_t> z = unbase64(text);
+  std::vector<std::uint8_t> w(count);
+  const std::size_t n = ZSTD_decompress(w.data(), w.size(), z.data(), z.size());
+  if (ZSTD_isError(n) || n != count) throw FormatError("malformed chunk directory: its widths do not decompress");
+  return w;
+}
+}  // namespace
+
 Blob encode_directory(const ChunkDirectory& dir) {
   nlohmann::json j = nlohmann::json::array();
-  for (const auto& e : dir.entries) j.push_back({{"level", e.level}, {"key", e.key}, {"bytes", e.bytes}});
+  for (const auto& e : dir.entries) {
+    j.push_back({{"level", e.level}, {"key", e.key}, {"bytes", e.bytes}});
+    if (!e.widths.empty()) j.back()["widths"] = {{"count", e.widths.size()}, {"zstd_base64", pack_widths(e.widths)}};
+  }
   const std::string text = nlohmann::json{{"vqkv_chunk_directory", 1}, {"levels", j}}.dump();
   return Blob(text.begin(), text.end());
 }
@@ -321,8 +388,11 @@ ChunkDirectory decode_directory(std::span<const std::uint8_t> blob) {
   try {
     const auto j = nlohmann::json::parse(blob.begin(), blob.end());
     if (j.at("vqkv_chunk_directory").get<int>() != 1) throw FormatError("chunk directory of an unknown version");
-    for (const auto& e : j.at("levels"))
-      d.entries.push_back({e.at("level").get<std::string>(), e.at("key").get<std::string>(), e.at("bytes").get<std::uint64_t>()});
+    for (const auto& e : j.at("levels")) {
+      d.entries.push_back({e.at("level").get<std::string>(), e.at("key").get<std::string>(), e.at("bytes").get<std::uint64_t>(), {}});
+      if (const auto w = e.find("widths"); w != e.end())
+        d.entries.back().widths = unpack_widths(w->at("zstd_base64").get<std::string>(), w->at("count").get<std::uint64_t>());
+    }
   } catch (const nlohmann::json::exception& e) {
     throw FormatError(fmt::format("malformed chunk directory: {}", e.what()));
   }
@@ -382,7 +452,7 @@ PutReport put_context(KVStore& store, const LevelCaches& fresh, const ChunkSchem
                                                           static_cast<std::int64_t>(i) * scheme.chunk_tokens, chunk[0].keys.dtype());
       store.put(key, blob);
       rep.bytes_written += blob.size();
-      dir.entries.push_back({scheme.levels[l], key, blob.size()});
+      dir.entries.push_back({scheme.levels[l], key, blob.size(), live_widths(live[l])});
     }
     const Blob d = encode_directory(dir);
     store.put(dkey, d);

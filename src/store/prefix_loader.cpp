@@ -3,6 +3,7 @@
 #include "veloxquant/store/prefix_loader.hpp"
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <condition_variable>
 #include <deque>
@@ -17,6 +18,7 @@
 #include "veloxquant/model/transformer.hpp"
 #include "veloxquant/store/load_plan.hpp"
 #include "veloxquant/vq/code_buffers.hpp"
+#include "veloxquant/vq/packed_codes.hpp"
 #include "veloxquant/vq/vq_cache.hpp"
 
 namespace vq {
@@ -88,6 +90,7 @@ struct InFlight {
   int choice = -1;                // index of the level in the chunk's directory; -1: recompute
   std::optional<Blob> blob;       // fetched, waiting for a decoder
   std::optional<ChunkCodes> kv;   // decoded and checked (vq layers as codes for a code-domain host)
+  std::vector<std::optional<VqPackedCodes>> packed;  // per layer: its vq codes packed at the host's layout (their arrays given back)
   std::string error;              // the fault that stops the load at this chunk
   std::uint64_t bytes = 0;
   double fetch_ms = 0, decode_ms = 0;
@@ -209,6 +212,13 @@ LoadReport load(KVStore& store, Transformer* model, const ChunkShape& shape, std
   // The code arrays of chunks fed, given back for the decoders of later chunks (no allocation, page
   // faults or zeroing per layer and chunk).
   VqCodeBuffers code_buffers;
+  // Per host layer, the packed layouts (K, V) the decoder threads pack its chunks' codes at, right
+  // after decoding them (VqPackedCodes: the feeding thread then copies rows): the host's, published
+  // by the feeding thread whenever they change (chunk 0 sets them, a widening changes them). A chunk
+  // packed at a layout the host no longer has is unpacked and appended as codes (append_packed).
+  // Under `mu`.
+  std::vector<std::array<std::shared_ptr<const VqFieldLayout>, 2>> pack_at(vq_hosts.size());
+  std::vector<VqPackedCodes> packed_free;  // packed chunks fed, their arrays for the next (under `mu`)
   const auto decode = [&](const Blob& blob, const std::string& level, int i) -> ChunkCodes {
     if (code_host && MethodSpec::parse(level).kind == MethodSpec::Kind::Vq)
       return decode_chunk_codes(blob, scheme.model_fingerprint, level, i, chunk_tokens(i), vq_models, &code_buffers);
@@ -238,6 +248,35 @@ LoadReport load(KVStore& store, Transformer* model, const ChunkShape& shape, std
   // fetch thread (chooses levels, fetches) and the decoder threads; all of it under `mu`.
   std::mutex mu;
   std::condition_variable cv;
+  // Before the host has a layout: the widths the live caches of a level held after the last chunk
+  // loaded (ChunkDirectory::Entry::widths), per level index and layer, made once (under `mu`); none
+  // when the directory has no hint or it does not fit the host.
+  std::map<int, std::vector<std::array<std::shared_ptr<const VqFieldLayout>, 2>>> hints;
+  const auto hinted = [&](int e, std::size_t l) -> std::array<std::shared_ptr<const VqFieldLayout>, 2> {
+    std::lock_guard<std::mutex> g(mu);
+    auto [it, fresh] = hints.try_emplace(e);
+    if (fresh) {
+      const std::vector<std::uint8_t>& w = dirs.back().entries[static_cast<std::size_t>(e)].widths;
+      std::size_t at = 0;
+      try {
+        for (const VqKVCache* h : vq_hosts) {
+          const int kn = h->layer_model()->k.n, vn = h->layer_model()->v.n, heads = h->layer_model()->kv_heads;
+          if (w.size() < at + static_cast<std::size_t>(kn + vn)) throw FormatError("short");
+          const auto part = [&](int count) {
+            std::vector<std::uint8_t> p(w.begin() + static_cast<std::ptrdiff_t>(at), w.begin() + static_cast<std::ptrdiff_t>(at) + count);
+            at += static_cast<std::size_t>(count);
+            return std::make_shared<const VqFieldLayout>(VqFieldLayout::from_widths(std::move(p), heads));
+          };
+          auto k = part(kn);
+          it->second.push_back({std::move(k), part(vn)});
+        }
+        if (at != w.size()) throw FormatError("long");
+      } catch (const std::exception&) {
+        it->second.clear();  // no hint, or not this host's shape: none
+      }
+    }
+    return l < it->second.size() ? it->second[l] : std::array<std::shared_ptr<const VqFieldLayout>, 2>{};
+  };
   // Decode cost of a chunk at a level the cost table does not know (no deadline, or a failed probe):
   // the slowest level it knows, or 1 GB/s of fp16 output. (Per chunk, not per blob byte: decode
   // time follows the K/V it outputs, and a 2-bit blob outputs 8x more per byte.)
@@ -346,11 +385,13 @@ LoadReport load(KVStore& store, Transformer* model, const ChunkShape& shape, std
       InFlight& f = flight[static_cast<std::size_t>(i)];
       const std::string level = dirs[static_cast<std::size_t>(i)].entries[static_cast<std::size_t>(f.choice)].level;
       const Blob blob = std::move(*f.blob);
+      const int f_choice = f.choice;
       f.bytes = blob.size();
       f.blob.reset();
       lock.unlock();
       const auto td = Clock::now();
       ChunkCodes kv;
+      std::vector<std::optional<VqPackedCodes>> packed;
       std::string error;
       try {
         kv = decode(blob, level, i);
@@ -367,14 +408,33 @@ LoadReport load(KVStore& store, Transformer* model, const ChunkShape& shape, std
             throw FormatError(
                 fmt::format("K/V of shape {}, the model's chunk is {}", shape_string(kv.kv[l].keys.shape()), shape_string(want)));
         }
+        // A code host's layers packed here, while their codes are in this thread's cache.
+        if (code_host) {
+          packed.resize(kv.vq.size());
+          for (std::size_t l = 0; l < kv.vq.size(); ++l) {
+            if (!kv.vq[l] || !same_vq_layer(*vq_hosts[l], *kv.vq[l])) continue;
+            std::array<std::shared_ptr<const VqFieldLayout>, 2> at;
+            VqPackedCodes reuse;
+            {
+              std::lock_guard<std::mutex> g(mu);
+              at = pack_at[l];
+              if (!packed_free.empty()) reuse = std::move(packed_free.back()), packed_free.pop_back();
+            }
+            if (!at[0] || !at[1]) at = hinted(f_choice, l);  // no host layout yet: the directory's widths, if any
+            if (!at[0] || !at[1]) continue;  // neither (chunk 0 not fed): the feeding thread packs
+            packed[l] = vq_pack_codes(kv.vq[l]->codes, at[0], at[1], std::move(reuse));
+            code_buffers.give(std::move(kv.vq[l]->codes));
+          }
+        }
       } catch (const std::exception& e) {
         error = fmt::format("level {} blob rejected ({})", level, e.what());
         kv = {};
+        packed.clear();
       }
       const double decode_ms = ms_since(td);
       lock.lock();
       f.decode_ms = decode_ms;
-      if (error.empty()) f.kv = std::move(kv);
+      if (error.empty()) f.kv = std::move(kv), f.packed = std::move(packed);
       else f.error = std::move(error);
       f.ready = true;
       cv.notify_all();
@@ -403,6 +463,15 @@ LoadReport load(KVStore& store, Transformer* model, const ChunkShape& shape, std
     for (int t = 0; t < threads; ++t) workers.emplace_back(decode_loop);
   }
 
+  // After a host layer took codes: its layouts for the decoder threads, when they changed.
+  const auto publish_layout = [&](std::size_t l) {
+    const VqKVCache& h = *vq_hosts[l];
+    std::lock_guard<std::mutex> g(mu);
+    auto& at = pack_at[l];
+    if (at[0] && at[1] && at[0]->width == h.key_widths() && at[1]->width == h.value_widths()) return;  // widths fix the layout
+    at = {std::make_shared<const VqFieldLayout>(h.field_layout(0)), std::make_shared<const VqFieldLayout>(h.field_layout(1))};
+  };
+
   // Feed the chunks in order.
   for (int i = 0; i < n; ++i) {
     InFlight f;
@@ -423,8 +492,17 @@ LoadReport load(KVStore& store, Transformer* model, const ChunkShape& shape, std
       for (std::size_t l = 0; l < caches.size(); ++l) {
         if (l < got.vq.size() && got.vq[l]) {
           VqStoredLayer& v = *got.vq[l];
+          std::optional<VqPackedCodes>* p = l < f.packed.size() && f.packed[l] ? &f.packed[l] : nullptr;
+          if (p && vq_hosts[l]->append_packed(**p, v.dtype)) {
+            publish_layout(l);
+            std::lock_guard<std::mutex> g(mu);
+            packed_free.push_back(std::move(**p));
+            continue;
+          }
+          if (p) v.codes = vq_unpack_codes(**p);  // refused: the rows below need the codes
           if (same_vq_layer(*vq_hosts[l], v) && vq_hosts[l]->append_codes(v.codes, v.dtype)) {
             code_buffers.give(std::move(v.codes));
+            publish_layout(l);
             continue;
           }
           // Not this host's calibration or level: the rows, re-quantized by the host's update().

@@ -18,6 +18,8 @@
 //   heads with BMI2 (a group's 8 codes gathered, biased and checked with SSE2, one pext); unpack
 //   with BMI2 (one pdep per group). 16-bit groups always take the reference's path.
 #pragma once
+#include <algorithm>
+#include <cstddef>
 #include <cstdint>
 #include <vector>
 
@@ -33,6 +35,49 @@ struct Layout {
   const std::uint8_t* group_width = nullptr;   // same
   std::uint32_t row_bytes() const { return bit_at[n] / 8; }
 };
+
+// The packed layout (vq_cache.hpp, "Packed layout") from per-coefficient preferred widths in
+// sq.width (raised to their groups' here): order, bit_at, group_byte/width, and field_mean from
+// sq.mean where SideQuantT has one. A template over the cache's private side type and
+// VqFieldLayout (vq/packed_codes.hpp), which share these members: one definition for both.
+template <class SideQuantT>
+void lay_out(SideQuantT& sq, int n, int heads) {
+  const auto z = [](std::int64_t v) { return static_cast<std::size_t>(v); };
+  const int d = n / heads;
+  sq.order.resize(z(n));
+  sq.bit_at.assign(z(n) + 1, 0);
+  sq.group_byte.clear();
+  sq.group_width.clear();
+  constexpr bool kMeans = requires { sq.field_mean; };
+  if constexpr (kMeans) sq.field_mean.resize(z(n));
+  std::uint32_t byte = 0;
+  for (int h = 0; h < heads; ++h) {
+    std::int32_t* o = sq.order.data() + z(h) * z(d);
+    for (int p = 0; p < d; ++p) o[p] = h * d + p;
+    std::stable_sort(o, o + d, [&](std::int32_t a, std::int32_t b) { return sq.width[z(a)] < sq.width[z(b)]; });
+    for (int p = 0; p < d; p += 8) {
+      const int m = std::min(8, d - p);
+      unsigned w = 1;
+      for (int i = 0; i < m; ++i) w = std::max<unsigned>(w, sq.width[z(o[p + i])]);
+      if (w > 8) w = 16;
+      sq.group_byte.push_back(byte);
+      sq.group_width.push_back(static_cast<std::uint8_t>(w));
+      for (int i = 0; i < m; ++i) {
+        sq.width[z(o[p + i])] = static_cast<std::uint8_t>(w);
+        sq.bit_at[z(o[p + i])] = byte * 8 + static_cast<std::uint32_t>(i) * w;
+      }
+      byte += (static_cast<std::uint32_t>(m) * w + 7) / 8;
+    }
+    if constexpr (kMeans)
+      for (int p = 0; p < d; ++p) sq.field_mean[z(h) * z(d) + z(p)] = sq.mean[z(o[p])];
+  }
+  sq.bit_at[z(n)] = byte * 8;
+}
+// A side's layout as the packer takes it (views of sq's arrays: valid while sq is unchanged).
+template <class SideQuantT>
+Layout pack_layout(const SideQuantT& sq, int n, int heads) {
+  return {n, heads, sq.order.data(), sq.bit_at.data(), sq.width.data(), sq.group_byte.data(), sq.group_width.data()};
+}
 
 struct Escape {
   std::int32_t t, c, q;  // token (row), coefficient, code
@@ -51,7 +96,7 @@ void unpack_rows(const Layout& lay, const std::uint8_t* buf, std::int64_t rows, 
 void unpack_rows_ref(const Layout& lay, const std::uint8_t* buf, std::int64_t rows, std::int16_t* codes);
 
 // The forms, for tests and benchmarks: pack_rows_as runs one (has(form) must be true).
-enum class Form { Reference, Bmi2, Vbmi };
+enum class Form { Reference, Bmi2, Vbmi, Vbmi2 };  // Vbmi2: heads of 64 or 128 fields without 16-bit groups
 bool has(Form form);
 void pack_rows_as(Form form, const Layout& lay, const std::int16_t* codes, std::int64_t rows, std::int64_t t_first, std::uint8_t* buf,
                   std::vector<Escape>& esc);

@@ -4,6 +4,7 @@
 #include <atomic>
 #include <bit>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <type_traits>
 
@@ -152,11 +153,7 @@ inline void put_field(std::uint8_t* base, std::uint64_t bit, std::uint32_t f) { 
 }
 std::size_t packed_bytes(std::int64_t rows, std::uint32_t row_bits) { return (sz(rows) * row_bits + 7) / 8 + 8; }
 
-// A side's layout as code_pack takes it (views of sq's arrays: valid while sq is unchanged).
-template <class SideQuantT>
-code_pack::Layout pack_layout(const SideQuantT& sq, int n, int heads) {
-  return {n, heads, sq.order.data(), sq.bit_at.data(), sq.width.data(), sq.group_byte.data(), sq.group_width.data()};
-}
+using code_pack::pack_layout;  // a side's layout as code_pack takes it
 // code_pack's escapes appended to the cache's list (the same three fields): an empty list gets
 // exactly their number (nbytes bills capacity), a list that grows chunk by chunk grows as vectors do.
 template <class EscapeT>
@@ -165,38 +162,7 @@ void append_escapes(std::vector<EscapeT>& dst, const std::vector<code_pack::Esca
   for (const code_pack::Escape& e : esc) dst.push_back({e.t, e.c, e.q});
 }
 
-// The packed layout (vq_cache.hpp, "Packed layout") from per-coefficient preferred widths in
-// sq.width (raised to their groups' here) and sq.mean: order, bit_at, group_byte/width, field_mean.
-template <class SideQuantT>
-void lay_out(SideQuantT& sq, int n, int heads) {
-  const int d = n / heads;
-  sq.order.resize(sz(n));
-  sq.bit_at.assign(sz(n) + 1, 0);
-  sq.group_byte.clear();
-  sq.group_width.clear();
-  sq.field_mean.resize(sz(n));
-  std::uint32_t byte = 0;
-  for (int h = 0; h < heads; ++h) {
-    std::int32_t* o = sq.order.data() + sz(h) * sz(d);
-    for (int p = 0; p < d; ++p) o[p] = h * d + p;
-    std::stable_sort(o, o + d, [&](std::int32_t a, std::int32_t b) { return sq.width[sz(a)] < sq.width[sz(b)]; });
-    for (int p = 0; p < d; p += 8) {
-      const int m = std::min(8, d - p);
-      unsigned w = 1;
-      for (int i = 0; i < m; ++i) w = std::max<unsigned>(w, sq.width[sz(o[p + i])]);
-      if (w > 8) w = 16;
-      sq.group_byte.push_back(byte);
-      sq.group_width.push_back(static_cast<std::uint8_t>(w));
-      for (int i = 0; i < m; ++i) {
-        sq.width[sz(o[p + i])] = static_cast<std::uint8_t>(w);
-        sq.bit_at[sz(o[p + i])] = byte * 8 + static_cast<std::uint32_t>(i) * w;
-      }
-      byte += (static_cast<std::uint32_t>(m) * w + 7) / 8;
-    }
-    for (int p = 0; p < d; ++p) sq.field_mean[sz(h) * sz(d) + sz(p)] = sq.mean[sz(o[p])];
-  }
-  sq.bit_at[sz(n)] = byte * 8;
-}
+using code_pack::lay_out;  // the packed layout from preferred widths (code_pack.hpp)
 
 // Bits an escape costs (its entry in the side list).
 constexpr double kEscapeBits = 96.0;
@@ -1177,49 +1143,74 @@ void widths_from_codes(const std::int16_t* codes, std::int64_t rows, int n, std:
 
 }  // namespace
 
-bool VqKVCache::append_codes(const VqLayerCodes& in, DType dtype) {
+bool VqKVCache::takes_codes(const VqLayerCodes& in, DType dtype) const {
   if (config_.residual != 0 || config_.sinks != 0 || config_.coded || !layer_ || identity_from_data_) return false;
-  const int H = layer_->kv_heads;
   const std::int64_t B = in.batch, S = in.tokens;
   require(B >= 1 && S >= 1 && in.k.n == layer_->k.n && in.v.n == layer_->v.n,
           "vq append_codes: codes of batch {}, {} tokens and widths {}/{} do not fit the layer's {}/{}", B, S, in.k.n, in.v.n, layer_->k.n,
           layer_->v.n);
   for (const VqSideCodes* s : {&in.k, &in.v}) {
-    require(s->offset.size() == sz(s->n) && s->codes.size() == sz(B) * sz(S) * sz(s->n) && (s->shift.empty() || s->shift.size() == sz(s->n)),
-            "vq append_codes: inconsistent code arrays");
+    require(s->offset.size() == sz(s->n) && (s->shift.empty() || s->shift.size() == sz(s->n)), "vq append_codes: inconsistent code arrays");
     for (std::uint8_t sh : s->shift) require(sh <= kVqMaxShift, "vq append_codes: a code split {} above the coder's {}", sh, kVqMaxShift);
+  }
+  if (offset_ == 0) return S >= config_.calib;  // else update() would still hold them exact, waiting to calibrate
+  if (!calibrated_ || quantized_ != offset_ || B != keys_buf_.dim(0) || dtype != keys_buf_.dtype()) return false;
+  return in.k.step == kq_.step && in.v.step == vq_.step && in.k.offset == kq_.offset && in.v.offset == vq_.offset;
+}
+
+void VqKVCache::start_from_codes(const VqLayerCodes& in, DType dtype) {
+  reset();
+  const int H = layer_->kv_heads;
+  const std::int64_t B = in.batch;
+  keys_buf_ = Tensor::wrap(nullptr, {B, H, 0, layer_->k.n / H}, dtype);
+  values_buf_ = Tensor::wrap(nullptr, {B, H, 0, layer_->v.n / H}, dtype);
+  for (int side = 0; side < 2; ++side) {
+    const VqSideCodes& s = side == 0 ? in.k : in.v;
+    SideQuant& q = side == 0 ? kq_ : vq_;
+    SideStore& st = side == 0 ? ks_ : vs_;
+    q.step = s.step;
+    q.offset = s.offset;
+    q.shift = s.shift.empty() ? std::vector<std::uint8_t>(sz(s.n), 0) : s.shift;
+    q.mean.resize(sz(s.n));
+    for (int i = 0; i < s.n; ++i) q.mean[sz(i)] = vq_offset(q.offset[sz(i)], q.step);
+    st.packed.clear();
+    st.packed.resize(sz(B));
+    st.escapes.assign(sz(B), {});
+  }
+  calibrated_ = true;
+}
+
+namespace {
+// Widen (a re-pack of every row when escapes cost too much) only when the rows held pass a power
+// of 4: a load appends many chunks, and widening after each re-packed the whole cache again and
+// again (perf: widen above the packing itself). Widths change memory, never values; the next
+// update() widens as it always does.
+template <class SideQuantT, class SideStoreT>
+void widen_after_append(SideQuantT& sq, SideStoreT& st, int n, int heads, std::int64_t q0, std::int64_t q1) {
+  const auto quarter_log = [](std::int64_t r) { return std::bit_width(static_cast<std::uint64_t>(r)) / 2; };
+  if (q0 > 0 && quarter_log(q1) > quarter_log(q0)) widen(sq, st, n, heads, q1, 0);
+}
+}  // namespace
+
+bool VqKVCache::append_codes(const VqLayerCodes& in, DType dtype) {
+  if (!takes_codes(in, dtype)) return false;
+  const int H = layer_->kv_heads;
+  const std::int64_t B = in.batch, S = in.tokens;
+  for (const VqSideCodes* s : {&in.k, &in.v}) {
+    require(s->codes.size() == sz(B) * sz(S) * sz(s->n), "vq append_codes: inconsistent code arrays");
     const auto [lo, hi] = code_range(s->codes.data(), s->codes.size());  // one pass in int16 lanes, then one check
     require(-lo <= vq_max_code(kVqMaxShift) && hi <= vq_max_code(kVqMaxShift), "vq append_codes: a code ({} or {}) lies beyond the codes' reach",
             lo, hi);
   }
-  if (offset_ == 0) {
-    if (S < config_.calib) return false;  // update() would still hold them exact, waiting to calibrate
-  } else {
-    if (!calibrated_ || quantized_ != offset_ || B != keys_buf_.dim(0) || dtype != keys_buf_.dtype()) return false;
-    if (in.k.step != kq_.step || in.v.step != vq_.step || in.k.offset != kq_.offset || in.v.offset != vq_.offset) return false;
-  }
   // --- commit (nothing below throws but allocation) ---
   if (offset_ == 0) {
-    reset();
-    const std::int64_t dk = layer_->k.n / H, dv = layer_->v.n / H;
-    keys_buf_ = Tensor::wrap(nullptr, {B, H, 0, dk}, dtype);
-    values_buf_ = Tensor::wrap(nullptr, {B, H, 0, dv}, dtype);
-    for (int side = 0; side < 2; ++side) {
+    start_from_codes(in, dtype);
+    for (int side = 0; side < 2; ++side) {  // widths chosen from these codes, as restore() chooses them
       const VqSideCodes& s = side == 0 ? in.k : in.v;
       SideQuant& q = side == 0 ? kq_ : vq_;
-      SideStore& st = side == 0 ? ks_ : vs_;
-      q.step = s.step;
-      q.offset = s.offset;
-      q.shift = s.shift.empty() ? std::vector<std::uint8_t>(sz(s.n), 0) : s.shift;
-      q.mean.resize(sz(s.n));
-      for (int i = 0; i < s.n; ++i) q.mean[sz(i)] = vq_offset(q.offset[sz(i)], q.step);
       widths_from_codes(s.codes.data(), B * S, s.n, q.width);
       lay_out(q, s.n, H);
-      st.packed.clear();
-      st.packed.resize(sz(B));
-      st.escapes.assign(sz(B), {});
     }
-    calibrated_ = true;
   }
   const std::int64_t q0 = quantized_, q1 = quantized_ + S;
   std::vector<code_pack::Escape> esc;
@@ -1237,17 +1228,90 @@ bool VqKVCache::append_codes(const VqLayerCodes& in, DType dtype) {
       code_pack::pack_rows(pack_layout(sq, n, H), s.codes.data() + sz(b * S) * sz(n), S, q0, buf.data(), esc);
       append_escapes(st.escapes[sz(b)], esc);
     }
-    // Widen (a re-pack of every row when escapes cost too much) only when the rows held pass a
-    // power of 4: a load appends many chunks, and widening after each re-packed the whole cache
-    // again and again (perf: widen above the packing itself). Widths change memory, never values;
-    // the next update() widens as it always does.
-    const auto quarter_log = [](std::int64_t r) { return std::bit_width(static_cast<std::uint64_t>(r)) / 2; };
-    if (q0 > 0 && quarter_log(q1) > quarter_log(q0)) widen(sq, st, n, H, q1);
+    widen_after_append(sq, st, n, H, q0, q1);
   }
   quantized_ = q1;
   offset_ = q1;
   encoded_size_.reset();
   return true;
+}
+
+bool VqKVCache::append_packed(const VqPackedCodes& in, DType dtype) {
+  if (!takes_codes(in.meta, dtype)) return false;
+  const int H = layer_->kv_heads;
+  const std::int64_t B = in.meta.batch, S = in.meta.tokens;
+  const int reach = vq_max_code(kVqMaxShift);
+  for (const VqPackedSide* p : {&in.k, &in.v}) {
+    const int n = p == &in.k ? in.meta.k.n : in.meta.v.n;
+    const VqFieldLayout* lay = p->layout.get();
+    require(lay && lay->n == n && lay->heads == H && lay->width.size() == sz(n) && lay->order.size() == sz(n) && lay->bit_at.size() == sz(n) + 1 &&
+                p->rows.size() == sz(B * S) * lay->row_bytes() + 8,
+            "vq append_packed: inconsistent packed arrays");
+    for (std::size_t e = 0; e < p->escapes.size(); ++e) {
+      const VqPackedEscape& x = p->escapes[e];
+      require(x.row >= 0 && x.row < B * S && x.c >= 0 && x.c < n && std::abs(x.q) <= reach &&
+                  (e == 0 || x.row > p->escapes[e - 1].row || (x.row == p->escapes[e - 1].row && x.c > p->escapes[e - 1].c)),
+              "vq append_packed: an escape out of place or beyond the codes' reach");
+    }
+  }
+  const auto same = [](const SideQuant& q, const VqFieldLayout& l) { return q.width == l.width && q.order == l.order; };
+  if (offset_ != 0 && (!same(kq_, *in.k.layout) || !same(vq_, *in.v.layout)))
+    return append_codes(vq_unpack_codes(in), dtype);  // packed at another layout (e.g. before a widening): as codes
+  // --- commit (nothing below throws but allocation) ---
+  if (offset_ == 0) {
+    start_from_codes(in.meta, dtype);
+    for (int side = 0; side < 2; ++side) {  // the chunk's layout, as it is
+      const VqFieldLayout& l = *(side == 0 ? in.k.layout : in.v.layout);
+      SideQuant& q = side == 0 ? kq_ : vq_;
+      q.width = l.width;
+      q.order = l.order;
+      q.bit_at = l.bit_at;
+      q.group_byte = l.group_byte;
+      q.group_width = l.group_width;
+      q.field_mean.resize(sz(l.n));
+      for (int i = 0; i < l.n; ++i) q.field_mean[sz(i)] = q.mean[sz(q.order[sz(i)])];
+    }
+  }
+  const std::int64_t q0 = quantized_, q1 = quantized_ + S;
+  for (int side = 0; side < 2; ++side) {
+    const VqPackedSide& p = side == 0 ? in.k : in.v;
+    const VqSideCodes& m = side == 0 ? in.meta.k : in.meta.v;
+    SideQuant& sq = side == 0 ? kq_ : vq_;
+    SideStore& st = side == 0 ? ks_ : vs_;
+    const int n = m.n;
+    const std::size_t row_bytes = sq.bit_at[sz(n)] / 8;
+    for (std::size_t i = 0; i < m.shift.size(); ++i) sq.shift[i] = std::max(sq.shift[i], m.shift[i]);
+    std::size_t e = 0;
+    for (std::int64_t b = 0; b < B; ++b) {
+      auto& buf = st.packed[sz(b)];
+      buf.resize(packed_bytes(q1, sq.bit_at[sz(n)]));
+      std::memcpy(buf.data() + sz(q0) * row_bytes, p.rows.data() + sz(b * S) * row_bytes, sz(S) * row_bytes);
+      auto& dst = st.escapes[sz(b)];
+      std::size_t end = e;
+      while (end < p.escapes.size() && p.escapes[end].row < (b + 1) * S) ++end;
+      if (dst.empty()) dst.reserve(end - e);
+      for (; e < end; ++e) dst.push_back({static_cast<std::int32_t>(p.escapes[e].row - b * S + q0), p.escapes[e].c, p.escapes[e].q});
+    }
+    widen_after_append(sq, st, n, H, q0, q1);
+  }
+  quantized_ = q1;
+  offset_ = q1;
+  encoded_size_.reset();
+  return true;
+}
+
+VqFieldLayout VqKVCache::field_layout(int side) const {
+  const SideQuant& q = side == 0 ? kq_ : vq_;
+  VqFieldLayout l;
+  if (!calibrated_ || q.width.empty()) return l;
+  l.n = static_cast<int>(q.width.size());
+  l.heads = layer_ ? layer_->kv_heads : static_cast<int>(keys_buf_.dim(1));
+  l.width = q.width;
+  l.order = q.order;
+  l.bit_at = q.bit_at;
+  l.group_byte = q.group_byte;
+  l.group_width = q.group_width;
+  return l;
 }
 
 std::vector<std::uint8_t> VqKVCache::encode() const {

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <filesystem>
+#include <functional>
 #include <random>
 
 #include <fmt/core.h>
@@ -253,4 +254,166 @@ TEST(PrefixCodeLoad, AppendCodesTakesOnlyCodesOfItsOwnCalibration) {
   EXPECT_FALSE(r->append_codes(v0.codes(0, kC)));
   EXPECT_EQ(r->offset(), 0);
   EXPECT_THROW(v0.codes(0, n + 1), vq::InvalidArgument);
+}
+
+namespace {
+// The directory of the last whole chunk of the context at `s`'s scheme.
+std::string last_directory_key(const Stored& s) {
+  std::uint64_t h = 0;
+  for (int k = 0; k < stored_tokens() / kC; ++k)
+    h = vq::directory_hash(h, s.scheme, std::span<const int>(context().tokens).subspan(static_cast<std::size_t>(k * kC), kC));
+  return vq::directory_key(h);
+}
+std::shared_ptr<vq::VqKVCache> as_vq(const std::shared_ptr<vq::KVCache>& c) { return std::dynamic_pointer_cast<vq::VqKVCache>(c); }
+}  // namespace
+
+// put_context writes, per live-coded level, the live caches' field widths after each chunk into the
+// chunk's directory; a code-domain load packs at the last chunk's widths from chunk 0 on (in its
+// decoder threads), so the host ends with the live cache's widths too, not only its values.
+TEST(PrefixCodeLoad, WidthHintsGiveTheLiveCachesWidths) {
+  const Context& c = context();
+  const int n = stored_tokens();
+  const Stored s({kVq2, "fp16"});
+  const auto live = live_caches(canon(kVq2), n);
+  const vq::ChunkDirectory d = vq::decode_directory(*s.store->get(last_directory_key(s)));
+  ASSERT_EQ(d.entries.size(), 2u);
+  EXPECT_TRUE(d.entries[1].widths.empty());  // fp16: no hint
+  std::vector<std::uint8_t> want;
+  for (const auto& l : live) {
+    const auto v = as_vq(l);
+    want.insert(want.end(), v->key_widths().begin(), v->key_widths().end());
+    want.insert(want.end(), v->value_widths().begin(), v->value_widths().end());
+  }
+  EXPECT_EQ(d.entries[0].widths, want);
+  EXPECT_EQ(vq::decode_directory(vq::encode_directory(d)).entries[0].widths, want);  // round trip
+  for (const int threads : {1, 2}) {
+    SCOPED_TRACE(threads);
+    auto host = vq::make_caches(canon(kVq2), *c.model);
+    const auto r = load_into(s, host, kVq2, threads);
+    EXPECT_TRUE(r.warnings.empty()) << r.warnings.front();
+    expect_same_caches(host, live);
+    for (std::size_t l = 0; l < host.size(); ++l) {
+      EXPECT_EQ(as_vq(host[l])->key_widths(), as_vq(live[l])->key_widths()) << l;
+      EXPECT_EQ(as_vq(host[l])->value_widths(), as_vq(live[l])->value_widths()) << l;
+    }
+  }
+}
+
+// A hint is only a hint: directories whose widths are too narrow, too wide, of another shape or
+// missing still load the live cache's values bit for bit (a narrow layout escapes and widens, a
+// shape that does not fit is ignored); a malformed one is a corrupt directory (warning, recompute).
+TEST(PrefixCodeLoad, WrongWidthHintsStillGiveExactCaches) {
+  const Context& c = context();
+  const int n = stored_tokens();
+  const auto live = live_caches(canon(kVq2), n);
+  const std::string dkey = [&] {
+    const Stored s({kVq2});
+    return last_directory_key(s);
+  }();
+  const auto rewrite = [&](const Stored& s, const std::function<void(std::vector<std::uint8_t>&)>& edit) {
+    vq::ChunkDirectory d = vq::decode_directory(*s.store->get(dkey));
+    edit(d.entries[0].widths);
+    s.store->remove(dkey);
+    s.store->put(dkey, vq::encode_directory(d));
+  };
+  const std::vector<std::pair<const char*, std::function<void(std::vector<std::uint8_t>&)>>> edits = {
+      {"all 1 bit", [](std::vector<std::uint8_t>& w) { std::fill(w.begin(), w.end(), std::uint8_t{1}); }},
+      {"all 16 bits", [](std::vector<std::uint8_t>& w) { std::fill(w.begin(), w.end(), std::uint8_t{16}); }},
+      {"mixed", [](std::vector<std::uint8_t>& w) { for (std::size_t i = 0; i < w.size(); ++i) w[i] = static_cast<std::uint8_t>(1 + i * 7 % 16); }},
+      {"short", [](std::vector<std::uint8_t>& w) { w.resize(w.size() - 1); }},
+      {"a width of 0", [](std::vector<std::uint8_t>& w) { w[3] = 0; }},
+      {"none", [](std::vector<std::uint8_t>& w) { w.clear(); }},
+  };
+  for (const auto& [what, edit] : edits) {
+    SCOPED_TRACE(what);
+    const Stored s({kVq2});
+    rewrite(s, edit);
+    for (const int threads : {1, 2}) {
+      auto host = vq::make_caches(canon(kVq2), *c.model);
+      const auto r = load_into(s, host, kVq2, threads);
+      EXPECT_TRUE(r.warnings.empty()) << r.warnings.front();
+      EXPECT_EQ(r.tokens_reused, n);
+      expect_same_caches(host, live);
+    }
+  }
+  // Not base64 / not zstd: the directory is corrupt, the load stops before that chunk with a warning.
+  const Stored s({kVq2});
+  const auto blob = *s.store->get(dkey);
+  std::string text(blob.begin(), blob.end());
+  const auto at = text.find("zstd_base64\":\"");
+  ASSERT_NE(at, std::string::npos);
+  ASSERT_NE(text[at + 14], 'A');
+  text[at + 14] = '#';
+  EXPECT_THROW(vq::decode_directory(vq::Blob(text.begin(), text.end())), vq::FormatError);
+  text[at + 14] = 'A';  // the zstd frame's magic number is now wrong
+  EXPECT_THROW(vq::decode_directory(vq::Blob(text.begin(), text.end())), vq::FormatError);
+  s.store->remove(dkey);
+  s.store->put(dkey, vq::Blob(text.begin(), text.end()));
+  auto host = vq::make_caches(canon(kVq2), *c.model);
+  std::vector<std::string> warned;
+  vq::LoaderOptions o;
+  o.scheme = s.scheme;
+  o.level = s.scheme.levels[0];
+  o.allow_recompute = false;
+  const auto r = vq::load_prefix(*s.store, *c.model, host, c.tokens, o, [&](const std::string& w) { warned.push_back(w); });
+  ASSERT_EQ(warned.size(), 1u);
+  EXPECT_NE(warned[0].find("corrupt directory"), std::string::npos) << warned[0];
+  EXPECT_EQ(r.tokens_reused, n - kC);
+  expect_same_caches(host, live_caches(canon(kVq2), n - kC));
+}
+
+// append_packed (codes packed off the cache, at any layout) is append_codes: the same cache after
+// it, in any chunking; rows are copied where the layout is the cache's, else the codes unpacked.
+TEST(PrefixCodeLoad, AppendPackedIsAppendCodes) {
+  const Context& c = context();
+  const int n = stored_tokens();
+  const auto live = live_caches(canon(kVq2), n);
+  const auto v0 = as_vq(live[0]);
+  const int heads = v0->layer_model()->kv_heads;
+  auto fresh = [&] { return as_vq(vq::make_caches(canon(kVq2), *c.model)[0]); };
+  const auto layout = [&](std::vector<std::uint8_t> w) { return std::make_shared<const vq::VqFieldLayout>(vq::VqFieldLayout::from_widths(std::move(w), heads)); };
+  const std::size_t kn = v0->key_widths().size(), vn = v0->value_widths().size();
+  // Packing and unpacking is the identity, at any layout.
+  for (const std::uint8_t w : {1, 2, 3, 8, 16}) {
+    const vq::VqLayerCodes codes = v0->codes(kC, n);
+    const auto p = vq::vq_pack_codes(codes, layout(std::vector<std::uint8_t>(kn, w)), layout(std::vector<std::uint8_t>(vn, w)));
+    expect_same_codes(vq::vq_unpack_codes(p), codes);
+  }
+  // Chunk 0 at the live cache's layouts, the rest in two pieces at: the same layouts (rows copied),
+  // all-2 (another layout: unpacked), the live widths' own layout made again (from_widths).
+  const auto lk = std::make_shared<const vq::VqFieldLayout>(v0->field_layout(0));
+  const auto lv = std::make_shared<const vq::VqFieldLayout>(v0->field_layout(1));
+  const std::vector<std::pair<std::shared_ptr<const vq::VqFieldLayout>, std::shared_ptr<const vq::VqFieldLayout>>> later = {
+      {lk, lv}, {layout(std::vector<std::uint8_t>(kn, 2)), layout(std::vector<std::uint8_t>(vn, 2))},
+      {layout(v0->key_widths()), layout(v0->value_widths())}};
+  for (const auto& [k, v] : later) {
+    auto a = fresh();
+    ASSERT_TRUE(a->append_packed(vq::vq_pack_codes(v0->codes(0, kC), lk, lv)));
+    EXPECT_EQ(a->key_widths(), v0->key_widths());
+    ASSERT_TRUE(a->append_packed(vq::vq_pack_codes(v0->codes(kC, 2 * kC), k, v)));
+    ASSERT_TRUE(a->append_packed(vq::vq_pack_codes(v0->codes(2 * kC, n), k, v)));
+    expect_same_codes(a->codes(), v0->codes());
+    EXPECT_TRUE(a->state().keys.bit_equal(v0->state().keys));
+    EXPECT_TRUE(a->state().values.bit_equal(v0->state().values));
+    EXPECT_EQ(a->escapes(), v0->escapes());
+  }
+  // The same refusals as append_codes, the cache unchanged.
+  EXPECT_FALSE(fresh()->append_packed(vq::vq_pack_codes(v0->codes(0, 4), lk, lv)));  // fewer than calib tokens
+  const auto o0 = as_vq(live_caches(canon(kVq1), n)[0]);
+  auto b = fresh();
+  ASSERT_TRUE(b->append_packed(vq::vq_pack_codes(v0->codes(0, kC), lk, lv)));
+  EXPECT_FALSE(b->append_packed(vq::vq_pack_codes(o0->codes(kC, 2 * kC), lk, lv)));  // another calibration
+  EXPECT_EQ(b->offset(), kC);
+  // Codes beyond the coder's reach are refused when packed; a packed chunk whose arrays disagree, when appended.
+  vq::VqLayerCodes far = v0->codes(kC, 2 * kC);
+  far.k.codes[5] = static_cast<std::int16_t>(vq::vq_max_code(vq::kVqMaxShift) + 1);
+  EXPECT_THROW(vq::vq_pack_codes(far, lk, lv), vq::InvalidArgument);
+  EXPECT_THROW(vq::vq_pack_codes(far, layout(std::vector<std::uint8_t>(kn, 16)), lv), vq::InvalidArgument);
+  auto bad = vq::vq_pack_codes(v0->codes(kC, 2 * kC), lk, lv);
+  bad.k.rows.pop_back();
+  EXPECT_THROW(b->append_packed(bad), vq::InvalidArgument);
+  bad = vq::vq_pack_codes(v0->codes(kC, 2 * kC), lk, lv);
+  bad.v.escapes.push_back({static_cast<std::int32_t>(kC), 0, 1});
+  EXPECT_THROW(b->append_packed(bad), vq::InvalidArgument);
+  EXPECT_EQ(b->offset(), kC);
 }

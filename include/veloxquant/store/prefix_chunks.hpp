@@ -128,6 +128,13 @@ struct ChunkDirectory {
   struct Entry {
     std::string level, key;
     std::uint64_t bytes = 0;
+    // A live-coded vq level: the packed field widths its live caches held after this chunk, layer
+    // by layer, K then V (VqKVCache::key_widths / value_widths). A code-domain load of chunks
+    // 0..i packs at directory i's widths from its first chunk on, so the host neither chooses
+    // widths from chunk 0 nor widens while it loads. A hint only: widths change memory, never
+    // values (a wrong one is widened as any cache widens). Empty otherwise, and in directories
+    // written before it.
+    std::vector<std::uint8_t> widths = {};
   };
   std::vector<Entry> entries;
 };

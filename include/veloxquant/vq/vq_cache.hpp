@@ -100,6 +100,7 @@
 #include "veloxquant/core/page_vector.hpp"
 #include "veloxquant/vq/basis.hpp"
 #include "veloxquant/vq/codec.hpp"
+#include "veloxquant/vq/packed_codes.hpp"
 
 namespace vq {
 
@@ -179,6 +180,13 @@ class VqKVCache : public KVCache {
   // given fewer than calib tokens, another step or offsets, another dtype. Throws InvalidArgument
   // (cache unchanged) on codes that do not fit the layer model or are malformed.
   bool append_codes(const VqLayerCodes& codes, DType dtype = DType::F32);
+  // append_codes for codes packed off the cache (vq/packed_codes.hpp: the store loader's decoder
+  // threads): the same refusals and the same cache after it. Where a side's layout is the cache's
+  // (or the cache is empty: it takes the chunk's layouts instead of choosing widths from the codes)
+  // its rows are copied as they are; otherwise the codes are unpacked and appended as append_codes.
+  bool append_packed(const VqPackedCodes& codes, DType dtype = DType::F32);
+  // A side's packed layout now (0: K, 1: V; n = 0 before calibration): what to pack chunks at.
+  VqFieldLayout field_layout(int side) const;
   // vq_encode(codes()); its size is memoised for stored_bytes until the next change.
   std::vector<std::uint8_t> encode() const;
   const VqLayerModel* layer_model() const { return layer_.get(); }
@@ -261,6 +269,12 @@ class VqKVCache : public KVCache {
   vq_attention::HeadFields head_fields(int side, std::int64_t b, std::int64_t h, std::int64_t t0, std::int64_t t1,
                                        std::vector<vq_attention::FieldEscape>& esc) const;
   void reset();
+  // append_codes / append_packed: whether codes of this calibration (`c`'s batch, tokens, steps,
+  // offsets; not its code arrays) may be appended (false where update() would not have left them
+  // quantized under it); throws InvalidArgument when they do not fit the layer model.
+  bool takes_codes(const VqLayerCodes& c, DType dtype) const;
+  // An empty cache starts from `c`'s calibration (steps, offsets, shifts; widths left to the caller).
+  void start_from_codes(const VqLayerCodes& c, DType dtype);
   // config.coded: seal every full tile of quantized tokens past sealed_ (codes out of the packed rows).
   void seal_due();
   // Back to packed rows for every quantized token (sealed_ = 0).
