@@ -247,7 +247,8 @@ void VqKVCache::reset() {
   quantized_ = 0;
   sealed_ = 0;
   seal_gen_ = next_seal_gen();
-  kq_ = vq_ = SideQuant();
+  kq_ = SideQuant();  // move-assigned: `kq_ = vq_ = SideQuant()` copied an empty vq_ into kq_, which kept kq_'s capacity (billed)
+  vq_ = SideQuant();
   ks_ = SideStore();
   vs_ = SideStore();
   encoded_size_.reset();
@@ -374,6 +375,7 @@ void VqKVCache::update(const Tensor& keys, const Tensor& values) {
       lay_out(w.q, n, static_cast<int>(H));
     } else {
       w.q = side == 0 ? kq_ : vq_;
+      if (calibrated_ && w.q.bit_at.empty() && q1 > q0) lay_out(w.q, n, static_cast<int>(H));  // dropped at rest (resident=coded)
     }
     if (q1 == q0) continue;
     w.codes.append(sz(B * (q1 - q0)) * sz(n));
@@ -760,7 +762,7 @@ Tensor VqKVCache::materialise(int side) const {
   for (std::int64_t b = 0; b < B; ++b) {
     if (tiled) {  // y_hat of every quantized token of batch row b
       const std::uint8_t* buf = st.packed[sz(b)].data();
-      const std::uint32_t row_bits = sq.bit_at[sz(nc)];
+      const std::uint32_t row_bits = sq.bit_at.empty() ? 0 : sq.bit_at[sz(nc)];  // no packed rows at rest with resident=coded
       for (std::int64_t tk = q0; tk < q1; ++tk) {
         float* y = yhat.data() + sz(tk - q0) * sz(nc);
         if (tk < sealed_) {
@@ -850,6 +852,8 @@ std::size_t VqKVCache::nbytes() const {
     n += s->sealed.capacity() * sizeof(PageVector<std::uint8_t>) + s->tile_at.capacity() * sizeof(std::vector<std::uint32_t>);
     for (const auto& p : s->sealed) n += p.nbytes();
     for (const auto& a : s->tile_at) n += a.capacity() * sizeof(std::uint32_t);
+    n += s->open.capacity() * sizeof(std::vector<std::uint8_t>);
+    for (const auto& o : s->open) n += o.capacity();
   }
   return n;
 }
@@ -878,48 +882,88 @@ std::size_t VqKVCache::escapes() const {
   return n;
 }
 
+namespace {
+// Appends n bytes to a sealed buffer. On the heap it grows to exactly its new size (one copy per
+// tile: PageVector's growth by an eighth would leave up to 1/8 of the sealed bytes as spare
+// capacity, and nbytes bills it); in its mapping (past kPageVectorHeapBytes) only pages are billed.
+std::uint8_t* append_exact(PageVector<std::uint8_t>& v, std::size_t n) {
+  if (v.mapped() || v.size() == 0 || v.size() + n > kPageVectorHeapBytes) return v.append(n);
+  PageVector<std::uint8_t> grown;
+  std::uint8_t* p = grown.append(v.size() + n);  // a first append allocates exactly its size
+  std::memcpy(p, v.data(), v.size());
+  const std::size_t old = v.size();
+  v = std::move(grown);
+  return v.data() + old;
+}
+
+template <class SideQuantT>
+void drop_layout(SideQuantT& sq) {
+  std::vector<std::uint32_t>().swap(sq.bit_at);
+  std::vector<std::int32_t>().swap(sq.order);
+  std::vector<std::uint32_t>().swap(sq.group_byte);
+  std::vector<std::uint8_t>().swap(sq.group_width);
+  std::vector<float>().swap(sq.field_mean);
+}
+}  // namespace
+
+void VqKVCache::ensure_layout() {
+  if (!calibrated_ || !layer_) return;
+  const int H = layer_->kv_heads;
+  if (kq_.bit_at.empty()) lay_out(kq_, layer_->k.n, H);
+  if (vq_.bit_at.empty()) lay_out(vq_, layer_->v.n, H);
+}
+
 void VqKVCache::seal_due() {
-  if (!config_.coded || quantized_ - sealed_ < kSealTokens) return;
-  const std::int64_t tiles = (quantized_ - sealed_) / kSealTokens, rows = tiles * kSealTokens;  // rows leaving the packed form
-  const VqLayerCodes lc = codes(sealed_, sealed_ + rows);
-  const std::int64_t B = lc.batch;
-  std::vector<std::uint8_t> bytes;
-  for (int side = 0; side < 2; ++side) {
-    const VqSideCodes& sc = side == 0 ? lc.k : lc.v;
-    const SideQuant& sq = side == 0 ? kq_ : vq_;
-    SideStore& st = side == 0 ? ks_ : vs_;
-    const int n = sc.n;
-    const std::uint32_t row_bytes = sq.bit_at[sz(n)] / 8;
-    if (st.sealed.size() != sz(B)) st.sealed.resize(sz(B)), st.tile_at.resize(sz(B));
-    for (std::int64_t b = 0; b < B; ++b) {
-      bytes.clear();
-      auto& at = st.tile_at[sz(b)];
-      auto& sealed = st.sealed[sz(b)];
-      std::size_t end = sealed.size() >= 8 ? sealed.size() - 8 : 0;  // past the last tile: the 8 zero bytes
-      for (std::int64_t i = 0; i < tiles; ++i) {
-        at.push_back(static_cast<std::uint32_t>(end + bytes.size()));
-        seal::encode_tile(sc.codes.data() + sz(b * rows + i * kSealTokens) * sz(n), kSealTokens, n, bytes);
+  if (!config_.coded) return;
+  if (quantized_ > sealed_) {
+    const std::int64_t first = sealed_ / kSealTokens * kSealTokens;  // the open tile's first token (or sealed_)
+    const std::int64_t rows = quantized_ - first, tiles = rows / kSealTokens, rest = rows % kSealTokens;
+    const VqLayerCodes lc = codes(first, quantized_);  // the open tile's codes (decoded) and the packed rows'
+    const std::int64_t B = lc.batch;
+    std::vector<std::uint8_t> bytes;
+    for (int side = 0; side < 2; ++side) {
+      const VqSideCodes& sc = side == 0 ? lc.k : lc.v;
+      SideStore& st = side == 0 ? ks_ : vs_;
+      const int n = sc.n;
+      if (st.sealed.size() != sz(B)) st.sealed.resize(sz(B)), st.tile_at.resize(sz(B)), st.open.resize(sz(B));
+      for (std::int64_t b = 0; b < B; ++b) {
+        const std::int16_t* q = sc.codes.data() + sz(b * rows) * sz(n);
+        if (tiles > 0) {
+          bytes.clear();
+          auto& at = st.tile_at[sz(b)];
+          auto& sealed = st.sealed[sz(b)];
+          const std::size_t end = sealed.size() >= 8 ? sealed.size() - 8 : 0;  // past the last tile: the 8 zero bytes
+          for (std::int64_t i = 0; i < tiles; ++i) {
+            at.push_back(static_cast<std::uint32_t>(end + bytes.size()));
+            seal::encode_tile(q + sz(i * kSealTokens) * sz(n), kSealTokens, n, bytes);
+          }
+          if (sealed.size() >= 8) sealed.shrink(sealed.size() - 8);
+          std::uint8_t* dst = append_exact(sealed, bytes.size() + 8);
+          std::memcpy(dst, bytes.data(), bytes.size());
+          std::memset(dst + bytes.size(), 0, 8);
+          if (at.capacity() > at.size()) at.shrink_to_fit();
+        }
+        // The open tile, coded whole again into a buffer of its size (+ 8 zero bytes), or released.
+        bytes.clear();
+        if (rest > 0) {
+          seal::encode_tile(q + sz(tiles * kSealTokens) * sz(n), rest, n, bytes);
+          bytes.resize(bytes.size() + 8, 0);
+        }
+        std::vector<std::uint8_t>(bytes).swap(st.open[sz(b)]);
+        // Every packed row and its escapes leave.
+        st.packed[sz(b)].clear();
+        std::vector<Escape>().swap(st.escapes[sz(b)]);
       }
-      if (sealed.size() >= 8) sealed.shrink(sealed.size() - 8);
-      std::uint8_t* dst = sealed.append(bytes.size() + 8);
-      std::memcpy(dst, bytes.data(), bytes.size());
-      std::memset(dst + bytes.size(), 0, 8);
-      // The packed rows move up by `rows` (rows start on bytes); their escapes of sealed tokens go.
-      auto& buf = st.packed[sz(b)];
-      const std::size_t left = sz(quantized_ - sealed_ - rows) * row_bytes;
-      std::memmove(buf.data(), buf.data() + sz(rows) * row_bytes, left);
-      std::memset(buf.data() + left, 0, buf.size() - left);
-      buf.resize(packed_bytes(quantized_ - sealed_ - rows, row_bytes * 8));
-      auto& e = st.escapes[sz(b)];
-      const std::int64_t t_end = sealed_ + rows;
-      e.erase(e.begin(), std::lower_bound(e.begin(), e.end(), t_end, [](const Escape& x, std::int64_t t) { return x.t < t; }));
     }
+    sealed_ = quantized_;
   }
-  sealed_ += rows;
+  drop_layout(kq_);
+  drop_layout(vq_);
 }
 
 void VqKVCache::unseal() {
   if (sealed_ == 0) return;
+  ensure_layout();
   const VqLayerCodes lc = codes(0, quantized_);
   const std::int64_t B = lc.batch, Q = quantized_;
   const int H = static_cast<int>(keys_buf_.dim(1));
@@ -940,27 +984,31 @@ void VqKVCache::unseal() {
     }
     st.sealed.clear();
     st.tile_at.clear();
+    st.open.clear();
   }
   sealed_ = 0;
   seal_gen_ = next_seal_gen();
 }
 
 const std::int16_t* VqKVCache::sealed_row(int side, std::int64_t b, std::int64_t t) const {
-  // One decoded tile per side per thread, named by (contents, batch row, tile).
+  // One decoded tile per side per thread, named by (contents, batch row, tile, its tokens: the open
+  // tile grows, and its first tokens' codes stay what they were).
   struct Slot {
     std::uint64_t gen = 0;
-    std::int64_t b = -1, tile = -1;
+    std::int64_t b = -1, tile = -1, rows = 0;
     std::vector<std::int16_t> codes;
   };
   thread_local Slot slots[2];
   Slot& s = slots[side];
-  const std::int64_t tile = t / kSealTokens;
+  const std::int64_t tile = t / kSealTokens, rows = std::min(kSealTokens, sealed_ - tile * kSealTokens);
   const int n = side == 0 ? layer_->k.n : layer_->v.n;
-  if (s.gen != seal_gen_ || s.b != b || s.tile != tile) {
+  if (s.gen != seal_gen_ || s.b != b || s.tile != tile || s.rows != rows) {
     const SideStore& st = side == 0 ? ks_ : vs_;
+    const auto& at = st.tile_at[sz(b)];
+    const std::uint8_t* src = sz(tile) < at.size() ? st.sealed[sz(b)].data() + at[sz(tile)] : st.open[sz(b)].data();
     s.codes.resize(sz(kSealTokens) * sz(n));
-    seal::decode_tile(st.sealed[sz(b)].data() + st.tile_at[sz(b)][sz(tile)], kSealTokens, n, s.codes.data());
-    s.gen = seal_gen_, s.b = b, s.tile = tile;
+    seal::decode_tile(src, rows, n, s.codes.data());
+    s.gen = seal_gen_, s.b = b, s.tile = tile, s.rows = rows;
   }
   return s.codes.data() + sz(t - tile * kSealTokens) * sz(n);
 }
