@@ -9,6 +9,7 @@ namespace {
 
 constexpr std::uint8_t kRunMode = 31;  // mode_c of a zero-run coefficient (k = 15 with delta is not offered)
 constexpr unsigned kRunKrBits = 3, kRunKvBits = 2;
+constexpr unsigned kCopyBits = 7;  // d - 1 of a row copy: d <= 127 reaches every row of the previous tile
 
 inline std::uint32_t zigzag(std::int32_t q) { return (static_cast<std::uint32_t>(q) << 1) ^ static_cast<std::uint32_t>(q >> 31); }
 inline std::int32_t unzigzag(std::uint32_t z) { return static_cast<std::int32_t>(z >> 1) ^ -static_cast<std::int32_t>(z & 1); }
@@ -33,26 +34,32 @@ struct Plan {
   std::vector<std::uint8_t> mode, kr, kv;
 };
 
-// Row copies: each row's nearest earlier identical row, taken when they save more than the flags cost.
-void find_copies(const std::int16_t* codes, std::int64_t rows, int n, Plan& p) {
+std::uint64_t row_hash(const std::int16_t* q, int n) {
+  std::uint64_t x = 0x9E3779B97F4A7C15ull;
+  for (int c = 0; c < n; ++c) x = (x ^ static_cast<std::uint16_t>(q[c])) * 0x100000001B3ull;
+  return x;
+}
+
+// Row copies: each row's nearest earlier identical row, in the tile or in the previous tile (rows
+// of it that are not copies from the tile before it).
+void find_copies(const std::int16_t* codes, std::int64_t rows, int n, const std::int16_t* prev, std::uint64_t prev_back, Plan& p) {
   p.copies = false;
   std::fill(p.copy, p.copy + kMaxTileRows, 0);
-  if (n < kCopyMinN || rows < 2) return;
-  std::uint64_t h[kMaxTileRows];
-  for (std::int64_t r = 0; r < rows; ++r) {
-    std::uint64_t x = 0x9E3779B97F4A7C15ull;
-    const std::int16_t* q = codes + r * n;
-    for (int c = 0; c < n; ++c) x = (x ^ static_cast<std::uint16_t>(q[c])) * 0x100000001B3ull;
-    h[r] = x;
-  }
+  if (n < kCopyMinN) return;
+  std::uint64_t h[kMaxTileRows], hp[kMaxTileRows];
+  for (std::int64_t r = 0; r < rows; ++r) h[r] = row_hash(codes + r * n, n);
+  if (prev)
+    for (std::int64_t j = 0; j < kMaxTileRows; ++j) hp[j] = row_hash(prev + j * n, n);
+  const std::size_t bytes = static_cast<std::size_t>(n) * sizeof(std::int16_t);
   std::int64_t found = 0;
-  for (std::int64_t r = 1; r < rows; ++r)
-    for (std::int64_t j = r - 1; j >= 0; --j)
-      if (h[j] == h[r] && std::memcmp(codes + j * n, codes + r * n, static_cast<std::size_t>(n) * sizeof(std::int16_t)) == 0) {
-        p.copy[r] = static_cast<std::uint8_t>(r - j);
-        ++found;
-        break;
-      }
+  for (std::int64_t r = 0; r < rows; ++r) {
+    for (std::int64_t j = r - 1; j >= 0 && !p.copy[r]; --j)
+      if (h[j] == h[r] && std::memcmp(codes + j * n, codes + r * n, bytes) == 0) p.copy[r] = static_cast<std::uint8_t>(r - j);
+    for (std::int64_t j = kMaxTileRows - 1; prev && j >= 0 && !p.copy[r]; --j)
+      if (!(prev_back >> j & 1) && hp[j] == h[r] && std::memcmp(prev + j * n, codes + r * n, bytes) == 0)
+        p.copy[r] = static_cast<std::uint8_t>(r + kMaxTileRows - j);
+    found += p.copy[r] != 0;
+  }
   p.copies = found > 0;
 }
 
@@ -106,9 +113,9 @@ std::uint64_t counted_bits(const std::int16_t* codes, std::int64_t rows, int n, 
 
 // Copies when the tile has any and they make it smaller (each other row then pays a flag bit, and
 // the modes are chosen over fewer rows), then the modes.
-void plan_tile(const std::int16_t* codes, std::int64_t rows, int n, Plan& p) {
+void plan_tile(const std::int16_t* codes, std::int64_t rows, int n, const std::int16_t* prev, std::uint64_t prev_back, Plan& p) {
   p.rows = rows;
-  find_copies(codes, rows, n, p);
+  find_copies(codes, rows, n, prev, prev_back, p);
   choose_modes(codes, rows, n, p);
   if (!p.copies) return;
   Plan plain;
@@ -159,9 +166,9 @@ template <class W>
 void write_tile(const std::int16_t* codes, std::int64_t rows, int n, const Plan& p, W& w) {
   w.put(p.copies ? 1 : 0, 1);
   if (p.copies)
-    for (std::int64_t r = 1; r < rows; ++r) {
+    for (std::int64_t r = 0; r < rows; ++r) {
       w.put(p.copy[r] ? 1 : 0, 1);
-      if (p.copy[r]) w.put(p.copy[r] - 1u, 6);
+      if (p.copy[r]) w.put(p.copy[r] - 1u, kCopyBits);
     }
   for (int c = 0; c < n; ++c) {
     const std::size_t i = static_cast<std::size_t>(c);
@@ -208,22 +215,43 @@ std::uint64_t counted_bits(const std::int16_t* codes, std::int64_t rows, int n, 
 
 }  // namespace
 
-void encode_tile(const std::int16_t* codes, std::int64_t rows, int n, std::vector<std::uint8_t>& out) {
+std::uint64_t encode_tile(const std::int16_t* codes, std::int64_t rows, int n, std::vector<std::uint8_t>& out, const std::int16_t* prev,
+                          std::uint64_t prev_back) {
   Plan p;
-  plan_tile(codes, rows, n, p);
+  plan_tile(codes, rows, n, prev, prev_back, p);
   BitWriter w{out};
   write_tile(codes, rows, n, p, w);
+  std::uint64_t back = 0;
+  for (std::int64_t r = 0; r < rows; ++r) back |= std::uint64_t{p.copy[r] > r} << r;
+  return back;
 }
 
-std::size_t tile_bytes(const std::int16_t* codes, std::int64_t rows, int n) {
+std::uint64_t copies_back(const std::uint8_t* in, std::int64_t rows) {
+  if (!(in[0] & 1)) return 0;
+  std::uint64_t pos = 1, back = 0;
+  for (std::int64_t r = 0; r < rows; ++r) {
+    std::uint64_t v;
+    std::memcpy(&v, in + (pos >> 3), 8);
+    v >>= pos & 7;
+    ++pos;
+    if (v & 1) {
+      const std::int64_t d = static_cast<std::int64_t>((v >> 1) & ((1u << kCopyBits) - 1)) + 1;
+      back |= std::uint64_t{d > r} << r;
+      pos += kCopyBits;
+    }
+  }
+  return back;
+}
+
+std::size_t tile_bytes(const std::int16_t* codes, std::int64_t rows, int n, const std::int16_t* prev, std::uint64_t prev_back) {
   Plan p;
-  plan_tile(codes, rows, n, p);
+  plan_tile(codes, rows, n, prev, prev_back, p);
   BitCounter w;
   write_tile(codes, rows, n, p, w);
   return static_cast<std::size_t>(w.bits / 8);
 }
 
-std::size_t decode_tile(const std::uint8_t* in, std::int64_t rows, int n, std::int16_t* codes) {
+std::size_t decode_tile(const std::uint8_t* in, std::int64_t rows, int n, std::int16_t* codes, const std::int16_t* prev) {
   std::uint64_t pos = 0;
   auto peek = [&]() {
     std::uint64_t v;
@@ -247,8 +275,8 @@ std::size_t decode_tile(const std::uint8_t* in, std::int64_t rows, int n, std::i
   };
   std::uint8_t copy[kMaxTileRows] = {};
   if (take(1))
-    for (std::int64_t r = 1; r < rows; ++r)
-      if (take(1)) copy[r] = static_cast<std::uint8_t>(take(6) + 1);
+    for (std::int64_t r = 0; r < rows; ++r)
+      if (take(1)) copy[r] = static_cast<std::uint8_t>(take(kCopyBits) + 1);
   thread_local std::vector<std::uint8_t> mode, kr, kv;
   thread_local std::vector<std::int32_t> left;
   mode.resize(static_cast<std::size_t>(n));
@@ -262,8 +290,9 @@ std::size_t decode_tile(const std::uint8_t* in, std::int64_t rows, int n, std::i
   }
   for (std::int64_t r = 0; r < rows; ++r) {
     std::int16_t* row = codes + r * n;
-    if (copy[r]) {
-      std::memcpy(row, row - copy[r] * n, static_cast<std::size_t>(n) * sizeof(std::int16_t));
+    if (copy[r]) {  // from the previous tile when d > r (left as it is without prev)
+      const std::int16_t* from = copy[r] <= r ? row - copy[r] * n : prev ? prev + (r + kMaxTileRows - copy[r]) * n : nullptr;
+      if (from) std::memcpy(row, from, static_cast<std::size_t>(n) * sizeof(std::int16_t));
       continue;
     }
     for (int c = 0; c < n; ++c) {

@@ -896,6 +896,21 @@ std::uint8_t* append_exact(PageVector<std::uint8_t>& v, std::size_t n) {
   return v.data() + old;
 }
 
+// The grid offset m_c that a mean holds (mean = vq_offset(m_c, step), float32).
+inline std::int32_t offset_of_mean(float mean, float step) {
+  return static_cast<std::int32_t>(std::nearbyint(static_cast<double>(mean) / (static_cast<double>(step) * 0.25)));
+}
+
+// resident=coded, between updates: the offsets go when the means give them back exactly (they
+// always do but for offsets near kVqMaxOffset, where the float32 product may round), as codes() reads them.
+template <class SideQuantT>
+void drop_offsets(SideQuantT& sq) {
+  if (sq.offset.empty() || sq.mean.size() != sq.offset.size()) return;
+  for (std::size_t c = 0; c < sq.offset.size(); ++c)
+    if (offset_of_mean(sq.mean[c], sq.step) != sq.offset[c] || vq_offset(sq.offset[c], sq.step) != sq.mean[c]) return;
+  std::vector<std::int32_t>().swap(sq.offset);
+}
+
 template <class SideQuantT>
 void drop_layout(SideQuantT& sq) {
   std::vector<std::uint32_t>().swap(sq.bit_at);
@@ -918,7 +933,9 @@ void VqKVCache::seal_due() {
   if (quantized_ > sealed_) {
     const std::int64_t first = sealed_ / kSealTokens * kSealTokens;  // the open tile's first token (or sealed_)
     const std::int64_t rows = quantized_ - first, tiles = rows / kSealTokens, rest = rows % kSealTokens;
-    const VqLayerCodes lc = codes(first, quantized_);  // the open tile's codes (decoded) and the packed rows'
+    // The open tile's codes (decoded) and the packed rows', after the full tile before them (rows copy from it).
+    const std::int64_t from = first >= kSealTokens ? first - kSealTokens : first, all = quantized_ - from;
+    const VqLayerCodes lc = codes(from, quantized_);
     const std::int64_t B = lc.batch;
     std::vector<std::uint8_t> bytes;
     for (int side = 0; side < 2; ++side) {
@@ -927,7 +944,10 @@ void VqKVCache::seal_due() {
       const int n = sc.n;
       if (st.sealed.size() != sz(B)) st.sealed.resize(sz(B)), st.tile_at.resize(sz(B)), st.open.resize(sz(B));
       for (std::int64_t b = 0; b < B; ++b) {
-        const std::int16_t* q = sc.codes.data() + sz(b * rows) * sz(n);
+        const std::int16_t* q = sc.codes.data() + sz(b * all + (first - from)) * sz(n);
+        // The tile before each new one and its rows that copy from the tile before it.
+        const std::int16_t* prev = from < first ? q - sz(kSealTokens) * sz(n) : nullptr;
+        std::uint64_t prev_back = prev ? seal::copies_back(st.sealed[sz(b)].data() + st.tile_at[sz(b)].back(), kSealTokens) : 0;
         if (tiles > 0) {
           bytes.clear();
           auto& at = st.tile_at[sz(b)];
@@ -935,7 +955,9 @@ void VqKVCache::seal_due() {
           const std::size_t end = sealed.size() >= 8 ? sealed.size() - 8 : 0;  // past the last tile: the 8 zero bytes
           for (std::int64_t i = 0; i < tiles; ++i) {
             at.push_back(static_cast<std::uint32_t>(end + bytes.size()));
-            seal::encode_tile(q + sz(i * kSealTokens) * sz(n), kSealTokens, n, bytes);
+            const std::int16_t* tile = q + sz(i * kSealTokens) * sz(n);
+            prev_back = seal::encode_tile(tile, kSealTokens, n, bytes, prev, prev_back);
+            prev = tile;
           }
           if (sealed.size() >= 8) sealed.shrink(sealed.size() - 8);
           std::uint8_t* dst = append_exact(sealed, bytes.size() + 8);
@@ -946,7 +968,7 @@ void VqKVCache::seal_due() {
         // The open tile, coded whole again into a buffer of its size (+ 8 zero bytes), or released.
         bytes.clear();
         if (rest > 0) {
-          seal::encode_tile(q + sz(tiles * kSealTokens) * sz(n), rest, n, bytes);
+          seal::encode_tile(q + sz(tiles * kSealTokens) * sz(n), rest, n, bytes, prev, prev_back);
           bytes.resize(bytes.size() + 8, 0);
         }
         std::vector<std::uint8_t>(bytes).swap(st.open[sz(b)]);
@@ -959,6 +981,8 @@ void VqKVCache::seal_due() {
   }
   drop_layout(kq_);
   drop_layout(vq_);
+  drop_offsets(kq_);
+  drop_offsets(vq_);
 }
 
 void VqKVCache::unseal() {
@@ -991,26 +1015,49 @@ void VqKVCache::unseal() {
 }
 
 const std::int16_t* VqKVCache::sealed_row(int side, std::int64_t b, std::int64_t t) const {
-  // One decoded tile per side per thread, named by (contents, batch row, tile, its tokens: the open
-  // tile grows, and its first tokens' codes stay what they were).
+  // Two decoded tiles per side per thread, each named by (contents, batch row, tile, its tokens: the
+  // open tile grows, and its first tokens' codes stay what they were) and whether it is whole (a
+  // tile decoded only as the one before another has its own copies from the tile before it unset).
+  // Tiles read in order find the tile before in the other slot.
   struct Slot {
     std::uint64_t gen = 0;
     std::int64_t b = -1, tile = -1, rows = 0;
+    bool whole = false;
     std::vector<std::int16_t> codes;
   };
-  thread_local Slot slots[2];
-  Slot& s = slots[side];
+  thread_local Slot slots[2][2];
+  Slot* s = slots[side];
   const std::int64_t tile = t / kSealTokens, rows = std::min(kSealTokens, sealed_ - tile * kSealTokens);
   const int n = side == 0 ? layer_->k.n : layer_->v.n;
-  if (s.gen != seal_gen_ || s.b != b || s.tile != tile || s.rows != rows) {
-    const SideStore& st = side == 0 ? ks_ : vs_;
+  const SideStore& st = side == 0 ? ks_ : vs_;
+  auto holds = [&](const Slot& x, std::int64_t i, std::int64_t r) { return x.gen == seal_gen_ && x.b == b && x.tile == i && x.rows == r; };
+  auto bytes_of = [&](std::int64_t i) {
     const auto& at = st.tile_at[sz(b)];
-    const std::uint8_t* src = sz(tile) < at.size() ? st.sealed[sz(b)].data() + at[sz(tile)] : st.open[sz(b)].data();
-    s.codes.resize(sz(kSealTokens) * sz(n));
-    seal::decode_tile(src, rows, n, s.codes.data());
-    s.gen = seal_gen_, s.b = b, s.tile = tile, s.rows = rows;
+    return sz(i) < at.size() ? st.sealed[sz(b)].data() + at[sz(i)] : st.open[sz(b)].data();
+  };
+  auto decode = [&](Slot& x, std::int64_t i, std::int64_t r, const std::int16_t* prev, bool whole) {
+    x.codes.resize(sz(kSealTokens) * sz(n));
+    seal::decode_tile(bytes_of(i), r, n, x.codes.data(), prev);
+    x.gen = seal_gen_, x.b = b, x.tile = i, x.rows = r, x.whole = whole;
+  };
+  const std::int64_t at_row = t - tile * kSealTokens;
+  for (int i = 0; i < 2; ++i)
+    if (holds(s[i], tile, rows) && s[i].whole) return s[i].codes.data() + sz(at_row) * sz(n);
+  // s[1] becomes the tile before (when this one copies from it), s[0] this tile.
+  const std::uint8_t* src = bytes_of(tile);
+  const std::int16_t* prev = nullptr;
+  if (tile > 0 && seal::copies_back(src, rows) != 0) {
+    if (holds(s[0], tile - 1, kSealTokens)) std::swap(s[0], s[1]);
+    if (!holds(s[1], tile - 1, kSealTokens)) {
+      const std::uint8_t* before = bytes_of(tile - 1);
+      decode(s[1], tile - 1, kSealTokens, nullptr, tile - 1 == 0 || seal::copies_back(before, kSealTokens) == 0);
+    }
+    prev = s[1].codes.data();
+  } else if (holds(s[0], tile - 1, kSealTokens)) {
+    std::swap(s[0], s[1]);  // keep the tile before for the reader's next tile
   }
-  return s.codes.data() + sz(t - tile * kSealTokens) * sz(n);
+  decode(s[0], tile, rows, prev, true);
+  return s[0].codes.data() + sz(at_row) * sz(n);
 }
 
 VqLayerCodes VqKVCache::codes() const { return codes(0, quantized_); }
@@ -1026,8 +1073,19 @@ VqLayerCodes VqKVCache::codes(std::int64_t t0, std::int64_t t1) const {
   lc.v.step = vq_.step;
   lc.k.shift = kq_.shift;
   lc.v.shift = vq_.shift;
-  lc.k.offset = kq_.offset.empty() ? std::vector<std::int32_t>(sz(lc.k.n), 0) : kq_.offset;
-  lc.v.offset = vq_.offset.empty() ? std::vector<std::int32_t>(sz(lc.v.n), 0) : vq_.offset;
+  // Offsets: held, or (resident=coded) given back by the means, or 0 before calibration.
+  for (int side = 0; side < 2; ++side) {
+    const SideQuant& sq = side == 0 ? kq_ : vq_;
+    std::vector<std::int32_t>& o = side == 0 ? lc.k.offset : lc.v.offset;
+    const int n = side == 0 ? lc.k.n : lc.v.n;
+    if (!sq.offset.empty()) {
+      o = sq.offset;
+    } else {
+      o.assign(sz(n), 0);
+      if (sq.mean.size() == sz(n))
+        for (int c = 0; c < n; ++c) o[sz(c)] = offset_of_mean(sq.mean[sz(c)], sq.step);
+    }
+  }
   const std::int64_t S = t1 - t0;
   for (int side = 0; side < 2 && S > 0; ++side) {
     const SideQuant& sq = side == 0 ? kq_ : vq_;
