@@ -375,7 +375,10 @@ void VqKVCache::update(const Tensor& keys, const Tensor& values) {
       lay_out(w.q, n, static_cast<int>(H));
     } else {
       w.q = side == 0 ? kq_ : vq_;
-      if (calibrated_ && w.q.bit_at.empty() && q1 > q0) lay_out(w.q, n, static_cast<int>(H));  // dropped at rest (resident=coded)
+      if (calibrated_ && w.q.bit_at.empty() && q1 > q0) {  // dropped at rest (resident=coded): new rows are packed at 16 bits
+        if (w.q.width.empty()) w.q.width.assign(sz(n), 16);
+        lay_out(w.q, n, static_cast<int>(H));
+      }
     }
     if (q1 == q0) continue;
     w.codes.append(sz(B * (q1 - q0)) * sz(n));
@@ -425,6 +428,7 @@ void VqKVCache::update(const Tensor& keys, const Tensor& values) {
     SideQuant& sq = side == 0 ? kq_ : vq_;
     sq = std::move(work[side].q);
     if (q1 == q0) continue;
+    if (st.packed.size() != sz(B)) st.packed.resize(sz(B)), st.escapes.resize(sz(B));  // released between updates (resident=coded)
     const int n = side == 0 ? layer_->k.n : layer_->v.n;
     const std::uint32_t row_bits = sq.bit_at[sz(n)];
     for (std::int64_t b = 0; b < B; ++b) {
@@ -761,8 +765,9 @@ Tensor VqKVCache::materialise(int side) const {
   const auto rope = tiled && side == 0 ? vq_rope_table(layer_->rope_freq, q1) : nullptr;
   for (std::int64_t b = 0; b < B; ++b) {
     if (tiled) {  // y_hat of every quantized token of batch row b
-      const std::uint8_t* buf = st.packed[sz(b)].data();
-      const std::uint32_t row_bits = sq.bit_at.empty() ? 0 : sq.bit_at[sz(nc)];  // no packed rows at rest with resident=coded
+      // No packed rows, layout or escapes between updates with resident=coded (every token sealed).
+      const std::uint8_t* buf = sz(b) < st.packed.size() ? st.packed[sz(b)].data() : nullptr;
+      const std::uint32_t row_bits = sq.bit_at.empty() ? 0 : sq.bit_at[sz(nc)];
       for (std::int64_t tk = q0; tk < q1; ++tk) {
         float* y = yhat.data() + sz(tk - q0) * sz(nc);
         if (tk < sealed_) {
@@ -777,8 +782,9 @@ Tensor VqKVCache::materialise(int side) const {
           y[c] = sq.mean[sz(c)] + static_cast<float>(q) * sq.step;
         }
       }
-      for (const Escape& e : st.escapes[sz(b)])  // field 0: the code is in the side list
-        if (e.t >= q0 && e.t < q1) yhat[sz(e.t - q0) * sz(nc) + sz(e.c)] = sq.mean[sz(e.c)] + static_cast<float>(e.q) * sq.step;
+      if (sz(b) < st.escapes.size())
+        for (const Escape& e : st.escapes[sz(b)])  // field 0: the code is in the side list
+          if (e.t >= q0 && e.t < q1) yhat[sz(e.t - q0) * sz(nc) + sz(e.c)] = sq.mean[sz(e.c)] + static_cast<float>(e.q) * sq.step;
     }
     for (std::int64_t h = 0; h < H; ++h) {
       if (tiled) {
@@ -911,8 +917,11 @@ void drop_offsets(SideQuantT& sq) {
   std::vector<std::int32_t>().swap(sq.offset);
 }
 
+// The packed layout (and the widths it came from: packed rows exist only inside an update, where
+// 16-bit fields do) of a resident=coded cache between updates.
 template <class SideQuantT>
 void drop_layout(SideQuantT& sq) {
+  std::vector<std::uint8_t>().swap(sq.width);
   std::vector<std::uint32_t>().swap(sq.bit_at);
   std::vector<std::int32_t>().swap(sq.order);
   std::vector<std::uint32_t>().swap(sq.group_byte);
@@ -924,8 +933,12 @@ void drop_layout(SideQuantT& sq) {
 void VqKVCache::ensure_layout() {
   if (!calibrated_ || !layer_) return;
   const int H = layer_->kv_heads;
-  if (kq_.bit_at.empty()) lay_out(kq_, layer_->k.n, H);
-  if (vq_.bit_at.empty()) lay_out(vq_, layer_->v.n, H);
+  for (SideQuant* sq : {&kq_, &vq_}) {
+    const int n = sq == &kq_ ? layer_->k.n : layer_->v.n;
+    if (!sq->bit_at.empty()) continue;
+    if (sq->width.empty()) sq->width.assign(sz(n), 16);  // 16 bits: every code fits (|q| <= 32640), nothing escapes
+    lay_out(*sq, n, H);
+  }
 }
 
 void VqKVCache::seal_due() {
@@ -972,10 +985,10 @@ void VqKVCache::seal_due() {
           bytes.resize(bytes.size() + 8, 0);
         }
         std::vector<std::uint8_t>(bytes).swap(st.open[sz(b)]);
-        // Every packed row and its escapes leave.
-        st.packed[sz(b)].clear();
-        std::vector<Escape>().swap(st.escapes[sz(b)]);
       }
+      // Every packed row and its escapes leave, their per-batch lists too (update makes them again).
+      std::vector<PackedRows>().swap(st.packed);
+      std::vector<std::vector<Escape>>().swap(st.escapes);
     }
     sealed_ = quantized_;
   }
@@ -996,6 +1009,7 @@ void VqKVCache::unseal() {
     const VqSideCodes& sc = side == 0 ? lc.k : lc.v;
     const SideQuant& sq = side == 0 ? kq_ : vq_;
     SideStore& st = side == 0 ? ks_ : vs_;
+    st.packed.resize(sz(B)), st.escapes.resize(sz(B));
     for (std::int64_t b = 0; b < B; ++b) {
       PackedRows buf;
       buf.resize(packed_bytes(Q, sq.bit_at[sz(sc.n)]));
@@ -1107,6 +1121,7 @@ VqLayerCodes VqKVCache::codes(std::int64_t t0, std::int64_t t1) const {
           o[(t - t0) * n + c] = static_cast<std::int16_t>(static_cast<std::int32_t>(f) - (1 << (w - 1)));
         }
       }
+      if (sz(b) >= st.escapes.size()) continue;  // none held (resident=coded between updates)
       const auto& esc = st.escapes[sz(b)];  // sorted by (t, c)
       auto it = std::lower_bound(esc.begin(), esc.end(), t0, [](const Escape& e, std::int64_t t) { return e.t < t; });
       for (; it != esc.end() && it->t < t1; ++it) o[sz(it->t - t0) * sz(n) + sz(it->c)] = static_cast<std::int16_t>(it->q);

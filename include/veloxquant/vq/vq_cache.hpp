@@ -60,9 +60,11 @@
 // `open`, coded again, whole, each time it grows (O(kSealTokens x n) per update: it keeps the
 // open tile's tokens at the sealed rate, where holding them packed cost ~0.25 bit per element at
 // 511 tokens on stories260K). The packed rows hold codes only inside update() (they are how new
-// codes arrive), so at rest the packed layout's arrays (bit_at, order, group_*, field_mean) are
-// dropped and laid out again (lay_out) when rows are packed; the calibration keeps step, offsets,
-// means, splits and widths. Reading a sealed token (attend, state, codes) decodes its whole tile
+// codes arrive), so between updates the packed rows' per-batch lists, the escape lists and the
+// packed layout's arrays (widths, bit_at, order, group_*, field_mean) are dropped, and an update
+// packs its new rows at 16 bits (nothing escapes) with a layout made again (lay_out); the
+// offsets are dropped too when the means give them back exactly (codes() derives them). The
+// calibration then holds step, means and splits: 5 bytes per coefficient. Reading a sealed token (attend, state, codes) decodes its whole tile
 // into a per-thread scratch of one tile per side (not billed: the reader's working
 // memory, like attention's float tiles), reused while the same tile is read (attention's tiles are
 // the seal tiles then, so each tile is decoded once per side per attend). Values are the packed
