@@ -6,6 +6,7 @@
 // fewer bytes than the packed form; bad option values get a clear error.
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <random>
 
 #include <gtest/gtest.h>
@@ -173,6 +174,38 @@ TEST(VqSealed, AttendEqualsDenseAttentionOverTheReconstruction) {
       {2, 2, 2, 16, 400, 7, 77, DType::F32, 2, 0, true},
   };
   for (const Case& c : cases) expect_coded_case(c);
+}
+
+// A layer that sees tokens alone (stories260K's first): rows repeat, within a tile and from the
+// tile before. Fed token by token (the open tile coded again at every step) and in chunks, the
+// coded cache holds the packed one's values, attends alike, trims alike, and its copies make it smaller.
+TEST(VqSealed, RepeatedRowsAreCopiedAndStayExact) {
+  const Tensor vk = vqtest::random_walk({1, 2, 12, 8}, 51), vv = vqtest::random_walk({1, 2, 12, 8}, 52);
+  const std::int64_t T = 300;
+  Tensor k = Tensor::zeros({1, 2, T, 8}, vq::DType::F32), v = Tensor::zeros({1, 2, T, 8}, vq::DType::F32);
+  std::mt19937_64 rng(5);
+  for (std::int64_t t = 0; t < T; ++t) {
+    const std::int64_t w = static_cast<std::int64_t>(rng() % 12);
+    for (std::int64_t h = 0; h < 2; ++h)
+      for (const auto& [dst, src] : {std::pair{&k, &vk}, std::pair{&v, &vv}})
+        std::memcpy(dst->row(0, h, t), src->row(0, h, w), 8 * sizeof(float));
+  }
+  const Tensor walk_k = vqtest::random_walk({1, 2, T, 8}, 53), walk_v = vqtest::random_walk({1, 2, T, 8}, 54);
+  for (const std::int64_t chunk : {1, 37}) {
+    SCOPED_TRACE(chunk);
+    vq::VqKVCache coded(config(true), nullptr), packed(config(false), nullptr), walk(config(true), nullptr);
+    feed(coded, k, v, chunk);
+    feed(packed, k, v, T);
+    feed(walk, walk_k, walk_v, chunk);
+    EXPECT_EQ(coded.sealed_tokens(), coded.quantized_tokens());
+    expect_same_values(coded, packed);
+    const Tensor q = vqtest::random_uniform({1, 4, 1, 8}, 13);
+    EXPECT_LE(max_rel_diff(coded.attend(q, 0.35f), vq::attend_ref(coded, q, 0.35f)), 4e-6);
+    EXPECT_LT(2 * coded.nbytes(), walk.nbytes());  // 12 distinct rows: nearly every row a copy
+    EXPECT_EQ(coded.trim(100), 100);
+    EXPECT_EQ(packed.trim(100), 100);
+    expect_same_values(coded, packed);
+  }
 }
 
 TEST(VqSealed, TrimFromStateAndRestoreStayExact) {
