@@ -213,7 +213,8 @@ void VqKVCache::reset() {
   quantized_ = 0;
   sealed_ = 0;
   seal_gen_ = next_seal_gen();
-  kq_ = vq_ = SideQuant();
+  kq_ = SideQuant();  // move-assigned: `kq_ = vq_ = SideQuant()` copied an empty vq_ into kq_, which kept kq_'s capacity (billed)
+  vq_ = SideQuant();
   ks_ = SideStore();
   vs_ = SideStore();
   encoded_size_.reset();
@@ -340,6 +341,10 @@ void VqKVCache::update(const Tensor& keys, const Tensor& values) {
       lay_out(w.q, n, static_cast<int>(H));
     } else {
       w.q = side == 0 ? kq_ : vq_;
+      if (calibrated_ && w.q.bit_at.empty() && q1 > q0) {  // dropped at rest (resident=coded): new rows are packed at 16 bits
+        if (w.q.width.empty()) w.q.width.assign(sz(n), 16);
+        lay_out(w.q, n, static_cast<int>(H));
+      }
     }
     if (q1 == q0) continue;
     w.codes.append(sz(B * (q1 - q0)) * sz(n));
@@ -389,6 +394,7 @@ void VqKVCache::update(const Tensor& keys, const Tensor& values) {
     SideQuant& sq = side == 0 ? kq_ : vq_;
     sq = std::move(work[side].q);
     if (q1 == q0) continue;
+    if (st.packed.size() != sz(B)) st.packed.resize(sz(B)), st.escapes.resize(sz(B));  // released between updates (resident=coded)
     const int n = side == 0 ? layer_->k.n : layer_->v.n;
     const std::uint32_t row_bits = sq.bit_at[sz(n)];
     for (std::int64_t b = 0; b < B; ++b) {
@@ -844,8 +850,9 @@ Tensor VqKVCache::materialise(int side) const {
   const auto rope = tiled && side == 0 ? vq_rope_table(layer_->rope_freq, q1) : nullptr;
   for (std::int64_t b = 0; b < B; ++b) {
     if (tiled) {  // y_hat of every quantized token of batch row b
-      const std::uint8_t* buf = st.packed[sz(b)].data();
-      const std::uint32_t row_bits = sq.bit_at[sz(nc)];
+      // No packed rows, layout or escapes between updates with resident=coded (every token sealed).
+      const std::uint8_t* buf = sz(b) < st.packed.size() ? st.packed[sz(b)].data() : nullptr;
+      const std::uint32_t row_bits = sq.bit_at.empty() ? 0 : sq.bit_at[sz(nc)];
       for (std::int64_t tk = q0; tk < q1; ++tk) {
         float* y = yhat.data() + sz(tk - q0) * sz(nc);
         if (tk < sealed_) {
@@ -860,8 +867,9 @@ Tensor VqKVCache::materialise(int side) const {
           y[c] = sq.mean[sz(c)] + static_cast<float>(q) * sq.step;
         }
       }
-      for (const Escape& e : st.escapes[sz(b)])  // field 0: the code is in the side list
-        if (e.t >= q0 && e.t < q1) yhat[sz(e.t - q0) * sz(nc) + sz(e.c)] = sq.mean[sz(e.c)] + static_cast<float>(e.q) * sq.step;
+      if (sz(b) < st.escapes.size())
+        for (const Escape& e : st.escapes[sz(b)])  // field 0: the code is in the side list
+          if (e.t >= q0 && e.t < q1) yhat[sz(e.t - q0) * sz(nc) + sz(e.c)] = sq.mean[sz(e.c)] + static_cast<float>(e.q) * sq.step;
     }
     for (std::int64_t h = 0; h < H; ++h) {
       if (tiled) {
@@ -936,6 +944,8 @@ std::size_t VqKVCache::nbytes() const {
     n += s->sealed.capacity() * sizeof(PageVector<std::uint8_t>) + s->tile_at.capacity() * sizeof(std::vector<std::uint32_t>);
     for (const auto& p : s->sealed) n += p.nbytes();
     for (const auto& a : s->tile_at) n += a.capacity() * sizeof(std::uint32_t);
+    n += s->open.capacity() * sizeof(std::vector<std::uint8_t>);
+    for (const auto& o : s->open) n += o.capacity();
   }
   return n;
 }
@@ -964,48 +974,119 @@ std::size_t VqKVCache::escapes() const {
   return n;
 }
 
-void VqKVCache::seal_due() {
-  if (!config_.coded || quantized_ - sealed_ < kSealTokens) return;
-  const std::int64_t tiles = (quantized_ - sealed_) / kSealTokens, rows = tiles * kSealTokens;  // rows leaving the packed form
-  const VqLayerCodes lc = codes(sealed_, sealed_ + rows);
-  const std::int64_t B = lc.batch;
-  std::vector<std::uint8_t> bytes;
-  for (int side = 0; side < 2; ++side) {
-    const VqSideCodes& sc = side == 0 ? lc.k : lc.v;
-    const SideQuant& sq = side == 0 ? kq_ : vq_;
-    SideStore& st = side == 0 ? ks_ : vs_;
-    const int n = sc.n;
-    const std::uint32_t row_bytes = sq.bit_at[sz(n)] / 8;
-    if (st.sealed.size() != sz(B)) st.sealed.resize(sz(B)), st.tile_at.resize(sz(B));
-    for (std::int64_t b = 0; b < B; ++b) {
-      bytes.clear();
-      auto& at = st.tile_at[sz(b)];
-      auto& sealed = st.sealed[sz(b)];
-      std::size_t end = sealed.size() >= 8 ? sealed.size() - 8 : 0;  // past the last tile: the 8 zero bytes
-      for (std::int64_t i = 0; i < tiles; ++i) {
-        at.push_back(static_cast<std::uint32_t>(end + bytes.size()));
-        seal::encode_tile(sc.codes.data() + sz(b * rows + i * kSealTokens) * sz(n), kSealTokens, n, bytes);
-      }
-      if (sealed.size() >= 8) sealed.shrink(sealed.size() - 8);
-      std::uint8_t* dst = sealed.append(bytes.size() + 8);
-      std::memcpy(dst, bytes.data(), bytes.size());
-      std::memset(dst + bytes.size(), 0, 8);
-      // The packed rows move up by `rows` (rows start on bytes); their escapes of sealed tokens go.
-      auto& buf = st.packed[sz(b)];
-      const std::size_t left = sz(quantized_ - sealed_ - rows) * row_bytes;
-      std::memmove(buf.data(), buf.data() + sz(rows) * row_bytes, left);
-      std::memset(buf.data() + left, 0, buf.size() - left);
-      buf.resize(packed_bytes(quantized_ - sealed_ - rows, row_bytes * 8));
-      auto& e = st.escapes[sz(b)];
-      const std::int64_t t_end = sealed_ + rows;
-      e.erase(e.begin(), std::lower_bound(e.begin(), e.end(), t_end, [](const Escape& x, std::int64_t t) { return x.t < t; }));
-    }
+namespace {
+// Appends n bytes to a sealed buffer. On the heap it grows to exactly its new size (one copy per
+// tile: PageVector's growth by an eighth would leave up to 1/8 of the sealed bytes as spare
+// capacity, and nbytes bills it); in its mapping (past kPageVectorHeapBytes) only pages are billed.
+std::uint8_t* append_exact(PageVector<std::uint8_t>& v, std::size_t n) {
+  if (v.mapped() || v.size() == 0 || v.size() + n > kPageVectorHeapBytes) return v.append(n);
+  PageVector<std::uint8_t> grown;
+  std::uint8_t* p = grown.append(v.size() + n);  // a first append allocates exactly its size
+  std::memcpy(p, v.data(), v.size());
+  const std::size_t old = v.size();
+  v = std::move(grown);
+  return v.data() + old;
+}
+
+// The grid offset m_c that a mean holds (mean = vq_offset(m_c, step), float32).
+inline std::int32_t offset_of_mean(float mean, float step) {
+  return static_cast<std::int32_t>(std::nearbyint(static_cast<double>(mean) / (static_cast<double>(step) * 0.25)));
+}
+
+// resident=coded, between updates: the offsets go when the means give them back exactly (they
+// always do but for offsets near kVqMaxOffset, where the float32 product may round), as codes() reads them.
+template <class SideQuantT>
+void drop_offsets(SideQuantT& sq) {
+  if (sq.offset.empty() || sq.mean.size() != sq.offset.size()) return;
+  for (std::size_t c = 0; c < sq.offset.size(); ++c)
+    if (offset_of_mean(sq.mean[c], sq.step) != sq.offset[c] || vq_offset(sq.offset[c], sq.step) != sq.mean[c]) return;
+  std::vector<std::int32_t>().swap(sq.offset);
+}
+
+// The packed layout (and the widths it came from: packed rows exist only inside an update, where
+// 16-bit fields do) of a resident=coded cache between updates.
+template <class SideQuantT>
+void drop_layout(SideQuantT& sq) {
+  std::vector<std::uint8_t>().swap(sq.width);
+  std::vector<std::uint32_t>().swap(sq.bit_at);
+  std::vector<std::int32_t>().swap(sq.order);
+  std::vector<std::uint32_t>().swap(sq.group_byte);
+  std::vector<std::uint8_t>().swap(sq.group_width);
+  std::vector<float>().swap(sq.field_mean);
+}
+}  // namespace
+
+void VqKVCache::ensure_layout() {
+  if (!calibrated_ || !layer_) return;
+  const int H = layer_->kv_heads;
+  for (SideQuant* sq : {&kq_, &vq_}) {
+    const int n = sq == &kq_ ? layer_->k.n : layer_->v.n;
+    if (!sq->bit_at.empty()) continue;
+    if (sq->width.empty()) sq->width.assign(sz(n), 16);  // 16 bits: every code fits (|q| <= 32640), nothing escapes
+    lay_out(*sq, n, H);
   }
-  sealed_ += rows;
+}
+
+void VqKVCache::seal_due() {
+  if (!config_.coded) return;
+  if (quantized_ > sealed_) {
+    const std::int64_t first = sealed_ / kSealTokens * kSealTokens;  // the open tile's first token (or sealed_)
+    const std::int64_t rows = quantized_ - first, tiles = rows / kSealTokens, rest = rows % kSealTokens;
+    // The open tile's codes (decoded) and the packed rows', after the full tile before them (rows copy from it).
+    const std::int64_t from = first >= kSealTokens ? first - kSealTokens : first, all = quantized_ - from;
+    const VqLayerCodes lc = codes(from, quantized_);
+    const std::int64_t B = lc.batch;
+    std::vector<std::uint8_t> bytes;
+    for (int side = 0; side < 2; ++side) {
+      const VqSideCodes& sc = side == 0 ? lc.k : lc.v;
+      SideStore& st = side == 0 ? ks_ : vs_;
+      const int n = sc.n;
+      if (st.sealed.size() != sz(B)) st.sealed.resize(sz(B)), st.tile_at.resize(sz(B)), st.open.resize(sz(B));
+      for (std::int64_t b = 0; b < B; ++b) {
+        const std::int16_t* q = sc.codes.data() + sz(b * all + (first - from)) * sz(n);
+        // The tile before each new one and its rows that copy from the tile before it.
+        const std::int16_t* prev = from < first ? q - sz(kSealTokens) * sz(n) : nullptr;
+        std::uint64_t prev_back = prev ? seal::copies_back(st.sealed[sz(b)].data() + st.tile_at[sz(b)].back(), kSealTokens) : 0;
+        if (tiles > 0) {
+          bytes.clear();
+          auto& at = st.tile_at[sz(b)];
+          auto& sealed = st.sealed[sz(b)];
+          const std::size_t end = sealed.size() >= 8 ? sealed.size() - 8 : 0;  // past the last tile: the 8 zero bytes
+          for (std::int64_t i = 0; i < tiles; ++i) {
+            at.push_back(static_cast<std::uint32_t>(end + bytes.size()));
+            const std::int16_t* tile = q + sz(i * kSealTokens) * sz(n);
+            prev_back = seal::encode_tile(tile, kSealTokens, n, bytes, prev, prev_back);
+            prev = tile;
+          }
+          if (sealed.size() >= 8) sealed.shrink(sealed.size() - 8);
+          std::uint8_t* dst = append_exact(sealed, bytes.size() + 8);
+          std::memcpy(dst, bytes.data(), bytes.size());
+          std::memset(dst + bytes.size(), 0, 8);
+          if (at.capacity() > at.size()) at.shrink_to_fit();
+        }
+        // The open tile, coded whole again into a buffer of its size (+ 8 zero bytes), or released.
+        bytes.clear();
+        if (rest > 0) {
+          seal::encode_tile(q + sz(tiles * kSealTokens) * sz(n), rest, n, bytes, prev, prev_back);
+          bytes.resize(bytes.size() + 8, 0);
+        }
+        std::vector<std::uint8_t>(bytes).swap(st.open[sz(b)]);
+      }
+      // Every packed row and its escapes leave, their per-batch lists too (update makes them again).
+      std::vector<PackedRows>().swap(st.packed);
+      std::vector<std::vector<Escape>>().swap(st.escapes);
+    }
+    sealed_ = quantized_;
+  }
+  drop_layout(kq_);
+  drop_layout(vq_);
+  drop_offsets(kq_);
+  drop_offsets(vq_);
 }
 
 void VqKVCache::unseal() {
   if (sealed_ == 0) return;
+  ensure_layout();
   const VqLayerCodes lc = codes(0, quantized_);
   const std::int64_t B = lc.batch, Q = quantized_;
   const int H = static_cast<int>(keys_buf_.dim(1));
@@ -1014,6 +1095,7 @@ void VqKVCache::unseal() {
     const VqSideCodes& sc = side == 0 ? lc.k : lc.v;
     const SideQuant& sq = side == 0 ? kq_ : vq_;
     SideStore& st = side == 0 ? ks_ : vs_;
+    st.packed.resize(sz(B)), st.escapes.resize(sz(B));
     for (std::int64_t b = 0; b < B; ++b) {
       PackedRows buf;
       buf.resize(packed_bytes(Q, sq.bit_at[sz(sc.n)]));
@@ -1026,29 +1108,56 @@ void VqKVCache::unseal() {
     }
     st.sealed.clear();
     st.tile_at.clear();
+    st.open.clear();
   }
   sealed_ = 0;
   seal_gen_ = next_seal_gen();
 }
 
 const std::int16_t* VqKVCache::sealed_row(int side, std::int64_t b, std::int64_t t) const {
-  // One decoded tile per side per thread, named by (contents, batch row, tile).
+  // Two decoded tiles per side per thread, each named by (contents, batch row, tile, its tokens: the
+  // open tile grows, and its first tokens' codes stay what they were) and whether it is whole (a
+  // tile decoded only as the one before another has its own copies from the tile before it unset).
+  // Tiles read in order find the tile before in the other slot.
   struct Slot {
     std::uint64_t gen = 0;
-    std::int64_t b = -1, tile = -1;
+    std::int64_t b = -1, tile = -1, rows = 0;
+    bool whole = false;
     std::vector<std::int16_t> codes;
   };
-  thread_local Slot slots[2];
-  Slot& s = slots[side];
-  const std::int64_t tile = t / kSealTokens;
+  thread_local Slot slots[2][2];
+  Slot* s = slots[side];
+  const std::int64_t tile = t / kSealTokens, rows = std::min(kSealTokens, sealed_ - tile * kSealTokens);
   const int n = side == 0 ? layer_->k.n : layer_->v.n;
-  if (s.gen != seal_gen_ || s.b != b || s.tile != tile) {
-    const SideStore& st = side == 0 ? ks_ : vs_;
-    s.codes.resize(sz(kSealTokens) * sz(n));
-    seal::decode_tile(st.sealed[sz(b)].data() + st.tile_at[sz(b)][sz(tile)], kSealTokens, n, s.codes.data());
-    s.gen = seal_gen_, s.b = b, s.tile = tile;
+  const SideStore& st = side == 0 ? ks_ : vs_;
+  auto holds = [&](const Slot& x, std::int64_t i, std::int64_t r) { return x.gen == seal_gen_ && x.b == b && x.tile == i && x.rows == r; };
+  auto bytes_of = [&](std::int64_t i) {
+    const auto& at = st.tile_at[sz(b)];
+    return sz(i) < at.size() ? st.sealed[sz(b)].data() + at[sz(i)] : st.open[sz(b)].data();
+  };
+  auto decode = [&](Slot& x, std::int64_t i, std::int64_t r, const std::int16_t* prev, bool whole) {
+    x.codes.resize(sz(kSealTokens) * sz(n));
+    seal::decode_tile(bytes_of(i), r, n, x.codes.data(), prev);
+    x.gen = seal_gen_, x.b = b, x.tile = i, x.rows = r, x.whole = whole;
+  };
+  const std::int64_t at_row = t - tile * kSealTokens;
+  for (int i = 0; i < 2; ++i)
+    if (holds(s[i], tile, rows) && s[i].whole) return s[i].codes.data() + sz(at_row) * sz(n);
+  // s[1] becomes the tile before (when this one copies from it), s[0] this tile.
+  const std::uint8_t* src = bytes_of(tile);
+  const std::int16_t* prev = nullptr;
+  if (tile > 0 && seal::copies_back(src, rows) != 0) {
+    if (holds(s[0], tile - 1, kSealTokens)) std::swap(s[0], s[1]);
+    if (!holds(s[1], tile - 1, kSealTokens)) {
+      const std::uint8_t* before = bytes_of(tile - 1);
+      decode(s[1], tile - 1, kSealTokens, nullptr, tile - 1 == 0 || seal::copies_back(before, kSealTokens) == 0);
+    }
+    prev = s[1].codes.data();
+  } else if (holds(s[0], tile - 1, kSealTokens)) {
+    std::swap(s[0], s[1]);  // keep the tile before for the reader's next tile
   }
-  return s.codes.data() + sz(t - tile * kSealTokens) * sz(n);
+  decode(s[0], tile, rows, prev, true);
+  return s[0].codes.data() + sz(at_row) * sz(n);
 }
 
 VqLayerCodes VqKVCache::codes() const { return codes(0, quantized_); }
@@ -1064,8 +1173,19 @@ VqLayerCodes VqKVCache::codes(std::int64_t t0, std::int64_t t1) const {
   lc.v.step = vq_.step;
   lc.k.shift = kq_.shift;
   lc.v.shift = vq_.shift;
-  lc.k.offset = kq_.offset.empty() ? std::vector<std::int32_t>(sz(lc.k.n), 0) : kq_.offset;
-  lc.v.offset = vq_.offset.empty() ? std::vector<std::int32_t>(sz(lc.v.n), 0) : vq_.offset;
+  // Offsets: held, or (resident=coded) given back by the means, or 0 before calibration.
+  for (int side = 0; side < 2; ++side) {
+    const SideQuant& sq = side == 0 ? kq_ : vq_;
+    std::vector<std::int32_t>& o = side == 0 ? lc.k.offset : lc.v.offset;
+    const int n = side == 0 ? lc.k.n : lc.v.n;
+    if (!sq.offset.empty()) {
+      o = sq.offset;
+    } else {
+      o.assign(sz(n), 0);
+      if (sq.mean.size() == sz(n))
+        for (int c = 0; c < n; ++c) o[sz(c)] = offset_of_mean(sq.mean[sz(c)], sq.step);
+    }
+  }
   const std::int64_t S = t1 - t0;
   for (int side = 0; side < 2 && S > 0; ++side) {
     const SideQuant& sq = side == 0 ? kq_ : vq_;
@@ -1087,6 +1207,7 @@ VqLayerCodes VqKVCache::codes(std::int64_t t0, std::int64_t t1) const {
           o[(t - t0) * n + c] = static_cast<std::int16_t>(static_cast<std::int32_t>(f) - (1 << (w - 1)));
         }
       }
+      if (sz(b) >= st.escapes.size()) continue;  // none held (resident=coded between updates)
       const auto& esc = st.escapes[sz(b)];  // sorted by (t, c)
       auto it = std::lower_bound(esc.begin(), esc.end(), t0, [](const Escape& e, std::int64_t t) { return e.t < t; });
       for (; it != esc.end() && it->t < t1; ++it) o[sz(it->t - t0) * sz(n) + sz(it->c)] = static_cast<std::int16_t>(it->q);

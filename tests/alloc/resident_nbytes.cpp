@@ -99,6 +99,24 @@ TEST(ResidentNbytes, CacheGenBothFlushModesAndKiviHoldExactlyWhatTheyReport) {
       for (const bool counters : {false, true}) expect_nbytes_is_the_heap(spec, dt, counters);
 }
 
+// vq with resident=coded: every quantized token sealed (the open tile too), the packed layout's
+// arrays dropped at rest, the sealed bytes grown to their exact size on the heap. The readers'
+// per-thread tile scratch (not billed: like attention's float tiles) is made by a first cache of
+// the same shape before counting.
+TEST(ResidentNbytes, VqCodedHoldsExactlyWhatItReports) {
+  for (const char* spec : {"vq:bits=2,resident=coded", "vq:bits=3,resident=coded,residual=4,sinks=1"})
+    for (const vq::DType dt : {vq::DType::F32, vq::DType::F16}) {
+      {
+        auto warm = vq::make_caches(vq::MethodSpec::parse(spec), vq::ModelDescription::uniform(1, 64))[0];
+        const Tensor k = vqtest::random_walk({2, 4, 100, 64}, 7, dt);
+        warm->update(k, k);
+        (void)warm->attend(vqtest::random_uniform({2, 8, 1, 64}, 3), 0.125f);
+        (void)warm->state();
+      }
+      expect_nbytes_is_the_heap(spec, dt, false);
+    }
+}
+
 // After trim (a group reopened into the residual) and a full_state round trip, the heap still
 // matches nbytes().
 TEST(ResidentNbytes, CacheGenAfterTrimAndFullStateRoundTrip) {

@@ -6,6 +6,7 @@
 // fewer bytes than the packed form; bad option values get a clear error.
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <random>
 
 #include <gtest/gtest.h>
@@ -44,6 +45,59 @@ TEST(VqSealCoder, RoundTripsEveryCode) {
       }
     }
   }
+}
+
+// Rows that repeat rows of the tile or of the previous tile are copied (not coded): bit for bit, and
+// never from a row of the previous tile that itself copies from the tile before it (its decoder
+// may not have it); a zero-run coefficient (mostly 0) costs well under a bit per code.
+TEST(VqSealCoder, RowCopiesAndZeroRunsRoundTrip) {
+  std::mt19937_64 rng(9);
+  for (const int n : {1, 8, 13, 32})
+    for (const double sigma : {0.0, 0.4, 1.0, 40.0})
+      for (const std::int64_t rows : {1, 17, 64}) {
+        SCOPED_TRACE(::testing::Message() << "n=" << n << " sigma=" << sigma << " rows=" << rows);
+        std::normal_distribution<double> nd(0.0, sigma);
+        std::vector<std::vector<std::int16_t>> vocab(10, std::vector<std::int16_t>(static_cast<std::size_t>(n)));
+        for (auto& v : vocab)
+          for (auto& q : v) q = static_cast<std::int16_t>(std::nearbyint(nd(rng)));
+        std::vector<std::int16_t> prev(static_cast<std::size_t>(64 * n)), cur(static_cast<std::size_t>(rows * n));
+        auto pick = [&]() -> const std::vector<std::int16_t>& { return vocab[rng() % 10]; };
+        for (std::int64_t r = 0; r < 64; ++r) std::copy_n(pick().begin(), n, prev.begin() + r * n);
+        for (std::int64_t r = 0; r < rows; ++r) {
+          if (rng() % 3) {
+            std::copy_n(pick().begin(), n, cur.begin() + r * n);
+          } else {
+            for (int c = 0; c < n; ++c) cur[static_cast<std::size_t>(r * n + c)] = static_cast<std::int16_t>(std::nearbyint(nd(rng)));
+          }
+        }
+        const std::uint64_t prev_back = rng() & rng();  // rows of prev that copy from the tile before it
+        std::vector<std::uint8_t> bytes;
+        const std::uint64_t back = vq::seal::encode_tile(cur.data(), rows, n, bytes, prev.data(), prev_back);
+        EXPECT_EQ(bytes.size(), vq::seal::tile_bytes(cur.data(), rows, n, prev.data(), prev_back));
+        bytes.resize(bytes.size() + 8, 0);
+        EXPECT_EQ(vq::seal::copies_back(bytes.data(), rows), back);
+        std::vector<std::int16_t> junk = prev;  // prev's own copies are not named: junk there changes nothing
+        for (std::int64_t r = 0; r < 64; ++r)
+          if (prev_back >> r & 1) std::fill(junk.begin() + r * n, junk.begin() + (r + 1) * n, std::int16_t{12345});
+        std::vector<std::int16_t> out(cur.size(), 7);
+        vq::seal::decode_tile(bytes.data(), rows, n, out.data(), junk.data());
+        EXPECT_EQ(out, cur);
+        if (n == 32 && rows == 64 && sigma > 0) {  // about 2/3 of the rows repeat one of 10: copies pay
+          EXPECT_NE(back, 0u);
+          EXPECT_LT(bytes.size(), vq::seal::tile_bytes(cur.data(), rows, n));
+        }
+      }
+  // Mostly zeros (sigma 0.2 steps: ~1 % nonzero): zero runs, well under Rice's 1 bit per code.
+  std::vector<std::int16_t> sparse(64 * 32);
+  std::normal_distribution<double> nd(0.0, 0.2);
+  for (auto& q : sparse) q = static_cast<std::int16_t>(std::nearbyint(nd(rng)));
+  std::vector<std::uint8_t> bytes;
+  vq::seal::encode_tile(sparse.data(), 64, 32, bytes);
+  EXPECT_LT(8.0 * static_cast<double>(bytes.size()) / static_cast<double>(sparse.size()), 0.5);
+  bytes.resize(bytes.size() + 8, 0);
+  std::vector<std::int16_t> out(sparse.size(), 7);
+  vq::seal::decode_tile(bytes.data(), 64, 32, out.data());
+  EXPECT_EQ(out, sparse);
 }
 
 vq::VqConfig config(bool coded, int sinks = 0, int residual = 0) {
@@ -99,7 +153,7 @@ void expect_coded_case(const Case& c) {
   feed(packed, k.slice(2, 0, c.T - c.Sq), v.slice(2, 0, c.T - c.Sq), c.T);
   coded.update(k.slice(2, c.T - c.Sq, c.T), v.slice(2, c.T - c.Sq, c.T));
   packed.update(k.slice(2, c.T - c.Sq, c.T), v.slice(2, c.T - c.Sq, c.T));
-  EXPECT_EQ(coded.sealed_tokens(), coded.quantized_tokens() / vq::VqKVCache::kSealTokens * vq::VqKVCache::kSealTokens);
+  EXPECT_EQ(coded.sealed_tokens(), coded.quantized_tokens());  // the open tile too
   ASSERT_GT(coded.sealed_tokens(), 0);
   expect_same_values(coded, packed);
   const Tensor q = vqtest::random_uniform({c.B, c.Hq, c.Sq, c.D}, 13);
@@ -122,6 +176,38 @@ TEST(VqSealed, AttendEqualsDenseAttentionOverTheReconstruction) {
   for (const Case& c : cases) expect_coded_case(c);
 }
 
+// A layer that sees tokens alone (stories260K's first): rows repeat, within a tile and from the
+// tile before. Fed token by token (the open tile coded again at every step) and in chunks, the
+// coded cache holds the packed one's values, attends alike, trims alike, and its copies make it smaller.
+TEST(VqSealed, RepeatedRowsAreCopiedAndStayExact) {
+  const Tensor vk = vqtest::random_walk({1, 2, 12, 8}, 51), vv = vqtest::random_walk({1, 2, 12, 8}, 52);
+  const std::int64_t T = 300;
+  Tensor k = Tensor::zeros({1, 2, T, 8}, vq::DType::F32), v = Tensor::zeros({1, 2, T, 8}, vq::DType::F32);
+  std::mt19937_64 rng(5);
+  for (std::int64_t t = 0; t < T; ++t) {
+    const std::int64_t w = static_cast<std::int64_t>(rng() % 12);
+    for (std::int64_t h = 0; h < 2; ++h)
+      for (const auto& [dst, src] : {std::pair{&k, &vk}, std::pair{&v, &vv}})
+        std::memcpy(dst->row(0, h, t), src->row(0, h, w), 8 * sizeof(float));
+  }
+  const Tensor walk_k = vqtest::random_walk({1, 2, T, 8}, 53), walk_v = vqtest::random_walk({1, 2, T, 8}, 54);
+  for (const std::int64_t chunk : {1, 37}) {
+    SCOPED_TRACE(chunk);
+    vq::VqKVCache coded(config(true), nullptr), packed(config(false), nullptr), walk(config(true), nullptr);
+    feed(coded, k, v, chunk);
+    feed(packed, k, v, T);
+    feed(walk, walk_k, walk_v, chunk);
+    EXPECT_EQ(coded.sealed_tokens(), coded.quantized_tokens());
+    expect_same_values(coded, packed);
+    const Tensor q = vqtest::random_uniform({1, 4, 1, 8}, 13);
+    EXPECT_LE(max_rel_diff(coded.attend(q, 0.35f), vq::attend_ref(coded, q, 0.35f)), 4e-6);
+    EXPECT_LT(2 * coded.nbytes(), walk.nbytes());  // 12 distinct rows: nearly every row a copy
+    EXPECT_EQ(coded.trim(100), 100);
+    EXPECT_EQ(packed.trim(100), 100);
+    expect_same_values(coded, packed);
+  }
+}
+
 TEST(VqSealed, TrimFromStateAndRestoreStayExact) {
   auto lm = std::make_shared<const vq::VqLayerModel>(vqtest::random_weights_layer_model(2, 8, 32, 9));
   const Tensor k = vqtest::random_walk({1, 2, 300, 8}, 21), v = vqtest::random_walk({1, 2, 300, 8}, 22);
@@ -132,7 +218,7 @@ TEST(VqSealed, TrimFromStateAndRestoreStayExact) {
     feed(packed, k, v, 300);
     EXPECT_EQ(coded.trim(cut), cut);
     EXPECT_EQ(packed.trim(cut), cut);
-    EXPECT_EQ(coded.sealed_tokens(), coded.quantized_tokens() / 64 * 64);
+    EXPECT_EQ(coded.sealed_tokens(), coded.quantized_tokens());
     expect_same_values(coded, packed);
     // And both continue alike.
     coded.update(k.slice(2, 0, 90), v.slice(2, 0, 90));
@@ -153,7 +239,7 @@ TEST(VqSealed, TrimFromStateAndRestoreStayExact) {
   const std::int64_t Q = coded.quantized_tokens();
   auto back = vq::VqKVCache::restore(config(true, 0, 3), lm, coded.codes(),
                                      {st.keys.slice(2, Q, st.keys.dim(2)).contiguous(true), st.values.slice(2, Q, st.values.dim(2)).contiguous(true)});
-  EXPECT_EQ(back->sealed_tokens(), Q / 64 * 64);
+  EXPECT_EQ(back->sealed_tokens(), Q);
   expect_same_values(*back, packed);
   EXPECT_EQ(coded.trim(1000), 300);
   EXPECT_EQ(coded.sealed_tokens(), 0);

@@ -51,19 +51,26 @@
 // update_and_fetch and state() rebuild every token into fresh dense tensors (O(offset) work per
 // call and a dense copy while the caller holds it): hosts that attend call update().
 //
-// Sealed tiles (config.coded, spec `resident=coded`; default off): once kSealTokens quantized
-// tokens past the last sealed tile are held, their codes leave the packed rows and are held
-// Rice-coded, per batch row and side, one tile of kSealTokens tokens after another (vq/seal_coder.hpp:
-// per tile and coefficient a Rice parameter and whether to code differences from the previous
-// token, then the codes; ~0.1-0.25 bit above the codes' entropy where a packed field costs
-// ~0.8-1.3). Only the open tiles (fewer than
-// kSealTokens quantized tokens) stay packed. Reading a sealed token (attend, state, codes) decodes
-// its whole tile into a per-thread scratch of one tile per side (not billed: the reader's working
+// Sealed tiles (config.coded, spec `resident=coded`; default off): every quantized token's codes
+// leave the packed rows at the end of the update that quantized them and are held Rice-coded, per
+// batch row and side, in tiles of kSealTokens tokens (vq/seal_coder.hpp: per tile and coefficient
+// a Rice parameter and whether to code differences from the previous token, then the codes;
+// ~0.1-0.25 bit above the codes' entropy where a packed field costs ~0.8-1.3): the full tiles back
+// to back in `sealed`, the last tile while it has fewer than kSealTokens tokens (the open tile) in
+// `open`, coded again, whole, each time it grows (O(kSealTokens x n) per update: it keeps the
+// open tile's tokens at the sealed rate, where holding them packed cost ~0.25 bit per element at
+// 511 tokens on stories260K). The packed rows hold codes only inside update() (they are how new
+// codes arrive), so between updates the packed rows' per-batch lists, the escape lists and the
+// packed layout's arrays (widths, bit_at, order, group_*, field_mean) are dropped, and an update
+// packs its new rows at 16 bits (nothing escapes) with a layout made again (lay_out); the
+// offsets are dropped too when the means give them back exactly (codes() derives them). The
+// calibration then holds step, means and splits: 5 bytes per coefficient. Reading a sealed token (attend, state, codes) decodes its whole tile
+// into a per-thread scratch of one tile per side (not billed: the reader's working
 // memory, like attention's float tiles), reused while the same tile is read (attention's tiles are
 // the seal tiles then, so each tile is decoded once per side per attend). Values are the packed
 // form's bit for bit; only memory and speed differ. codes_direct is off (sealed tokens are read
-// through read_rows). Trim into a sealed tile re-packs everything and seals again; append_codes
-// declines (returns false); restore() seals what is due; a .vqkv file holds the codes, not this
+// through read_rows). Trim of quantized tokens re-packs everything and seals again; append_codes
+// declines (returns false); restore() seals everything; a .vqkv file holds the codes, not this
 // option (config is saved without it: a loaded cache is packed).
 //
 // Packed layout (so that attention reads a head's codes with SIMD, vq/vq_attention_kernels.hpp):
@@ -155,6 +162,7 @@ class VqKVCache : public KVCache {
   static constexpr std::int64_t kCodeTileTokens = 256;
   // Tokens per sealed tile (config.coded).
   static constexpr std::int64_t kSealTokens = 64;
+  // Tokens held Rice-coded (config.coded: every quantized token between updates; else 0).
   std::int64_t sealed_tokens() const { return sealed_; }
 
   const VqConfig& config() const { return config_; }
@@ -258,9 +266,11 @@ class VqKVCache : public KVCache {
     std::vector<std::vector<Escape>> escapes;       // per batch, sorted by (t, c)
     std::vector<std::uint8_t> tail;                 // exact rows [quantized_, offset_), token-major [t][b][h][d], input dtype
     std::vector<std::uint8_t> sinks;                // exact rows [0, min(sinks, offset_)), same layout
-    // config.coded: per batch, tiles of tokens [0, sealed_) Rice-coded back to back (+ 8 zero bytes), and each tile's first byte.
+    // config.coded: per batch, the full tiles of tokens [0, sealed_) Rice-coded back to back (+ 8 zero bytes), each tile's
+    // first byte, and the open tile (tokens [sealed_ / kSealTokens * kSealTokens, sealed_) when that is not empty; + 8 zero bytes).
     std::vector<PageVector<std::uint8_t>> sealed;
     std::vector<std::vector<std::uint32_t>> tile_at;
+    std::vector<std::vector<std::uint8_t>> open;
   };
   // Tokens [t0, t0 + n) of (b, h), one side, as float32 rows (what state() holds).
   void read_rows(int side, std::int64_t b, std::int64_t h, std::int64_t t0, std::int64_t n, float* out) const;
@@ -275,8 +285,11 @@ class VqKVCache : public KVCache {
   bool takes_codes(const VqLayerCodes& c, DType dtype) const;
   // An empty cache starts from `c`'s calibration (steps, offsets, shifts; widths left to the caller).
   void start_from_codes(const VqLayerCodes& c, DType dtype);
-  // config.coded: seal every full tile of quantized tokens past sealed_ (codes out of the packed rows).
+  // config.coded: seal every quantized token past sealed_ (codes out of the packed rows; the open tile coded again), then
+  // drop the packed layout's arrays.
   void seal_due();
+  // The packed layout's arrays of both sides (lay_out), when seal_due dropped them.
+  void ensure_layout();
   // Back to packed rows for every quantized token (sealed_ = 0).
   void unseal();
   // Token t < sealed_ of batch b, one side: its n codes, decoded into the per-thread tile scratch.
