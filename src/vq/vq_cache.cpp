@@ -562,11 +562,14 @@ void VqKVCache::read_rows(int side, std::int64_t b, std::int64_t h, std::int64_t
       if (qa < qb) {
         const std::int64_t m = qb - qa;
         s.y.resize(sz(m) * sz(nc));
-        const std::uint8_t* buf = st.packed[sz(b)].data();
-        const std::size_t row_bytes = sq.bit_at[sz(nc)] / 8;
-        const std::int64_t groups = static_cast<std::int64_t>(sq.group_width.size()), gph = groups / H;
         const float step = sq.step;
         const std::int64_t pa = std::max(qa, std::min(qb, sealed_));  // [qa, pa) sealed, [pa, qb) packed
+        // The packed rows' arrays exist only while some quantized token is packed: a coded cache
+        // seals every one and drops them between updates (seal_due).
+        const bool packed = pa < qb;
+        const std::uint8_t* buf = packed ? st.packed[sz(b)].data() : nullptr;
+        const std::size_t row_bytes = packed ? sq.bit_at[sz(nc)] / 8 : 0;
+        const std::int64_t groups = packed ? static_cast<std::int64_t>(sq.group_width.size()) : 0, gph = groups / H;
         for (std::int64_t t = qa; t < pa; ++t) {
           const std::int16_t* q = sealed_row(side, b, t);
           float* y = s.y.data() + sz(t - qa) * sz(nc);
@@ -612,7 +615,8 @@ void VqKVCache::read_rows(int side, std::int64_t b, std::int64_t h, std::int64_t
           }
         }
         // Field 0 is an escape: its code is in the side list (packed tokens only).
-        const auto& e = st.escapes[sz(b)];
+        static const std::vector<Escape> kNone;
+        const auto& e = packed ? st.escapes[sz(b)] : kNone;
         for (auto it = std::lower_bound(e.begin(), e.end(), pa, [](const Escape& x, std::int64_t t) { return x.t < t; }); it != e.end() && it->t < qb; ++it)
           s.y[sz(it->t - qa) * sz(nc) + sz(it->c)] = sq.mean[sz(it->c)] + static_cast<float>(it->q) * step;
         std::vector<Matrix>& ms = matrices[side];
