@@ -129,6 +129,10 @@ void tokens_avx512_upto(const float* w, int n, const float* y, std::int64_t toke
 // Keys re-rotated 4 pairs (8 values) at a time in double, from acc rows (stride n, head h at h * d)
 // into head-major out: x * (c, c) + swap(x) * (-s, s), i.e. (v0 c - v1 s, v1 c + v0 s): the same
 // products, and a + (-b) = a - b, b + a = a + b exactly, so the same bits as rotate_row.
+// (g++ 12 warns of the undefined pass-through operand inside the double-precision permute and
+// convert intrinsics' own definitions, as in code_pack.cpp: not our code's.)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 __attribute__((target("avx512f"))) void rotate_all_avx512(const float* acc, int n, int heads, int d, std::int64_t tokens,
                                                           const VqRopeTable& rope, std::int64_t pos0, float* out) {
   const __m512i even = _mm512_set_epi64(6, 6, 4, 4, 2, 2, 0, 0), odd = _mm512_set_epi64(7, 7, 5, 5, 3, 3, 1, 1);
@@ -147,6 +151,8 @@ __attribute__((target("avx512f"))) void rotate_all_avx512(const float* acc, int 
     }
   }
 }
+
+#pragma GCC diagnostic pop
 
 bool have_avx512() {
   static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl");
@@ -175,66 +181,7 @@ void rotate_all_scalar(const float* acc, int n, int heads, int d, std::int64_t t
       rotate_row(acc + sz(t) * sz(n) + sz(h * d), d, rope ? rope->at(pos0 + t) : nullptr, out + (sz(h) * sz(tokens) + sz(t)) * sz(d));
 }
 
-#if defined(__x86_64__)
-// vq_unpack_heads8 on AVX-512: per token and head, the group's 64 bits broadcast to 8 lanes and
-// shifted by i * w, masked, narrowed to int32, minus 2^(w-1), converted, times step plus the
-// field's mean (field order), then permuted into coefficient order: the scalar path's operations
-// on each value (an int converted exactly, a product, a sum), so the same bits.
-__attribute__((target("avx512f,avx512vl"))) void unpack_heads8_avx512(const VqPackedHeads8& p, std::int64_t tokens, float* y) {
-  const int H = p.heads, n = 8 * H;
-  constexpr int kMaxHeads = 32;
-  __m512i shift[kMaxHeads], mask[kMaxHeads];
-  __m256i half[kMaxHeads], perm[kMaxHeads];
-  __m256 mean[kMaxHeads];
-  for (int h = 0; h < H; ++h) {
-    const int w = p.group_width[h];
-    shift[h] = _mm512_set_epi64(7 * w, 6 * w, 5 * w, 4 * w, 3 * w, 2 * w, w, 0);
-    mask[h] = _mm512_set1_epi64((std::int64_t{1} << w) - 1);
-    half[h] = _mm256_set1_epi32(1 << (w - 1));
-    perm[h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.pos + 8 * h));
-    mean[h] = _mm256_loadu_ps(p.field_mean + 8 * h);
-  }
-  const __m256 step = _mm256_set1_ps(p.step);
-  for (std::int64_t t = 0; t < tokens; ++t) {
-    const std::uint8_t* row = p.rows + sz(t) * p.row_bytes;
-    for (int h = 0; h < H; ++h) {
-      std::uint64_t v;
-      std::memcpy(&v, row + p.group_byte[h], 8);
-      const __m512i f = _mm512_and_si512(_mm512_srlv_epi64(_mm512_set1_epi64(static_cast<std::int64_t>(v)), shift[h]), mask[h]);
-      const __m256i q = _mm256_sub_epi32(_mm512_cvtepi64_epi32(f), half[h]);
-      const __m256 val = _mm256_add_ps(mean[h], _mm256_mul_ps(_mm256_cvtepi32_ps(q), step));
-      _mm256_storeu_ps(y + sz(t) * sz(n) + sz(8 * h), _mm256_permutexvar_ps(perm[h], val));
-    }
-  }
-}
-#endif
-
 }  // namespace
-
-void vq_unpack_heads8_scalar(const VqPackedHeads8& p, std::int64_t tokens, float* y) {
-  const int n = 8 * p.heads;
-  for (std::int64_t t = 0; t < tokens; ++t) {
-    const std::uint8_t* row = p.rows + sz(t) * p.row_bytes;
-    for (int h = 0; h < p.heads; ++h) {
-      std::uint64_t v;
-      std::memcpy(&v, row + p.group_byte[h], 8);
-      const unsigned w = p.group_width[h];
-      const std::int32_t half = 1 << (w - 1);
-      for (int i = 0; i < 8; ++i) {
-        const int f = p.pos[8 * h + i];  // coefficient h * 8 + i sits at field f
-        const auto q = static_cast<std::int32_t>((v >> (static_cast<unsigned>(f) * w)) & ((std::uint64_t{1} << w) - 1)) - half;
-        y[sz(t) * sz(n) + sz(8 * h + i)] = p.field_mean[8 * h + f] + static_cast<float>(q) * p.step;
-      }
-    }
-  }
-}
-
-void vq_unpack_heads8(const VqPackedHeads8& p, std::int64_t tokens, float* y) {
-#if defined(__x86_64__)
-  if (have_avx512() && p.heads <= 32) return unpack_heads8_avx512(p, tokens, y);
-#endif
-  vq_unpack_heads8_scalar(p, tokens, y);
-}
 
 std::shared_ptr<const VqRopeTable> vq_rope_table(const std::vector<double>& freq, std::int64_t positions) {
   if (freq.empty()) return nullptr;

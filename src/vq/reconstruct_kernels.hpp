@@ -62,22 +62,4 @@ void vq_all_head_rows_scalar(const float* w, int n, int heads, const float* y, s
                              std::int64_t pos0, float* acc, float* out);
 bool vq_all_head_rows_avx512();
 
-// y_hat of `tokens` packed rows (VqKVCache's "Packed layout") whose heads are one group of 8
-// fields each (head dim 8) at widths <= 8: y[t * n + h * 8 + i] = mean[h * 8 + i] + (float)(f - 2^(w-1))
-// * step, f the field of coefficient h * 8 + i (field 0, an escape, gives the formula's value:
-// the caller patches escapes from its side list), the per-token path's expression and bits.
-// pos[h * 8 + i] = the field position (0..7) of coefficient h * 8 + i in its head's group.
-struct VqPackedHeads8 {
-  const std::uint8_t* rows;          // the first row; 8 bytes of slack past the last
-  std::size_t row_bytes;
-  int heads;
-  const std::uint32_t* group_byte;   // [heads]
-  const std::uint8_t* group_width;   // [heads], 1..8
-  const std::int32_t* pos;           // [heads * 8]
-  const float* field_mean;           // [heads * 8], field order: mean of the coefficient at each field
-  float step;
-};
-void vq_unpack_heads8(const VqPackedHeads8& p, std::int64_t tokens, float* y);
-void vq_unpack_heads8_scalar(const VqPackedHeads8& p, std::int64_t tokens, float* y);
-
 }  // namespace vq

@@ -526,10 +526,9 @@ void VqKVCache::read_rows(int side, std::int64_t b, std::int64_t h, std::int64_t
   // A transform that mixes every head (one column block of the whole row: the weight-derived
   // basis on stories260K): a tile's rows of all heads are built at once from whole y_hat rows and
   // kept per thread (and side) for the other heads' reads of the same tile; the attend loop reads
-  // a tile's heads in turn. Exact tokens are copied; the quantized tokens' y_hat is unpacked a
-  // token's groups at a time (8 fields from one 64-bit load, or reconstruct_kernels.hpp's
-  // vq_unpack_heads8 where every head is one group of 8; escapes patched from the side list
-  // afterwards), then one product with every head's column block and the rotation
+  // a tile's heads in turn. Exact tokens are copied; the quantized tokens' y_hat comes from their
+  // codes (sealed tiles, or the packed rows through code_pack::unpack_rows; escapes patched from
+  // the side list afterwards), then one product with every head's column block and the rotation
   // (vq_all_head_rows: the per-token path's bits). The kept tile is named by seal_gen_ (new at
   // construction, reset, trim and unseal: the changes that are not appends) and the token counts.
   if (!tr.identity() && tr.col_span == nc && H * d == nc && sz(H * d * nc) == tr.inv_cols.size()) {
@@ -564,55 +563,22 @@ void VqKVCache::read_rows(int side, std::int64_t b, std::int64_t h, std::int64_t
         s.y.resize(sz(m) * sz(nc));
         const float step = sq.step;
         const std::int64_t pa = std::max(qa, std::min(qb, sealed_));  // [qa, pa) sealed, [pa, qb) packed
-        // The packed rows' arrays exist only while some quantized token is packed: a coded cache
-        // seals every one and drops them between updates (seal_due).
-        const bool packed = pa < qb;
-        const std::uint8_t* buf = packed ? st.packed[sz(b)].data() : nullptr;
-        const std::size_t row_bytes = packed ? sq.bit_at[sz(nc)] / 8 : 0;
-        const std::int64_t groups = packed ? static_cast<std::int64_t>(sq.group_width.size()) : 0, gph = groups / H;
-        for (std::int64_t t = qa; t < pa; ++t) {
-          const std::int16_t* q = sealed_row(side, b, t);
+        // y_hat of a token from its n codes.
+        const auto put_y = [&](std::int64_t t, const std::int16_t* q) {
           float* y = s.y.data() + sz(t - qa) * sz(nc);
           for (int c = 0; c < nc; ++c) y[c] = sq.mean[sz(c)] + static_cast<float>(q[c]) * step;
-        }
-        bool heads8 = d == 8 && groups == H;
-        for (std::int64_t g = 0; g < groups && heads8; ++g) heads8 = sq.group_width[sz(g)] <= 8;
-        if (heads8 && pa < qb) {  // one group of 8 fields per head: a token's head in a few vector operations
-          std::int32_t pos[8 * 32];
-          if (H <= 32) {
-            for (int k = 0; k < nc; ++k) pos[sq.order[sz(k)]] = k % 8;  // order[k]: the coefficient at field k % 8 of its head
-            const VqPackedHeads8 ph{buf + sz(pa - sealed_) * row_bytes, row_bytes, static_cast<int>(H), sq.group_byte.data(),
-                                    sq.group_width.data(), pos, sq.field_mean.data(), step};
-            vq_unpack_heads8(ph, qb - pa, s.y.data() + sz(pa - qa) * sz(nc));
-          } else {
-            heads8 = false;
-          }
-        }
-        for (std::int64_t t = heads8 ? qb : pa; t < qb; ++t) {
-          float* y = s.y.data() + sz(t - qa) * sz(nc);
-          const std::uint8_t* row = buf + sz(t - sealed_) * row_bytes;
-          for (std::int64_t g = 0; g < groups; ++g) {
-            const std::int64_t p0 = (g % gph) * 8;
-            const int fields = static_cast<int>(std::min<std::int64_t>(8, d - p0));
-            const unsigned w = sq.group_width[sz(g)];
-            const std::int32_t half = 1 << (w - 1);
-            const std::int32_t* ord = sq.order.data() + sz(g / gph * d + p0);
-            const std::uint8_t* gb = row + sq.group_byte[sz(g)];
-            if (w <= 8) {  // the group's fields in one 64-bit load (8 bytes of slack past the last row)
-              std::uint64_t v;
-              std::memcpy(&v, gb, 8);
-              const std::uint64_t mask = (std::uint64_t{1} << w) - 1;
-              for (int i = 0; i < fields; ++i) {
-                const std::int32_t c = ord[i];
-                y[c] = sq.mean[sz(c)] + static_cast<float>(static_cast<std::int32_t>((v >> (sz(i) * w)) & mask) - half) * step;
-              }
-            } else {
-              for (int i = 0; i < fields; ++i) {
-                const std::int32_t c = ord[i];
-                y[c] = sq.mean[sz(c)] + static_cast<float>(static_cast<std::int32_t>(get_field(gb, sz(i) * w, w)) - half) * step;
-              }
-            }
-          }
+        };
+        for (std::int64_t t = qa; t < pa; ++t) put_y(t, sealed_row(side, b, t));
+        // The packed rows (and their arrays, which a coded cache drops between updates once every
+        // token is sealed: seal_due) through code_pack's unpacker; an escape reads -2^(w-1) there
+        // until the side list's code replaces it below.
+        const bool packed = pa < qb;
+        if (packed) {
+          thread_local std::vector<std::int16_t> unpacked;
+          unpacked.resize(sz(qb - pa) * sz(nc));
+          const code_pack::Layout lay = pack_layout(sq, nc, static_cast<int>(H));
+          code_pack::unpack_rows(lay, st.packed[sz(b)].data() + sz(pa - sealed_) * lay.row_bytes(), qb - pa, unpacked.data());
+          for (std::int64_t t = pa; t < qb; ++t) put_y(t, unpacked.data() + sz(t - pa) * sz(nc));
         }
         // Field 0 is an escape: its code is in the side list (packed tokens only).
         static const std::vector<Escape> kNone;

@@ -86,53 +86,6 @@ TEST(VqReconstructKernels, AllHeadRowsEqualEachHeadsRowsBitForBit) {
   }
 }
 
-// The bulk unpack of heads of one 8-field group (AVX-512 where available) against the scalar
-// path and against reading each field on its own (bits i * w of the group's bytes, 2^(w-1)
-// subtracted): every width 1..8, a permutation per head, odd row sizes.
-TEST(VqReconstructKernels, UnpackHeads8EqualsFieldByField) {
-  std::mt19937 rng(5);
-  for (const int heads : {1, 4, 5}) {
-    std::vector<std::uint32_t> group_byte(static_cast<std::size_t>(heads));
-    std::vector<std::uint8_t> width(static_cast<std::size_t>(heads));
-    std::uint32_t bytes = 0;
-    for (int h = 0; h < heads; ++h) {
-      width[static_cast<std::size_t>(h)] = static_cast<std::uint8_t>(1 + (h * 3 + heads) % 8);
-      group_byte[static_cast<std::size_t>(h)] = bytes;
-      bytes += width[static_cast<std::size_t>(h)];  // 8 fields of w bits: w bytes
-    }
-    const std::size_t row_bytes = bytes + 1;  // a spare byte: rows need not be the groups' sum
-    std::vector<std::int32_t> pos(static_cast<std::size_t>(8 * heads));
-    for (int h = 0; h < heads; ++h) {
-      std::vector<std::int32_t> p = {0, 1, 2, 3, 4, 5, 6, 7};
-      std::shuffle(p.begin(), p.end(), rng);
-      std::copy(p.begin(), p.end(), pos.begin() + 8 * h);
-    }
-    const auto mean = random_floats(static_cast<std::size_t>(8 * heads), 17u, 2.0f);
-    for (const std::int64_t tokens : {1, 3, 40}) {
-      std::vector<std::uint8_t> rows(static_cast<std::size_t>(tokens) * row_bytes + 8);
-      for (auto& b : rows) b = static_cast<std::uint8_t>(rng());
-      const vq::VqPackedHeads8 p{rows.data(), row_bytes, heads, group_byte.data(), width.data(), pos.data(), mean.data(), 0.37f};
-      const std::size_t n = static_cast<std::size_t>(tokens * 8 * heads);
-      std::vector<float> fast(n, NAN), slow(n, -NAN), want(n);
-      vq::vq_unpack_heads8(p, tokens, fast.data());
-      vq::vq_unpack_heads8_scalar(p, tokens, slow.data());
-      for (std::int64_t t = 0; t < tokens; ++t)
-        for (int h = 0; h < heads; ++h)
-          for (int i = 0; i < 8; ++i) {
-            const unsigned w = width[static_cast<std::size_t>(h)];
-            const unsigned f = static_cast<unsigned>(pos[static_cast<std::size_t>(8 * h + i)]);
-            const std::uint8_t* g = rows.data() + static_cast<std::size_t>(t) * row_bytes + group_byte[static_cast<std::size_t>(h)];
-            std::uint32_t field = 0;
-            for (unsigned k = 0; k < w; ++k) field |= ((g[(f * w + k) / 8] >> ((f * w + k) % 8)) & 1u) << k;
-            const std::int32_t q = static_cast<std::int32_t>(field) - (1 << (w - 1));
-            want[static_cast<std::size_t>((t * heads + h) * 8 + i)] = mean[8 * static_cast<std::size_t>(h) + f] + static_cast<float>(q) * 0.37f;
-          }
-      EXPECT_TRUE(same_bits(fast, want)) << heads << " " << tokens;
-      EXPECT_TRUE(same_bits(slow, want)) << heads << " " << tokens;
-    }
-  }
-}
-
 // A live cache's tiles (read_key_tile / read_value_tile) with a transform across heads are read a
 // tile of all heads at a time and kept per thread for the next head: every tile equals state()'s
 // rows bit for bit, across sinks, calibration, the exact tail, sealed tiles, float16 input and
