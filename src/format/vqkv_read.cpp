@@ -411,14 +411,8 @@ class FileReader {
     if (!vd.calibrated) {
       vd.calibrated = true;
       vd.params.batch = c.batch;
-      for (int s = 0; s < 2; ++s) {
-        const VqSideCodes& from = s == 0 ? c.k : c.v;
-        VqSideCodes& to = s == 0 ? vd.params.k : vd.params.v;
-        to.n = from.n;
-        to.step = from.step;
-        to.offset = from.offset;
-        to.shift = from.shift;
-      }
+      vd.params.k = vq_side_params(c.k);
+      vd.params.v = vq_side_params(c.v);
     } else if (!same(c.k, vd.params.k) || !same(c.v, vd.params.v)) {
       fail_at(b, "its quantizer (step, offsets, shifts) differs from the layer's first CODES block");
     }

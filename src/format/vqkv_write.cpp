@@ -211,10 +211,7 @@ void vq_codes_block(std::vector<std::uint8_t>& body, const VqLayerCodes& all, co
   for (int side = 0; side < 2; ++side) {
     const VqSideCodes& from = side == 0 ? all.k : all.v;
     VqSideCodes& to = side == 0 ? part.k : part.v;
-    to.n = from.n;
-    to.step = from.step;
-    to.offset = from.offset;
-    to.shift = from.shift;
+    to = vq_side_params(from);
     const std::size_t n = static_cast<std::size_t>(from.n), q = static_cast<std::size_t>(all.tokens);
     to.codes.reserve(static_cast<std::size_t>(all.batch) * count * n);
     for (std::size_t b = 0; b < static_cast<std::size_t>(all.batch); ++b) {

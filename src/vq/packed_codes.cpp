@@ -71,10 +71,8 @@ VqPackedCodes vq_pack_codes(const VqLayerCodes& codes, std::shared_ptr<const VqF
   for (int side = 0; side < 2; ++side) {
     const VqSideCodes& s = side == 0 ? codes.k : codes.v;
     VqSideCodes& m = side == 0 ? p.meta.k : p.meta.v;
-    m.n = s.n;
-    m.step = s.step;
-    m.offset = s.offset;
-    m.shift = s.shift.empty() ? std::vector<std::uint8_t>(sz(s.n), 0) : s.shift;
+    m = vq_side_params(s);
+    if (m.shift.empty()) m.shift.assign(sz(s.n), 0);
   }
   p.k = pack_side(codes.k, rows, std::move(k), std::move(reuse.k));
   p.v = pack_side(codes.v, rows, std::move(v), std::move(reuse.v));

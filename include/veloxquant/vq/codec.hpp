@@ -115,6 +115,9 @@ struct VqSideCodes {
   std::vector<std::int16_t> codes;    // [rows, n] row-major
 };
 
+// A side's calibration (n, step, offset, shift) without its codes.
+inline VqSideCodes vq_side_params(const VqSideCodes& s) { return {s.n, s.step, s.offset, s.shift, {}}; }
+
 struct VqLayerCodes {
   std::int64_t batch = 0, tokens = 0;
   VqSideCodes k, v;
