@@ -44,14 +44,19 @@ struct Stored : vqtest::StoredContext {
 
 int stored_tokens() { return static_cast<int>(context().tokens.size() - 1) / kC * kC; }
 
-vq::LoadReport load_into(const Stored& s, std::vector<std::shared_ptr<vq::KVCache>>& caches, const std::string& level,
-                         int threads = 2) {
+// A load of the context at one stored level that never recomputes (a fault leaves the rest unloaded).
+vq::LoaderOptions options_for(const Stored& s, const std::string& level, int threads = 2) {
   vq::LoaderOptions o;
   o.scheme = s.scheme;
   o.level = canon(level.c_str());
   o.threads = threads;
   o.allow_recompute = false;
-  return vq::load_prefix(*s.store, *context().model, caches, context().tokens, o);
+  return o;
+}
+
+vq::LoadReport load_into(const Stored& s, std::vector<std::shared_ptr<vq::KVCache>>& caches, const std::string& level,
+                         int threads = 2) {
+  return vq::load_prefix(*s.store, *context().model, caches, context().tokens, options_for(s, level, threads));
 }
 
 // Caches of `method` fed the context's exact K/V of the first n tokens, chunk by chunk.
@@ -174,14 +179,10 @@ TEST(PrefixCodeLoad, CorruptChunkStopsTheCodeDomainLoadWithAWarning) {
   s.store->remove(key);  // put keeps an existing blob (idempotent)
   s.store->put(key, blob);
   auto host = vq::make_caches(canon(kVq2), *c.model);
-  std::vector<std::string> warned;
-  vq::LoaderOptions o;
-  o.scheme = s.scheme;
-  o.level = s.scheme.levels[0];
-  o.allow_recompute = false;
-  const auto r = vq::load_prefix(*s.store, *c.model, host, c.tokens, o, [&](const std::string& w) { warned.push_back(w); });
-  ASSERT_EQ(warned.size(), 1u);
-  EXPECT_NE(warned[0].find("chunk 1"), std::string::npos) << warned[0];
+  const vq::LoaderOptions o = options_for(s, kVq2);
+  const auto r = vq::load_prefix(*s.store, *c.model, host, c.tokens, o);
+  ASSERT_EQ(r.warnings.size(), 1u);
+  EXPECT_NE(r.warnings[0].find("chunk 1"), std::string::npos) << r.warnings[0];
   EXPECT_EQ(r.tokens_reused, kC);
   expect_same_caches(host, live_caches(canon(kVq2), kC));
   // A blob of another model (fingerprint) is refused the same way: nothing found under its keys.
@@ -350,14 +351,9 @@ TEST(PrefixCodeLoad, WrongWidthHintsStillGiveExactCaches) {
   s.store->remove(dkey);
   s.store->put(dkey, vq::Blob(text.begin(), text.end()));
   auto host = vq::make_caches(canon(kVq2), *c.model);
-  std::vector<std::string> warned;
-  vq::LoaderOptions o;
-  o.scheme = s.scheme;
-  o.level = s.scheme.levels[0];
-  o.allow_recompute = false;
-  const auto r = vq::load_prefix(*s.store, *c.model, host, c.tokens, o, [&](const std::string& w) { warned.push_back(w); });
-  ASSERT_EQ(warned.size(), 1u);
-  EXPECT_NE(warned[0].find("corrupt directory"), std::string::npos) << warned[0];
+  const auto r = load_into(s, host, kVq2);
+  ASSERT_EQ(r.warnings.size(), 1u);
+  EXPECT_NE(r.warnings[0].find("corrupt directory"), std::string::npos) << r.warnings[0];
   EXPECT_EQ(r.tokens_reused, n - kC);
   expect_same_caches(host, live_caches(canon(kVq2), n - kC));
 }
