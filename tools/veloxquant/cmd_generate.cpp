@@ -36,7 +36,7 @@ struct GenerateOptions {
   bool stats = false;
   // generate --store: reuse the longest stored prefix (store/prefix_loader.hpp).
   std::string store, levels = vq::kDefaultLevels;
-  bool use_store = false, json = false;
+  bool use_store = false, json = false, no_recompute = false;
   int chunk_tokens = vq::kDefaultChunkTokens;
   std::optional<double> slo_ms, bandwidth_mbps;
   std::optional<int> threads;  // --threads: the loader's decoder threads (default: all cores)
@@ -76,7 +76,8 @@ void store_context(StoreRun& sr, vq::Transformer& model, const std::string& meth
 }
 
 int run_generate(const GenerateOptions& o) {
-  vq::require(o.use_store || (!o.slo_ms && !o.bandwidth_mbps && !o.threads), "--slo-ms, --bandwidth and --threads need --store");
+  vq::require(o.use_store || (!o.slo_ms && !o.bandwidth_mbps && !o.threads && !o.no_recompute),
+              "--slo-ms, --bandwidth, --threads and --no-recompute need --store");
   auto opt = [](const std::string& s) { return s.empty() ? std::nullopt : std::optional<std::filesystem::path>(s); };
   const vq::ModelFiles files = vq::resolve_model_files(opt(o.model), opt(o.tokenizer));
   vq::LoadedModel loaded = vq::load_model(files);
@@ -99,6 +100,7 @@ int run_generate(const GenerateOptions& o) {
     sr.options.slo_ms = o.slo_ms;
     sr.options.bandwidth_mbps = o.bandwidth_mbps;
     sr.options.threads = o.threads.value_or(0);
+    sr.options.allow_recompute = !o.no_recompute;
     try {
       sr.store = vq::open_store(o.store);
     } catch (const vq::IoError& e) {
@@ -176,6 +178,8 @@ Runner add_generate(CLI::App& app) {
       ->transform(finite_at_least(0.001));
   app.add_option("--threads", o->threads, "with --store: threads decoding the loaded chunks (default: all cores)")
       ->transform(integer_in(1, 1024));
+  app.add_flag("--no-recompute", o->no_recompute,
+               "with --store: load every stored chunk, never recompute one by choice (a fault still falls back to prefill)");
   app.add_option("--levels", o->levels, "with --store: the level list the prefix was stored with (store put --levels)")->capture_default_str();
   app.add_option("--chunk-tokens", o->chunk_tokens, "with --store: tokens per chunk, as stored")
       ->capture_default_str()

@@ -30,7 +30,7 @@ inline const std::map<std::string, HelpText>& help_texts() {
               "[--window N] [--chunk S] [--windows N] [--threads N] [--json] [--plot OUT.svg]",
               "veloxquant rd --methods 'vq,cachegen,q4_0' --windows 10 --plot rd.svg"}},
       {"generate", {"veloxquant generate [--model M] [--tokenizer T] [--prompt TEXT] [--steps N] [--temperature 0] [--topp P] "
-                    "[--seed S] [--method SPEC] [--store URL] [--slo-ms N] [--bandwidth MBPS] [--threads N] [--json]",
+                    "[--seed S] [--method SPEC] [--store URL] [--slo-ms N] [--bandwidth MBPS] [--threads N] [--no-recompute] [--json]",
                     "veloxquant generate --prompt 'Once upon a time' --steps 64 --method vq:bits=2"}},
       {"account", {"veloxquant account --keys K.npy --values V.npy [--bits N] [--group-size G] [--no-delta] [--pooled] "
                    "[--flush per_call|group_aligned] [--chunk S] [--recon-keys OUT.npy] [--recon-values OUT.npy] [--json]",
