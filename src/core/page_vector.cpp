@@ -20,6 +20,16 @@ constexpr std::size_t kMinReserve = 64 * 1024;
 
 std::size_t round_up(std::size_t n, std::size_t to) { return (n + to - 1) / to * to; }
 
+// Appends of at least this many bytes to a mapping have their new pages backed at once (append).
+constexpr std::size_t kPopulateBytes = 16 * 1024;
+#if defined(MADV_POPULATE_WRITE)
+constexpr int kPopulateWrite = MADV_POPULATE_WRITE;
+#elif defined(__linux__)
+constexpr int kPopulateWrite = 23;  // Linux's value (uapi asm-generic/mman-common.h); kernels before 5.14 answer EINVAL
+#else
+constexpr int kPopulateWrite = -1;  // none: pages are backed as they are written
+#endif
+
 void* map(std::size_t bytes) {
   void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   return p == MAP_FAILED ? nullptr : p;
@@ -79,6 +89,13 @@ std::byte* PageBytes::append(std::size_t n) {
     }
   }
   std::byte* first = data_ + size_;
+  if (kPopulateWrite >= 0 && mapped_ && n >= kPopulateBytes) {
+    // The caller writes the new bytes next: back their pages now, in one call, rather than one page
+    // fault per page as they are written (the same pages either way; a fault is a trap, ~10 us a page
+    // on a virtual machine). A hint: on a kernel without MADV_POPULATE_WRITE (< 5.14) the faults stay.
+    const std::size_t from = round_up(size_, page_size()), to = round_up(size_ + n, page_size());
+    if (to > from) madvise(data_ + from, to - from, kPopulateWrite);
+  }
   size_ += n;
   return first;
 }
