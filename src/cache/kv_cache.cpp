@@ -9,6 +9,7 @@
 #include "veloxquant/cache/attention.hpp"
 #include "veloxquant/cache/attention_kernels.hpp"
 #include "veloxquant/core/error.hpp"
+#include "veloxquant/core/page_vector.hpp"
 
 namespace vq {
 
@@ -21,7 +22,11 @@ void copy_tokens(const Tensor& src, Tensor& dst, std::int64_t dst_start) {
   for (std::int64_t b = 0; b < src.dim(0); ++b)
     for (std::int64_t h = 0; h < src.dim(1); ++h) {
       if (src.strides()[2] == src.dim(3) && dst.strides()[2] == dst.dim(3)) {  // rows adjacent: one copy
-        std::memcpy(dst.row(b, h, dst_start), src.row(b, h, 0), row_bytes * static_cast<std::size_t>(src.dim(2)));
+        // A chunk of many tokens lands on pages not written yet: back them in one call first
+        // (core/page_vector.hpp; a decode step's single row is below its minimum and skips it).
+        const std::size_t bytes = row_bytes * static_cast<std::size_t>(src.dim(2));
+        detail::populate_for_write(dst.row(b, h, dst_start), bytes);
+        std::memcpy(dst.row(b, h, dst_start), src.row(b, h, 0), bytes);
       } else {
         for (std::int64_t s = 0; s < src.dim(2); ++s) std::memcpy(dst.row(b, h, dst_start + s), src.row(b, h, s), row_bytes);
       }
@@ -57,7 +62,7 @@ void KVCache::reserve(std::int64_t tokens, const Tensor& keys, const Tensor& val
                            keys_buf_.dim(1) == keys.dim(1) && keys_buf_.dim(3) == keys.dim(3) &&
                            values_buf_.dim(3) == values.dim(3);
   if (same_layout && keys_buf_.dim(2) >= tokens) return;
-  std::int64_t cap = same_layout ? std::max(tokens, keys_buf_.dim(2) * 2) : tokens;
+  std::int64_t cap = std::max(same_layout ? std::max(tokens, keys_buf_.dim(2) * 2) : tokens, expected_);
   // Round to whole steps only past the first step, so that a few tokens (or a very wide slice of
   // B * H * D) never reserve a step's worth: capacity stays below twice what growth requires.
   if (cap >= kStep) cap = (cap + kStep - 1) / kStep * kStep;

@@ -20,8 +20,6 @@ constexpr std::size_t kMinReserve = 64 * 1024;
 
 std::size_t round_up(std::size_t n, std::size_t to) { return (n + to - 1) / to * to; }
 
-// Appends of at least this many bytes to a mapping have their new pages backed at once (append).
-constexpr std::size_t kPopulateBytes = 16 * 1024;
 #if defined(MADV_POPULATE_WRITE)
 constexpr int kPopulateWrite = MADV_POPULATE_WRITE;
 #elif defined(__linux__)
@@ -36,6 +34,15 @@ void* map(std::size_t bytes) {
 }
 
 }  // namespace
+
+void populate_for_write(void* p, std::size_t bytes) {
+  if (kPopulateWrite < 0 || bytes < kPopulateMinBytes) return;
+  // Whole pages only: a page the range shares with other data is backed by the first write anyway.
+  const std::size_t page = PageBytes::page_size();
+  const auto a = reinterpret_cast<std::uintptr_t>(p);
+  const std::uintptr_t from = (a + page - 1) / page * page, to = (a + bytes) / page * page;
+  if (to > from) madvise(reinterpret_cast<void*>(from), to - from, kPopulateWrite);
+}
 
 std::size_t PageBytes::page_size() {
   static const std::size_t page = static_cast<std::size_t>(sysconf(_SC_PAGESIZE));
@@ -89,12 +96,12 @@ std::byte* PageBytes::append(std::size_t n) {
     }
   }
   std::byte* first = data_ + size_;
-  if (kPopulateWrite >= 0 && mapped_ && n >= kPopulateBytes) {
-    // The caller writes the new bytes next: back their pages now, in one call, rather than one page
-    // fault per page as they are written (the same pages either way; a fault is a trap, ~10 us a page
-    // on a virtual machine). A hint: on a kernel without MADV_POPULATE_WRITE (< 5.14) the faults stay.
+  if (mapped_) {
+    // The caller writes the new bytes next: back their pages now, in one call (the same pages
+    // either way). From the first page boundary at or after size_: the page holding size_ is
+    // backed already, and the mapping's end is page-aligned.
     const std::size_t from = round_up(size_, page_size()), to = round_up(size_ + n, page_size());
-    if (to > from) madvise(data_ + from, to - from, kPopulateWrite);
+    if (to > from && n >= kPopulateMinBytes) populate_for_write(data_ + from, to - from);
   }
   size_ += n;
   return first;

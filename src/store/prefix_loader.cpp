@@ -167,6 +167,8 @@ LoadReport load(KVStore& store, Transformer* model, const ChunkShape& shape, std
   }
   rep.chunks_stored = static_cast<int>(dirs.size());
   const int n = rep.chunks_stored;
+  // Dense host caches reserve the whole stored prefix at once: no row copied twice on the way.
+  for (const auto& c : caches) c->expect_tokens(static_cast<std::int64_t>(n) * static_cast<std::int64_t>(C));
 
   // Costs per (level, chunk shape): the process's table unless the caller gives one.
   LoadCostTable& costs = o.costs ? *o.costs : process_load_costs();

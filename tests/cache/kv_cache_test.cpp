@@ -39,6 +39,33 @@ TEST(KVCache, GrowsPastCapacityKeepingContents) {
   EXPECT_GE(cache.nbytes(), 2 * k.nbytes());
 }
 
+// A loader that announces the prefix it feeds in chunks (expect_tokens) gets one buffer of that
+// size: fetches of every chunk after the first share it (nothing reallocated, no row copied
+// twice), the contents are the chunks', and more tokens than announced still fit.
+TEST(KVCache, ExpectedTokensAreReservedAtOnce) {
+  auto k = vqtest::random_walk({1, 2, 1300, 64}, 3);   // chunks of 128 x 64 floats: past the page-populate minimum
+  auto v = vqtest::random_walk({1, 2, 1300, 64}, 4);
+  vq::KVCache hinted, plain;
+  hinted.expect_tokens(1280);
+  const auto [first, fv] = hinted.update_and_fetch(k.slice(2, 0, 128), v.slice(2, 0, 128));
+  plain.update_and_fetch(k.slice(2, 0, 128), v.slice(2, 0, 128));
+  EXPECT_EQ(hinted.nbytes(), 2 * 1280 * 2 * 64 * sizeof(float));
+  bool plain_moved = false;
+  for (std::int64_t t = 128; t < 1280; t += 128) {
+    const auto [hk, hv] = hinted.update_and_fetch(k.slice(2, t, t + 128), v.slice(2, t, t + 128));
+    EXPECT_TRUE(hk.shares_storage_with(first)) << t;
+    const auto before = plain.state().keys;
+    const auto [pk, pv] = plain.update_and_fetch(k.slice(2, t, t + 128), v.slice(2, t, t + 128));
+    plain_moved = plain_moved || !pk.shares_storage_with(before);
+  }
+  EXPECT_TRUE(plain_moved);  // without the hint the buffer grows (and copies) on the way
+  EXPECT_TRUE(hinted.state().keys.bit_equal(k.slice(2, 0, 1280)));
+  EXPECT_TRUE(hinted.state().values.bit_equal(v.slice(2, 0, 1280)));
+  hinted.update_and_fetch(k.slice(2, 1280, 1300), v.slice(2, 1280, 1300));
+  EXPECT_TRUE(hinted.state().keys.bit_equal(k));
+  EXPECT_TRUE(hinted.state().values.bit_equal(v));
+}
+
 TEST(KVCache, MismatchesAreRejectedAndLeaveTheCacheUnchanged) {
   vq::KVCache cache;
   auto k = vqtest::random_uniform({1, 2, 3, 4}, 1);

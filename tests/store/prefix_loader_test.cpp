@@ -51,6 +51,7 @@ struct Stored : vqtest::StoredContext {
 struct Loaded {
   vq::LoadReport report;
   std::vector<vq::KVState> state;
+  std::vector<std::size_t> nbytes;  // per layer, after the load
 };
 
 Loaded load(const Stored& s, int threads) {
@@ -62,7 +63,7 @@ Loaded load(const Stored& s, int threads) {
   auto caches = vq::make_caches("fp32", *c.model);
   Loaded out;
   out.report = vq::load_prefix(*s.store, *c.model, caches, c.tokens, o);
-  for (const auto& k : caches) out.state.push_back(k->state());
+  for (const auto& k : caches) out.state.push_back(k->state()), out.nbytes.push_back(k->nbytes());
   return out;
 }
 
@@ -90,6 +91,10 @@ TEST(PrefixLoader, ParallelDecodeGivesTheCachesOfOneThread) {
       EXPECT_GT(one.report.chunks[static_cast<std::size_t>(i)].bytes, 0u);
     }
     if (level == "fp32") expect_same_caches(one.state, context().exact);  // the exact prefill, chunk by chunk
+    // The dense fp32 hosts were told the prefix's length (KVCache::expect_tokens): one buffer of
+    // exactly its tokens (fewer than a step of 256, so not rounded), not one grown by doubling.
+    for (std::size_t l = 0; l < one.state.size(); ++l)
+      EXPECT_EQ(one.nbytes[l], one.state[l].keys.nbytes() + one.state[l].values.nbytes()) << "layer " << l;
     for (const int threads : {2, 5, 0}) {
       SCOPED_TRACE(threads);
       const Loaded many = load(s, threads);

@@ -8,6 +8,7 @@
 // The buffer grows geometrically, so appending a token costs amortised O(1), and never holds
 // more than about twice the tokens it was given: memory follows the data held.
 #pragma once
+#include <algorithm>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -50,6 +51,11 @@ class KVCache {
   virtual void update(const Tensor& keys, const Tensor& values);
 
   std::int64_t offset() const { return offset_; }
+  // A hint that the cache will hold about `tokens` tokens (a loader that knows the prefix it is
+  // about to feed): a dense cache (this class, Fp16KVCache) then grows to at least that many at
+  // its next growth instead of doubling on the way, so no row is copied twice. Caches that hold
+  // codes ignore it. Not a limit: more tokens still fit.
+  void expect_tokens(std::int64_t tokens) { expected_ = std::max<std::int64_t>(tokens, 0); }
   // Views of the cached keys and values up to offset().
   virtual KVState state() const;
   // Replace the contents with a copy of `state` (offset becomes its token count).
@@ -129,6 +135,7 @@ class KVCache {
 
  private:
   void reserve(std::int64_t tokens, const Tensor& keys, const Tensor& values);
+  std::int64_t expected_ = 0;  // expect_tokens
 };
 
 }  // namespace vq

@@ -31,6 +31,13 @@ inline constexpr std::size_t kPageVectorHeapBytes = 64 * 1024;
 
 namespace detail {
 
+// Backs the whole pages inside [p, p + bytes) for writing in one call (MADV_POPULATE_WRITE),
+// instead of one page fault per page as they are first written (a trap each, ~10 us a page on a
+// virtual machine). Contents are unchanged. A hint: nothing below kPopulateMinBytes, and nothing
+// on a kernel without MADV_POPULATE_WRITE (< 5.14) or off Linux; the faults then stay.
+inline constexpr std::size_t kPopulateMinBytes = 16 * 1024;
+void populate_for_write(void* p, std::size_t bytes);
+
 // The untyped core: a byte array in its own mapping (src/core/page_vector.cpp).
 class PageBytes {
  public:
