@@ -1119,9 +1119,14 @@ void vq_decode(std::span<const std::uint8_t> bytes, std::uint64_t max_codes, VqL
         refill(xi, p, end);
       }
     }
+    // The rows were finished long before (the region comes first in the stream), so their lines
+    // are fetched ahead: without, this loop waited on a miss per split column and row (~6 % of a
+    // 7B-shaped layer's decode).
+    constexpr std::size_t kAhead = 8;
     for (std::size_t row = 0; row < R && L; ++row)
       for (std::size_t l = 0; l < L; ++l) {
         const std::size_t c = sz(sm->low_cols[l]);
+        if (row + kAhead < R) __builtin_prefetch(s->codes.data() + (row + kAhead) * n_side + c, 1);
         std::int16_t& q = s->codes[row * n_side + c];
         q = static_cast<std::int16_t>(q * (1 << s->shift[c]) + static_cast<int>(lows[row * L + l]));
       }
