@@ -790,7 +790,9 @@ constexpr std::size_t kDecodeChunk = 8192;
 // rows are decoded a chunk at a time into a small scratch buffer and each row finished from there
 // (its coded columns placed, the uncoded ones 0; version 5's prediction undone from the finished
 // previous token; copied rows copied), so the codes are written once and never zero-filled. A side
-// coded as it is (every column, no prediction, no copies) is decoded straight into s.codes.
+// coded as it is (every column, no prediction, no copies) is decoded straight into s.codes; a
+// predicted one with every column coded and no copies, with the AVX-512 kernel, too (the kernel
+// finishes each group as it stores it: codec_kernels.hpp's PredictRows).
 // False when a rebuilt hi part leaves +-kVqMaxCode (a corrupt stream); FormatError from the rANS steps.
 bool decode_side_hi(SideDecoder& d, VqSideCodes& s, std::size_t batch, std::size_t tokens, int simd) {
   const SideModel& sm = d.sm;
