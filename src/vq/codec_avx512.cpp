@@ -110,10 +110,24 @@ VQ_AVX512 __m512i enc_step(__m512i x, __m512i idx, const std::int32_t* col_scale
 
 namespace {
 
+// 32 residuals (two vectors, lane order) finished as store32 stores them: + ((k * prev + 4) >> 3)
+// in 16-bit lanes (|k| <= 8, |prev| <= 255, |residual| <= 127: exact); bad collects the lanes
+// outside +-255.
+VQ_AVX512 void store32_pred(std::int16_t* out, __m512i a, __m512i b, const std::int16_t* prev, const std::int16_t* k, __mmask32& bad) {
+  const __m512i order = _mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7);
+  const __m512i res = _mm512_permutexvar_epi64(order, _mm512_packs_epi32(a, b));
+  const __m512i pred = _mm512_srai_epi16(_mm512_add_epi16(_mm512_mullo_epi16(_mm512_loadu_si512(k), _mm512_loadu_si512(prev)), _mm512_set1_epi16(4)), 3);
+  const __m512i v = _mm512_add_epi16(res, pred);
+  bad |= _mm512_cmpgt_epi16_mask(v, _mm512_set1_epi16(255)) | _mm512_cmplt_epi16_mask(v, _mm512_set1_epi16(-255));
+  _mm512_storeu_si512(out, v);
+}
+
 // The kernels on V vectors of 16 lanes: a group of 16 V symbols (V = 2: 32 lanes, V = 4: 64 lanes).
-template <int V, int S>
+// P: a predicted side coded whole (PredictRows; groups row-aligned): each group finished as stored.
+template <int V, int S, bool P = false>
 VQ_AVX512_TARGET const std::uint8_t* decode_lanes(std::uint32_t* x, std::int16_t* codes, std::size_t& i, std::size_t n, std::size_t j,
-                                                  const RegionTables& t, const std::uint8_t* p, const std::uint8_t* end) {
+                                                  const RegionTables& t, const std::uint8_t* p, const std::uint8_t* end,
+                                                  PredictRows* pr = nullptr) {
   constexpr std::size_t G = 16 * V;
   __m512i X[V];
   for (int v = 0; v < V; ++v) X[v] = _mm512_loadu_si512(x + 16 * v);
@@ -124,15 +138,37 @@ VQ_AVX512_TARGET const std::uint8_t* decode_lanes(std::uint32_t* x, std::int16_t
   // A group takes at most G words (2 G bytes); each refill loads 32 bytes from where it starts.
   // k: i in a register (through the reference, the compiler reloaded it after every store).
   std::size_t k = i;
+  // P: the row's column (c), its token (tok) and the previous token's finished codes (prev; zero at token 0).
+  std::size_t c = 0, tok = 0;
+  const std::int16_t* prev = nullptr;
+  const std::int16_t* kk = nullptr;
+  __mmask32 bad = 0;
+  if constexpr (P) {
+    const std::size_t row = k / pr->n;
+    c = k % pr->n;
+    tok = row % pr->tokens;
+    prev = tok == 0 ? pr->zero : codes + (row - 1) * pr->n;
+    kk = pr->k;
+  }
   while (n - k >= G && static_cast<std::size_t>(end - p) >= 2 * G) {
     __m512i C[V];
     for (int v = 0; v < V; ++v) X[v] = dec_step<S>(X[v], C[v], col_scale + j + 16 * v, dec_off + j + 16 * v, pool);
     for (int v = 0; v < V; ++v) X[v] = refill(X[v], p, low);
-    for (int v = 0; v < V; v += 2) store32(codes + k + 16 * v, C[v], C[v + 1]);
+    if constexpr (P) {
+      for (int v = 0; v < V; v += 2) store32_pred(codes + k + 16 * v, C[v], C[v + 1], prev + c + 16 * v, kk + c + 16 * v, bad);
+      c += G;
+      if (c == pr->n) {  // the next row: this one is its previous token's, unless a batch starts
+        c = 0;
+        prev = ++tok == pr->tokens ? (tok = 0, pr->zero) : codes + k + G - pr->n;
+      }
+    } else {
+      for (int v = 0; v < V; v += 2) store32(codes + k + 16 * v, C[v], C[v + 1]);
+    }
     k += G;
     j += step;
     if (j >= m) j -= m;
   }
+  if constexpr (P) pr->bad |= bad != 0;
   i = k;
   for (int v = 0; v < V; ++v) _mm512_storeu_si512(x + 16 * v, X[v]);
   return p;
@@ -172,6 +208,20 @@ VQ_AVX512_TARGET const std::uint8_t* decode_region_avx512(std::uint32_t* x, std:
     case 10: return decode_lanes<2, 10>(x, codes, i, n, j, t, p, end);
     case 12: return decode_lanes<2, 12>(x, codes, i, n, j, t, p, end);
     default: return t.lanes == 64 ? decode_lanes<4, 0>(x, codes, i, n, j, t, p, end) : decode_lanes<2, 0>(x, codes, i, n, j, t, p, end);
+  }
+}
+
+VQ_AVX512_TARGET const std::uint8_t* decode_region_pred_avx512(std::uint32_t* x, std::int16_t* codes, std::size_t& i, std::size_t n,
+                                                               const RegionTables& t, PredictRows& pr, const std::uint8_t* p,
+                                                               const std::uint8_t* end) {
+  const std::size_t j = i % t.m;
+  switch ((t.lanes == 64 ? 100 : 0) + t.uniform_scale) {
+    case 110: return decode_lanes<4, 10, true>(x, codes, i, n, j, t, p, end, &pr);
+    case 112: return decode_lanes<4, 12, true>(x, codes, i, n, j, t, p, end, &pr);
+    case 10: return decode_lanes<2, 10, true>(x, codes, i, n, j, t, p, end, &pr);
+    case 12: return decode_lanes<2, 12, true>(x, codes, i, n, j, t, p, end, &pr);
+    default:
+      return t.lanes == 64 ? decode_lanes<4, 0, true>(x, codes, i, n, j, t, p, end, &pr) : decode_lanes<2, 0, true>(x, codes, i, n, j, t, p, end, &pr);
   }
 }
 

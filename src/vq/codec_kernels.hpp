@@ -58,6 +58,24 @@ const std::uint8_t* decode_region_avx512(std::uint32_t* x, std::int16_t* codes, 
 std::uint16_t* encode_region_avx512(std::uint32_t* x, const std::int16_t* codes, std::size_t i0, std::size_t i1, std::size_t j1,
                                     const RegionTables& t, std::uint16_t* ptr);
 
+// A predicted side coded whole (every column coded, no row copies; version 5's prediction,
+// codec_predict.hpp): region index i is the side's code i ([rows, n] row-major), so the AVX-512
+// decoder can undo the prediction as it stores each group, out = residual + ((k[c] * prev[c] + 4)
+// >> 3) with prev the previous token's finished codes (none at token 0 of a batch), instead of a
+// second pass over the rows (~25 % of a decode). Groups must not cross rows: n % L == 0 and the
+// region starts at a stream index divisible by L.
+struct PredictRows {
+  const std::int16_t* k = nullptr;     // per column its predictor (n entries)
+  const std::int16_t* zero = nullptr;  // n zeros (the "previous row" of token 0)
+  std::size_t n = 0, tokens = 0;
+  bool bad = false;                    // out: some rebuilt hi part left +-255 (a corrupt stream)
+};
+// decode_region_avx512 over region symbols [i, n_sym) of such a side ((base + i) % L == 0 on entry),
+// writing finished hi parts; advances i by whole groups like it. The symbols it leaves (fewer than
+// L, or too few payload bytes left) are the caller's (reference steps, then vq_unpredict_row).
+const std::uint8_t* decode_region_pred_avx512(std::uint32_t* x, std::int16_t* codes, std::size_t& i, std::size_t n_sym,
+                                              const RegionTables& t, PredictRows& pr, const std::uint8_t* p, const std::uint8_t* end);
+
 // The encoder's pass over a side's codes [rows, n] (row-major): with shift (per column), hi = the
 // codes' hi parts q >> shift[c]; without, hi is null (the codes are their own hi parts). amax[c]
 // (n entries) = max over rows of |hi| as an unsigned 16-bit value (|-32768| reads 32768).
