@@ -16,10 +16,21 @@ namespace vq::attn {
 namespace {
 
 std::atomic<bool> g_simd_on{true};
+std::atomic<bool> g_avx512_on{true};
 
 bool cpu_has_avx2_fma_f16c() {
 #if defined(__x86_64__)
   static const bool has = cpu_has_f16c_avx() && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return has;
+#else
+  return false;
+#endif
+}
+
+bool cpu_has_avx512() {
+#if defined(__x86_64__)
+  static const bool has = cpu_has_avx2_fma_f16c() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
   return has;
 #else
   return false;
@@ -105,6 +116,10 @@ void softmax_step_scalar(float* s, std::int64_t n, std::int64_t visible, float s
 bool simd_enabled() { return cpu_has_avx2_fma_f16c() && g_simd_on.load(std::memory_order_relaxed); }
 
 bool set_simd_enabled(bool on) { return g_simd_on.exchange(on); }
+
+bool avx512_enabled() { return simd_enabled() && cpu_has_avx512() && g_avx512_on.load(std::memory_order_relaxed); }
+
+bool set_avx512_enabled(bool on) { return g_avx512_on.exchange(on); }
 
 void score_f32(const float* k, std::int64_t n, std::int64_t d, std::int64_t stride, const float* q, std::int64_t nq, float* s) {
 #ifdef VQ_ATTN_HAVE_AVX2

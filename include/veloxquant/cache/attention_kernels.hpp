@@ -29,6 +29,12 @@ namespace vq::attn {
 bool simd_enabled();
 // Returns the previous setting. `on` = use the SIMD forms where the CPU has them.
 bool set_simd_enabled(bool on);
+// The AVX-512 forms of the caches' own tile kernels (the llama.cpp blocks' AVX-512 F/BW/DQ/VL
+// loops, vq's VBMI decode) run where simd_enabled(), the CPU has the instructions, and nobody
+// switched them off; set_avx512_enabled(false) leaves their AVX2 forms (process-wide, for tests and
+// for measuring). Returns the previous setting.
+bool avx512_enabled();
+bool set_avx512_enabled(bool on);
 
 void score_f32(const float* k, std::int64_t n, std::int64_t d, std::int64_t stride, const float* q, std::int64_t nq, float* s);
 void score_f16(const std::uint16_t* k, std::int64_t n, std::int64_t d, std::int64_t stride, const float* q, std::int64_t nq, float* s);
