@@ -143,4 +143,55 @@ VQ_ATTN_AVX2 void exp_n(const float* x, float* y, std::int64_t n) {
 
 }  // namespace vq::attn::avx2
 
+#define VQ_ATTN_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")))
+
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"  // GCC 12, AVX-512 intrinsics (attention_simd.hpp)
+namespace vq::attn::avx512 {
+
+namespace {
+
+struct F32Rows {
+  const float* p;
+  std::int64_t stride;
+  VQ_ATTN512_INLINE void load32(std::int64_t t, std::int64_t e, __m512& lo, __m512& hi) const {
+    lo = _mm512_loadu_ps(p + t * stride + e), hi = _mm512_loadu_ps(p + t * stride + e + 16);
+  }
+};
+
+// Float16 rows converted in registers, 16 values per vcvtph2ps.
+struct F16Rows {
+  const std::uint16_t* p;
+  std::int64_t stride;
+  VQ_ATTN512_INLINE void load32(std::int64_t t, std::int64_t e, __m512& lo, __m512& hi) const {
+    const std::uint16_t* x = p + t * stride + e;
+    lo = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
+    hi = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16)));
+  }
+};
+
+}  // namespace
+
+VQ_ATTN_AVX512 void score_f32(const float* k, std::int64_t n, std::int64_t d, std::int64_t stride, const float* q, std::int64_t nq, float* s) {
+  simd512::score(F32Rows{k, stride}, n, d, q, nq, s);
+}
+
+VQ_ATTN_AVX512 void score_f16(const std::uint16_t* k, std::int64_t n, std::int64_t d, std::int64_t stride, const float* q, std::int64_t nq,
+                              float* s) {
+  simd512::score(F16Rows{k, stride}, n, d, q, nq, s);
+}
+
+VQ_ATTN_AVX512 void accumulate_f32(const float* v, std::int64_t n, std::int64_t d, std::int64_t stride, const float* w, std::int64_t nq,
+                                   float* acc) {
+  simd512::accumulate(F32Rows{v, stride}, n, d, w, nq, acc);
+}
+
+VQ_ATTN_AVX512 void accumulate_f16(const std::uint16_t* v, std::int64_t n, std::int64_t d, std::int64_t stride, const float* w,
+                                   std::int64_t nq, float* acc) {
+  simd512::accumulate(F16Rows{v, stride}, n, d, w, nq, acc);
+}
+
+}  // namespace vq::attn::avx512
+#pragma GCC diagnostic pop
+
 #endif  // VQ_ATTN_HAVE_AVX2

@@ -16,6 +16,7 @@ namespace vq::attn {
 namespace {
 
 std::atomic<bool> g_simd_on{true};
+std::atomic<bool> g_avx512_on{true};
 
 bool cpu_has_avx2_fma_f16c() {
 #if defined(__x86_64__)
@@ -25,6 +26,19 @@ bool cpu_has_avx2_fma_f16c() {
   return false;
 #endif
 }
+
+bool cpu_has_avx512() {
+#if defined(__x86_64__)
+  static const bool has = cpu_has_avx2_fma_f16c() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+  return has;
+#else
+  return false;
+#endif
+}
+
+// The AVX-512 forms take rows of d % 32 == 0.
+inline bool wide(std::int64_t d) { return d % 32 == 0 && avx512_enabled(); }
 
 // Eight partial sums, the order the loop has always used.
 inline float dot(const float* a, const float* b, std::int64_t n) {
@@ -106,8 +120,13 @@ bool simd_enabled() { return cpu_has_avx2_fma_f16c() && g_simd_on.load(std::memo
 
 bool set_simd_enabled(bool on) { return g_simd_on.exchange(on); }
 
+bool avx512_enabled() { return simd_enabled() && cpu_has_avx512() && g_avx512_on.load(std::memory_order_relaxed); }
+
+bool set_avx512_enabled(bool on) { return g_avx512_on.exchange(on); }
+
 void score_f32(const float* k, std::int64_t n, std::int64_t d, std::int64_t stride, const float* q, std::int64_t nq, float* s) {
 #ifdef VQ_ATTN_HAVE_AVX2
+  if (wide(d)) return avx512::score_f32(k, n, d, stride, q, nq, s);
   if (simd_enabled()) return avx2::score_f32(k, n, d, stride, q, nq, s);
 #endif
   score_scalar(k, n, d, stride, q, nq, s);
@@ -115,6 +134,7 @@ void score_f32(const float* k, std::int64_t n, std::int64_t d, std::int64_t stri
 
 void score_f16(const std::uint16_t* k, std::int64_t n, std::int64_t d, std::int64_t stride, const float* q, std::int64_t nq, float* s) {
 #ifdef VQ_ATTN_HAVE_AVX2
+  if (wide(d)) return avx512::score_f16(k, n, d, stride, q, nq, s);
   if (simd_enabled()) return avx2::score_f16(k, n, d, stride, q, nq, s);
 #endif
   score_scalar(k, n, d, stride, q, nq, s);
@@ -122,6 +142,7 @@ void score_f16(const std::uint16_t* k, std::int64_t n, std::int64_t d, std::int6
 
 void accumulate_f32(const float* v, std::int64_t n, std::int64_t d, std::int64_t stride, const float* w, std::int64_t nq, float* acc) {
 #ifdef VQ_ATTN_HAVE_AVX2
+  if (wide(d)) return avx512::accumulate_f32(v, n, d, stride, w, nq, acc);
   if (simd_enabled()) return avx2::accumulate_f32(v, n, d, stride, w, nq, acc);
 #endif
   accumulate_scalar(v, n, d, stride, w, nq, acc);
@@ -130,6 +151,7 @@ void accumulate_f32(const float* v, std::int64_t n, std::int64_t d, std::int64_t
 void accumulate_f16(const std::uint16_t* v, std::int64_t n, std::int64_t d, std::int64_t stride, const float* w, std::int64_t nq,
                     float* acc) {
 #ifdef VQ_ATTN_HAVE_AVX2
+  if (wide(d)) return avx512::accumulate_f16(v, n, d, stride, w, nq, acc);
   if (simd_enabled()) return avx2::accumulate_f16(v, n, d, stride, w, nq, acc);
 #endif
   accumulate_scalar(v, n, d, stride, w, nq, acc);

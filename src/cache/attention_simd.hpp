@@ -138,4 +138,134 @@ VQ_ATTN_INLINE void accumulate(const Src& src, std::int64_t n, std::int64_t d, c
 
 }  // namespace vq::attn::simd
 
+// --- AVX-512 forms (F, BW, DQ, VL; full-width on the CPUs that have them) ---------------------------
+// The same two steps over a Source that decodes 32 values at a time into two zmm:
+//   void load32(std::int64_t t, std::int64_t e, __m512& lo, __m512& hi) const;  // values e .. e+31 (e % 32 == 0)
+// so callers use them only for d % 32 == 0 (every head dim the decode benchmark and the llama.cpp
+// blocks have); other dims take the AVX2 forms above.
+// Scoring keeps sixteen accumulators in flight: R <= 4 query rows x 4 tokens, each 32 decoded values
+// of a token feeding R x 2 fused multiply-adds, and one transposing reduction (hsum16) turns the
+// sixteen vectors into the four tokens' scores of each row. Accumulation keeps R rows x 64 values
+// of acc (4 zmm a row) in registers while it walks the tile's tokens: two passes over the tile at
+// d = 128 instead of AVX2's eight.
+#define VQ_ATTN512_INLINE __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c"), always_inline)) inline
+
+// GCC 12's AVX-512 intrinsics start from _mm512_undefined_*, which -Wextra reports as
+// maybe-uninitialized wherever they are inlined (a false positive; as in vq_attention_kernels.cpp).
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+
+namespace vq::attn::simd512 {
+
+// Lane i = the sum of v[i]'s sixteen lanes.
+VQ_ATTN512_INLINE __m512 hsum16(const __m512* v) {
+  __m512 u[8], w[4];
+  for (int k = 0; k < 8; ++k)  // per 128-bit lane: v[2k]'s partials at 0, 2 and v[2k+1]'s at 1, 3
+    u[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]), _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
+  for (int k = 0; k < 4; ++k) {  // per 128-bit lane L: lane L's sums of v[4k .. 4k+3]
+    const __m512d a = _mm512_castps_pd(u[2 * k]), b = _mm512_castps_pd(u[2 * k + 1]);
+    w[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  // The four 128-bit lanes of each w[k] summed into lane k of the result.
+  const __m512 y01 = _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
+  const __m512 y23 = _mm512_add_ps(_mm512_shuffle_f32x4(w[2], w[3], 0x88), _mm512_shuffle_f32x4(w[2], w[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(y01, y23, 0x88), _mm512_shuffle_f32x4(y01, y23, 0xDD));
+}
+
+// Scores of R query rows (q, d apart) against tokens j .. j+3: s[r * n + j + t].
+template <int R, class Src>
+VQ_ATTN512_INLINE void score_tokens4(const Src& src, std::int64_t j, std::int64_t n, std::int64_t d, const float* q, float* s) {
+  static_assert(R >= 1 && R <= 4);
+  __m512 acc[16];  // acc[r * 4 + t]; rows >= R stay zero
+  for (auto& a : acc) a = _mm512_setzero_ps();
+  for (std::int64_t e = 0; e < d; e += 32) {
+    __m512 x[4][2];
+    for (int t = 0; t < 4; ++t) src.load32(j + t, e, x[t][0], x[t][1]);
+    for (int r = 0; r < R; ++r) {
+      const __m512 q0 = _mm512_loadu_ps(q + r * d + e), q1 = _mm512_loadu_ps(q + r * d + e + 16);
+      for (int t = 0; t < 4; ++t) acc[r * 4 + t] = _mm512_fmadd_ps(q1, x[t][1], _mm512_fmadd_ps(q0, x[t][0], acc[r * 4 + t]));
+    }
+  }
+  const __m512 sums = hsum16(acc);  // 128-bit lane r: row r's four scores
+  _mm_storeu_ps(s + j, _mm512_castps512_ps128(sums));
+  if (R > 1) _mm_storeu_ps(s + n + j, _mm512_extractf32x4_ps(sums, 1));
+  if (R > 2) _mm_storeu_ps(s + 2 * n + j, _mm512_extractf32x4_ps(sums, 2));
+  if (R > 3) _mm_storeu_ps(s + 3 * n + j, _mm512_extractf32x4_ps(sums, 3));
+}
+
+template <int R, class Src>
+VQ_ATTN512_INLINE void score_token1(const Src& src, std::int64_t j, std::int64_t n, std::int64_t d, const float* q, float* s) {
+  __m512 acc[R];
+  for (auto& a : acc) a = _mm512_setzero_ps();
+  for (std::int64_t e = 0; e < d; e += 32) {
+    __m512 x0, x1;
+    src.load32(j, e, x0, x1);
+    for (int r = 0; r < R; ++r)
+      acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(q + r * d + e + 16), x1, _mm512_fmadd_ps(_mm512_loadu_ps(q + r * d + e), x0, acc[r]));
+  }
+  for (int r = 0; r < R; ++r) s[r * n + j] = _mm512_reduce_add_ps(acc[r]);
+}
+
+template <int R, class Src>
+VQ_ATTN512_INLINE void score_rows(const Src& src, std::int64_t n, std::int64_t d, const float* q, float* s) {
+  std::int64_t j = 0;
+  for (; j + 4 <= n; j += 4) score_tokens4<R>(src, j, n, d, q, s);
+  for (; j < n; ++j) score_token1<R>(src, j, n, d, q, s);
+}
+
+// s[r * n + j] = q_r . k_j for nq query rows (d % 32 == 0).
+template <class Src>
+VQ_ATTN512_INLINE void score(const Src& src, std::int64_t n, std::int64_t d, const float* q, std::int64_t nq, float* s) {
+  std::int64_t r = 0;
+  for (; r + 4 <= nq; r += 4) score_rows<4>(src, n, d, q + r * d, s + r * n);
+  switch (nq - r) {
+    case 3: score_rows<3>(src, n, d, q + r * d, s + r * n); break;
+    case 2: score_rows<2>(src, n, d, q + r * d, s + r * n); break;
+    case 1: score_rows<1>(src, n, d, q + r * d, s + r * n); break;
+    default: break;
+  }
+}
+
+// acc[r * d + e .. + 32 * P] += sum_j w[r * n + j] * v_j[e ..] for R rows: P pairs of zmm a row.
+template <int R, int P, class Src>
+VQ_ATTN512_INLINE void accumulate_block(const Src& src, std::int64_t n, std::int64_t d, std::int64_t e, const float* w, float* acc) {
+  __m512 a[R][2 * P];
+  for (int r = 0; r < R; ++r)
+    for (int k = 0; k < 2 * P; ++k) a[r][k] = _mm512_loadu_ps(acc + r * d + e + 16 * k);
+  for (std::int64_t j = 0; j < n; ++j) {
+    __m512 x[2 * P];
+    for (int p = 0; p < P; ++p) src.load32(j, e + 32 * p, x[2 * p], x[2 * p + 1]);
+    for (int r = 0; r < R; ++r) {
+      const __m512 wv = _mm512_set1_ps(w[r * n + j]);
+      for (int k = 0; k < 2 * P; ++k) a[r][k] = _mm512_fmadd_ps(wv, x[k], a[r][k]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int k = 0; k < 2 * P; ++k) _mm512_storeu_ps(acc + r * d + e + 16 * k, a[r][k]);
+}
+
+template <int R, class Src>
+VQ_ATTN512_INLINE void accumulate_rows(const Src& src, std::int64_t n, std::int64_t d, const float* w, float* acc) {
+  std::int64_t e = 0;
+  for (; e + 64 <= d; e += 64) accumulate_block<R, 2>(src, n, d, e, w, acc);
+  if (e < d) accumulate_block<R, 1>(src, n, d, e, w, acc);
+}
+
+// acc[r * d + e] += sum_j w[r * n + j] * v_j[e] (d % 32 == 0).
+template <class Src>
+VQ_ATTN512_INLINE void accumulate(const Src& src, std::int64_t n, std::int64_t d, const float* w, std::int64_t nq, float* acc) {
+  std::int64_t r = 0;
+  for (; r + 4 <= nq; r += 4) accumulate_rows<4>(src, n, d, w + r * n, acc + r * d);
+  switch (nq - r) {
+    case 3: accumulate_rows<3>(src, n, d, w + r * n, acc + r * d); break;
+    case 2: accumulate_rows<2>(src, n, d, w + r * n, acc + r * d); break;
+    case 1: accumulate_rows<1>(src, n, d, w + r * n, acc + r * d); break;
+    default: break;
+  }
+}
+
+}  // namespace vq::attn::simd512
+
+#pragma GCC diagnostic pop
+
 #endif  // VQ_ATTN_HAVE_AVX2

@@ -1,6 +1,7 @@
 // Private to the peers: attention tile kernels straight on llama.cpp blocks (q8_0, q4_0, q4_1)
 // and on fp8 e4m3 codes, so that GgmlBlockCache and Fp8KVCache score K and sum V without a
-// float32 tile (KVCache::score_key_tile / accumulate_value_tile). AVX2 + FMA + F16C only, built on
+// float32 tile (KVCache::score_key_tile / accumulate_value_tile). AVX2 + FMA + F16C (the blocks also on
+// AVX-512 F/BW/DQ/VL where attn::avx512_enabled(): a block per load, nibbles looked up), built on
 // src/cache/attention_simd.hpp; callers run them only when attn::simd_enabled(), and otherwise take
 // the KVCache defaults (dequantize a tile, then the scalar float kernels), which are what the
 // tests hold these against.

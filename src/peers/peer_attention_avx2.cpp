@@ -95,35 +95,107 @@ struct Fp8Rows {
   VQ_ATTN_INLINE float scalar(std::int64_t t, std::int64_t e) const { return fp8::e4m3_to_f32(p[t * stride + e]) * 0x1p-8f; }
 };
 
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"  // GCC 12, AVX-512 intrinsics (attention_simd.hpp)
+// --- AVX-512: a whole block (32 values) per load32 ------------------------------------------------
+#define VQ_ATTN_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")))
+
+template <class Block>
+struct Blocks512;
+
+VQ_ATTN512_INLINE __m512 block_scale(std::uint16_t d) { return _mm512_set1_ps(_cvtsh_ss(d)); }
+
+// (int8) q * d, as the AVX2 source.
+template <>
+struct Blocks512<block_q8_0> {
+  const block_q8_0* p;
+  std::int64_t stride;
+  VQ_ATTN512_INLINE void load32(std::int64_t t, std::int64_t e, __m512& lo, __m512& hi) const {
+    const block_q8_0& b = p[t * stride + e / ggml::QK];
+    const __m512 d = block_scale(b.d);
+    lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b.qs)))), d);
+    hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b.qs + 16)))), d);
+  }
+};
+
+// The nibbles looked up in a 16-entry table of the block's values (vpermps reads the low 4 bits
+// of each index): the table is (i - 8) * d for q4_0 and i * d + m for q4_1, the dequantizer's
+// own arithmetic per entry, so the values are the AVX2 source's (and the dequantizer's) exactly.
+VQ_ATTN512_INLINE void nibbles32(const std::uint8_t* qs, __m512 table, __m512& lo, __m512& hi) {
+  const __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));  // byte j in lane j
+  lo = _mm512_permutexvar_ps(x, table);                          // element j: byte j's low nibble
+  hi = _mm512_permutexvar_ps(_mm512_srli_epi32(x, 4), table);    // element j + 16: its high nibble
+}
+
+VQ_ATTN512_INLINE __m512 iota16() { return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
+
+template <>
+struct Blocks512<block_q4_0> {
+  const block_q4_0* p;
+  std::int64_t stride;
+  VQ_ATTN512_INLINE void load32(std::int64_t t, std::int64_t e, __m512& lo, __m512& hi) const {
+    const block_q4_0& b = p[t * stride + e / ggml::QK];
+    nibbles32(b.qs, _mm512_mul_ps(_mm512_sub_ps(iota16(), _mm512_set1_ps(8.0f)), block_scale(b.d)), lo, hi);
+  }
+};
+
+template <>
+struct Blocks512<block_q4_1> {
+  const block_q4_1* p;
+  std::int64_t stride;
+  VQ_ATTN512_INLINE void load32(std::int64_t t, std::int64_t e, __m512& lo, __m512& hi) const {
+    const block_q4_1& b = p[t * stride + e / ggml::QK];
+    nibbles32(b.qs, _mm512_add_ps(_mm512_mul_ps(iota16(), block_scale(b.d)), block_scale(b.m)), lo, hi);
+  }
+};
+
+template <class Block>
+VQ_ATTN_AVX512 void score_blocks_512(const Block* first, std::int64_t token_stride, std::int64_t n, std::int64_t d, const float* q,
+                                     std::int64_t nq, float* s) {
+  attn::simd512::score(Blocks512<Block>{first, token_stride}, n, d, q, nq, s);
+}
+
+template <class Block>
+VQ_ATTN_AVX512 void accumulate_blocks_512(const Block* first, std::int64_t token_stride, std::int64_t n, std::int64_t d, const float* w,
+                                          std::int64_t nq, float* acc) {
+  attn::simd512::accumulate(Blocks512<Block>{first, token_stride}, n, d, w, nq, acc);
+}
+
 }  // namespace
 
 VQ_ATTN_AVX2 void score_blocks(const block_q8_0* first, std::int64_t token_stride, std::int64_t n, std::int64_t d, const float* q,
                                std::int64_t nq, float* s) {
+  if (attn::avx512_enabled()) return score_blocks_512(first, token_stride, n, d, q, nq, s);
   attn::simd::score(Blocks<block_q8_0>{first, token_stride}, n, d, q, nq, s);
 }
 
 VQ_ATTN_AVX2 void accumulate_blocks(const block_q8_0* first, std::int64_t token_stride, std::int64_t n, std::int64_t d, const float* w,
                                     std::int64_t nq, float* acc) {
+  if (attn::avx512_enabled()) return accumulate_blocks_512(first, token_stride, n, d, w, nq, acc);
   attn::simd::accumulate(Blocks<block_q8_0>{first, token_stride}, n, d, w, nq, acc);
 }
 
 VQ_ATTN_AVX2 void score_blocks(const block_q4_0* first, std::int64_t token_stride, std::int64_t n, std::int64_t d, const float* q,
                                std::int64_t nq, float* s) {
+  if (attn::avx512_enabled()) return score_blocks_512(first, token_stride, n, d, q, nq, s);
   attn::simd::score(Blocks<block_q4_0>{first, token_stride}, n, d, q, nq, s);
 }
 
 VQ_ATTN_AVX2 void accumulate_blocks(const block_q4_0* first, std::int64_t token_stride, std::int64_t n, std::int64_t d, const float* w,
                                     std::int64_t nq, float* acc) {
+  if (attn::avx512_enabled()) return accumulate_blocks_512(first, token_stride, n, d, w, nq, acc);
   attn::simd::accumulate(Blocks<block_q4_0>{first, token_stride}, n, d, w, nq, acc);
 }
 
 VQ_ATTN_AVX2 void score_blocks(const block_q4_1* first, std::int64_t token_stride, std::int64_t n, std::int64_t d, const float* q,
                                std::int64_t nq, float* s) {
+  if (attn::avx512_enabled()) return score_blocks_512(first, token_stride, n, d, q, nq, s);
   attn::simd::score(Blocks<block_q4_1>{first, token_stride}, n, d, q, nq, s);
 }
 
 VQ_ATTN_AVX2 void accumulate_blocks(const block_q4_1* first, std::int64_t token_stride, std::int64_t n, std::int64_t d, const float* w,
                                     std::int64_t nq, float* acc) {
+  if (attn::avx512_enabled()) return accumulate_blocks_512(first, token_stride, n, d, w, nq, acc);
   attn::simd::accumulate(Blocks<block_q4_1>{first, token_stride}, n, d, w, nq, acc);
 }
 
@@ -136,6 +208,8 @@ VQ_ATTN_AVX2 void accumulate_fp8(const std::uint8_t* first, std::int64_t token_s
                                  std::int64_t nq, float* acc) {
   attn::simd::accumulate(Fp8Rows{first, token_stride}, n, d, w, nq, acc);
 }
+
+#pragma GCC diagnostic pop
 
 }  // namespace vq::peer_attention
 #endif  // VQ_ATTN_HAVE_AVX2

@@ -490,7 +490,7 @@ __attribute__((target("avx2,fma,f16c"))) void score_codes(const HeadFields& f, s
   if (how == Decode::kGeneric) return attn::simd::score(Fields{f}, n, d, q, nq, s);
   thread_local std::vector<Run> runs;
   width_runs(f, runs);
-  const bool wide = how == Decode::kByWidth && cpu_has_avx512_vbmi();
+  const bool wide = how == Decode::kByWidth && cpu_has_avx512_vbmi() && attn::avx512_enabled();
   std::int64_t r = 0;
   for (; r + 4 <= nq; r += 4) {
     if (wide)
@@ -510,7 +510,7 @@ __attribute__((target("avx2,fma,f16c"))) void accumulate_codes(const HeadFields&
                                                                float* acc, Decode how) {
   const std::int64_t d = f.d;
   if (how == Decode::kGeneric) return attn::simd::accumulate(Fields{f}, n, d, w, nq, acc);
-  const bool wide = how == Decode::kByWidth && cpu_has_avx512_vbmi();
+  const bool wide = how == Decode::kByWidth && cpu_has_avx512_vbmi() && attn::avx512_enabled();
   thread_local std::vector<Run> runs;
   width_runs(f, runs);
   std::int64_t r = 0;

@@ -51,7 +51,7 @@ struct HeadFields {
 // Both give the same results bit for bit (same codes, same order of sums); kGeneric is there for
 // the tests. float16 input always takes the any-width decode.
 // kByWidth takes AVX-512 (VBMI) for the values of widths <= 4 and for the scores of four query rows
-// where the CPU has it (same bits);
+// where the CPU has it and attn::avx512_enabled() (same bits);
 // kByWidthAvx2 never does (for the tests, which hold all three against each other).
 enum class Decode { kByWidth, kByWidthAvx2, kGeneric };
 

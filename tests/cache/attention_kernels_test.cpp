@@ -1,6 +1,6 @@
 // The tile kernels of attention (cache/attention_kernels.hpp): the AVX2 forms equal the scalar
 // forms within the rounding of a reordered float32 sum, for every row type and awkward sizes
-// (head dims 1..130 with 8- and 16-value tails, tiles of 1..33 tokens, 1..9 query rows); the
+// (head dims 1..130 with 8- and 16-value tails; the AVX-512 forms at d = 32, 96, 128, tiles of 1..33 tokens, 1..9 query rows); the
 // eight-lane exp is within 2.5 ulp of std::exp. Skipped where the CPU has no AVX2 + FMA + F16C.
 #include "veloxquant/cache/attention_kernels.hpp"
 
@@ -26,6 +26,17 @@ void both(F&& f) {
   attn::set_simd_enabled(false);
   f(false);
   attn::set_simd_enabled(was);
+}
+
+// Runs f with the AVX-512 forms on (where the CPU has them), then off (the AVX2 forms).
+template <class F>
+void each_width(F&& f) {
+  for (bool wide : {true, false}) {
+    const bool was = attn::set_avx512_enabled(wide);
+    SCOPED_TRACE(wide ? "avx512" : "avx2");
+    f();
+    attn::set_avx512_enabled(was);
+  }
 }
 
 bool have_simd() {
@@ -56,7 +67,7 @@ struct Sizes {
 
 std::vector<Sizes> sizes() {
   std::vector<Sizes> out;
-  for (std::int64_t d : {1, 7, 8, 13, 16, 24, 31, 128, 130})
+  for (std::int64_t d : {1, 7, 8, 13, 16, 24, 31, 32, 96, 128, 130})
     for (std::int64_t n : {1, 7, 32, 33})
       for (std::int64_t nq : {1, 2, 3, 4, 5, 9}) out.push_back({n, d, nq, d + (d % 3)});  // rows not always adjacent
   return out;
@@ -64,6 +75,7 @@ std::vector<Sizes> sizes() {
 
 TEST(AttentionKernels, ScoreSimdEqualsScalarForFloat32AndFloat16Rows) {
   if (!have_simd()) GTEST_SKIP() << "no AVX2 + FMA + F16C here";
+  each_width([&] {
   for (const Sizes& z : sizes()) {
     SCOPED_TRACE(::testing::Message() << "n=" << z.n << " d=" << z.d << " nq=" << z.nq);
     const auto k = uniform(static_cast<std::size_t>(z.n * z.stride), 1), q = uniform(static_cast<std::size_t>(z.nq * z.d), 2);
@@ -93,10 +105,12 @@ TEST(AttentionKernels, ScoreSimdEqualsScalarForFloat32AndFloat16Rows) {
         }
     }
   }
+  });
 }
 
 TEST(AttentionKernels, AccumulateSimdEqualsScalarForFloat32AndFloat16Rows) {
   if (!have_simd()) GTEST_SKIP() << "no AVX2 + FMA + F16C here";
+  each_width([&] {
   for (const Sizes& z : sizes()) {
     SCOPED_TRACE(::testing::Message() << "n=" << z.n << " d=" << z.d << " nq=" << z.nq);
     const auto v = uniform(static_cast<std::size_t>(z.n * z.stride), 3);
@@ -125,6 +139,7 @@ TEST(AttentionKernels, AccumulateSimdEqualsScalarForFloat32AndFloat16Rows) {
         }
     }
   }
+  });
 }
 
 // A row's online softmax over several tiles, masked tails included: both forms keep the same

@@ -118,6 +118,18 @@ TEST(AttendMethods, ScalarPathEqualsDenseAttentionToo) {
   vq::attn::set_simd_enabled(was);
 }
 
+// The AVX2 kernels where the CPU has AVX-512 (attn::set_avx512_enabled(false)): what a CPU without
+// AVX-512 runs, held to dense attention too.
+TEST(AttendMethods, Avx2PathEqualsDenseAttentionToo) {
+  const bool was = vq::attn::set_avx512_enabled(false);
+  for (const auto& spec : method_specs())
+    for (const Case& c : kCases) {
+      if (MethodSpec::parse(spec).kind == MethodSpec::Kind::CachegenPaper && c.Hkv * c.D != 4 * 8) continue;
+      expect_attend_matches_dense(spec, c);
+    }
+  vq::attn::set_avx512_enabled(was);
+}
+
 // Threads (cache/attention.hpp, "Threads"): every method's hooks run from several threads at once,
 // and the result is the same bits for any thread count, for a long decode-sized call (token splits,
 // T past 2048) and a prefill-sized one ((batch, KV head) pairs); the split form equals dense

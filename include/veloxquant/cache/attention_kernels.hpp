@@ -13,6 +13,8 @@
 // - The scalar forms sum a dot product in eight partial sums and use std::exp; the SIMD forms sum
 //   in other orders with fused multiply-adds and a polynomial exp (within 2 ulp of std::exp). They
 //   agree within float32 rounding (tests: AttentionKernels.*), not bit for bit.
+// - The AVX-512 forms score four tokens against up to four query rows at a time and accumulate 64
+//   values of a row per pass; they too agree with the scalar forms within float32 rounding.
 // - simd_enabled(): the CPU has AVX2, FMA and F16C and nobody switched the SIMD forms off.
 //   set_simd_enabled(false) makes every kernel here (and the caches' own tile kernels, which ask
 //   the same switch) take the scalar path: process-wide, for tests and for measuring.
@@ -29,6 +31,12 @@ namespace vq::attn {
 bool simd_enabled();
 // Returns the previous setting. `on` = use the SIMD forms where the CPU has them.
 bool set_simd_enabled(bool on);
+// The AVX-512 forms (F/BW/DQ/VL) of score_* and accumulate_* below for d % 32 == 0, and of the
+// caches' own tile kernels (the llama.cpp blocks, vq's VBMI decode), run where simd_enabled(), the
+// CPU has the instructions, and nobody switched them off; set_avx512_enabled(false) leaves the AVX2
+// forms (process-wide, for tests and for measuring). Returns the previous setting.
+bool avx512_enabled();
+bool set_avx512_enabled(bool on);
 
 void score_f32(const float* k, std::int64_t n, std::int64_t d, std::int64_t stride, const float* q, std::int64_t nq, float* s);
 void score_f16(const std::uint16_t* k, std::int64_t n, std::int64_t d, std::int64_t stride, const float* q, std::int64_t nq, float* s);
