@@ -6,7 +6,7 @@
 // you hold them, but their contents are only guaranteed until the next call that changes the
 // cache (update_and_fetch, trim, from_state), which may write into the same buffer.
 // The buffer grows geometrically, so appending a token costs amortised O(1), and never holds
-// more than about twice the tokens it was given: memory follows the data held.
+// more than about twice the tokens it was given (or announced by expect_tokens): memory follows the data held.
 #pragma once
 #include <algorithm>
 #include <cstdint>
