@@ -82,10 +82,10 @@ std::byte* PageBytes::append(std::size_t n) {
 #ifdef MREMAP_MAYMOVE
         p = mremap(data_, reserved_, want, MREMAP_MAYMOVE);
         if (p == MAP_FAILED) p = nullptr;
-#else
-        p = map(want);
-        if (p) std::memcpy(p, data_, size_), munmap(data_, reserved_);
 #endif
+        // Without mremap, or where it refuses (a reserve_huge mapping is two areas, its huge-page
+        // ranges and its rest, and mremap moves one area only): a fresh mapping and a copy.
+        if (!p && (p = map(want))) std::memcpy(p, data_, size_), munmap(data_, reserved_);
       } else {  // from the heap (or nothing) into a mapping of its own, once
         p = map(want);
         if (p && size_) std::memcpy(p, data_, size_);
@@ -105,6 +105,30 @@ std::byte* PageBytes::append(std::size_t n) {
   }
   size_ += n;
   return first;
+}
+
+void PageBytes::reserve_huge(std::size_t bytes) {
+  if (bytes <= kPageVectorHeapBytes || bytes <= reserved_) return;
+  constexpr std::size_t kHuge = std::size_t{2} << 20;
+  if (bytes > SIZE_MAX / 4) throw std::bad_alloc();
+  const std::size_t want = round_up(bytes, page_size());
+  // Map kHuge more than wanted, then return the head and tail around the 2 MiB-aligned part.
+  void* raw = map(want + kHuge);
+  if (!raw) throw std::bad_alloc();
+  const auto a = reinterpret_cast<std::uintptr_t>(raw);
+  const std::uintptr_t start = (a + kHuge - 1) / kHuge * kHuge, end = start + want, raw_end = a + want + kHuge;
+  if (start > a) munmap(raw, start - a);
+  if (raw_end > end) munmap(reinterpret_cast<void*>(end), raw_end - end);
+  auto* p = reinterpret_cast<std::byte*>(start);
+#ifdef MADV_HUGEPAGE
+  if (want >= kHuge) madvise(p, want / kHuge * kHuge, MADV_HUGEPAGE);  // a hint: THP off or "never" leaves small pages
+#endif
+  if (size_) std::memcpy(p, data_, size_);
+  if (mapped_)
+    munmap(data_, reserved_);
+  else
+    ::operator delete(data_);
+  data_ = p, reserved_ = want, mapped_ = true;
 }
 
 void PageBytes::shrink(std::size_t n) {

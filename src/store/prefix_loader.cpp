@@ -211,6 +211,7 @@ LoadReport load(KVStore& store, Transformer* model, const ChunkShape& shape, std
       vq_hosts.push_back(v);
     }
   const bool code_host = !vq_hosts.empty();
+  for (VqKVCache* h : vq_hosts) h->expect_code_tokens(static_cast<std::int64_t>(n) * static_cast<std::int64_t>(C));
   // The code arrays of chunks fed, given back for the decoders of later chunks (no allocation, page
   // faults or zeroing per layer and chunk).
   VqCodeBuffers code_buffers;

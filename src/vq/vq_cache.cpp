@@ -1313,7 +1313,9 @@ bool VqKVCache::append_codes(const VqLayerCodes& in, DType dtype) {
     for (std::size_t i = 0; i < s.shift.size(); ++i) sq.shift[i] = std::max(sq.shift[i], s.shift[i]);
     for (std::int64_t b = 0; b < B; ++b) {
       auto& buf = st.packed[sz(b)];
-      // PackedRows grow in page mappings (mremap: no copy, no heap hole), so no reserve is needed.
+      // PackedRows grow in page mappings (mremap: no copy, no heap hole); a loader's expected
+      // prefix (expect_tokens) is reserved at the first rows, in huge pages.
+      if (q0 == 0 && expected_tokens_ > q1) buf.reserve_huge(packed_bytes(expected_tokens_, sq.bit_at[sz(n)]));
       buf.resize(packed_bytes(q1, sq.bit_at[sz(n)]));
       esc.clear();
       code_pack::pack_rows(pack_layout(sq, n, H), s.codes.data() + sz(b * S) * sz(n), S, q0, buf.data(), esc);
@@ -1375,6 +1377,7 @@ bool VqKVCache::append_packed(const VqPackedCodes& in, DType dtype) {
     std::size_t e = 0;
     for (std::int64_t b = 0; b < B; ++b) {
       auto& buf = st.packed[sz(b)];
+      if (q0 == 0 && expected_tokens_ > q1) buf.reserve_huge(packed_bytes(expected_tokens_, sq.bit_at[sz(n)]));  // expect_tokens
       buf.resize(packed_bytes(q1, sq.bit_at[sz(n)]));
       std::memcpy(buf.data() + sz(q0) * row_bytes, p.rows.data() + sz(b * S) * row_bytes, sz(S) * row_bytes);
       auto& dst = st.escapes[sz(b)];

@@ -71,6 +71,39 @@ TEST(PageVector, GrowsFromTheHeapIntoItsMappingKeepingItsContents) {
   EXPECT_FALSE(w.mapped());
 }
 
+// reserve_huge: the array moves (contents kept) into a mapping that starts on a 2 MiB boundary and
+// spans the reserve; appends up to it never move it again; filled to the reserve, the memory held
+// is its pages, as the kernel counts them; more still fits past it.
+TEST(PageVector, AReservedArrayStaysPutInItsHugePageMapping) {
+  constexpr std::size_t kReserve = 5u << 20;  // bytes: two whole 2 MiB ranges and a rest
+  vq::PageVector<std::uint32_t> v;
+  std::size_t n = 0;
+  const auto append = [&](std::size_t k) {
+    std::uint32_t* p = v.append(k);
+    for (std::size_t i = 0; i < k; ++i) p[i] = static_cast<std::uint32_t>((n + i) * 2654435761u);
+    n += k;
+  };
+  append(10);
+  v.reserve_huge(1000);  // fits the heap: nothing
+  EXPECT_FALSE(v.mapped());
+  v.reserve_huge(kReserve / 4);
+  ASSERT_TRUE(v.mapped());
+  expect_holds(v, n);
+  EXPECT_EQ(reinterpret_cast<std::uintptr_t>(v.data()) % (2u << 20), 0u);
+  EXPECT_EQ(v.reserved_bytes(), kReserve);
+  const std::uint32_t* at = v.data();
+  while (n + 4096 <= kReserve / 4) append(4096);
+  append(kReserve / 4 - n);
+  EXPECT_EQ(v.data(), at);
+  expect_holds(v, n);
+  EXPECT_EQ(v.nbytes(), kReserve);
+  EXPECT_EQ(resident_bytes(v), v.nbytes());
+  v.reserve_huge(kReserve / 8);  // reserved already: nothing
+  EXPECT_EQ(v.data(), at);
+  append(3000);  // past the reserve: it grows as any mapping does
+  expect_holds(v, n);
+}
+
 TEST(PageVector, AnImpossibleAppendThrowsAndChangesNothing) {
   vq::PageVector<std::uint32_t> v;
   v.append(3)[0] = 7;

@@ -61,6 +61,13 @@ class PageBytes {
   std::byte* append(std::size_t n);
   // size() = min(size(), n); the pages past the new size are returned to the system.
   void shrink(std::size_t n);
+  // For an array whose final size is known: address space for `bytes` in a mapping of its own that
+  // starts on a 2 MiB boundary, its whole 2 MiB ranges advised as huge pages (MADV_HUGEPAGE: one
+  // fault per 2 MiB instead of 512). Contents kept. Nothing when `bytes` fits the heap or is
+  // reserved already. nbytes() still bills the pages below size(); a huge page the array only
+  // partly fills is backed whole once written (at most one such range when the final size is
+  // `bytes`). Throws std::bad_alloc (nothing changed) when the mapping fails.
+  void reserve_huge(std::size_t bytes);
   void clear();
 
   static std::size_t page_size();
@@ -90,6 +97,8 @@ class PageVector {
   // Appends n uninitialised elements and returns the first; throws std::bad_alloc (nothing
   // changed) when the mapping cannot grow.
   T* append(std::size_t n) { return reinterpret_cast<T*>(bytes_.append(n * sizeof(T))); }
+  // PageBytes::reserve_huge for n elements.
+  void reserve_huge(std::size_t n) { bytes_.reserve_huge(n * sizeof(T)); }
   // Keeps the first min(n, size()) elements and returns the pages past them.
   void shrink(std::size_t n) { bytes_.shrink(n * sizeof(T)); }
   void clear() { bytes_.clear(); }
