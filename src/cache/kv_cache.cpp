@@ -32,6 +32,16 @@ void copy_tokens(const Tensor& src, Tensor& dst, std::int64_t dst_start) {
       }
     }
 }
+// A cache buffer; `huge`: one its owner will write whole, mapped in huge pages when 2 MiB or more
+// (core/page_vector.hpp map_huge; the pages of a buffer written front to back cost a fault each,
+// ~10 us on a virtual machine: most of a loader's time into fp32 hosts). Falls back to the heap.
+Tensor new_buffer(const Shape4& shape, DType dtype, bool huge) {
+  const std::size_t bytes = static_cast<std::size_t>(checked_numel(shape)) * dtype_size(dtype);
+  if (huge && bytes >= (std::size_t{2} << 20))
+    if (std::byte* p = detail::map_huge(bytes))
+      return Tensor::wrap(p, shape, dtype, std::shared_ptr<void>(p, [bytes](void* q) { detail::unmap_huge(static_cast<std::byte*>(q), bytes); }));
+  return Tensor::uninitialized(shape, dtype);
+}
 }  // namespace
 
 void KVCache::check_chunk(const Tensor& keys, const Tensor& values) const {
@@ -62,12 +72,15 @@ void KVCache::reserve(std::int64_t tokens, const Tensor& keys, const Tensor& val
                            keys_buf_.dim(1) == keys.dim(1) && keys_buf_.dim(3) == keys.dim(3) &&
                            values_buf_.dim(3) == values.dim(3);
   if (same_layout && keys_buf_.dim(2) >= tokens) return;
-  std::int64_t cap = std::max(same_layout ? std::max(tokens, keys_buf_.dim(2) * 2) : tokens, expected_);
+  const std::int64_t grown = same_layout ? std::max(tokens, keys_buf_.dim(2) * 2) : tokens;
+  // A buffer sized by expect_tokens will be written whole: in huge pages when 2 MiB or more.
+  const bool whole = expected_ >= grown;
+  std::int64_t cap = std::max(grown, expected_);
   // Round to whole steps only past the first step, so that a few tokens (or a very wide slice of
   // B * H * D) never reserve a step's worth: capacity stays below twice what growth requires.
   if (cap >= kStep) cap = (cap + kStep - 1) / kStep * kStep;
-  Tensor nk = Tensor::uninitialized({keys.dim(0), keys.dim(1), cap, keys.dim(3)}, keys.dtype());
-  Tensor nv = Tensor::uninitialized({values.dim(0), values.dim(1), cap, values.dim(3)}, values.dtype());
+  Tensor nk = new_buffer({keys.dim(0), keys.dim(1), cap, keys.dim(3)}, keys.dtype(), whole);
+  Tensor nv = new_buffer({values.dim(0), values.dim(1), cap, values.dim(3)}, values.dtype(), whole);
   if (same_layout && offset_ > 0) {
     copy_tokens(keys_buf_.slice(2, 0, offset_), nk, 0);
     copy_tokens(values_buf_.slice(2, 0, offset_), nv, 0);

@@ -44,6 +44,28 @@ void populate_for_write(void* p, std::size_t bytes) {
   if (to > from) madvise(reinterpret_cast<void*>(from), to - from, kPopulateWrite);
 }
 
+std::byte* map_huge(std::size_t bytes) {
+  constexpr std::size_t kHuge = std::size_t{2} << 20;
+  if (bytes == 0 || bytes > SIZE_MAX / 4) return nullptr;
+  const std::size_t want = round_up(bytes, PageBytes::page_size());
+  // Map kHuge more than wanted, then return the head and tail around the 2 MiB-aligned part.
+  void* raw = map(want + kHuge);
+  if (!raw) return nullptr;
+  const auto a = reinterpret_cast<std::uintptr_t>(raw);
+  const std::uintptr_t start = (a + kHuge - 1) / kHuge * kHuge, end = start + want, raw_end = a + want + kHuge;
+  if (start > a) munmap(raw, start - a);
+  if (raw_end > end) munmap(reinterpret_cast<void*>(end), raw_end - end);
+  auto* p = reinterpret_cast<std::byte*>(start);
+#ifdef MADV_HUGEPAGE
+  if (want >= kHuge) madvise(p, want / kHuge * kHuge, MADV_HUGEPAGE);  // a hint: THP off or "never" leaves small pages
+#endif
+  return p;
+}
+
+void unmap_huge(std::byte* p, std::size_t bytes) {
+  if (p) munmap(p, round_up(bytes, PageBytes::page_size()));
+}
+
 std::size_t PageBytes::page_size() {
   static const std::size_t page = static_cast<std::size_t>(sysconf(_SC_PAGESIZE));
   return page;
@@ -78,21 +100,22 @@ std::byte* PageBytes::append(std::size_t n) {
     } else {
       const std::size_t want = std::max({round_up(need, page_size()), 2 * (mapped_ ? reserved_ : 0), kMinReserve});
       void* p = nullptr;
-      if (mapped_) {
 #ifdef MREMAP_MAYMOVE
+      if (mapped_) {
         p = mremap(data_, reserved_, want, MREMAP_MAYMOVE);
         if (p == MAP_FAILED) p = nullptr;
-#endif
-        // Without mremap, or where it refuses (a reserve_huge mapping is two areas, its huge-page
-        // ranges and its rest, and mremap moves one area only): a fresh mapping and a copy.
-        if (!p && (p = map(want))) std::memcpy(p, data_, size_), munmap(data_, reserved_);
-      } else {  // from the heap (or nothing) into a mapping of its own, once
-        p = map(want);
-        if (p && size_) std::memcpy(p, data_, size_);
-        if (p) ::operator delete(data_);
       }
-      if (!p) throw std::bad_alloc();
-      data_ = static_cast<std::byte*>(p), reserved_ = want, mapped_ = true;
+#endif
+      if (p) {
+        data_ = static_cast<std::byte*>(p), reserved_ = want;
+      } else {
+        // From the heap (or nothing) into a mapping of its own, once; or, without mremap or where
+        // it refuses (a reserve_huge mapping is two areas, its huge-page ranges and its rest, and
+        // mremap moves one area only), a fresh mapping and a copy.
+        p = map(want);
+        if (!p) throw std::bad_alloc();
+        adopt(static_cast<std::byte*>(p), want);
+      }
     }
   }
   std::byte* first = data_ + size_;
@@ -109,26 +132,19 @@ std::byte* PageBytes::append(std::size_t n) {
 
 void PageBytes::reserve_huge(std::size_t bytes) {
   if (bytes <= kPageVectorHeapBytes || bytes <= reserved_) return;
-  constexpr std::size_t kHuge = std::size_t{2} << 20;
   if (bytes > SIZE_MAX / 4) throw std::bad_alloc();
-  const std::size_t want = round_up(bytes, page_size());
-  // Map kHuge more than wanted, then return the head and tail around the 2 MiB-aligned part.
-  void* raw = map(want + kHuge);
-  if (!raw) throw std::bad_alloc();
-  const auto a = reinterpret_cast<std::uintptr_t>(raw);
-  const std::uintptr_t start = (a + kHuge - 1) / kHuge * kHuge, end = start + want, raw_end = a + want + kHuge;
-  if (start > a) munmap(raw, start - a);
-  if (raw_end > end) munmap(reinterpret_cast<void*>(end), raw_end - end);
-  auto* p = reinterpret_cast<std::byte*>(start);
-#ifdef MADV_HUGEPAGE
-  if (want >= kHuge) madvise(p, want / kHuge * kHuge, MADV_HUGEPAGE);  // a hint: THP off or "never" leaves small pages
-#endif
+  std::byte* p = map_huge(bytes);
+  if (!p) throw std::bad_alloc();
+  adopt(p, round_up(bytes, page_size()));
+}
+
+void PageBytes::adopt(std::byte* p, std::size_t reserved) {
   if (size_) std::memcpy(p, data_, size_);
   if (mapped_)
     munmap(data_, reserved_);
   else
     ::operator delete(data_);
-  data_ = p, reserved_ = want, mapped_ = true;
+  data_ = p, reserved_ = reserved, mapped_ = true;
 }
 
 void PageBytes::shrink(std::size_t n) {

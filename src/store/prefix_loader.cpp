@@ -167,7 +167,8 @@ LoadReport load(KVStore& store, Transformer* model, const ChunkShape& shape, std
   }
   rep.chunks_stored = static_cast<int>(dirs.size());
   const int n = rep.chunks_stored;
-  // Dense host caches reserve the whole stored prefix at once: no row copied twice on the way.
+  // Host caches reserve the whole stored prefix at once: no row copied twice on the way (dense
+  // hosts), the code-domain hosts' packed rows in huge pages.
   for (const auto& c : caches) c->expect_tokens(static_cast<std::int64_t>(n) * static_cast<std::int64_t>(C));
 
   // Costs per (level, chunk shape): the process's table unless the caller gives one.
@@ -211,7 +212,6 @@ LoadReport load(KVStore& store, Transformer* model, const ChunkShape& shape, std
       vq_hosts.push_back(v);
     }
   const bool code_host = !vq_hosts.empty();
-  for (VqKVCache* h : vq_hosts) h->expect_code_tokens(static_cast<std::int64_t>(n) * static_cast<std::int64_t>(C));
   // The code arrays of chunks fed, given back for the decoders of later chunks (no allocation, page
   // faults or zeroing per layer and chunk).
   VqCodeBuffers code_buffers;

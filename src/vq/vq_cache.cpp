@@ -153,6 +153,15 @@ inline void put_field(std::uint8_t* base, std::uint64_t bit, std::uint32_t f) { 
 }
 std::size_t packed_bytes(std::int64_t rows, std::uint32_t row_bits) { return (sz(rows) * row_bits + 7) / 8 + 8; }
 
+// Grows a side's packed rows from q0 to q1 rows for a code-domain load. PackedRows grow in page
+// mappings (mremap: no copy, no heap hole); a loader's expected prefix (expect_tokens) is reserved
+// at the first rows, in huge pages.
+template <class Rows>  // VqKVCache::PackedRows (private)
+void grow_loaded_rows(Rows& buf, std::int64_t q0, std::int64_t q1, std::uint32_t row_bits, std::int64_t expected) {
+  if (q0 == 0 && expected > q1) buf.reserve_huge(packed_bytes(expected, row_bits));
+  buf.resize(packed_bytes(q1, row_bits));
+}
+
 using code_pack::pack_layout;  // a side's layout as code_pack takes it
 // code_pack's escapes appended to the cache's list (the same three fields): an empty list gets
 // exactly their number (nbytes bills capacity), a list that grows chunk by chunk grows as vectors do.
@@ -1313,10 +1322,7 @@ bool VqKVCache::append_codes(const VqLayerCodes& in, DType dtype) {
     for (std::size_t i = 0; i < s.shift.size(); ++i) sq.shift[i] = std::max(sq.shift[i], s.shift[i]);
     for (std::int64_t b = 0; b < B; ++b) {
       auto& buf = st.packed[sz(b)];
-      // PackedRows grow in page mappings (mremap: no copy, no heap hole); a loader's expected
-      // prefix (expect_tokens) is reserved at the first rows, in huge pages.
-      if (q0 == 0 && expected_tokens_ > q1) buf.reserve_huge(packed_bytes(expected_tokens_, sq.bit_at[sz(n)]));
-      buf.resize(packed_bytes(q1, sq.bit_at[sz(n)]));
+      grow_loaded_rows(buf, q0, q1, sq.bit_at[sz(n)], expected_tokens_);
       esc.clear();
       code_pack::pack_rows(pack_layout(sq, n, H), s.codes.data() + sz(b * S) * sz(n), S, q0, buf.data(), esc);
       append_escapes(st.escapes[sz(b)], esc);
@@ -1377,8 +1383,7 @@ bool VqKVCache::append_packed(const VqPackedCodes& in, DType dtype) {
     std::size_t e = 0;
     for (std::int64_t b = 0; b < B; ++b) {
       auto& buf = st.packed[sz(b)];
-      if (q0 == 0 && expected_tokens_ > q1) buf.reserve_huge(packed_bytes(expected_tokens_, sq.bit_at[sz(n)]));  // expect_tokens
-      buf.resize(packed_bytes(q1, sq.bit_at[sz(n)]));
+      grow_loaded_rows(buf, q0, q1, sq.bit_at[sz(n)], expected_tokens_);
       std::memcpy(buf.data() + sz(q0) * row_bytes, p.rows.data() + sz(b * S) * row_bytes, sz(S) * row_bytes);
       auto& dst = st.escapes[sz(b)];
       std::size_t end = e;

@@ -66,6 +66,31 @@ TEST(KVCache, ExpectedTokensAreReservedAtOnce) {
   EXPECT_TRUE(hinted.state().values.bit_equal(v));
 }
 
+// A buffer of 2 MiB or more sized by expect_tokens is written whole: it is mapped in huge pages
+// (core/page_vector.hpp map_huge, 2 MiB-aligned). Its contents are the chunks', views of it outlive
+// the cache, and a buffer grown past the hint goes back to the heap with every token kept.
+TEST(KVCache, AnExpectedBufferOfHugePagesHoldsTheChunks) {
+  auto k = vqtest::random_walk({1, 4, 2100, 64}, 5);  // 2048 tokens x 4 heads x 64 floats: 2 MiB a side
+  auto v = vqtest::random_walk({1, 4, 2100, 64}, 6);
+  vq::Tensor view;
+  {
+    vq::KVCache cache;
+    cache.expect_tokens(2048);
+    for (std::int64_t t = 0; t < 2048; t += 256) {
+      const auto [hk, hv] = cache.update_and_fetch(k.slice(2, t, t + 256), v.slice(2, t, t + 256));
+      EXPECT_EQ(reinterpret_cast<std::uintptr_t>(hk.row(0, 0, 0)) % (std::uintptr_t{2} << 20), 0u) << t;
+      EXPECT_EQ(reinterpret_cast<std::uintptr_t>(hv.row(0, 0, 0)) % (std::uintptr_t{2} << 20), 0u) << t;
+      view = hk;
+    }
+    EXPECT_EQ(cache.nbytes(), 2 * k.slice(2, 0, 2048).nbytes());
+    EXPECT_TRUE(cache.state().values.bit_equal(v.slice(2, 0, 2048)));
+    cache.update_and_fetch(k.slice(2, 2048, 2100), v.slice(2, 2048, 2100));  // past the hint
+    EXPECT_TRUE(cache.state().keys.bit_equal(k));
+    EXPECT_TRUE(cache.state().values.bit_equal(v));
+  }
+  EXPECT_TRUE(view.bit_equal(k.slice(2, 0, 2048)));  // the mapping lives as long as a view holds it
+}
+
 TEST(KVCache, MismatchesAreRejectedAndLeaveTheCacheUnchanged) {
   vq::KVCache cache;
   auto k = vqtest::random_uniform({1, 2, 3, 4}, 1);

@@ -53,9 +53,11 @@ class KVCache {
   std::int64_t offset() const { return offset_; }
   // A hint that the cache will hold about `tokens` tokens (a loader that knows the prefix it is
   // about to feed): a dense cache (this class, Fp16KVCache) then grows to at least that many at
-  // its next growth instead of doubling on the way, so no row is copied twice. Caches that hold
+  // its next growth instead of doubling on the way, so no row is copied twice, in huge pages when
+  // the buffer is 2 MiB or more (core/page_vector.hpp map_huge: one page fault per 2 MiB instead
+  // of 512). VqKVCache reserves its packed codes for its code-domain loads; other caches that hold
   // codes ignore it. Not a limit: more tokens still fit.
-  void expect_tokens(std::int64_t tokens) { expected_ = std::max<std::int64_t>(tokens, 0); }
+  virtual void expect_tokens(std::int64_t tokens) { expected_ = std::max<std::int64_t>(tokens, 0); }
   // Views of the cached keys and values up to offset().
   virtual KVState state() const;
   // Replace the contents with a copy of `state` (offset becomes its token count).

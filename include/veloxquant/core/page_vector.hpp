@@ -38,6 +38,13 @@ namespace detail {
 inline constexpr std::size_t kPopulateMinBytes = 16 * 1024;
 void populate_for_write(void* p, std::size_t bytes);
 
+// An anonymous mapping of `bytes` (rounded up to whole pages) that starts on a 2 MiB boundary, its
+// whole 2 MiB ranges advised as huge pages (MADV_HUGEPAGE: one fault per 2 MiB written instead of
+// 512; a hint, THP "never" leaves small pages). For buffers whose final size is known and that are
+// written whole. nullptr when the mapping fails. Release with unmap_huge(p, bytes).
+std::byte* map_huge(std::size_t bytes);
+void unmap_huge(std::byte* p, std::size_t bytes);
+
 // The untyped core: a byte array in its own mapping (src/core/page_vector.cpp).
 class PageBytes {
  public:
@@ -73,6 +80,10 @@ class PageBytes {
   static std::size_t page_size();
 
  private:
+  // Moves the size() bytes held into the mapping p (reserved bytes of address space) and releases
+  // the old buffer or mapping.
+  void adopt(std::byte* p, std::size_t reserved);
+
   std::byte* data_ = nullptr;
   std::size_t size_ = 0, reserved_ = 0;
   bool mapped_ = false;

@@ -137,10 +137,11 @@ class VqKVCache : public KVCache {
   std::pair<Tensor, Tensor> update_and_fetch(const Tensor& keys, const Tensor& values) override;
   // Appends and quantizes what is due; rebuilds nothing dense.
   void update(const Tensor& keys, const Tensor& values) override;
-  // A hint for the code-domain loads (append_codes / append_packed; the store's loader gives the
-  // prefix's length): at their first rows each side's packed rows reserve this many tokens in huge
-  // pages (PageVector::reserve_huge: one fault per 2 MiB instead of 512). update() ignores it.
-  void expect_code_tokens(std::int64_t tokens) { expected_tokens_ = std::max<std::int64_t>(tokens, 0); }
+  // KVCache::expect_tokens, for the code-domain loads (append_codes / append_packed; the store's
+  // loader gives the prefix's length): at their first rows each side's packed rows reserve this
+  // many tokens in huge pages (PageVector::reserve_huge: one fault per 2 MiB instead of 512).
+  // update() ignores it.
+  void expect_tokens(std::int64_t tokens) override { expected_tokens_ = std::max<std::int64_t>(tokens, 0); }
   KVState state() const override;  // rebuilt into fresh tensors in the input dtype
   // Drops the last tokens' codes and rows (each token's codes are independent). Trimming to 0
   // forgets the calibration.
@@ -307,7 +308,7 @@ class VqKVCache : public KVCache {
   bool calibrated_ = false;
   SideQuant kq_, vq_;
   std::int64_t quantized_ = 0;
-  std::int64_t expected_tokens_ = 0;  // expect_code_tokens
+  std::int64_t expected_tokens_ = 0;  // expect_tokens
   std::int64_t sealed_ = 0;     // tokens [0, sealed_) are in sealed tiles; packed row r is token sealed_ + r
   std::uint64_t seal_gen_ = 0;  // names the sealed tiles' contents for the readers' scratch (new at each change but appending)
   SideStore ks_, vs_;
