@@ -199,7 +199,8 @@ VQ_AVX512 void matmul_avx512(float* out, std::size_t os, const float* in, std::s
         switch ((left + 15) / 16) {
           case 1: mm_panel512<1, true>(out, os, in, is, wt, ws, n, in_dim, o, out_dim); break;
           case 2: mm_panel512<2, true>(out, os, in, is, wt, ws, n, in_dim, o, out_dim); break;
-          default: mm_panel512<3, true>(out, os, in, is, wt, ws, n, in_dim, o, out_dim); break;
+          case 3: mm_panel512<3, true>(out, os, in, is, wt, ws, n, in_dim, o, out_dim); break;
+          default: mm_panel512<4, true>(out, os, in, is, wt, ws, n, in_dim, o, out_dim); break;
         }
       }
     }

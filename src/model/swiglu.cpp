@@ -11,6 +11,9 @@
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #include <immintrin.h>
 #define VQ_SWIGLU_AVX512 1
+// GCC 12's AVX-512 intrinsics start from _mm512_undefined_*(), which -Wmaybe-uninitialized
+// reports wherever they are inlined (a false positive; as in src/vq/codec_avx512.cpp).
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #endif
 
 namespace vq::detail {
