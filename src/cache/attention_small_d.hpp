@@ -29,8 +29,16 @@ struct SmallDTile {
 
 using SmallDKernel = void (*)(const SmallDTile&);
 
-// The kernel for this head layout, or null where the generic step must run.
+// The kernel for this head layout, or null where the generic step must run: the AVX-512 one
+// where the machine has it, else the AVX2 one, else the portable one. The AVX2 and AVX-512
+// kernels give the same bits (tests/cache/attention_small_d_test.cpp); the portable one agrees
+// within float32 rounding.
 SmallDKernel pick_small_d_kernel(std::int64_t Dk, std::int64_t Dv);
+
+// One path's kernel (for tests and benchmarks); null where this machine or build lacks it or the
+// path has none for this head layout (the vector paths: D = 8 only).
+enum class SmallDPath { Portable, Avx2, Avx512 };
+SmallDKernel small_d_kernel(SmallDPath path, std::int64_t Dk, std::int64_t Dv);
 
 // Floats of scratch a tile of up to `tile` tokens needs.
 std::int64_t small_d_scratch_floats(std::int64_t tile);

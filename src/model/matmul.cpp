@@ -119,9 +119,9 @@ bool cpu_has_avx512() {
 }
 
 // mm_block with 16 outputs per register: R rows x NV vectors, acc = 0 then acc = acc + x_i * w_i
-// in order i. Vectors that reach past out_dim load and store under a mask (the lanes past
-// out_dim are never read from w nor written to y).
-template <int R, int NV>
+// in order i. Masked: vectors that reach past out_dim load and store under a mask (the lanes past
+// out_dim are never read from w nor written to y); unmasked blocks lie wholly below out_dim.
+template <int R, int NV, bool Masked = true>
 VQ_AVX512 inline void mm_block512(float* y, std::size_t ys, const float* x, std::size_t xs, const float* w, std::size_t ws, int in_dim, int o0,
                                   int out_dim) {
   __m512 acc[R][NV];
@@ -142,7 +142,7 @@ VQ_AVX512 inline void mm_block512(float* y, std::size_t ys, const float* x, std:
     for (int r = 0; r < R; ++r) b[r] = _mm512_set1_ps(x[static_cast<std::size_t>(r) * xs + static_cast<std::size_t>(i)]);
 #pragma GCC unroll 8
     for (int v = 0; v < NV; ++v) {
-      const __m512 wv = _mm512_maskz_loadu_ps(mask[v], wp + 16 * v);
+      const __m512 wv = Masked ? _mm512_maskz_loadu_ps(mask[v], wp + 16 * v) : _mm512_loadu_ps(wp + 16 * v);
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) acc[r][v] = _mm512_add_ps(acc[r][v], _mm512_mul_ps(b[r], wv));
     }
@@ -150,22 +150,63 @@ VQ_AVX512 inline void mm_block512(float* y, std::size_t ys, const float* x, std:
 #pragma GCC unroll 8
   for (int v = 0; v < NV; ++v)
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + static_cast<std::size_t>(r) * ys + o0 + 16 * v, mask[v], acc[r][v]);
+    for (int r = 0; r < R; ++r) {
+      float* dst = y + static_cast<std::size_t>(r) * ys + o0 + 16 * v;
+      if (Masked)
+        _mm512_mask_storeu_ps(dst, mask[v], acc[r][v]);
+      else
+        _mm512_storeu_ps(dst, acc[r][v]);
+    }
 }
 
-// matmul_ref's result: 4 rows x 32 outputs per block (8 accumulators), single rows 128 outputs
-// per block (8 independent accumulators: the adds' latency hidden), the rest in one block.
+// Outputs [o, o + 16 NV) of every row, 4 rows at a time (the last 1-3 in one block): one panel
+// of the weights, read from L2 once and then from L1 for all the rows.
+template <int NV, bool Masked>
+VQ_AVX512 void mm_panel512(float* out, std::size_t os, const float* in, std::size_t is, const float* wt, std::size_t ws, int n, int in_dim,
+                           int o, int out_dim) {
+  int t = 0;
+  for (; t + 4 <= n; t += 4)
+    mm_block512<4, NV, Masked>(out + static_cast<std::size_t>(t) * os, os, in + static_cast<std::size_t>(t) * is, is, wt, ws, in_dim, o, out_dim);
+  float* y = out + static_cast<std::size_t>(t) * os;
+  const float* x = in + static_cast<std::size_t>(t) * is;
+  switch (n - t) {
+    case 1: mm_block512<1, NV, Masked>(y, os, x, is, wt, ws, in_dim, o, out_dim); break;
+    case 2: mm_block512<2, NV, Masked>(y, os, x, is, wt, ws, in_dim, o, out_dim); break;
+    case 3: mm_block512<3, NV, Masked>(y, os, x, is, wt, ws, in_dim, o, out_dim); break;
+    default: break;
+  }
+}
+
+// matmul_ref's result. Four rows and more: panels of 64 outputs (4 rows x 4 vectors, 16
+// accumulators, per input a weight vector serves 4 rows and a broadcast 4 vectors), the weights'
+// panel reused from L1 by every row; the last panel narrower, masked where out_dim is not a
+// multiple of 16. Fewer rows: each row alone, 128 outputs per block (8 independent accumulators:
+// the adds' latency hidden), the rest in one block.
 VQ_AVX512 void matmul_avx512(float* out, std::size_t os, const float* in, std::size_t is, const float* wt, std::size_t ws, int n, int in_dim,
                              int out_dim) {
-  int t = 0;
-  for (; t + 4 <= n; t += 4) {
-    float* y = out + static_cast<std::size_t>(t) * os;
-    const float* x = in + static_cast<std::size_t>(t) * is;
+  if (n >= 4) {
     int o = 0;
-    for (; o + 16 < out_dim; o += 32) mm_block512<4, 2>(y, os, x, is, wt, ws, in_dim, o, out_dim);
-    if (o < out_dim) mm_block512<4, 1>(y, os, x, is, wt, ws, in_dim, o, out_dim);
+    for (; o + 64 <= out_dim; o += 64) mm_panel512<4, false>(out, os, in, is, wt, ws, n, in_dim, o, out_dim);
+    const int left = out_dim - o;
+    if (left > 0) {
+      if (left % 16 == 0) {
+        switch (left / 16) {
+          case 1: mm_panel512<1, false>(out, os, in, is, wt, ws, n, in_dim, o, out_dim); break;
+          case 2: mm_panel512<2, false>(out, os, in, is, wt, ws, n, in_dim, o, out_dim); break;
+          default: mm_panel512<3, false>(out, os, in, is, wt, ws, n, in_dim, o, out_dim); break;
+        }
+      } else {
+        switch ((left + 15) / 16) {
+          case 1: mm_panel512<1, true>(out, os, in, is, wt, ws, n, in_dim, o, out_dim); break;
+          case 2: mm_panel512<2, true>(out, os, in, is, wt, ws, n, in_dim, o, out_dim); break;
+          case 3: mm_panel512<3, true>(out, os, in, is, wt, ws, n, in_dim, o, out_dim); break;
+          default: mm_panel512<4, true>(out, os, in, is, wt, ws, n, in_dim, o, out_dim); break;
+        }
+      }
+    }
+    return;
   }
-  for (; t < n; ++t) {
+  for (int t = 0; t < n; ++t) {
     float* y = out + static_cast<std::size_t>(t) * os;
     const float* x = in + static_cast<std::size_t>(t) * is;
     int o = 0;

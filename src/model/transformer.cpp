@@ -16,6 +16,7 @@
 #include "veloxquant/model/method_spec.hpp"
 #include "matmul.hpp"
 #include "method_spec_vq.hpp"
+#include "swiglu.hpp"
 
 namespace vq {
 
@@ -56,19 +57,6 @@ std::vector<float> side_by_side(const std::vector<std::vector<float>>& ms, const
       }
     }
   return out;
-}
-
-// h1[j] = (h1[j] * (1 / (1 + e[j]))) * h3[j], e[j] = exp(-h1[j]): run.c's silu and SwiGLU product
-// with the exponentials computed beforehand; elementwise, so vectorising it changes no rounding.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-__attribute__((target_clones("avx2", "default")))
-#endif
-void silu_times(float* __restrict h1, const float* __restrict h3, const float* __restrict e, std::size_t n) {
-  for (std::size_t j = 0; j < n; ++j) {
-    float val = h1[j];
-    val *= 1.0f / (1.0f + e[j]);
-    h1[j] = val * h3[j];
-  }
 }
 
 // run.c's rmsnorm: sequential sum of squares, o = w * (x / rms).
@@ -147,7 +135,6 @@ void Transformer::ensure_capacity(int n) {
   kbuf_.resize(N * sz(c.kv_dim()));
   vbuf_.resize(N * sz(c.kv_dim()));
   hb_.resize(N * 2 * sz(hidden_pad_));
-  silu_exp_.resize(sz(hidden_pad_));
   capacity_ = n;
   wrapped_n_ = 0;  // kbuf_/vbuf_ may have moved
 }
@@ -247,15 +234,10 @@ std::vector<float> Transformer::forward(std::span<const int> tokens, std::vector
     for (int i = 0; i < n; ++i) rmsnorm(xb_.data() + sz(i) * D, x_.data() + sz(i) * D, ck_.rms_ffn.data() + L * D, dim);
     // w1 x and w3 x of token i at hb_ + i 2HP + {0, HP}; the SwiGLU product replaces w1 x.
     matmul_t(hb_.data(), 2 * HP, xb_.data(), D, w13_t_.data() + L * 2 * HP * D, 2 * HP, n, dim, static_cast<int>(2 * HP));
-    // silu(x) = x * (1 / (1 + exp(-x))), times w3 x: run.c's operations per element. The exps are
-    // library calls, one after the other; the rest is a second, vectorised pass (the divide no
-    // longer waits behind each call).
+    // silu(x) = x * (1 / (1 + exp(-x))), times w3 x: run.c's operations per element (swiglu.hpp).
     for (int i = 0; i < n; ++i) {
       float* h1 = hb_.data() + sz(i) * 2 * HP;
-      const float* h3 = h1 + HP;
-      float* __restrict e = silu_exp_.data();
-      for (std::size_t j = 0; j < H; ++j) e[j] = std::exp(-h1[j]);
-      silu_times(h1, h3, e, H);
+      detail::swiglu(h1, h1 + HP, H);
     }
     matmul_t(xb_.data(), D, hb_.data(), 2 * HP, w2_t_.data() + L * DP * H, DP, n, hidden, dim);
     for (std::size_t j = 0; j < sz(n) * D; ++j) x_[j] += xb_[j];

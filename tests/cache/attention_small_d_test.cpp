@@ -81,7 +81,8 @@ bool avx2_kernel_runs() {
 }
 
 // G query heads x Sq queries over T cached tokens in tiles of `tile`, both ways; bitwise equal.
-void expect_same_bits(std::int64_t G, std::int64_t Sq, std::int64_t T, std::int64_t tile, std::uint32_t seed) {
+void expect_same_bits(vq::detail::SmallDKernel kernel, std::int64_t G, std::int64_t Sq, std::int64_t T, std::int64_t tile,
+                      std::uint32_t seed) {
   SCOPED_TRACE(::testing::Message() << "G=" << G << " Sq=" << Sq << " T=" << T << " tile=" << tile);
   std::mt19937 rng(seed);
   std::normal_distribution<float> nd(0.0f, 1.5f);
@@ -89,8 +90,6 @@ void expect_same_bits(std::int64_t G, std::int64_t Sq, std::int64_t T, std::int6
   std::vector<float> q(static_cast<std::size_t>(rows * D)), K(static_cast<std::size_t>(T * D)), V(K.size());
   for (auto* v : {&q, &K, &V})
     for (float& x : *v) x = nd(rng);
-  const auto kernel = vq::detail::pick_small_d_kernel(D, D);
-  ASSERT_NE(kernel, nullptr);
   State got{std::vector<float>(static_cast<std::size_t>(rows), -std::numeric_limits<float>::infinity()),
             std::vector<float>(static_cast<std::size_t>(rows), 0.0f), std::vector<float>(static_cast<std::size_t>(rows * D), 0.0f)};
   State want = got;
@@ -110,18 +109,35 @@ void expect_same_bits(std::int64_t G, std::int64_t Sq, std::int64_t T, std::int6
   for (float l : got.l) EXPECT_GE(l, 1.0f);
 }
 
+// Prefill chunks and whole-window scoring (stories260K: 2 query heads per KV head, tiles of 256),
+// a decode step, odd lengths that leave tails in the groups of 8 and 16 tokens and of 4 and 8
+// rows, and tiles where many rows see nothing.
+void expect_same_bits_everywhere(vq::detail::SmallDKernel kernel) {
+  expect_same_bits(kernel, 2, 64, 256, 256, 1);
+  expect_same_bits(kernel, 2, 255, 511, 256, 2);
+  expect_same_bits(kernel, 2, 1, 300, 256, 3);
+  expect_same_bits(kernel, 1, 7, 37, 16, 4);
+  expect_same_bits(kernel, 3, 13, 13, 256, 5);
+  expect_same_bits(kernel, 4, 5, 263, 40, 6);
+  expect_same_bits(kernel, 1, 1, 1, 256, 7);
+  expect_same_bits(kernel, 2, 17, 100, 33, 8);
+  expect_same_bits(kernel, 5, 9, 250, 7, 9);
+}
+
 TEST(SmallDAttention, AvxKernelKeepsItsOperationOrderBitForBit) {
   if (!avx2_kernel_runs()) GTEST_SKIP() << "the AVX2 kernel does not run here (no AVX2, or an ASan build)";
-  // Prefill chunks and whole-window scoring (stories260K: 2 query heads per KV head, tiles of
-  // 256), a decode step, odd lengths that leave tails in the groups of 8 and of 4 rows, and tiles
-  // where many rows see nothing.
-  expect_same_bits(2, 64, 256, 256, 1);
-  expect_same_bits(2, 255, 511, 256, 2);
-  expect_same_bits(2, 1, 300, 256, 3);
-  expect_same_bits(1, 7, 37, 16, 4);
-  expect_same_bits(3, 13, 13, 256, 5);
-  expect_same_bits(4, 5, 263, 40, 6);
-  expect_same_bits(1, 1, 1, 256, 7);
+  const auto kernel = vq::detail::small_d_kernel(vq::detail::SmallDPath::Avx2, D, D);
+  ASSERT_NE(kernel, nullptr);
+  expect_same_bits_everywhere(kernel);
+}
+
+// The AVX-512 kernel (16 tokens per vector, values on token pairs) keeps the AVX2 kernel's
+// sequence, and it is the one the attention loop picks where it runs.
+TEST(SmallDAttention, Avx512KernelKeepsTheSameOperationOrderBitForBit) {
+  const auto kernel = vq::detail::small_d_kernel(vq::detail::SmallDPath::Avx512, D, D);
+  if (kernel == nullptr) GTEST_SKIP() << "the AVX-512 kernel does not run here (no AVX-512, or an ASan build)";
+  EXPECT_EQ(vq::detail::pick_small_d_kernel(D, D), kernel);
+  expect_same_bits_everywhere(kernel);
 }
 
 }  // namespace
