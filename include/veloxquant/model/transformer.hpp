@@ -77,7 +77,6 @@ class Transformer {
   std::vector<float> x_, xb_, att_out_;
   std::vector<float> qkv_;  // [n, q_pad + 2 kv_pad]: q, k, v of each token
   std::vector<float> hb_;   // [n, 2 hidden_pad]: w1 x (then the SwiGLU product), w3 x
-  std::vector<float> silu_exp_;  // [hidden_pad]: exp(-w1 x) of one token
   std::vector<float> qbuf_;         // Q in [n_heads, n, head_size] for attend
   std::vector<float> kbuf_, vbuf_;  // K/V in [n_kv_heads, n, head_size] for the caches
   Tensor qin_, kin_, vin_;          // qbuf_/kbuf_/vbuf_ wrapped for a chunk of wrapped_n_ tokens
