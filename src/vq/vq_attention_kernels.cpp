@@ -236,8 +236,12 @@ template <int R>
 VQ_ATTN_INLINE void score_rows_by_width(const HeadFields& f, const std::vector<Run>& runs, std::int64_t n, const float* q, float* s) {
   constexpr int T = 8 / R;
   std::int64_t j = 0;
-  for (; j + T <= n; j += T) score_tokens_by_width<R, T>(f, runs, j, n, q, s);
-  for (; j < n; ++j) score_tokens_by_width<R, 1>(f, runs, j, n, q, s);
+  for (; j + T <= n; j += T) {
+    score_tokens_by_width<R, T>(f, runs, j, n, q, s);
+  }
+  for (; j < n; ++j) {
+    score_tokens_by_width<R, 1>(f, runs, j, n, q, s);
+  }
 }
 
 // Values: acc[r * d + 8g + i] += sum_j w[r * n + j] * code_j[8g + i] for R rows, groups [g0, g1) of
@@ -413,51 +417,72 @@ template <int W>
 VQ_ATTN512 __attribute__((always_inline)) inline __m512 decode_pair(const std::uint8_t* p0, const std::uint8_t* p1, __m512i ctrl,
                                                                     __m512 table) {
   if constexpr (W <= 4) {
-    std::uint32_t x0, x1;
+    std::int32_t x0, x1;
     std::memcpy(&x0, p0, 4);  // W <= 4 bytes of the group; the buffer has 8 bytes of slack
     std::memcpy(&x1, p1, 4);
-    const std::uint64_t v = x0 | (static_cast<std::uint64_t>(x1) << 32);
-    return _mm512_permutexvar_ps(_mm512_multishift_epi64_epi8(ctrl, _mm512_set1_epi64(static_cast<long long>(v))), table);
+    // Every qword x0 | x1 << 32: token j's dword broadcast, token j + 1's into the odd dwords
+    // (broadcasts from memory: no scalar shifts, no move from a general register).
+    const __m512i v = _mm512_mask_broadcastd_epi32(_mm512_set1_epi32(x0), 0xAAAA, _mm_cvtsi32_si128(x1));
+    return _mm512_permutexvar_ps(_mm512_multishift_epi64_epi8(ctrl, v), table);
+  } else if constexpr (W <= 8) {
+    // Each token's group (W <= 8 bytes) in four qwords, token j's low, j + 1's high; lane i's byte 0
+    // takes the bits at (i % 8) * W, masked to W: the field; then decode8's code (escape -> 0).
+    long long x0, x1;
+    std::memcpy(&x0, p0, 8);  // the buffer has 8 bytes of slack
+    std::memcpy(&x1, p1, 8);
+    const __m512i v = _mm512_mask_broadcastq_epi64(_mm512_set1_epi64(x0), 0xF0, _mm_cvtsi64_si128(x1));
+    const __m512i fl = _mm512_and_si512(_mm512_multishift_epi64_epi8(ctrl, v), _mm512_set1_epi32((1 << W) - 1));
+    return _mm512_cvtepi32_ps(_mm512_maskz_sub_epi32(_mm512_test_epi32_mask(fl, fl), fl, _mm512_set1_epi32(1 << (W - 1))));
   } else {
     return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(decode8<W>(p0))), _mm256_castps_pd(decode8<W>(p1)), 1));
   }
 }
 
-// acc[p * 4 + r] += row r's query . the codes of tokens tok[2p] (low half) and tok[2p + 1] (high),
-// groups [g0, g1) of width W.
+// decode_pair's control for 4 < W <= 8: dword lane i's byte 0 takes the bits at (i % 8) * W of its qword.
 template <int W>
-VQ_ATTN512 inline void score_run_512(const HeadFields& f, const std::uint8_t* const* tok, std::int64_t g0, std::int64_t g1, const float* q,
-                                     __m512* acc) {
+VQ_ATTN512 inline __m512i wide_pair_control() {
+  alignas(64) std::uint8_t c[64] = {};
+  for (int i = 0; i < 16; ++i) c[4 * i] = static_cast<std::uint8_t>((i % 8) * W);
+  return _mm512_load_si512(c);
+}
+
+// acc[p * 4 + r] += row r's query . the codes of tokens tok[2p] (low half) and tok[2p + 1] (high),
+// groups [g0, g1) of width W, for P pairs of tokens (each query vector loaded feeds 2P fused
+// multiply-adds).
+template <int W, int P>
+VQ_ATTN512 __attribute__((always_inline)) inline void score_run_512(const HeadFields& f, const std::uint8_t* const* tok, std::int64_t g0,
+                                                                    std::int64_t g1, const float* q, __m512* acc) {
   const std::int64_t d = f.d;
   __m512i ctrl = _mm512_setzero_si512();
   __m512 table = _mm512_setzero_ps();
   if constexpr (W <= 4) ctrl = pair_shift_control<W>(), table = code_table16<W>();
+  if constexpr (W > 4 && W <= 8) ctrl = wide_pair_control<W>();
   for (std::int64_t g = g0; g < g1; ++g) {
     const std::uint32_t off = f.group_byte[g];
-    const __m512 x0 = decode_pair<W>(tok[0] + off, tok[1] + off, ctrl, table);
-    const __m512 x1 = decode_pair<W>(tok[2] + off, tok[3] + off, ctrl, table);
+    __m512 x[P];
+    for (int p = 0; p < P; ++p) x[p] = decode_pair<W>(tok[2 * p] + off, tok[2 * p + 1] + off, ctrl, table);
     for (int r = 0; r < 4; ++r) {
       const __m512 qv = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(q + r * d + 8 * g))));
-      acc[r] = _mm512_fmadd_ps(qv, x0, acc[r]);
-      acc[4 + r] = _mm512_fmadd_ps(qv, x1, acc[4 + r]);
+      for (int p = 0; p < P; ++p) acc[4 * p + r] = _mm512_fmadd_ps(qv, x[p], acc[4 * p + r]);
     }
   }
 }
-// Scores of four query rows against tokens j .. j + 3 (score_tokens_by_width<4, 2> twice, same bits).
+// Scores of four query rows against tokens j .. j + 2P - 1 (score_tokens_by_width<4, 2> P times, same bits).
+template <int P>
 VQ_ATTN512 void score_tokens_512(const HeadFields& f, const std::vector<Run>& runs, std::int64_t j, std::int64_t n, const float* q,
                                  float* s) {
-  __m512 acc[8];
+  __m512 acc[4 * P];
   for (auto& a : acc) a = _mm512_setzero_ps();
-  const std::uint8_t* tok[4];
-  for (int t = 0; t < 4; ++t) tok[t] = f.rows + static_cast<std::size_t>(f.t0 + j + t) * f.row_bytes;
+  const std::uint8_t* tok[2 * P];
+  for (int t = 0; t < 2 * P; ++t) tok[t] = f.rows + static_cast<std::size_t>(f.t0 + j + t) * f.row_bytes;
   for (const Run& run : runs) {
-#define VQ_SCORE_RUN_512(w) score_run_512<w>(f, tok, run.g0, run.g1, q, acc)
+#define VQ_SCORE_RUN_512(w) score_run_512<w, P>(f, tok, run.g0, run.g1, q, acc)
     switch (run.w) { VQ_WIDTH_CASES(VQ_SCORE_RUN_512) }
 #undef VQ_SCORE_RUN_512
   }
   const std::int64_t d = f.d, e = 8 * (d / 8);
   const Fields src{f};
-  for (int p = 0; p < 2; ++p) {
+  for (int p = 0; p < P; ++p) {
     __m256 lanes[8];  // AVX2's acc[t * 4 + r] for tokens 2p (t = 0) and 2p + 1 (t = 1)
     for (int r = 0; r < 4; ++r) {
       lanes[r] = _mm512_castps512_ps256(acc[4 * p + r]);
@@ -477,7 +502,12 @@ VQ_ATTN512 void score_tokens_512(const HeadFields& f, const std::vector<Run>& ru
 
 VQ_ATTN512 void score_rows_512(const HeadFields& f, const std::vector<Run>& runs, std::int64_t n, const float* q, float* s) {
   std::int64_t j = 0;
-  for (; j + 4 <= n; j += 4) score_tokens_512(f, runs, j, n, q, s);
+  for (; j + 8 <= n; j += 8) {
+    score_tokens_512<4>(f, runs, j, n, q, s);
+  }
+  for (; j + 4 <= n; j += 4) {
+    score_tokens_512<2>(f, runs, j, n, q, s);
+  }
   for (; j + 2 <= n; j += 2) score_tokens_by_width<4, 2>(f, runs, j, n, q, s);
   for (; j < n; ++j) score_tokens_by_width<4, 1>(f, runs, j, n, q, s);
 }
@@ -538,6 +568,25 @@ __attribute__((target("avx2,fma,f16c"))) float dot(const float* a, const float* 
   return s;
 }
 
+// sum_j w[j], in four eight-lane partial sums (a serial sum of a 256-token tile's weights took as
+// long as the tile's value loop): the same order on every CPU path.
+__attribute__((target("avx2,fma,f16c"))) float sum_weights(const float* w, std::int64_t n) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  std::int64_t j = 0;
+  for (; j + 32 <= n; j += 32) {
+    a0 = _mm256_add_ps(a0, _mm256_loadu_ps(w + j));
+    a1 = _mm256_add_ps(a1, _mm256_loadu_ps(w + j + 8));
+    a2 = _mm256_add_ps(a2, _mm256_loadu_ps(w + j + 16));
+    a3 = _mm256_add_ps(a3, _mm256_loadu_ps(w + j + 24));
+  }
+  for (; j + 8 <= n; j += 8) a0 = _mm256_add_ps(a0, _mm256_loadu_ps(w + j));
+  alignas(32) float l[8];
+  _mm256_store_ps(l, _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+  float s = ((l[0] + l[4]) + (l[1] + l[5])) + ((l[2] + l[6]) + (l[3] + l[7]));
+  for (; j < n; ++j) s += w[j];
+  return s;
+}
+
 __attribute__((target("avx2,fma,f16c"))) void score(const HeadFields& f, std::int64_t n, const float* q, std::int64_t nq, float* s,
                                                     Decode how) {
   const std::int64_t d = f.d;
@@ -571,8 +620,7 @@ __attribute__((target("avx2,fma,f16c"))) void accumulate(const HeadFields& f, st
   } else {
     accumulate_codes(f, n, w, nq, sum.data(), how);
     for (std::int64_t r = 0; r < nq; ++r) {
-      float ws = 0;
-      for (std::int64_t j = 0; j < n; ++j) ws += w[r * n + j];
+      const float ws = sum_weights(w + r * n, n);
       float* sr = sum.data() + r * d;
       const __m256 wv = _mm256_set1_ps(ws), st = _mm256_set1_ps(f.step);
       std::int64_t p = 0;

@@ -692,7 +692,16 @@ std::int64_t VqKVCache::attention_tile_tokens() const {
 }
 
 // The kernels' view of tokens [t0, t1) of (b, h), one side (all coded), with the escapes among
-// them listed in `esc` (field positions: the inverse of the head's order).
+// them (field positions: the inverse of the head's order) in a per-thread list (`esc` is no
+// longer used: kept so that the header does not change).
+//
+// The loop reads a tile's heads in turn (K and V of head 0, then head 1, ...), so the tile's
+// escapes are split by head once, at the first head's call, into a per-thread entry per side
+// (listing each head's from the whole tile, 8 passes over its escapes and a binary search over
+// the side's list per head, was ~14 % of a 64k-token step). An entry is used only where it is
+// what a fresh split would give: same cache, side, batch row, tokens and head dim, the escapes
+// with tokens in [t0, t1) exactly its copy (bounded on both sides by the sorted list), and the
+// head's order its copy; otherwise it is built again (so no entry outlives a change of the cache).
 vq_attention::HeadFields VqKVCache::head_fields(int side, std::int64_t b, std::int64_t h, std::int64_t t0, std::int64_t t1,
                                                 std::vector<vq_attention::FieldEscape>& esc) const {
   const SideQuant& sq = side == 0 ? kq_ : vq_;
@@ -708,25 +717,74 @@ vq_attention::HeadFields VqKVCache::head_fields(int side, std::int64_t b, std::i
   f.mean = sq.field_mean.data() + h * d;
   f.step = sq.step;
   f.round_f16 = keys_buf_.dtype() == DType::F16;
-  esc.clear();
-  const auto& e = st.escapes[sz(b)];
-  auto it = std::lower_bound(e.begin(), e.end(), t0, [](const Escape& x, std::int64_t t) { return x.t < t; });
-  const std::int64_t c0 = h * d, c1 = c0 + d;
-  const std::int32_t* order = sq.order.data() + c0;
-  thread_local std::vector<std::int32_t> pos;  // field position of each head dim, built on a first escape
-  pos.clear();
-  for (; it != e.end() && it->t < t1; ++it)
-    if (it->c >= c0 && it->c < c1) {
-      if (pos.empty()) {
-        pos.resize(sz(d));
-        for (std::int64_t p = 0; p < d; ++p) pos[sz(order[p] - c0)] = static_cast<std::int32_t>(p);
-      }
-      esc.push_back({static_cast<std::int32_t>(it->t - t0), pos[sz(it->c - c0)], it->q});
+  (void)esc;
+  struct TileEscapes {
+    const VqKVCache* owner = nullptr;
+    std::int64_t b = -1, t0 = -1, t1 = -1, d = 0;
+    std::size_t i0 = 0, i1 = 0;             // the range of the side's list it was built from
+    std::vector<Escape> copy;               // that range's escapes
+    std::vector<std::int32_t> order;        // the side's order then (every head's)
+    std::vector<std::int32_t> pos;          // its inverse per head: field position of coefficient c
+    std::vector<std::vector<vq_attention::FieldEscape>> heads;  // per head, field positions, t from t0
+  };
+  thread_local TileEscapes tiles[2];
+  TileEscapes& te = tiles[side];
+  const std::vector<Escape>& e = st.escapes[sz(b)];
+  const std::size_t ne = e.size();
+  const std::int32_t* order = sq.order.data();
+  const std::size_t n_coef = sq.order.size();
+  // The range [i0, i1) holds exactly the escapes of tokens [t0, t1) when its neighbours lie outside.
+  auto bounds = [&](std::size_t i0, std::size_t i1) {
+    return i0 <= i1 && i1 <= ne && (i0 == 0 || e[i0 - 1].t < t0) && (i0 == i1 || e[i0].t >= t0) && (i1 == ne || e[i1].t >= t1) &&
+           (i0 == i1 || e[i1 - 1].t < t1);
+  };
+  const bool valid = te.owner == this && te.b == b && te.t0 == t0 && te.t1 == t1 && te.d == d && te.order.size() == n_coef &&
+                     bounds(te.i0, te.i1) && te.copy.size() == te.i1 - te.i0 &&
+                     (te.copy.empty() || std::memcmp(te.copy.data(), e.data() + te.i0, te.copy.size() * sizeof(Escape)) == 0) &&
+                     std::memcmp(te.order.data() + h * d, order + h * d, sz(d) * sizeof(std::int32_t)) == 0;
+  if (!valid) {
+    // The first escape at or past t0: from where the previous tile's range ended, when that is it.
+    std::size_t i0 = te.i1;
+    if (!(te.owner == this && te.b == b && te.t1 == t0 && i0 <= ne && (i0 == 0 || e[i0 - 1].t < t0) && (i0 == ne || e[i0].t >= t0)))
+      i0 = static_cast<std::size_t>(
+          std::lower_bound(e.begin(), e.end(), t0, [](const Escape& x, std::int64_t t) { return x.t < t; }) - e.begin());
+    std::size_t i1 = i0;
+    while (i1 < ne && e[i1].t < t1) ++i1;
+    te.owner = this, te.b = b, te.t0 = t0, te.t1 = t1, te.d = d, te.i0 = i0, te.i1 = i1;
+    te.copy.assign(e.begin() + static_cast<std::ptrdiff_t>(i0), e.begin() + static_cast<std::ptrdiff_t>(i1));
+    if (te.order.size() != n_coef || std::memcmp(te.order.data(), order, n_coef * sizeof(std::int32_t)) != 0) {
+      te.order.assign(order, order + n_coef);
+      te.pos.resize(n_coef);
+      for (std::size_t c = 0; c < n_coef; ++c) te.pos[sz(order[c])] = static_cast<std::int32_t>(c % sz(d));
     }
-  f.escapes = esc.data();
-  f.n_escapes = esc.size();
+    const std::size_t H = d > 0 ? n_coef / sz(d) : 0;
+    te.heads.resize(H);
+    for (auto& l : te.heads) l.clear();
+    for (const Escape& x : te.copy)
+      te.heads[sz(x.c / d)].push_back({static_cast<std::int32_t>(x.t - t0), te.pos[sz(x.c)], x.q});
+  }
+  const auto& l = te.heads[sz(h)];
+  f.escapes = l.data();
+  f.n_escapes = l.size();
   return f;
 }
+
+namespace {
+
+// Asks for 1/H of the next tile's rows of one side while head h of this tile is computed: the
+// tile's coded run ends at qb, the next has min(n, quantized - qb) coded tokens, and head h asks
+// for the h-th H-th of them (whole rows: every head's codes). Asking for all of them at head 0
+// (a burst of ~2,000 line fetches per side) stalled on the fill buffers: ~10 % of a 64k-token step,
+// and spread over the heads the step took ~12 % less time (docs/benchmarks.md).
+void fetch_next_tile(vq_attention::HeadFields f, std::int64_t h, std::int64_t H, std::int64_t n, std::int64_t qb, std::int64_t quantized) {
+  if (qb >= quantized || H <= 0) return;
+  const std::int64_t m = std::min(n, quantized - qb), a = m * h / H, e = m * (h + 1) / H;
+  if (e <= a) return;
+  f.t0 = qb + a;
+  vq_attention::prefetch(f, e - a);
+}
+
+}  // namespace
 
 // The tile hooks on codes: tokens [t0, t0 + n) split into the coded run [qa, qb) (what the
 // kernels read) and the exact tokens around it (the sinks before, the tail after: the float tiles
@@ -760,11 +818,7 @@ void VqKVCache::score_key_tile(std::int64_t b, std::int64_t h, std::int64_t t0, 
   }
   const std::vector<float>& qp = pq.perm;
   const vq_attention::HeadFields f = head_fields(0, b, h, qa, qb, esc);
-  if (h == 0 && qb < quantized_) {
-    vq_attention::HeadFields next = f;
-    next.t0 = qb;
-    vq_attention::prefetch(next, std::min(n, quantized_ - qb));
-  }
+  fetch_next_tile(f, h, keys_buf_.dim(1), n, qb, quantized_);
   if (qa == t0 && qb == t0 + n) return vq_attention::score(f, n, qp.data(), nq, scores);
   // A tile with exact tokens: each run into `part`, then into its columns of `scores`.
   auto run = [&](std::int64_t a, std::int64_t e, bool coded) {
@@ -801,11 +855,7 @@ void VqKVCache::accumulate_value_tile(std::int64_t b, std::int64_t h, std::int64
   rel.resize(sz(d));
   for (std::int64_t p = 0; p < d; ++p) rel[sz(p)] = vq_.order[sz(h * d + p)] - static_cast<std::int32_t>(h * d);
   const vq_attention::HeadFields f = head_fields(1, b, h, qa, qb, esc);
-  if (h == 0 && qb < quantized_) {
-    vq_attention::HeadFields next = f;
-    next.t0 = qb;
-    vq_attention::prefetch(next, std::min(n, quantized_ - qb));
-  }
+  fetch_next_tile(f, h, keys_buf_.dim(1), n, qb, quantized_);
   vq_attention::accumulate(f, qb - qa, qa == t0 && qb == t0 + n ? weights : weights_of(qa, qb - qa), nq, acc, rel.data());
 }
 
