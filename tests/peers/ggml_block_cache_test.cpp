@@ -207,16 +207,17 @@ TEST(GgmlBlockCacheResident, TrimAndFromStateStayExact) {
   }
 }
 
-// Attention on the blocks runs in 256-token tiles (the float-tile path keeps the default), and a
-// decode step over several such tiles and a partial one (the kernels' look-ahead prefetch running
-// past the last token) equals dense attention over the reconstruction, for every block format.
+// Attention on the blocks runs in 256-token tiles with the AVX-512 kernels (the AVX2 kernels and
+// the float-tile path keep the default), and a decode step over several such tiles and a partial
+// one (the kernels' look-ahead prefetch running past the last token) equals dense attention over
+// the reconstruction, for every block format and both kernel widths.
 template <class Cache>
 void expect_long_tiles_match_dense(bool rotate) {
   constexpr std::int64_t T = 700, D = 128;
   const Tensor k = vqtest::random_walk({1, 2, T, D}, 31), v = vqtest::random_walk({1, 2, T, D}, 32);
   Cache c(rotate);
   c.update(k, v);
-  EXPECT_EQ(c.attention_tile_tokens(), vq::attn::simd_enabled() ? 256 : static_cast<std::int64_t>(vq::kAttentionTileBytes / 4 / D));
+  EXPECT_EQ(c.attention_tile_tokens(), vq::attn::avx512_enabled() ? 256 : static_cast<std::int64_t>(vq::kAttentionTileBytes / 4 / D));
   const Tensor q = vqtest::random_uniform({1, 8, 1, D}, 33);
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   const auto x = c.attend(q, scale).to_f32_vector(), y = vq::attend_ref(c, q, scale).to_f32_vector();
@@ -227,11 +228,15 @@ void expect_long_tiles_match_dense(bool rotate) {
 }
 
 TEST(GgmlBlockCacheResident, LongTilesOnTheBlocksMatchDenseAttention) {
-  for (bool rotate : {false, true}) {
-    SCOPED_TRACE(rotate ? "rotated" : "plain");
-    expect_long_tiles_match_dense<vq::Q4_0KVCache>(rotate);
-    expect_long_tiles_match_dense<vq::Q4_1KVCache>(rotate);
-    expect_long_tiles_match_dense<vq::Q8_0KVCache>(rotate);
+  for (bool wide : {true, false}) {  // the AVX-512 kernels (where the CPU has them), then the AVX2 ones
+    const bool was = vq::attn::set_avx512_enabled(wide);
+    for (bool rotate : {false, true}) {
+      SCOPED_TRACE(::testing::Message() << (rotate ? "rotated" : "plain") << (wide ? " avx512" : " avx2"));
+      expect_long_tiles_match_dense<vq::Q4_0KVCache>(rotate);
+      expect_long_tiles_match_dense<vq::Q4_1KVCache>(rotate);
+      expect_long_tiles_match_dense<vq::Q8_0KVCache>(rotate);
+    }
+    vq::attn::set_avx512_enabled(was);
   }
   // Float16 input takes the float-tile path (tiles rounded through float16): default tiles.
   vq::Q4_0KVCache half;
