@@ -141,6 +141,9 @@ VQ_ATTN_INLINE void accumulate(const Src& src, std::int64_t n, std::int64_t d, c
 // --- AVX-512 forms (F, BW, DQ, VL; full-width on the CPUs that have them) ---------------------------
 // The same two steps over a Source that decodes 32 values at a time into two zmm:
 //   void load32(std::int64_t t, std::int64_t e, __m512& lo, __m512& hi) const;  // values e .. e+31 (e % 32 == 0)
+// and, optionally (the llama.cpp blocks have it),
+//   void prefetch(std::int64_t t) const;  // fetch what load32 will read of a token some way past t
+// which score calls for each group of 4 tokens and accumulate for each token before decoding;
 // so callers use them only for d % 32 == 0 (every head dim the decode benchmark and the llama.cpp
 // blocks have); other dims take the AVX2 forms above.
 // Scoring keeps sixteen accumulators in flight: R <= 4 query rows x 4 tokens, each 32 decoded values
@@ -178,6 +181,8 @@ VQ_ATTN512_INLINE void score_tokens4(const Src& src, std::int64_t j, std::int64_
   static_assert(R >= 1 && R <= 4);
   __m512 acc[16];  // acc[r * 4 + t]; rows >= R stay zero
   for (auto& a : acc) a = _mm512_setzero_ps();
+  if constexpr (requires { src.prefetch(j); })
+    for (int t = 0; t < 4; ++t) src.prefetch(j + t);
   for (std::int64_t e = 0; e < d; e += 32) {
     __m512 x[4][2];
     for (int t = 0; t < 4; ++t) src.load32(j + t, e, x[t][0], x[t][1]);
@@ -233,6 +238,7 @@ VQ_ATTN512_INLINE void accumulate_block(const Src& src, std::int64_t n, std::int
   for (int r = 0; r < R; ++r)
     for (int k = 0; k < 2 * P; ++k) a[r][k] = _mm512_loadu_ps(acc + r * d + e + 16 * k);
   for (std::int64_t j = 0; j < n; ++j) {
+    if constexpr (requires { src.prefetch(j); }) src.prefetch(j);
     __m512 x[2 * P];
     for (int p = 0; p < P; ++p) src.load32(j, e + 32 * p, x[2 * p], x[2 * p + 1]);
     for (int r = 0; r < R; ++r) {

@@ -152,6 +152,24 @@ template <class Block>
 }
 }  // namespace
 
+// Tiles of this many tokens where both sides run on the blocks with the AVX-512 kernels (the
+// float-tile path keeps the default, sized for its scratch; so do the AVX2 kernels, which have no
+// look-ahead prefetch: with 256-token tiles their q4_1 took 45-46 against 39-40 ms at 64k): a tile's per-head work outside the kernels (the hook calls,
+// each query row's softmax step, the accumulators loaded and stored, the next-tile prefetch loop)
+// is paid 8x less often than with the default's 32 tokens at D = 128, and the 4 x 256 scores stay
+// in L1 (q4_0 at 64k, with the kernels' own prefetch: 32 -> 256 tokens 17.9 -> 15.6 ms in a first
+// measurement; docs/benchmarks.md, h11-q4). A power of two <= kAttentionSplitTokens, so the
+// threaded loop's splits stay whole tiles (the same bits for any thread count).
+constexpr std::int64_t kBlockTileTokens = 256;
+
+template <class Traits>
+std::int64_t GgmlBlockCache<Traits>::attention_tile_tokens() const {
+  if (offset_ > 0 && attn::avx512_enabled() && blocks_direct(keys_buf_, key_rotation_.has_value()) &&
+      blocks_direct(values_buf_, value_rotation_.has_value()))
+    return kBlockTileTokens;
+  return KVCache::attention_tile_tokens();
+}
+
 template <class Traits>
 void GgmlBlockCache<Traits>::score_key_tile(std::int64_t b, std::int64_t h, std::int64_t t0, std::int64_t n, const float* queries,
                                             std::int64_t nq, float* scores, float* scratch) const {

@@ -105,11 +105,35 @@ struct Blocks512;
 
 VQ_ATTN512_INLINE __m512 block_scale(std::uint16_t d) { return _mm512_set1_ps(_cvtsh_ss(d)); }
 
+// Tokens ahead of the one being decoded whose head row the kernels fetch into L1 (the Source's
+// prefetch(t), called once per token by simd512::score and accumulate). The loop's next-tile
+// prefetch (ggml_block_cache.cpp) brings every head's rows of the next tile towards the core, but
+// token-major rows are 8 heads x 2 sides of work apart, and by the time a head reads its share the
+// lines have mostly left L1 again: at 64k tokens the block loads stalled on them for over half of
+// the step (perf annotate: the samples sat on the instructions after the four token loads).
+// 32 tokens ahead is a few hundred ns of work at D = 128, long enough for a fill from L2/L3 or
+// memory and short enough for the lines to stay in L1 (8 and 16 ahead gave less; with 256-token
+// tiles, q4_0 at 64k on one thread 25.5 -> 11.9 ms: docs/benchmarks.md, h11-q4).
+constexpr std::int64_t kPrefetchTokens = 32;
+
+// The head row (d / 32 blocks) of token t + kPrefetchTokens. Past the cache's last token the
+// address is outside the array: prefetches never fault, and the integer arithmetic keeps the
+// pointer arithmetic inside the language's rules.
+template <class Block>
+VQ_ATTN512_INLINE void prefetch_ahead(const Block* p, std::int64_t stride, std::int64_t t, std::int64_t row_bytes) {
+  const std::uintptr_t a =
+      reinterpret_cast<std::uintptr_t>(p) + static_cast<std::uintptr_t>((t + kPrefetchTokens) * stride) * sizeof(Block);
+  for (std::int64_t o = 0; o < row_bytes; o += 64) __builtin_prefetch(reinterpret_cast<const void*>(a + static_cast<std::uintptr_t>(o)));
+  __builtin_prefetch(reinterpret_cast<const void*>(a + static_cast<std::uintptr_t>(row_bytes - 1)));
+}
+
 // (int8) q * d, as the AVX2 source.
 template <>
 struct Blocks512<block_q8_0> {
   const block_q8_0* p;
   std::int64_t stride;
+  std::int64_t row_bytes;  // the head row's blocks: d / 32 * sizeof(Block)
+  VQ_ATTN512_INLINE void prefetch(std::int64_t t) const { prefetch_ahead(p, stride, t, row_bytes); }
   VQ_ATTN512_INLINE void load32(std::int64_t t, std::int64_t e, __m512& lo, __m512& hi) const {
     const block_q8_0& b = p[t * stride + e / ggml::QK];
     const __m512 d = block_scale(b.d);
@@ -133,6 +157,8 @@ template <>
 struct Blocks512<block_q4_0> {
   const block_q4_0* p;
   std::int64_t stride;
+  std::int64_t row_bytes;
+  VQ_ATTN512_INLINE void prefetch(std::int64_t t) const { prefetch_ahead(p, stride, t, row_bytes); }
   VQ_ATTN512_INLINE void load32(std::int64_t t, std::int64_t e, __m512& lo, __m512& hi) const {
     const block_q4_0& b = p[t * stride + e / ggml::QK];
     nibbles32(b.qs, _mm512_mul_ps(_mm512_sub_ps(iota16(), _mm512_set1_ps(8.0f)), block_scale(b.d)), lo, hi);
@@ -143,6 +169,8 @@ template <>
 struct Blocks512<block_q4_1> {
   const block_q4_1* p;
   std::int64_t stride;
+  std::int64_t row_bytes;  // the head row's blocks: d / 32 * sizeof(Block)
+  VQ_ATTN512_INLINE void prefetch(std::int64_t t) const { prefetch_ahead(p, stride, t, row_bytes); }
   VQ_ATTN512_INLINE void load32(std::int64_t t, std::int64_t e, __m512& lo, __m512& hi) const {
     const block_q4_1& b = p[t * stride + e / ggml::QK];
     nibbles32(b.qs, _mm512_add_ps(_mm512_mul_ps(iota16(), block_scale(b.d)), block_scale(b.m)), lo, hi);
@@ -152,13 +180,13 @@ struct Blocks512<block_q4_1> {
 template <class Block>
 VQ_ATTN_AVX512 void score_blocks_512(const Block* first, std::int64_t token_stride, std::int64_t n, std::int64_t d, const float* q,
                                      std::int64_t nq, float* s) {
-  attn::simd512::score(Blocks512<Block>{first, token_stride}, n, d, q, nq, s);
+  attn::simd512::score(Blocks512<Block>{first, token_stride, d / ggml::QK * static_cast<std::int64_t>(sizeof(Block))}, n, d, q, nq, s);
 }
 
 template <class Block>
 VQ_ATTN_AVX512 void accumulate_blocks_512(const Block* first, std::int64_t token_stride, std::int64_t n, std::int64_t d, const float* w,
                                           std::int64_t nq, float* acc) {
-  attn::simd512::accumulate(Blocks512<Block>{first, token_stride}, n, d, w, nq, acc);
+  attn::simd512::accumulate(Blocks512<Block>{first, token_stride, d / ggml::QK * static_cast<std::int64_t>(sizeof(Block))}, n, d, w, nq, acc);
 }
 
 }  // namespace

@@ -8,6 +8,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -19,6 +20,7 @@
 #include <gtest/gtest.h>
 
 #include "veloxquant/cache/attention.hpp"
+#include "veloxquant/cache/attention_kernels.hpp"
 #include "veloxquant/peers/fp8_cache.hpp"
 #include "veloxquant/vq/vq_cache.hpp"
 #include "../support/test_util.hpp"
@@ -203,6 +205,43 @@ TEST(GgmlBlockCacheResident, TrimAndFromStateStayExact) {
     EXPECT_EQ(copy.stored_bytes().fixed_bytes, all.stored_bytes().fixed_bytes);
     EXPECT_EQ(copy.rotate(), rotate);
   }
+}
+
+// Attention on the blocks runs in 256-token tiles with the AVX-512 kernels (the AVX2 kernels and
+// the float-tile path keep the default), and a decode step over several such tiles and a partial
+// one (the kernels' look-ahead prefetch running past the last token) equals dense attention over
+// the reconstruction, for every block format and both kernel widths.
+template <class Cache>
+void expect_long_tiles_match_dense(bool rotate) {
+  constexpr std::int64_t T = 700, D = 128;
+  const Tensor k = vqtest::random_walk({1, 2, T, D}, 31), v = vqtest::random_walk({1, 2, T, D}, 32);
+  Cache c(rotate);
+  c.update(k, v);
+  EXPECT_EQ(c.attention_tile_tokens(), vq::attn::avx512_enabled() ? 256 : static_cast<std::int64_t>(vq::kAttentionTileBytes / 4 / D));
+  const Tensor q = vqtest::random_uniform({1, 8, 1, D}, 33);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  const auto x = c.attend(q, scale).to_f32_vector(), y = vq::attend_ref(c, q, scale).to_f32_vector();
+  double diff = 0, mag = 0;
+  for (std::size_t i = 0; i < x.size(); ++i) diff = std::max(diff, std::fabs(double(x[i]) - y[i])), mag = std::max(mag, std::fabs(double(y[i])));
+  EXPECT_GT(mag, 0.1);
+  EXPECT_LE(diff, 2e-6 * (1.0 + mag));
+}
+
+TEST(GgmlBlockCacheResident, LongTilesOnTheBlocksMatchDenseAttention) {
+  for (bool wide : {true, false}) {  // the AVX-512 kernels (where the CPU has them), then the AVX2 ones
+    const bool was = vq::attn::set_avx512_enabled(wide);
+    for (bool rotate : {false, true}) {
+      SCOPED_TRACE(::testing::Message() << (rotate ? "rotated" : "plain") << (wide ? " avx512" : " avx2"));
+      expect_long_tiles_match_dense<vq::Q4_0KVCache>(rotate);
+      expect_long_tiles_match_dense<vq::Q4_1KVCache>(rotate);
+      expect_long_tiles_match_dense<vq::Q8_0KVCache>(rotate);
+    }
+    vq::attn::set_avx512_enabled(was);
+  }
+  // Float16 input takes the float-tile path (tiles rounded through float16): default tiles.
+  vq::Q4_0KVCache half;
+  half.update(vqtest::random_walk({1, 2, 40, 128}, 34, vq::DType::F16), vqtest::random_walk({1, 2, 40, 128}, 35, vq::DType::F16));
+  EXPECT_EQ(half.attention_tile_tokens(), static_cast<std::int64_t>(vq::kAttentionTileBytes / 4 / 128));
 }
 
 // Rotation: the blocks hold R x per head; dequantization un-rotates; a row with one outlier

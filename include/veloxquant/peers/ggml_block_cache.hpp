@@ -75,6 +75,9 @@ class GgmlBlockCache : public KVCache {
                       float* scores, float* scratch) const override;
   void accumulate_value_tile(std::int64_t b, std::int64_t h, std::int64_t t0, std::int64_t n, const float* weights, std::int64_t nq,
                              float* acc, float* scratch) const override;
+  // Longer tiles (256 tokens) where both sides run on the blocks with the AVX-512 kernels;
+  // otherwise the default.
+  std::int64_t attention_tile_tokens() const override;
 
   bool rotate() const { return rotate_; }
   // The packed blocks, token-major: [token][batch][block of the H*D row].
