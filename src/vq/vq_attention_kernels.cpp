@@ -2,6 +2,7 @@
 // src/cache/attention_simd.hpp that decodes a head's fields 8 at a time.
 #include "vq_attention_kernels.hpp"
 
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -134,6 +135,40 @@ void width_runs(const HeadFields& f, std::vector<Run>& runs) {
     else
       runs.push_back({static_cast<std::int32_t>(g), static_cast<std::int32_t>(g + 1), w});
   }
+}
+
+// --- Look-ahead ---------------------------------------------------------------------------------
+// A head's codes are a slice of each token-major row (every KV head's codes of the token, one side),
+// and the loop's next-tile prefetch (vq_cache.cpp, fetch_next_tile) brings whole rows of 8 heads x 2
+// sides of work ahead: by the time a head reads its slices they have mostly left L1 again. The
+// score and value loops ask for the head's slice of token t + kAheadTokens while they decode t (the
+// recipe of the q4_0 kernels, src/peers/peer_attention_avx2.cpp): at 64k tokens on one thread
+// 21.4 -> 18.0 ms a step (16 and 64 ahead gave about the same; docs/benchmarks.md, h11-vqla).
+// Prefetches change no arithmetic: the same bits.
+constexpr std::int64_t kAheadTokens = 32;
+
+struct Span {
+  std::uint32_t lo = 0, len = 1;  // the head's bytes in a row
+};
+
+inline Span head_span(const HeadFields& f) {
+  const std::int64_t groups = (f.d + 7) / 8;
+  if (groups == 0) return {};
+  std::uint32_t lo = f.group_byte[0], hi = 0;
+  for (std::int64_t g = 0; g < groups; ++g) {
+    lo = std::min(lo, f.group_byte[g]);
+    hi = std::max(hi, f.group_byte[g] + f.group_width[g]);  // a group's 8 fields: w bytes at most
+  }
+  return {lo, hi - lo};
+}
+
+// Token t's slice (t past the cache's rows: an address outside them; prefetches never fault, and
+// the arithmetic is on integers).
+inline void prefetch_head(const HeadFields& f, Span s, std::int64_t t) {
+  const std::uintptr_t a = reinterpret_cast<std::uintptr_t>(f.rows) +
+                           static_cast<std::uintptr_t>((f.t0 + t) * static_cast<std::int64_t>(f.row_bytes)) + s.lo;
+  for (std::uint32_t o = 0; o < s.len; o += 64) __builtin_prefetch(reinterpret_cast<const void*>(a + o));
+  __builtin_prefetch(reinterpret_cast<const void*>(a + s.len - 1));
 }
 
 template <int W>
@@ -324,8 +359,11 @@ VQ_ATTN512 __attribute__((always_inline)) inline __m512 decode16(const std::uint
 // accumulate_run for W <= 4: four groups per pass over the tokens (two zmm per row: eight
 // accumulators at R = 4, enough to cover the FMA latency), then a pair, then a lone group on AVX2.
 template <int W, int R>
-VQ_ATTN512 void accumulate_run_512(const HeadFields& f, std::int64_t n, std::int64_t g0, std::int64_t g1, const float* w, float* acc) {
+VQ_ATTN512 void accumulate_run_512(const HeadFields& f, std::int64_t n, std::int64_t g0, std::int64_t g1, const float* w, float* acc,
+                                   bool ahead) {
   static_assert(W <= 4);
+  const Span span = head_span(f);
+  constexpr std::int64_t k = kAheadTokens;
   const std::int64_t d = f.d;
   const std::uint8_t* first = f.rows + static_cast<std::size_t>(f.t0) * f.row_bytes;
   const __m512i ctrl = multishift_control<W>();
@@ -336,12 +374,25 @@ VQ_ATTN512 void accumulate_run_512(const HeadFields& f, std::int64_t n, std::int
     __m512 a[R][2];
     for (int r = 0; r < R; ++r) a[r][0] = _mm512_loadu_ps(acc + r * d + 8 * g), a[r][1] = _mm512_loadu_ps(acc + r * d + 8 * g + 16);
     const std::uint8_t* p = first + off;
-    for (std::int64_t j = 0; j < n; ++j, p += f.row_bytes) {
-      const __m512 x0 = decode16<W>(p, ctrl, table), x1 = decode16<W>(p + 2 * W, ctrl, table);
-      for (int r = 0; r < R; ++r) {
-        const __m512 wv = _mm512_set1_ps(w[r * n + j]);
-        a[r][0] = _mm512_fmadd_ps(wv, x0, a[r][0]);
-        a[r][1] = _mm512_fmadd_ps(wv, x1, a[r][1]);
+    if (ahead) {  // the first pass over the tokens brings the head's slices in; the others find them
+      for (std::int64_t j = 0; j < n; ++j, p += f.row_bytes) {
+        prefetch_head(f, span, j + k);
+        const __m512 x0 = decode16<W>(p, ctrl, table), x1 = decode16<W>(p + 2 * W, ctrl, table);
+        for (int r = 0; r < R; ++r) {
+          const __m512 wv = _mm512_set1_ps(w[r * n + j]);
+          a[r][0] = _mm512_fmadd_ps(wv, x0, a[r][0]);
+          a[r][1] = _mm512_fmadd_ps(wv, x1, a[r][1]);
+        }
+      }
+      ahead = false;
+    } else {
+      for (std::int64_t j = 0; j < n; ++j, p += f.row_bytes) {
+        const __m512 x0 = decode16<W>(p, ctrl, table), x1 = decode16<W>(p + 2 * W, ctrl, table);
+        for (int r = 0; r < R; ++r) {
+          const __m512 wv = _mm512_set1_ps(w[r * n + j]);
+          a[r][0] = _mm512_fmadd_ps(wv, x0, a[r][0]);
+          a[r][1] = _mm512_fmadd_ps(wv, x1, a[r][1]);
+        }
       }
     }
     for (int r = 0; r < R; ++r) _mm512_storeu_ps(acc + r * d + 8 * g, a[r][0]), _mm512_storeu_ps(acc + r * d + 8 * g + 16, a[r][1]);
@@ -364,10 +415,10 @@ VQ_ATTN512 void accumulate_run_512(const HeadFields& f, std::int64_t n, std::int
 
 template <int R>
 VQ_ATTN_INLINE void accumulate_rows_by_width(const HeadFields& f, const std::vector<Run>& runs, std::int64_t n, const float* w, float* acc,
-                                             bool wide) {
+                                             bool wide, bool ahead = false) {
   for (const Run& run : runs) {
     if (wide && run.w <= 4 && run.g1 - run.g0 >= 2) {
-#define VQ_ACC_RUN_512(width) accumulate_run_512<width, R>(f, n, run.g0, run.g1, w, acc)
+#define VQ_ACC_RUN_512(width) accumulate_run_512<width, R>(f, n, run.g0, run.g1, w, acc, ahead)
       switch (run.w) {
         case 1: VQ_ACC_RUN_512(1); break;
         case 2: VQ_ACC_RUN_512(2); break;
@@ -375,6 +426,7 @@ VQ_ATTN_INLINE void accumulate_rows_by_width(const HeadFields& f, const std::vec
         default: VQ_ACC_RUN_512(4); break;
       }
 #undef VQ_ACC_RUN_512
+      ahead = false;
       continue;
     }
 #define VQ_ACC_RUN(width) accumulate_run<width, R>(f, n, run.g0, run.g1, w, acc)
@@ -500,9 +552,13 @@ VQ_ATTN512 void score_tokens_512(const HeadFields& f, const std::vector<Run>& ru
   }
 }
 
-VQ_ATTN512 void score_rows_512(const HeadFields& f, const std::vector<Run>& runs, std::int64_t n, const float* q, float* s) {
+VQ_ATTN512 void score_rows_512(const HeadFields& f, const std::vector<Run>& runs, std::int64_t n, const float* q, float* s, bool ahead) {
+  const Span span = head_span(f);
+  constexpr std::int64_t k = kAheadTokens;
   std::int64_t j = 0;
   for (; j + 8 <= n; j += 8) {
+    if (ahead)
+      for (int t = 0; t < 8; ++t) prefetch_head(f, span, j + k + t);
     score_tokens_512<4>(f, runs, j, n, q, s);
   }
   for (; j + 4 <= n; j += 4) {
@@ -524,7 +580,7 @@ __attribute__((target("avx2,fma,f16c"))) void score_codes(const HeadFields& f, s
   std::int64_t r = 0;
   for (; r + 4 <= nq; r += 4) {
     if (wide)
-      score_rows_512(f, runs, n, q + r * d, s + r * n);
+      score_rows_512(f, runs, n, q + r * d, s + r * n, r == 0);
     else
       score_rows_by_width<4>(f, runs, n, q + r * d, s + r * n);
   }
@@ -544,7 +600,7 @@ __attribute__((target("avx2,fma,f16c"))) void accumulate_codes(const HeadFields&
   thread_local std::vector<Run> runs;
   width_runs(f, runs);
   std::int64_t r = 0;
-  for (; r + 4 <= nq; r += 4) accumulate_rows_by_width<4>(f, runs, n, w + r * n, acc + r * d, wide);
+  for (; r + 4 <= nq; r += 4) accumulate_rows_by_width<4>(f, runs, n, w + r * n, acc + r * d, wide, wide && r == 0);
   switch (nq - r) {
     case 3: accumulate_rows_by_width<3>(f, runs, n, w + r * n, acc + r * d, wide); break;
     case 2: accumulate_rows_by_width<2>(f, runs, n, w + r * n, acc + r * d, wide); break;
