@@ -55,8 +55,16 @@ double predict_ms(std::span<const ChunkDirectory> dirs, int first, std::span<con
   return feed;
 }
 
-int choose_level(std::span<const ChunkDirectory> dirs, int first, std::optional<double> time_left_ms, const PlanCosts& c,
-                 const PlanStart& start) {
+namespace {
+
+// The choice of choose_level under one set of costs: the level (or kRecompute) and whether some
+// plan was predicted to fit the time left.
+struct Choice {
+  int pick = kRecompute;
+  bool fits = false;
+};
+
+Choice choose_under(std::span<const ChunkDirectory> dirs, int first, double time_left_ms, const PlanCosts& c, const PlanStart& start) {
   const std::vector<int> order = quality_order(dirs[static_cast<std::size_t>(first)]);
   const std::size_t left = dirs.size() - static_cast<std::size_t>(first);
   // "next at `next`, every chunk after it at `rest`"
@@ -66,14 +74,9 @@ int choose_level(std::span<const ChunkDirectory> dirs, int first, std::optional<
     return predict_ms(dirs, first, plan, c, start);
   };
   const bool may_recompute = c.recompute_ms.has_value();
-  // Recompute is exact: it replaces the level chosen whenever it finishes sooner.
-  const auto or_recompute = [&](int pick, int rest) {
-    return may_recompute && plan_ms(kRecompute, rest) < plan_ms(pick, rest) ? kRecompute : pick;
-  };
-  if (!time_left_ms) return or_recompute(order.front(), order.front());
   int uniform = kRecompute - 1;  // none yet
   for (const int k : order)
-    if (plan_ms(k, k) <= *time_left_ms) {
+    if (plan_ms(k, k) <= time_left_ms) {
       uniform = k;
       break;
     }
@@ -81,12 +84,14 @@ int choose_level(std::span<const ChunkDirectory> dirs, int first, std::optional<
     int pick = uniform;
     for (const int k : order) {  // better levels first; stops at `uniform`, which fits
       if (k == uniform) break;
-      if (plan_ms(k, uniform) <= *time_left_ms) {
+      if (plan_ms(k, uniform) <= time_left_ms) {
         pick = k;
         break;
       }
     }
-    return or_recompute(pick, uniform);
+    // Recompute is exact: it replaces the level chosen whenever it finishes sooner.
+    if (may_recompute && plan_ms(kRecompute, uniform) < plan_ms(pick, uniform)) pick = kRecompute;
+    return {pick, true};
   }
   // Nothing fits: whatever finishes soonest, for this chunk and (as planned now) the rest.
   std::vector<int> options = order;
@@ -97,7 +102,36 @@ int choose_level(std::span<const ChunkDirectory> dirs, int first, std::optional<
   int pick = options.front();
   for (const int k : options)
     if (plan_ms(k, rest) < plan_ms(pick, rest)) pick = k;
-  return pick;
+  return {pick, false};
+}
+
+}  // namespace
+
+int choose_level(std::span<const ChunkDirectory> dirs, int first, std::optional<double> time_left_ms, const PlanCosts& c,
+                 const PlanStart& start) {
+  if (!time_left_ms) {  // the best quality, or recompute when that finishes sooner
+    const int best = quality_order(dirs[static_cast<std::size_t>(first)]).front();
+    if (!c.recompute_ms) return best;
+    const std::size_t left = dirs.size() - static_cast<std::size_t>(first);
+    std::vector<int> plan(left, best), recomputed(left, best);
+    recomputed[0] = kRecompute;
+    return predict_ms(dirs, first, recomputed, c, start) < predict_ms(dirs, first, plan, c, start) ? kRecompute : best;
+  }
+  if (!c.guard_bytes_per_ms || !(*c.guard_bytes_per_ms < c.link_bytes_per_ms)) return choose_under(dirs, first, *time_left_ms, c, start).pick;
+  // Every fetch left at the guard rate (a known drop below it still counts).
+  PlanCosts guarded = c;
+  guarded.link_bytes_per_ms = *c.guard_bytes_per_ms;
+  if (guarded.link_after_bytes_per_ms)
+    guarded.link_after_bytes_per_ms = std::min(*guarded.link_after_bytes_per_ms, *c.guard_bytes_per_ms);
+  const Choice g = choose_under(dirs, first, *time_left_ms, guarded, start);
+  if (g.fits || g.pick != kRecompute) return g.pick;
+  // Nothing fits at the guard rate and recompute finishes soonest there: only if it also does at the
+  // measured rate (else the fetch that finishes soonest at the guard rate).
+  PlanCosts fetch_only = guarded;
+  fetch_only.recompute_ms.reset();
+  const int fetch = choose_under(dirs, first, *time_left_ms, fetch_only, start).pick;
+  const Choice m = choose_under(dirs, first, *time_left_ms, c, start);
+  return m.pick == kRecompute ? kRecompute : fetch;
 }
 
 std::optional<LoadCostTable::Cost> LoadCostTable::get(const std::string& level, const std::string& shape) const {

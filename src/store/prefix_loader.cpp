@@ -102,6 +102,7 @@ LoadReport load(KVStore& store, Transformer* model, const ChunkShape& shape, std
   const auto t0 = Clock::now();
   const ChunkScheme& scheme = o.scheme;
   require(scheme.chunk_tokens >= 1, "chunk tokens must be >= 1, got {}", scheme.chunk_tokens);
+  require(o.slo_guard > 0.0 && o.slo_guard <= 1.0, "the deadline's guard must be a fraction of the link in (0, 1], got {}", o.slo_guard);
   for (const auto& c : caches) require(c && c->offset() == 0, "load_prefix needs empty caches");
   require(!o.level || std::find(scheme.levels.begin(), scheme.levels.end(), *o.level) != scheme.levels.end(),
           "level '{}' is not one of the stored levels", o.level.value_or(""));
@@ -297,6 +298,7 @@ LoadReport load(KVStore& store, Transformer* model, const ChunkShape& shape, std
         if (e[k].level == *o.level) return static_cast<int>(k);
     PlanCosts pc;
     pc.link_bytes_per_ms = link.bytes_per_ms();
+    if (o.slo_guard < 1.0) pc.guard_bytes_per_ms = pc.link_bytes_per_ms * o.slo_guard;
     pc.threads = threads;
     pc.unknown_decode_ms = 0;
     for (const auto& entry : e)

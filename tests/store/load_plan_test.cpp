@@ -7,6 +7,8 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <optional>
 #include <random>
 
 namespace {
@@ -135,6 +137,12 @@ TEST(LoadPlan, NeverChoosesALevelThatMissesWhenOneFits) {
     c.link_bytes_per_ms = 10 + u(rng) * 500;
     c.threads = 1 + static_cast<int>(rng() % 3);
     if (rng() % 2) c.recompute_ms = u(rng) * 100;
+    // A guard: the choice is judged by the plan at the guard rate (what it promises).
+    vq::PlanCosts judged = c;
+    if (rng() % 3 == 0) {
+      c.guard_bytes_per_ms = c.link_bytes_per_ms * (0.05 + 0.9 * u(rng));
+      judged.link_bytes_per_ms = *c.guard_bytes_per_ms;
+    }
     vq::PlanStart s;
     if (rng() % 2) {
       s.decoder_free_ms = {u(rng) * 20, u(rng) * 20};
@@ -143,7 +151,7 @@ TEST(LoadPlan, NeverChoosesALevelThatMissesWhenOneFits) {
     const int first = static_cast<int>(rng() % static_cast<unsigned>(n));
     const std::size_t left = static_cast<std::size_t>(n - first);
     const auto order = vq::quality_order(d[static_cast<std::size_t>(first)]);
-    const auto uniform_ms = [&](int k) { return vq::predict_ms(d, first, std::vector<int>(left, k), c, s); };
+    const auto uniform_ms = [&](int k) { return vq::predict_ms(d, first, std::vector<int>(left, k), judged, s); };
     double fastest = 1e300;
     for (const int k : order) fastest = std::min(fastest, uniform_ms(k));
     const double deadline = fastest * (0.5 + u(rng));
@@ -163,12 +171,12 @@ TEST(LoadPlan, NeverChoosesALevelThatMissesWhenOneFits) {
     if (pick == kRecompute) {
       std::vector<int> plan(left, best_uniform);
       plan[0] = kRecompute;
-      EXPECT_LE(vq::predict_ms(d, first, plan, c, s), deadline);
+      EXPECT_LE(vq::predict_ms(d, first, plan, judged, s), deadline);
       continue;
     }
     std::vector<int> plan(left, best_uniform);
     plan[0] = pick;
-    EXPECT_LE(vq::predict_ms(d, first, plan, c, s), deadline) << "picked " << pick;
+    EXPECT_LE(vq::predict_ms(d, first, plan, judged, s), deadline) << "picked " << pick;
     const auto rank = [&](int k) { return std::find(order.begin(), order.end(), k) - order.begin(); };
     EXPECT_LE(rank(pick), rank(best_uniform));
     if (best_uniform == order.front()) {
@@ -177,6 +185,81 @@ TEST(LoadPlan, NeverChoosesALevelThatMissesWhenOneFits) {
   }
   EXPECT_GT(fitting, 500);
   EXPECT_GT(infeasible, 100);
+}
+
+// Goal 3 of issue 16 in miniature, link-bound (no decode, no feed, one fetch at a time): 16 chunks, a
+// deadline of 1.25x the link time of the first half of the bytes at vq:bits=2 before the link drops
+// to a tenth and the rest at vq:bits=1 after it. The planner is not told of the drop: it sees the rate
+// of the last fetch, as the loader does. Returns the load's time and the levels chosen.
+struct Simulated {
+  double ms = 0;
+  std::vector<int> picks;
+};
+Simulated simulate_link_drop(const std::vector<ChunkDirectory>& d, double deadline, std::optional<double> guard, bool drop) {
+  const double fast = 100, slow = 10;  // bytes per ms: "1 Gbps" and "100 Mbps"
+  const std::uint64_t drop_after = 1200;
+  vq::PlanCosts c;
+  c.threads = 1;
+  c.link_bytes_per_ms = fast;
+  for (const auto& e : d[0].entries) c.decode_ms[e.level] = 0;
+  Simulated r;
+  std::uint64_t sent = 0;
+  for (int i = 0; i < static_cast<int>(d.size()); ++i) {
+    if (guard) c.guard_bytes_per_ms = c.link_bytes_per_ms * *guard;
+    const int k = vq::choose_level(d, i, deadline - r.ms, c);
+    EXPECT_NE(k, kRecompute);
+    const std::uint64_t b = d[static_cast<std::size_t>(i)].entries[static_cast<std::size_t>(k)].bytes;
+    const std::uint64_t before = drop && sent < drop_after ? std::min(b, drop_after - sent) : (drop ? 0 : b);
+    const double ms = static_cast<double>(before) / fast + static_cast<double>(b - before) / slow;
+    sent += b;
+    r.ms += ms;
+    c.link_bytes_per_ms = static_cast<double>(b) / ms;  // the last fetch's rate
+    r.picks.push_back(k);
+  }
+  return r;
+}
+
+TEST(LoadPlan, AGuardKeepsTheDeadlineWhenTheLinkDropsTenfold) {
+  const auto d = chunks(16, kLevels);  // vq:bits=1 100 bytes, vq:bits=2 180, vq:bits=4 300, fp16 1000
+  const double deadline = 1.25 * (1200.0 / 100 + 8 * 100.0 / 10);  // 115 ms
+  // Trusting the rate it sees, the planner spends the fast link on fp16 and the drop catches it.
+  const Simulated trusting = simulate_link_drop(d, deadline, std::nullopt, true);
+  EXPECT_EQ(trusting.picks.front(), 3);
+  EXPECT_GT(trusting.ms, deadline);
+  // Guarded against a tenth of the rate it sees: met, with the drop or without it.
+  const Simulated guarded = simulate_link_drop(d, deadline, 0.1, true);
+  EXPECT_LE(guarded.ms, deadline);
+  const Simulated steady = simulate_link_drop(d, deadline, 0.1, false);
+  EXPECT_LE(steady.ms, deadline);
+  // The guard costs quality only while a drop could still break the deadline: the first chunks go
+  // at the smallest level, and the slack a drop can no longer take is spent on better levels
+  // (without the drop, more of it).
+  EXPECT_EQ(guarded.picks.front(), 0);
+  const auto better = [](const Simulated& s) { return std::count_if(s.picks.begin(), s.picks.end(), [](int k) { return k != 0; }); };
+  EXPECT_GT(better(guarded), 0);
+  EXPECT_GE(better(steady), better(guarded));
+  // A guard at the rate itself is no guard: the trusting plan.
+  EXPECT_EQ(simulate_link_drop(d, deadline, 1.0, true).picks, trusting.picks);
+}
+
+// When no plan survives a drop to the guard, the chunk goes at what exposes the least to it, and is
+// recomputed only when that is also sooner at the measured rate.
+TEST(LoadPlan, UnderAnUnmeetableGuardTheSmallestLevelGoes) {
+  const auto d = chunks(2, kLevels);
+  vq::PlanCosts c;
+  c.link_bytes_per_ms = 1000;
+  c.threads = 1;
+  c.guard_bytes_per_ms = 1;  // all vq:bits=1 at the guard: 200 ms
+  EXPECT_EQ(vq::choose_level(d, 0, 100.0, c), 0);
+  c.guard_bytes_per_ms.reset();
+  EXPECT_EQ(vq::choose_level(d, 0, 100.0, c), 3);  // unguarded: fp16 fits (2 ms)
+  // Recompute (50 ms) finishes sooner than any fetch at the guard, but not at the measured link: fetch.
+  c.guard_bytes_per_ms = 1;
+  c.recompute_ms = 50;
+  EXPECT_EQ(vq::choose_level(d, 0, 100.0, c), 0);
+  // Sooner at both: recompute.
+  c.recompute_ms = 0.01;
+  EXPECT_EQ(vq::choose_level(d, 0, 100.0, c), kRecompute);
 }
 
 TEST(LoadPlan, CostTableAveragesTowardsRecentMeasurements) {

@@ -38,7 +38,7 @@ struct GenerateOptions {
   std::string store, levels = vq::kDefaultLevels;
   bool use_store = false, json = false, no_recompute = false;
   int chunk_tokens = vq::kDefaultChunkTokens;
-  std::optional<double> slo_ms, bandwidth_mbps;
+  std::optional<double> slo_ms, bandwidth_mbps, slo_guard;
   std::optional<int> threads;  // --threads: the loader's decoder threads (default: all cores)
 };
 
@@ -76,8 +76,9 @@ void store_context(StoreRun& sr, vq::Transformer& model, const std::string& meth
 }
 
 int run_generate(const GenerateOptions& o) {
-  vq::require(o.use_store || (!o.slo_ms && !o.bandwidth_mbps && !o.threads && !o.no_recompute),
-              "--slo-ms, --bandwidth, --threads and --no-recompute need --store");
+  vq::require(o.use_store || (!o.slo_ms && !o.bandwidth_mbps && !o.threads && !o.no_recompute && !o.slo_guard),
+              "--slo-ms, --slo-guard, --bandwidth, --threads and --no-recompute need --store");
+  vq::require(o.slo_ms || !o.slo_guard, "--slo-guard needs --slo-ms");
   auto opt = [](const std::string& s) { return s.empty() ? std::nullopt : std::optional<std::filesystem::path>(s); };
   const vq::ModelFiles files = vq::resolve_model_files(opt(o.model), opt(o.tokenizer));
   vq::LoadedModel loaded = vq::load_model(files);
@@ -98,6 +99,7 @@ int run_generate(const GenerateOptions& o) {
     sr.options.scheme.levels = vq::parse_levels(o.levels);
     sr.options.scheme.model_fingerprint = vq::model_fingerprint(model);
     sr.options.slo_ms = o.slo_ms;
+    if (o.slo_guard) sr.options.slo_guard = *o.slo_guard;
     sr.options.bandwidth_mbps = o.bandwidth_mbps;
     sr.options.threads = o.threads.value_or(0);
     sr.options.allow_recompute = !o.no_recompute;
@@ -174,6 +176,10 @@ Runner add_generate(CLI::App& app) {
       ->type_name("URL");
   app.add_option("--slo-ms", o->slo_ms, "with --store: deadline for loading the prefix (levels chosen per chunk to meet it)")
       ->transform(finite_at_least(0.0));
+  app.add_option("--slo-guard", o->slo_guard,
+                 "with --slo-ms: meet the deadline even if the link falls to this fraction of its measured rate mid-load, when any plan can "
+                 "(default 0.1; 1: trust the measured link)")
+      ->transform(finite_in(0.001, 1.0));
   app.add_option("--bandwidth", o->bandwidth_mbps, "with --store: emulate a link of this many megabits per second (client-side token bucket)")
       ->transform(finite_at_least(0.001));
   app.add_option("--threads", o->threads, "with --store: threads decoding the loaded chunks (default: all cores)")

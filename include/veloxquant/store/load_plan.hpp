@@ -22,6 +22,15 @@
 //   next chunk is recomputed instead when that plan is predicted to finish sooner (recompute is exact
 //   and not slower). When no level fits, it takes whatever finishes soonest (a level or recompute).
 //   Without a deadline: the best quality, or recompute when that finishes sooner.
+// - The guard (PlanCosts::guard_bytes_per_ms, the loader sets it): a link may drop at any moment,
+//   and a plan that fits only at the rate just measured loses the deadline when it does (a chunk
+//   fetched at 10x its share of the time left, when the link falls to a tenth, leaves nothing for the
+//   rest). With a guard, every prediction above prices all the fetches left, the next chunk's
+//   included, at the guard rate: the chosen level still meets the deadline if the link falls to the
+//   guard now. When no plan fits at the guard rate, it takes what finishes soonest at the guard rate
+//   (the fewest bytes exposed to a drop; recompute only when it is also sooner at the measured rate,
+//   so a guard never makes a fast link's chunk recomputed). Quality is what the guard costs: the slack
+//   spent on better levels is what would survive the drop.
 #pragma once
 #include <cstdint>
 #include <map>
@@ -46,6 +55,9 @@ struct PlanCosts {
   double unknown_decode_ms = 0;             // a level missing from decode_ms
   std::optional<double> recompute_ms;       // one chunk recomputed on the calling thread; unset: never
   int threads = 1;                          // decoder threads
+  // The rate the deadline is guarded against (see above); unset, or not below link_bytes_per_ms:
+  // the plan trusts link_bytes_per_ms (and a known drop).
+  std::optional<double> guard_bytes_per_ms;
 };
 
 // Where the pipeline is when the plan starts, in ms from now.
