@@ -13,13 +13,15 @@
 //   3. --slo-runs loads (100) with levels vq:bits=1;2;4 and fp16, a deadline (--slo-ms, repeatable: the
 //      runs once per deadline; default: the
 //      time the 1 Gbps -> 100 Mbps link needs for the first half at vq:bits=2 and the second at
-//      vq:bits=1, x 1.25, plus the loopback vq:bits=2 load time measured in step 1) and a link that drops from 1 Gbps to 100 Mbps after
+//      vq:bits=1, x 1.25, plus the vq:bits=2 load from memory into fp32 hosts on all threads measured
+//      in step 2: the decode the link cannot hide, in the hosts goal 3 loads into) and a link that drops from 1 Gbps to 100 Mbps after
 //      half the vq:bits=2 prefix's bytes: deadline hit rate (goal >= 95 %) and the levels chosen.
 // The model is random weights of the 7B KV shape (dim 1024 = 8 heads x 128, a 64-wide FFN): it names
 // the chunks (fingerprint), gives vq its layer transforms, and prices recomputes (far cheaper than a
 // real 7B's, so recompute is chosen less often than it would be there).
 //   vq_bench_store_prefix [--layers 32] [--tokens 4096] [--chunk-tokens 256] [--threads 0] [--reps 3]
-//                         [--slo-runs 100] [--slo-ms MS]... [--slo-check 5] [--url redis://...] [--skip-links]
+//                         [--slo-runs 100] [--slo-ms MS]... [--slo-guard F]... [--slo-check 5] [--url redis://...] [--skip-links]
+// (--slo-guard: goal 3 once per guard of the deadline against a link drop, LoaderOptions::slo_guard; 1 trusts the link)
 // Goal 3 also prints: load ms p50 / p99, the plans the loader chose (levels per chunk, most frequent
 // first), the clairvoyant plan (every per-chunk assignment of the levels and recompute, priced by
 // the loader's own cost model with the costs this process measured and the drop known in advance:
@@ -62,6 +64,7 @@ double ms_since(Clock::time_point t) { return std::chrono::duration<double, std:
 struct Args {
   int layers = 32, tokens = 4096, chunk_tokens = 256, threads = 0, reps = 3, slo_runs = 100, slo_check = 5;
   std::vector<double> slo_ms;  // --slo-ms, repeatable: goal 3 once per deadline
+  std::vector<double> slo_guards;  // --slo-guard, repeatable: goal 3 once per guard (LoaderOptions::slo_guard); default its default
   std::string url;
   bool skip_links = false;
 };
@@ -155,11 +158,12 @@ int main(int argc, char** argv) {
     else if (k == "--slo-runs") a.slo_runs = std::stoi(next());
     else if (k == "--slo-ms") a.slo_ms.push_back(std::stod(next()));
     else if (k == "--slo-check") a.slo_check = std::stoi(next());
+    else if (k == "--slo-guard") a.slo_guards.push_back(std::stod(next()));
     else if (k == "--url") a.url = next();
     else if (k == "--skip-links") a.skip_links = true;
     else {
       std::fprintf(stderr, "usage: vq_bench_store_prefix [--layers L] [--tokens N] [--chunk-tokens C] [--threads T] [--reps R] "
-                           "[--slo-runs N] [--slo-ms MS] [--slo-check K] [--url URL] [--skip-links]\n");
+                           "[--slo-runs N] [--slo-ms MS] [--slo-guard F] [--slo-check K] [--url URL] [--skip-links]\n");
       return 2;
     }
   }
@@ -247,6 +251,7 @@ int main(int argc, char** argv) {
     const vq::VqLayerModelSource vq_models = vq::chunk_vq_models(model);
 
     double host_bytes = 0;  // nbytes() of the last load's host caches, summed over layers
+    double slo_guard = vq::LoaderOptions{}.slo_guard;  // goal 3's loads: the guard of the deadline
     // host: the method of the caches loaded into ("fp32": rows; "vq:bits=2": the code domain for vq:bits=2 chunks).
     const auto load = [&](vq::KVStore& st, const vq::ChunkScheme& s, std::optional<double> mbps, int nthreads, bool recompute = false,
                           std::optional<double> slo = std::nullopt, std::optional<double> after = std::nullopt, std::uint64_t drop = 0,
@@ -257,6 +262,7 @@ int main(int argc, char** argv) {
       o.bandwidth_after_mbps = after;
       o.drop_after_bytes = drop;
       o.slo_ms = slo;
+      o.slo_guard = slo_guard;
       o.threads = nthreads;
       o.allow_recompute = recompute;
       o.vq_models = vq_models;
@@ -275,7 +281,8 @@ int main(int argc, char** argv) {
       fmt::print("first vq:bits=2 load: {:.0f} ms\n", ms_since(tc));
     }
 
-    double loopback_vq_ms = 0;  // median vq:bits=2 load on loopback: the decode-bound part of a deadline
+    // median vq:bits=2 load from memory into fp32 hosts on all threads (step 2): the decode-bound part of goal 3's deadline
+    double rows_vq_ms = 0;
     if (!a.skip_links) {
       fmt::print("\ngoal 1: load time, median of {} loads ({} decoder threads): vq:bits=2 fetch + decode of the codes into vq:bits=2 "
                  "host caches (code domain: no rows), fp16 fetch + decode into fp32 host caches\n", a.reps, threads);
@@ -286,7 +293,6 @@ int main(int argc, char** argv) {
           tv.push_back(load(*store, vq2, mbps, threads, false, std::nullopt, std::nullopt, 0, vq2.levels[0]).load_ms);
           tf.push_back(load(*store, f16, mbps, threads).load_ms);
         }
-        if (!mbps) loopback_vq_ms = median(tv);
         fmt::print("| {} | {:.0f} | {:.0f} | {:.2f}x |\n", mbps ? fmt::format("{:.0f} Mbps (emulated)", *mbps) : std::string("loopback"),
                    median(tv), median(tf), median(tf) / median(tv));
         std::fflush(stdout);
@@ -346,21 +352,34 @@ int main(int argc, char** argv) {
                    median(overlap));
         fmt::print("  the host caches hold {:.2f} MB after a load (nbytes); minor page faults per 1-thread load {:.0f}\n", host_bytes / 1e6,
                    median(flt1));
+        if (host == "fp32") rows_vq_ms = median(tn);
         std::fflush(stdout);
       }
     }
 
     if (a.slo_runs > 0) {
       // The default deadline: 1.25 x the link time of the first half of the vq:bits=2 bytes at 1 Gbps
-      // and of the second half at vq:bits=1 at 100 Mbps, plus the measured loopback vq:bits=2 load
-      // (the decode the link cannot hide).
+      // and of the second half at vq:bits=1 at 100 Mbps, plus the measured vq:bits=2 load from memory
+      // into fp32 hosts (the decode the link cannot hide: goal 3 loads into fp32 hosts, since its
+      // chunks come at several levels).
       const double half = static_cast<double>(vq2_bytes) / 2;
       const double vq1_half = static_cast<double>(level_bytes[rest.levels[0]]) / 2;
       std::vector<double> deadlines = a.slo_ms;
-      if (deadlines.empty()) deadlines.push_back(1.25 * (half / 125e3 + vq1_half / 12.5e3) + loopback_vq_ms);
-      for (const double slo : deadlines) {
-        fmt::print("\ngoal 3: {} loads, --slo-ms {:.0f}, link 1000 Mbps dropping to 100 Mbps after {:.1f} MB (half the vq:bits=2 prefix)\n",
-                   a.slo_runs, slo, half / 1e6);
+      if (deadlines.empty()) {
+        const double link_ms = 1.25 * (half / 125e3 + vq1_half / 12.5e3);
+        deadlines.push_back(link_ms + rows_vq_ms);
+        fmt::print("\ndefault deadline: 1.25 x link {:.0f} ms + decode (vq:bits=2 from memory into fp32 hosts, {} threads) {:.0f} ms = {:.0f} ms\n",
+                   link_ms / 1.25, threads, rows_vq_ms, deadlines.back());
+      }
+      std::vector<std::pair<double, double>> runs;  // (deadline, guard)
+      for (const double slo : deadlines)
+        for (const double g : a.slo_guards.empty() ? std::vector<double>{slo_guard} : a.slo_guards) runs.emplace_back(slo, g);
+      for (std::size_t ri = 0; ri < runs.size(); ++ri) {
+        const auto [slo, guard] = runs[ri];
+        const bool last_of_deadline = ri + 1 == runs.size() || runs[ri + 1].first != slo;
+        slo_guard = guard;
+        fmt::print("\ngoal 3: {} loads, --slo-ms {:.0f}, guard {}, link 1000 Mbps dropping to 100 Mbps after {:.1f} MB (half the vq:bits=2 prefix)\n",
+                   a.slo_runs, slo, guard, half / 1e6);
         int met = 0;
         std::vector<double> times;
         std::map<std::string, int> before, after;  // levels chosen before / after the drop
@@ -452,7 +471,8 @@ int main(int argc, char** argv) {
         }
 
         // Each level forced for every chunk, same link and deadline.
-        for (int k = 0; k < static_cast<int>(order.size()) && a.slo_check > 0; ++k) {
+        // (once per deadline: a forced level has no plan to guard)
+        for (int k = 0; k < static_cast<int>(order.size()) && a.slo_check > 0 && last_of_deadline; ++k) {
           const std::string& level = slo_dirs[0].entries[static_cast<std::size_t>(order[static_cast<std::size_t>(k)])].level;
           std::vector<double> t;
           int ok = 0;
