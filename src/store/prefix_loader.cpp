@@ -343,12 +343,17 @@ LoadReport load(KVStore& store, Transformer* model, const ChunkShape& shape, std
     return choose_level(std::span<const ChunkDirectory>(dirs).subspan(static_cast<std::size_t>(i)), 0, time_left, pc, start);
   };
 
-  // The fetch thread: chunk after chunk, at most `threads` ahead of the chunks fed; a fetched blob
-  // goes to the decoders, a failed fetch ends fetching (the load stops at that chunk).
+  // The fetch thread: chunk after chunk, at most `ahead` ahead of the chunks fed; a fetched blob
+  // goes to the decoders, a failed fetch ends fetching (the load stops at that chunk). `threads`
+  // ahead, except into code-domain hosts without a deadline or recompute: there the level does not
+  // depend on when it is chosen (the best one), a decoded chunk is small (packed codes), and the
+  // decoders keep going while the calling thread feeds a chunk (4 x threads: feeding is ~30 % of a
+  // chunk's work there, and the cores it shares with the decoders sat idle whenever it fell behind).
+  const int ahead = code_host && !o.slo_ms && !may_recompute ? 4 * threads : threads;
   const auto fetch_loop = [&] {
     for (int i = 0; i < n; ++i) {
       std::unique_lock<std::mutex> lock(mu);
-      cv.wait(lock, [&] { return stop || i <= fed + threads; });
+      cv.wait(lock, [&] { return stop || i <= fed + ahead; });
       if (stop) return;
       const int choice = choose(i);
       InFlight& f = flight[static_cast<std::size_t>(i)];

@@ -439,19 +439,42 @@ struct CallTables {
   std::vector<const Model*> models;
   std::vector<int> amax;
   std::vector<std::unique_ptr<Model>> own;
-  std::unordered_map<std::uint32_t, int> index;
   int get(int a, std::uint8_t param, int scale) {
-    const auto [it, fresh] =
-        index.try_emplace(static_cast<std::uint32_t>(scale) << 16 | static_cast<std::uint32_t>(a) << 8 | param, static_cast<int>(tables.size()));
-    if (fresh) {
-      std::unique_ptr<Model> mine;
-      const Model* md = cached_model(a, param, scale, mine);
-      if (mine) own.push_back(std::move(mine));
-      models.push_back(md);
-      tables.push_back(&md->table);
-      amax.push_back(a);
+    const std::uint32_t key = static_cast<std::uint32_t>(scale) << 16 | static_cast<std::uint32_t>(a) << 8 | param;
+    if (tables.size() * 2 >= keys_.size()) grow();
+    std::size_t i = slot(key);
+    while (keys_[i] != key && keys_[i] != kFree) i = (i + 1) & (keys_.size() - 1);
+    if (keys_[i] == key) return vals_[i];
+    keys_[i] = key;
+    vals_[i] = static_cast<int>(tables.size());
+    std::unique_ptr<Model> mine;
+    const Model* md = cached_model(a, param, scale, mine);
+    if (mine) own.push_back(std::move(mine));
+    models.push_back(md);
+    tables.push_back(&md->table);
+    amax.push_back(a);
+    return vals_[i];
+  }
+
+ private:
+  // Key -> table index, open addressing (a call looks up one key per coefficient and side, ~2,000;
+  // a node-based map made those lookups most of the decoder's SideModel::derive).
+  static constexpr std::uint32_t kFree = ~0u;  // no key: scale < 2^15
+  std::vector<std::uint32_t> keys_;
+  std::vector<int> vals_;
+  std::size_t slot(std::uint32_t key) const { return (key * 0x9E3779B1u) >> 7 & (keys_.size() - 1); }
+  void grow() {
+    std::vector<std::uint32_t> old_keys(std::max<std::size_t>(256, keys_.size() * 2), kFree);
+    std::vector<int> old_vals(old_keys.size());
+    old_keys.swap(keys_);
+    old_vals.swap(vals_);
+    for (std::size_t j = 0; j < old_keys.size(); ++j) {
+      if (old_keys[j] == kFree) continue;
+      std::size_t i = slot(old_keys[j]);
+      while (keys_[i] != kFree) i = (i + 1) & (keys_.size() - 1);
+      keys_[i] = old_keys[j];
+      vals_[i] = old_vals[j];
     }
-    return it->second;
   }
 };
 
