@@ -519,6 +519,30 @@ VQ_ATTN512 __attribute__((always_inline)) inline void score_run_512(const HeadFi
     }
   }
 }
+// hadd_ps of two zmm per 128-bit lane: [a0 + a1, a2 + a3, b0 + b1, b2 + b3] (AVX2's vhaddps, on four lanes).
+VQ_ATTN512 __attribute__((always_inline)) inline __m512 hadd512(__m512 a, __m512 b) {
+  return _mm512_add_ps(_mm512_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0)), _mm512_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// The 32 scores of an eight-token step (acc[4p + r]: row r, tokens 2p (low half) and 2p + 1 (high))
+// into s[r * n + t], t = 0..7: each token's and row's eight lanes summed as hsum8 sums them,
+// ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7)), the same bits, but in zmm for all 32 at once
+// (hsum8 per pair of tokens, its extracts and 32 scalar stores were a third of the kernel's time).
+VQ_ATTN512 __attribute__((always_inline)) inline void sum_lanes_512(const __m512* acc, float* s, std::int64_t n) {
+  __m512 v[4];
+  for (int r = 0; r < 4; ++r)  // 128-bit lane k of v[r]: the quads' sums of lane k of acc[r], acc[4 + r], acc[8 + r], acc[12 + r]
+    v[r] = hadd512(hadd512(acc[r], acc[4 + r]), hadd512(acc[8 + r], acc[12 + r]));
+  // Lanes 0 and 2 hold x0..x3 of tokens (0, 2, 4, 6) and (1, 3, 5, 7), lanes 1 and 3 their x4..x7.
+  const __m512i order = _mm512_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15);
+  for (int r = 0; r < 4; r += 2) {
+    const __m512 lo = _mm512_shuffle_f32x4(v[r], v[r + 1], _MM_SHUFFLE(2, 0, 2, 0));
+    const __m512 hi = _mm512_shuffle_f32x4(v[r], v[r + 1], _MM_SHUFFLE(3, 1, 3, 1));
+    const __m512 sum = _mm512_permutexvar_ps(order, _mm512_add_ps(lo, hi));  // rows r, r + 1: tokens 0..7
+    _mm256_storeu_ps(s + r * n, _mm512_castps512_ps256(sum));
+    _mm256_storeu_ps(s + (r + 1) * n, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(sum), 1)));
+  }
+}
+
 // Scores of four query rows against tokens j .. j + 2P - 1 (score_tokens_by_width<4, 2> P times, same bits).
 template <int P>
 VQ_ATTN512 void score_tokens_512(const HeadFields& f, const std::vector<Run>& runs, std::int64_t j, std::int64_t n, const float* q,
@@ -534,6 +558,17 @@ VQ_ATTN512 void score_tokens_512(const HeadFields& f, const std::vector<Run>& ru
   }
   const std::int64_t d = f.d, e = 8 * (d / 8);
   const Fields src{f};
+  if constexpr (P == 4) {
+    sum_lanes_512(acc, s + j, n);
+    if (e < d)  // the last d % 8 fields, one by one after the groups' sum (as the AVX2 loop adds them)
+      for (int t = 0; t < 8; ++t)
+        for (int r = 0; r < 4; ++r) {
+          float v = s[r * n + j + t];
+          for (std::int64_t x = e; x < d; ++x) v += q[r * d + x] * src.scalar(j + t, x);
+          s[r * n + j + t] = v;
+        }
+    return;
+  }
   for (int p = 0; p < P; ++p) {
     __m256 lanes[8];  // AVX2's acc[t * 4 + r] for tokens 2p (t = 0) and 2p + 1 (t = 1)
     for (int r = 0; r < 4; ++r) {
