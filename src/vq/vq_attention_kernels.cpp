@@ -139,12 +139,14 @@ void width_runs(const HeadFields& f, std::vector<Run>& runs) {
 
 // --- Look-ahead ---------------------------------------------------------------------------------
 // A head's codes are a slice of each token-major row (every KV head's codes of the token, one side),
-// and the loop's next-tile prefetch (vq_cache.cpp, fetch_next_tile) brings whole rows of 8 heads x 2
-// sides of work ahead: by the time a head reads its slices they have mostly left L1 again. The
-// score and value loops ask for the head's slice of token t + kAheadTokens while they decode t (the
-// recipe of the q4_0 kernels, src/peers/peer_attention_avx2.cpp): at 64k tokens on one thread
-// 21.4 -> 18.0 ms a step (16 and 64 ahead gave about the same; docs/benchmarks.md, h11-vqla).
-// Prefetches change no arithmetic: the same bits.
+// and a prefetch of whole rows (the next tile's, 8 heads x 2 sides of work ahead) finds them gone
+// from L1 again by the time a head reads its slices. The score and value loops ask for the head's
+// slice of token t + kAheadTokens while they decode t (the recipe of the q4_0 kernels,
+// src/peers/peer_attention_avx2.cpp): at 64k tokens on one thread 21.4 -> 18.0 ms a step (16 and
+// 64 ahead gave about the same; docs/benchmarks.md, h11-vqla). The score loop's look-ahead runs
+// past the tile's end into the next tile's first tokens; the whole-row next-tile fetch that
+// vq_cache.cpp used to add on top cost ~2-3 % of a step once the kernels got faster (h12-vq) and
+// is gone. Prefetches change no arithmetic: the same bits.
 constexpr std::int64_t kAheadTokens = 32;
 
 struct Span {
@@ -356,69 +358,94 @@ VQ_ATTN512 __attribute__((always_inline)) inline __m512 decode16(const std::uint
   return _mm512_permutexvar_ps(_mm512_multishift_epi64_epi8(ctrl, _mm512_set1_epi64(static_cast<long long>(x))), table);
 }
 
-// accumulate_run for W <= 4: four groups per pass over the tokens (two zmm per row: eight
-// accumulators at R = 4, enough to cover the FMA latency), then a pair, then a lone group on AVX2.
+// One pass over the tile's tokens for groups g .. g + 2Z (+1 when H) of width W <= 4: Z zmm per row
+// (two groups each, decode16), and with H one more group in a ymm (the low half of a decode16 at
+// its byte: the 8 bytes read past it are the row's or the buffer's slack). Ahead: ask for token j +
+// kAheadTokens's slice of the head while decoding token j (the first pass over the tile).
+template <int W, int R, int Z, bool H, bool Ahead>
+VQ_ATTN512 __attribute__((always_inline)) inline void accumulate_pass_512(const HeadFields& f, std::int64_t n, std::int64_t g,
+                                                                          const float* w, float* acc, __m512i ctrl, __m512 table,
+                                                                          Span span) {
+  const std::int64_t d = f.d;
+  const std::size_t rb = f.row_bytes;
+  __m512 a[R][Z > 0 ? Z : 1];
+  __m256 b[R];
+  for (int r = 0; r < R; ++r) {
+    for (int z = 0; z < Z; ++z) a[r][z] = _mm512_loadu_ps(acc + r * d + 8 * g + 16 * z);
+    if constexpr (H) b[r] = _mm256_loadu_ps(acc + r * d + 8 * g + 16 * Z);
+  }
+  const std::uint8_t* p = f.rows + static_cast<std::size_t>(f.t0) * rb + f.group_byte[g];  // groups g, g + 1, .. at W bytes apart
+  for (std::int64_t j = 0; j < n; ++j, p += rb) {
+    if constexpr (Ahead) prefetch_head(f, span, j + kAheadTokens);
+    __m512 x[Z > 0 ? Z : 1];
+    for (int z = 0; z < Z; ++z) x[z] = decode16<W>(p + 2 * W * z, ctrl, table);
+    __m256 xh = _mm256_setzero_ps();
+    if constexpr (H) xh = _mm512_castps512_ps256(decode16<W>(p + 2 * W * Z, ctrl, table));
+    for (int r = 0; r < R; ++r) {
+      const __m512 wv = _mm512_set1_ps(w[r * n + j]);
+      for (int z = 0; z < Z; ++z) a[r][z] = _mm512_fmadd_ps(wv, x[z], a[r][z]);
+      if constexpr (H) b[r] = _mm256_fmadd_ps(_mm512_castps512_ps256(wv), xh, b[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int z = 0; z < Z; ++z) _mm512_storeu_ps(acc + r * d + 8 * g + 16 * z, a[r][z]);
+    if constexpr (H) _mm256_storeu_ps(acc + r * d + 8 * g + 16 * Z, b[r]);
+  }
+}
+
+// accumulate_run for W <= 4: eight groups per pass over the tokens (four zmm per row: sixteen
+// accumulators at R = 4; each weight broadcast feeds four multiply-adds, each pass's per-token
+// work is shared by 64 lanes), then what is left (1..7 groups) in one more pass. Each lane still
+// adds its field's weighted codes token by token, from the same starting sum, with the same fused
+// multiply-add: the AVX2 loop's result bit for bit.
 template <int W, int R>
 VQ_ATTN512 void accumulate_run_512(const HeadFields& f, std::int64_t n, std::int64_t g0, std::int64_t g1, const float* w, float* acc,
                                    bool ahead) {
   static_assert(W <= 4);
   const Span span = head_span(f);
-  constexpr std::int64_t k = kAheadTokens;
-  const std::int64_t d = f.d;
-  const std::uint8_t* first = f.rows + static_cast<std::size_t>(f.t0) * f.row_bytes;
   const __m512i ctrl = multishift_control<W>();
   const __m512 table = code_table16<W>();
   std::int64_t g = g0;
-  for (; g + 4 <= g1; g += 4) {
-    const std::uint32_t off = f.group_byte[g];  // groups g .. g + 3 at off, off + W, off + 2W, off + 3W
-    __m512 a[R][2];
-    for (int r = 0; r < R; ++r) a[r][0] = _mm512_loadu_ps(acc + r * d + 8 * g), a[r][1] = _mm512_loadu_ps(acc + r * d + 8 * g + 16);
-    const std::uint8_t* p = first + off;
-    if (ahead) {  // the first pass over the tokens brings the head's slices in; the others find them
-      for (std::int64_t j = 0; j < n; ++j, p += f.row_bytes) {
-        prefetch_head(f, span, j + k);
-        const __m512 x0 = decode16<W>(p, ctrl, table), x1 = decode16<W>(p + 2 * W, ctrl, table);
-        for (int r = 0; r < R; ++r) {
-          const __m512 wv = _mm512_set1_ps(w[r * n + j]);
-          a[r][0] = _mm512_fmadd_ps(wv, x0, a[r][0]);
-          a[r][1] = _mm512_fmadd_ps(wv, x1, a[r][1]);
-        }
-      }
-      ahead = false;
-    } else {
-      for (std::int64_t j = 0; j < n; ++j, p += f.row_bytes) {
-        const __m512 x0 = decode16<W>(p, ctrl, table), x1 = decode16<W>(p + 2 * W, ctrl, table);
-        for (int r = 0; r < R; ++r) {
-          const __m512 wv = _mm512_set1_ps(w[r * n + j]);
-          a[r][0] = _mm512_fmadd_ps(wv, x0, a[r][0]);
-          a[r][1] = _mm512_fmadd_ps(wv, x1, a[r][1]);
-        }
-      }
-    }
-    for (int r = 0; r < R; ++r) _mm512_storeu_ps(acc + r * d + 8 * g, a[r][0]), _mm512_storeu_ps(acc + r * d + 8 * g + 16, a[r][1]);
+#define VQ_PASS(Z, H)                                                                            \
+  do {                                                                                           \
+    if (ahead)                                                                                   \
+      accumulate_pass_512<W, R, Z, H, true>(f, n, g, w, acc, ctrl, table, span);                 \
+    else                                                                                         \
+      accumulate_pass_512<W, R, Z, H, false>(f, n, g, w, acc, ctrl, table, span);                \
+    ahead = false;                                                                               \
+    g += 2 * (Z) + ((H) ? 1 : 0);                                                                \
+  } while (0)
+  for (; g + 8 <= g1;) VQ_PASS(4, false);
+  switch (g1 - g) {
+    case 7: VQ_PASS(3, true); break;
+    case 6: VQ_PASS(3, false); break;
+    case 5: VQ_PASS(2, true); break;
+    case 4: VQ_PASS(2, false); break;
+    case 3: VQ_PASS(1, true); break;
+    case 2: VQ_PASS(1, false); break;
+    case 1: VQ_PASS(0, true); break;
+    default: break;
   }
-  if (g + 2 <= g1) {
-    __m512 a[R];
-    for (int r = 0; r < R; ++r) a[r] = _mm512_loadu_ps(acc + r * d + 8 * g);
-    const std::uint8_t* p = first + f.group_byte[g];
-    for (std::int64_t j = 0; j < n; ++j, p += f.row_bytes) {
-      const __m512 x = decode16<W>(p, ctrl, table);
-      for (int r = 0; r < R; ++r) a[r] = _mm512_fmadd_ps(_mm512_set1_ps(w[r * n + j]), x, a[r]);
-    }
-    for (int r = 0; r < R; ++r) _mm512_storeu_ps(acc + r * d + 8 * g, a[r]);
-    g += 2;
-  }
-  if (g < g1) accumulate_run<W, R>(f, n, g, g1, w, acc);
+#undef VQ_PASS
 }
 
 #pragma GCC diagnostic pop
 
+template <int W, int R>
+VQ_ATTN512 void accumulate_wide_512(const HeadFields& f, std::int64_t n, std::int64_t g0, std::int64_t g1, const float* w, float* acc);
+
 template <int R>
 VQ_ATTN_INLINE void accumulate_rows_by_width(const HeadFields& f, const std::vector<Run>& runs, std::int64_t n, const float* w, float* acc,
                                              bool wide, bool ahead = false) {
+  // The look-ahead goes with the first pass of the longest run of widths <= 4 (a pass over one
+  // group would spend as long asking for the lines as using them).
+  const Run* ahead_run = nullptr;
+  if (wide && ahead)
+    for (const Run& run : runs)
+      if (run.w <= 4 && (!ahead_run || run.g1 - run.g0 > ahead_run->g1 - ahead_run->g0)) ahead_run = &run;
   for (const Run& run : runs) {
-    if (wide && run.w <= 4 && run.g1 - run.g0 >= 2) {
-#define VQ_ACC_RUN_512(width) accumulate_run_512<width, R>(f, n, run.g0, run.g1, w, acc, ahead)
+    if (wide && run.w <= 4) {
+#define VQ_ACC_RUN_512(width) accumulate_run_512<width, R>(f, n, run.g0, run.g1, w, acc, &run == ahead_run)
       switch (run.w) {
         case 1: VQ_ACC_RUN_512(1); break;
         case 2: VQ_ACC_RUN_512(2); break;
@@ -426,7 +453,17 @@ VQ_ATTN_INLINE void accumulate_rows_by_width(const HeadFields& f, const std::vec
         default: VQ_ACC_RUN_512(4); break;
       }
 #undef VQ_ACC_RUN_512
-      ahead = false;
+      continue;
+    }
+    if (wide && run.w > 4 && run.w <= 8) {
+#define VQ_ACC_WIDE_512(width) accumulate_wide_512<width, R>(f, n, run.g0, run.g1, w, acc)
+      switch (run.w) {
+        case 5: VQ_ACC_WIDE_512(5); break;
+        case 6: VQ_ACC_WIDE_512(6); break;
+        case 7: VQ_ACC_WIDE_512(7); break;
+        default: VQ_ACC_WIDE_512(8); break;
+      }
+#undef VQ_ACC_WIDE_512
       continue;
     }
 #define VQ_ACC_RUN(width) accumulate_run<width, R>(f, n, run.g0, run.g1, w, acc)
@@ -464,6 +501,14 @@ VQ_ATTN512 inline __m512i pair_shift_control() {
   return _mm512_load_si512(c);
 }
 
+// Entries 16 * half .. 16 * half + 15 of the 5-bit fields' codes, as floats.
+template <int Half>
+VQ_ATTN512 inline __m512 code_table32() {
+  alignas(64) float t[16];
+  for (int i = 0; i < 16; ++i) t[i] = code_of(i + 16 * Half, 5);
+  return _mm512_load_ps(t);
+}
+
 // Group g's codes of tokens at p0 and p1 (group bytes), as 16 floats.
 template <int W>
 VQ_ATTN512 __attribute__((always_inline)) inline __m512 decode_pair(const std::uint8_t* p0, const std::uint8_t* p1, __m512i ctrl,
@@ -476,6 +521,13 @@ VQ_ATTN512 __attribute__((always_inline)) inline __m512 decode_pair(const std::u
     // (broadcasts from memory: no scalar shifts, no move from a general register).
     const __m512i v = _mm512_mask_broadcastd_epi32(_mm512_set1_epi32(x0), 0xAAAA, _mm_cvtsi32_si128(x1));
     return _mm512_permutexvar_ps(_mm512_multishift_epi64_epi8(ctrl, v), table);
+  } else if constexpr (W == 5) {
+    // As below, but the field's low 5 bits index a 32-entry table of codes (vpermt2ps; escape 0 -> 0).
+    long long x0, x1;
+    std::memcpy(&x0, p0, 8);  // the buffer has 8 bytes of slack
+    std::memcpy(&x1, p1, 8);
+    const __m512i v = _mm512_mask_broadcastq_epi64(_mm512_set1_epi64(x0), 0xF0, _mm_cvtsi64_si128(x1));
+    return _mm512_permutex2var_ps(code_table32<0>(), _mm512_multishift_epi64_epi8(ctrl, v), code_table32<1>());
   } else if constexpr (W <= 8) {
     // Each token's group (W <= 8 bytes) in four qwords, token j's low, j + 1's high; lane i's byte 0
     // takes the bits at (i % 8) * W, masked to W: the field; then decode8's code (escape -> 0).
@@ -496,6 +548,36 @@ VQ_ATTN512 inline __m512i wide_pair_control() {
   alignas(64) std::uint8_t c[64] = {};
   for (int i = 0; i < 16; ++i) c[4 * i] = static_cast<std::uint8_t>((i % 8) * W);
   return _mm512_load_si512(c);
+}
+
+// accumulate_run for 4 < W <= 8 (where it decodes 8 fields of one token in ~14 instructions): each
+// group in turn, two tokens decoded side by side in one zmm (decode_pair), then each token's half
+// added into the rows' eight-lane sums, token j before j + 1: the AVX2 loop's sums bit for bit.
+// (V's last group of a head is often 5 bits wide: ~6 % of a 1k step on the AVX2 decode.)
+template <int W, int R>
+VQ_ATTN512 void accumulate_wide_512(const HeadFields& f, std::int64_t n, std::int64_t g0, std::int64_t g1, const float* w, float* acc) {
+  static_assert(W > 4 && W <= 8);
+  const std::int64_t d = f.d;
+  const std::size_t rb = f.row_bytes;
+  const std::uint8_t* first = f.rows + static_cast<std::size_t>(f.t0) * rb;
+  const __m512i ctrl = wide_pair_control<W>();
+  for (std::int64_t g = g0; g < g1; ++g) {
+    __m256 a[R];
+    for (int r = 0; r < R; ++r) a[r] = _mm256_loadu_ps(acc + r * d + 8 * g);
+    const std::uint8_t* p = first + f.group_byte[g];
+    std::int64_t j = 0;
+    for (; j + 2 <= n; j += 2, p += 2 * rb) {
+      const __m512 x = decode_pair<W>(p, p + rb, ctrl, _mm512_setzero_ps());
+      const __m256 x0 = _mm512_castps512_ps256(x), x1 = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1));
+      for (int r = 0; r < R; ++r) a[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(w + r * n + j), x0, a[r]);
+      for (int r = 0; r < R; ++r) a[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(w + r * n + j + 1), x1, a[r]);
+    }
+    if (j < n) {
+      const __m256 x = decode8<W>(p);
+      for (int r = 0; r < R; ++r) a[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(w + r * n + j), x, a[r]);
+    }
+    for (int r = 0; r < R; ++r) _mm256_storeu_ps(acc + r * d + 8 * g, a[r]);
+  }
 }
 
 // acc[p * 4 + r] += row r's query . the codes of tokens tok[2p] (low half) and tok[2p + 1] (high),
@@ -519,6 +601,30 @@ VQ_ATTN512 __attribute__((always_inline)) inline void score_run_512(const HeadFi
     }
   }
 }
+// hadd_ps of two zmm per 128-bit lane: [a0 + a1, a2 + a3, b0 + b1, b2 + b3] (AVX2's vhaddps, on four lanes).
+VQ_ATTN512 __attribute__((always_inline)) inline __m512 hadd512(__m512 a, __m512 b) {
+  return _mm512_add_ps(_mm512_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0)), _mm512_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// The 32 scores of an eight-token step (acc[4p + r]: row r, tokens 2p (low half) and 2p + 1 (high))
+// into s[r * n + t], t = 0..7: each token's and row's eight lanes summed as hsum8 sums them,
+// ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7)), the same bits, but in zmm for all 32 at once
+// (hsum8 per pair of tokens, its extracts and 32 scalar stores were a third of the kernel's time).
+VQ_ATTN512 __attribute__((always_inline)) inline void sum_lanes_512(const __m512* acc, float* s, std::int64_t n) {
+  __m512 v[4];
+  for (int r = 0; r < 4; ++r)  // 128-bit lane k of v[r]: the quads' sums of lane k of acc[r], acc[4 + r], acc[8 + r], acc[12 + r]
+    v[r] = hadd512(hadd512(acc[r], acc[4 + r]), hadd512(acc[8 + r], acc[12 + r]));
+  // Lanes 0 and 2 hold x0..x3 of tokens (0, 2, 4, 6) and (1, 3, 5, 7), lanes 1 and 3 their x4..x7.
+  const __m512i order = _mm512_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15);
+  for (int r = 0; r < 4; r += 2) {
+    const __m512 lo = _mm512_shuffle_f32x4(v[r], v[r + 1], _MM_SHUFFLE(2, 0, 2, 0));
+    const __m512 hi = _mm512_shuffle_f32x4(v[r], v[r + 1], _MM_SHUFFLE(3, 1, 3, 1));
+    const __m512 sum = _mm512_permutexvar_ps(order, _mm512_add_ps(lo, hi));  // rows r, r + 1: tokens 0..7
+    _mm256_storeu_ps(s + r * n, _mm512_castps512_ps256(sum));
+    _mm256_storeu_ps(s + (r + 1) * n, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(sum), 1)));
+  }
+}
+
 // Scores of four query rows against tokens j .. j + 2P - 1 (score_tokens_by_width<4, 2> P times, same bits).
 template <int P>
 VQ_ATTN512 void score_tokens_512(const HeadFields& f, const std::vector<Run>& runs, std::int64_t j, std::int64_t n, const float* q,
@@ -534,6 +640,17 @@ VQ_ATTN512 void score_tokens_512(const HeadFields& f, const std::vector<Run>& ru
   }
   const std::int64_t d = f.d, e = 8 * (d / 8);
   const Fields src{f};
+  if constexpr (P == 4) {
+    sum_lanes_512(acc, s + j, n);
+    if (e < d)  // the last d % 8 fields, one by one after the groups' sum (as the AVX2 loop adds them)
+      for (int t = 0; t < 8; ++t)
+        for (int r = 0; r < 4; ++r) {
+          float v = s[r * n + j + t];
+          for (std::int64_t x = e; x < d; ++x) v += q[r * d + x] * src.scalar(j + t, x);
+          s[r * n + j + t] = v;
+        }
+    return;
+  }
   for (int p = 0; p < P; ++p) {
     __m256 lanes[8];  // AVX2's acc[t * 4 + r] for tokens 2p (t = 0) and 2p + 1 (t = 1)
     for (int r = 0; r < 4; ++r) {
@@ -701,11 +818,5 @@ void score(const HeadFields&, std::int64_t, const float*, std::int64_t, float*, 
 void accumulate(const HeadFields&, std::int64_t, const float*, std::int64_t, float*, const std::int32_t*, Decode) {}
 
 #endif
-
-void prefetch(const HeadFields& f, std::int64_t n) {
-  const auto* p = reinterpret_cast<const char*>(f.rows + static_cast<std::size_t>(f.t0) * f.row_bytes);
-  const std::size_t bytes = static_cast<std::size_t>(n) * f.row_bytes;
-  for (std::size_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + o);
-}
 
 }  // namespace vq::vq_attention

@@ -64,7 +64,5 @@ void score(const HeadFields& f, std::int64_t n, const float* q, std::int64_t nq,
 // = the head dim of field position p). The tile's sum is formed apart, then added.
 void accumulate(const HeadFields& f, std::int64_t n, const float* w, std::int64_t nq, float* acc, const std::int32_t* order,
                 Decode how = Decode::kByWidth);
-// Ask for the rows of tokens t0 .. t0 + n - 1 (the next tile, while this one is computed).
-void prefetch(const HeadFields& f, std::int64_t n);
 
 }  // namespace vq::vq_attention

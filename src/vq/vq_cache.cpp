@@ -769,23 +769,6 @@ vq_attention::HeadFields VqKVCache::head_fields(int side, std::int64_t b, std::i
   return f;
 }
 
-namespace {
-
-// Asks for 1/H of the next tile's rows of one side while head h of this tile is computed: the
-// tile's coded run ends at qb, the next has min(n, quantized - qb) coded tokens, and head h asks
-// for the h-th H-th of them (whole rows: every head's codes). Asking for all of them at head 0
-// (a burst of ~2,000 line fetches per side) stalled on the fill buffers: ~10 % of a 64k-token step,
-// and spread over the heads the step took ~12 % less time (docs/benchmarks.md).
-void fetch_next_tile(vq_attention::HeadFields f, std::int64_t h, std::int64_t H, std::int64_t n, std::int64_t qb, std::int64_t quantized) {
-  if (qb >= quantized || H <= 0) return;
-  const std::int64_t m = std::min(n, quantized - qb), a = m * h / H, e = m * (h + 1) / H;
-  if (e <= a) return;
-  f.t0 = qb + a;
-  vq_attention::prefetch(f, e - a);
-}
-
-}  // namespace
-
 // The tile hooks on codes: tokens [t0, t0 + n) split into the coded run [qa, qb) (what the
 // kernels read) and the exact tokens around it (the sinks before, the tail after: the float tiles
 // of the defaults). Queries and accumulators are permuted into the head's field order and back.
@@ -818,7 +801,6 @@ void VqKVCache::score_key_tile(std::int64_t b, std::int64_t h, std::int64_t t0, 
   }
   const std::vector<float>& qp = pq.perm;
   const vq_attention::HeadFields f = head_fields(0, b, h, qa, qb, esc);
-  fetch_next_tile(f, h, keys_buf_.dim(1), n, qb, quantized_);
   if (qa == t0 && qb == t0 + n) return vq_attention::score(f, n, qp.data(), nq, scores);
   // A tile with exact tokens: each run into `part`, then into its columns of `scores`.
   auto run = [&](std::int64_t a, std::int64_t e, bool coded) {
@@ -855,7 +837,6 @@ void VqKVCache::accumulate_value_tile(std::int64_t b, std::int64_t h, std::int64
   rel.resize(sz(d));
   for (std::int64_t p = 0; p < d; ++p) rel[sz(p)] = vq_.order[sz(h * d + p)] - static_cast<std::int32_t>(h * d);
   const vq_attention::HeadFields f = head_fields(1, b, h, qa, qb, esc);
-  fetch_next_tile(f, h, keys_buf_.dim(1), n, qb, quantized_);
   vq_attention::accumulate(f, qb - qa, qa == t0 && qb == t0 + n ? weights : weights_of(qa, qb - qa), nq, acc, rel.data());
 }
 
