@@ -5,7 +5,8 @@
 //   1. at vq:bits=2 into vq:bits=2 host caches (the code domain: the codes packed into the caches'
 //      fields, no rows) and at fp16 (exact for fp16 K/V) into fp32 host caches, under an emulated
 //      1 Gbps link, 10 Gbps and bare loopback: median load time of each, and the ratio fp16 / vq
-//      (goals: >= 5x, >= 2x, >= 1x);
+//      (goals: >= 5x, >= 2x, >= 1x), and against the floor of any fp16 load: its blobs fetched
+//      alone from the same server (no decode, no caches), or its link time where that is longer;
 //   2. decode throughput of the load path: the vq:bits=2 prefix loaded from memory (an in-process
 //      store, no network), GB/s of fp16-equivalent output (tokens x layers x heads x D x 2 sides x 2
 //      bytes / s; goal >= 1.5 on all cores) with 1 thread and all, and the process CPU time, into
