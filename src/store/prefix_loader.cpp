@@ -41,8 +41,6 @@ class Link {
     if (o_.bandwidth_mbps) return rate_now() / 1000.0;
     return 125e6 / 1000.0;  // prior: 1 Gbps
   }
-  // Whether bytes_per_ms() comes from fetches of this load (not the prior or the emulated rate).
-  bool measured() const { return (last_ms_ > 0.5 && last_bytes_ > 0) || (ms_ > 0.5 && bytes_ > 0); }
   // Called by the fetch thread when a fetch of `bytes` that began at `start` finished: waits out
   // the emulated link, records the throughput, returns the fetch's duration in ms.
   double finish(std::uint64_t bytes, Clock::time_point start) {
@@ -293,7 +291,6 @@ LoadReport load(KVStore& store, Transformer* model, const ChunkShape& shape, std
   std::vector<InFlight> flight(static_cast<std::size_t>(n));
   std::deque<int> decode_queue;      // fetched chunks waiting for a decoder, in chunk order
 
-  double peak_bytes_per_ms = 0;      // the best link rate measured by this load (the guard's base)
   const auto choose = [&](int i) -> int {  // index into the directory's entries, or -1: recompute. Holds mu.
     const auto& e = dirs[static_cast<std::size_t>(i)].entries;
     if (o.level)
@@ -301,10 +298,7 @@ LoadReport load(KVStore& store, Transformer* model, const ChunkShape& shape, std
         if (e[k].level == *o.level) return static_cast<int>(k);
     PlanCosts pc;
     pc.link_bytes_per_ms = link.bytes_per_ms();
-    // The guard: a fraction of the best rate this load has measured (a link that already fell that
-    // far is trusted as it is).
-    if (link.measured()) peak_bytes_per_ms = std::max(peak_bytes_per_ms, pc.link_bytes_per_ms);
-    if (o.slo_guard < 1.0) pc.guard_bytes_per_ms = std::max(peak_bytes_per_ms, pc.link_bytes_per_ms) * o.slo_guard;
+    if (o.slo_guard < 1.0) pc.guard_bytes_per_ms = pc.link_bytes_per_ms * o.slo_guard;
     pc.threads = threads;
     pc.unknown_decode_ms = 0;
     for (const auto& entry : e)

@@ -204,10 +204,8 @@ Simulated simulate_link_drop(const std::vector<ChunkDirectory>& d, double deadli
   for (const auto& e : d[0].entries) c.decode_ms[e.level] = 0;
   Simulated r;
   std::uint64_t sent = 0;
-  double peak = 0;  // as the loader: the guard is a fraction of the best rate seen
   for (int i = 0; i < static_cast<int>(d.size()); ++i) {
-    peak = std::max(peak, c.link_bytes_per_ms);
-    if (guard) c.guard_bytes_per_ms = peak * *guard;
+    if (guard) c.guard_bytes_per_ms = c.link_bytes_per_ms * *guard;
     const int k = vq::choose_level(d, i, deadline - r.ms, c);
     EXPECT_NE(k, kRecompute);
     const std::uint64_t b = d[static_cast<std::size_t>(i)].entries[static_cast<std::size_t>(k)].bytes;

@@ -177,7 +177,7 @@ Runner add_generate(CLI::App& app) {
   app.add_option("--slo-ms", o->slo_ms, "with --store: deadline for loading the prefix (levels chosen per chunk to meet it)")
       ->transform(finite_at_least(0.0));
   app.add_option("--slo-guard", o->slo_guard,
-                 "with --slo-ms: meet the deadline even if the link falls mid-load to this fraction of the best rate it has shown, when any plan can "
+                 "with --slo-ms: meet the deadline even if the link falls to this fraction of its measured rate mid-load, when any plan can "
                  "(default 0.1; 1: trust the measured link)")
       ->transform(finite_in(0.001, 1.0));
   app.add_option("--bandwidth", o->bandwidth_mbps, "with --store: emulate a link of this many megabits per second (client-side token bucket)")

@@ -8,8 +8,8 @@
 //   before every fetch: without a deadline the best quality stored (fp32 when stored); with one
 //   (slo_ms), the best level that the predicted pipeline (fetch at the measured rate, decode on the
 //   decoder threads, feed in order; the chunks already in flight included) still finishes within
-//   the time left, less slo_margin of it, even if the link fell to slo_guard of the best rate it has
-//   shown now (a drop mid-load; when no plan survives that, what exposes the fewest bytes to it); when
+//   the time left, less slo_margin of it, even if the link fell to slo_guard of its measured rate
+//   now (a drop mid-load; when no plan survives that, what exposes the fewest bytes to it); when
 //   nothing fits, what finishes soonest. A chunk is
 //   recomputed from its tokens (model forward over the live caches) when that finishes sooner.
 //   Quality order: fp32 (and recompute) first, then the other levels by size, largest first.
@@ -74,10 +74,9 @@ struct LoaderOptions {
   LoadCostTable* costs = nullptr;
   // With slo_ms: the share of the time left the plan keeps free (noise of the link and the cores).
   double slo_margin = 0.15;
-  // With slo_ms: the link the deadline is guarded against, as a fraction (0, 1] of the best rate this
-  // load has measured (PlanCosts::guard_bytes_per_ms): the plan still meets the deadline if the link
-  // falls to it at any moment, whenever some plan can; once the link is that slow, it is trusted as
-  // it is; 1: trust the measured link.
+  // With slo_ms: the link the deadline is guarded against, as a fraction of the measured rate (0, 1]
+  // (PlanCosts::guard_bytes_per_ms): the plan still meets the deadline if the link falls to this
+  // fraction at any moment, whenever some plan can; 1: trust the measured link.
   double slo_guard = 0.1;
 };
 
