@@ -57,6 +57,13 @@ double predict_ms(std::span<const ChunkDirectory> dirs, int first, std::span<con
 
 namespace {
 
+// predict_ms of the plan "chunk `first` at `next`, every chunk after it at `rest`".
+double next_then_rest_ms(std::span<const ChunkDirectory> dirs, int first, int next, int rest, const PlanCosts& c, const PlanStart& start) {
+  std::vector<int> plan(dirs.size() - static_cast<std::size_t>(first), rest);
+  plan[0] = next;
+  return predict_ms(dirs, first, plan, c, start);
+}
+
 // The choice of choose_level under one set of costs: the level (or kRecompute) and whether some
 // plan was predicted to fit the time left.
 struct Choice {
@@ -66,13 +73,7 @@ struct Choice {
 
 Choice choose_under(std::span<const ChunkDirectory> dirs, int first, double time_left_ms, const PlanCosts& c, const PlanStart& start) {
   const std::vector<int> order = quality_order(dirs[static_cast<std::size_t>(first)]);
-  const std::size_t left = dirs.size() - static_cast<std::size_t>(first);
-  // "next at `next`, every chunk after it at `rest`"
-  const auto plan_ms = [&](int next, int rest) {
-    std::vector<int> plan(left, rest);
-    plan[0] = next;
-    return predict_ms(dirs, first, plan, c, start);
-  };
+  const auto plan_ms = [&](int next, int rest) { return next_then_rest_ms(dirs, first, next, rest, c, start); };
   const bool may_recompute = c.recompute_ms.has_value();
   int uniform = kRecompute - 1;  // none yet
   for (const int k : order)
@@ -112,10 +113,8 @@ int choose_level(std::span<const ChunkDirectory> dirs, int first, std::optional<
   if (!time_left_ms) {  // the best quality, or recompute when that finishes sooner
     const int best = quality_order(dirs[static_cast<std::size_t>(first)]).front();
     if (!c.recompute_ms) return best;
-    const std::size_t left = dirs.size() - static_cast<std::size_t>(first);
-    std::vector<int> plan(left, best), recomputed(left, best);
-    recomputed[0] = kRecompute;
-    return predict_ms(dirs, first, recomputed, c, start) < predict_ms(dirs, first, plan, c, start) ? kRecompute : best;
+    return next_then_rest_ms(dirs, first, kRecompute, best, c, start) < next_then_rest_ms(dirs, first, best, best, c, start) ? kRecompute
+                                                                                                                             : best;
   }
   if (!c.guard_bytes_per_ms || !(*c.guard_bytes_per_ms < c.link_bytes_per_ms)) return choose_under(dirs, first, *time_left_ms, c, start).pick;
   // Every fetch left at the guard rate (a known drop below it still counts).

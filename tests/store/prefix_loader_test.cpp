@@ -213,6 +213,22 @@ TEST(PrefixLoaderCosts, ProbesEachLevelOnce) {
   }
 }
 
+// A deadline's guard outside (0, 1] is refused before anything is loaded: the caches stay empty.
+TEST(PrefixLoaderCosts, AGuardOutsideZeroToOneIsRefused) {
+  const Context& c = context();
+  const Stored s({"fp16"});
+  for (const double guard : {0.0, -0.5, 1.5}) {
+    SCOPED_TRACE(guard);
+    vq::LoaderOptions o;
+    o.scheme = s.scheme;
+    o.slo_ms = 60000;
+    o.slo_guard = guard;
+    auto caches = vq::make_caches("fp32", *c.model);
+    EXPECT_THROW(vq::load_prefix(*s.store, *c.model, caches, c.tokens, o), vq::InvalidArgument);
+    for (const auto& cache : caches) EXPECT_EQ(cache->offset(), 0);
+  }
+}
+
 // A store with one node down (a cluster): every batch fails, and so do the keys of that node. The
 // loader keeps the chunks before the first directory on it (directories then come one by one), warns
 // once naming that chunk, and the caches hold exactly those chunks; when a chunk before it fails
