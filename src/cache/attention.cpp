@@ -194,6 +194,10 @@ void merge_splits(const RowState* parts, std::int64_t n_parts, std::int64_t dv, 
 
 Tensor attend_tiled(const KVCache& cache, const Tensor& queries, float scale) {
   check_attention_queries(cache, queries, scale);
+  return detail::attend_tiled_checked(cache, queries, scale);
+}
+
+Tensor detail::attend_tiled_checked(const KVCache& cache, const Tensor& queries, float scale) {
   const std::int64_t B = queries.dim(0), Hq = queries.dim(1), Sq = queries.dim(2), Dk = cache.key_dim(), Dv = cache.value_dim();
   const std::int64_t Hkv = cache.kv_heads(), G = Hq / Hkv, T = cache.offset(), rows = G * Sq;
   Plan p{cache, scale, B, Hq, Sq, Dk, Dv, Hkv, G, T, rows, tile_tokens(cache), detail::pick_small_d_kernel(Dk, Dv), {}};

@@ -143,7 +143,12 @@ std::int64_t KVCache::trim(std::int64_t n) {
   return n;
 }
 
-Tensor KVCache::attend(const Tensor& queries, float scale) const { return attend_tiled(*this, queries, scale); }
+Tensor KVCache::attend(const Tensor& queries, float scale) const {
+  check_attention_queries(*this, queries, scale);
+  Tensor out;
+  if (attend_own(queries, scale, out)) return out;
+  return detail::attend_tiled_checked(*this, queries, scale);
+}
 
 std::int64_t KVCache::attention_tile_tokens() const {
   const std::int64_t d = std::max<std::int64_t>({key_dim(), value_dim(), 1});

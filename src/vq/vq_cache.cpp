@@ -318,7 +318,9 @@ void VqKVCache::update(const Tensor& keys, const Tensor& values) {
 
   // Everything below up to "commit" only computes: a refusal leaves the cache unchanged.
   struct Work {
-    SideQuant q;                     // the calibration to use (copied, or new)
+    SideQuant q;                     // a new calibration (own), or a changed layout of the cache's (own)
+    bool own = false;                // else the cache's own calibration is used as it is
+    std::vector<std::uint8_t> shift;  // the coder's splits, widened as codes need (committed)
     PageVector<std::int32_t> codes;  // [b][t - q0][n]: a prefill's are MBs, mapped and unmapped at once (no heap hole)
   } work[2];
   for (int side = 0; side < 2; ++side) {
@@ -341,6 +343,7 @@ void VqKVCache::update(const Tensor& keys, const Tensor& values) {
       forward(tr, x.data(), y);
     };
     Work& w = work[side];
+    const SideQuant& current = side == 0 ? kq_ : vq_;
     if (calibrate_now) {
       std::vector<double> y(sz(B * config_.calib) * sz(n));
       for (std::int64_t b = 0; b < B; ++b)
@@ -348,29 +351,32 @@ void VqKVCache::update(const Tensor& keys, const Tensor& values) {
       calibrate_side(y, n, config_.bits + (side == 0 ? config_.k_offset : config_.v_offset), w.q.step, w.q.offset, w.q.mean, w.q.shift,
                      w.q.width);
       lay_out(w.q, n, static_cast<int>(H));
-    } else {
-      w.q = side == 0 ? kq_ : vq_;
-      if (calibrated_ && w.q.bit_at.empty() && q1 > q0) {  // dropped at rest (resident=coded): new rows are packed at 16 bits
-        if (w.q.width.empty()) w.q.width.assign(sz(n), 16);
-        lay_out(w.q, n, static_cast<int>(H));
-      }
+      w.own = true;
+    } else if (calibrated_ && current.bit_at.empty() && q1 > q0) {  // dropped at rest (resident=coded): new rows are packed at 16 bits
+      w.q = current;
+      if (w.q.width.empty()) w.q.width.assign(sz(n), 16);
+      lay_out(w.q, n, static_cast<int>(H));
+      w.own = true;
     }
+    // (A decode step quantizes one token: copying the whole calibration for it cost more than the token.)
+    const SideQuant& wq = w.own ? w.q : current;
+    w.shift = wq.shift;
     if (q1 == q0) continue;
     w.codes.append(sz(B * (q1 - q0)) * sz(n));
     std::vector<double> y(sz(n));
-    const double inv_step = 1.0 / static_cast<double>(w.q.step), lim = vq_max_code(kVqMaxShift);
+    const double inv_step = 1.0 / static_cast<double>(wq.step), lim = vq_max_code(kVqMaxShift);
     for (std::int64_t b = 0; b < B; ++b)
       for (std::int64_t t = q0; t < q1; ++t) {
         transformed(t, b, y.data());
         std::int32_t* q = w.codes.data() + sz(b * (q1 - q0) + (t - q0)) * sz(n);
         for (int c = 0; c < n; ++c) {
-          const double v = std::nearbyint((y[sz(c)] - w.q.mean[sz(c)]) * inv_step);
+          const double v = std::nearbyint((y[sz(c)] - wq.mean[sz(c)]) * inv_step);
           if (!(std::fabs(v) <= lim))
             throw InvalidArgument(fmt::format("vq: token {} {} coefficient {} lies {:.3g} steps from its calibrated mean, beyond the codes' "
                                               "reach of +-{} (bits={} is too fine for data this far from the first {} tokens); cache unchanged",
                                               t, side == 0 ? "K" : "V", c, v, vq_max_code(kVqMaxShift), config_.bits, config_.calib));
           q[c] = static_cast<std::int32_t>(v);
-          auto& sh = w.q.shift[sz(c)];
+          auto& sh = w.shift[sz(c)];
           while (std::abs(q[c]) > vq_max_code(sh)) ++sh;  // the coder's split widens; the code is kept whole
         }
       }
@@ -401,7 +407,8 @@ void VqKVCache::update(const Tensor& keys, const Tensor& values) {
           if (offset_ + s < sink_end) std::memcpy(st.sinks.data() + sz(offset_ + s) * tokb + at, in.row(b, h, s), rowb);
         }
     SideQuant& sq = side == 0 ? kq_ : vq_;
-    sq = std::move(work[side].q);
+    if (work[side].own) sq = std::move(work[side].q);
+    sq.shift = std::move(work[side].shift);
     if (q1 == q0) continue;
     if (st.packed.size() != sz(B)) st.packed.resize(sz(B)), st.escapes.resize(sz(B));  // released between updates (resident=coded)
     const int n = side == 0 ? layer_->k.n : layer_->v.n;

@@ -80,6 +80,10 @@ void check_attention_queries(const KVCache& cache, const Tensor& queries, double
 
 // The shared online-softmax loop (what KVCache::attend runs): [B, Hq, Sq, D_v] float32.
 Tensor attend_tiled(const KVCache& cache, const Tensor& queries, float scale);
+namespace detail {
+// attend_tiled without check_attention_queries (KVCache::attend has checked them).
+Tensor attend_tiled_checked(const KVCache& cache, const Tensor& queries, float scale);
+}  // namespace detail
 
 // The reference: plain softmax(scale Q K^T) V over cache.state() (the cache's reconstruction),
 // scores, softmax and weighted sum in double, with the same causal mask and head grouping and the

@@ -160,6 +160,11 @@ class VqKVCache : public KVCache {
                       float* scores, float* scratch) const override;
   void accumulate_value_tile(std::int64_t b, std::int64_t h, std::int64_t t0, std::int64_t n, const float* weights,
                              std::int64_t nq, float* acc, float* scratch) const override;
+  // kbasis=rope (the keys' basis commutes with RoPE; src/vq/rope_attention.cpp): the whole call on
+  // the codes, every head at once, with the transforms moved to the query side (F^-1^T q once per
+  // query row, F^-1 once per output row) and RoPE applied to coefficient pairs. Float32 input,
+  // packed rows, a cross-head transform and some quantized tokens; declines otherwise (the tile loop).
+  bool attend_own(const Tensor& queries, float scale, Tensor& out) const override;
   // kCodeTileTokens when both sides run on their codes (the per-tile work of the code kernels:
   // listing the tile's escapes, the field-order sum's epilogue, is then spread over more tokens;
   // no float32 tile is formed, so a longer tile costs no cache space); the default otherwise.

@@ -1,0 +1,180 @@
+// The keys' basis that commutes with RoPE (kbasis=rope, vq/basis.hpp) and the attention that it
+// allows on the codes (VqKVCache::attend_own, src/vq/rope_attention.cpp): the commutation itself,
+// and attend() equal to dense attention over state() for grouped queries, Sq > 1, B > 1, sinks, an
+// exact tail, escapes, the fast and the portable decode, and the cases it declines.
+#include <algorithm>
+#include <cmath>
+#include <random>
+
+#include <gtest/gtest.h>
+
+#include "veloxquant/cache/attention.hpp"
+#include "veloxquant/cache/attention_kernels.hpp"
+#include "veloxquant/core/error.hpp"
+#include "veloxquant/model/method_spec.hpp"
+#include "veloxquant/vq/vq_cache.hpp"
+#include "../support/test_util.hpp"
+#include "../support/vq_random_layer.hpp"
+
+namespace {
+
+using vq::Tensor;
+
+vq::VqBasisOptions rope_keys() {
+  vq::VqBasisOptions o;
+  o.rope_keys = true;
+  return o;
+}
+
+// Rotates pair (2p, 2p + 1) of every head by pos * freq[p] (llama2.c's RoPE).
+void rope(std::vector<double>& x, int d, const std::vector<double>& freq, double pos) {
+  for (std::size_t h = 0; h < x.size() / static_cast<std::size_t>(d); ++h)
+    for (std::size_t p = 0; p < freq.size(); ++p) {
+      const double a = pos * freq[p], c = std::cos(a), s = std::sin(a);
+      double* v = x.data() + h * static_cast<std::size_t>(d) + 2 * p;
+      const double v0 = v[0], v1 = v[1];
+      v[0] = v0 * c - v1 * s, v[1] = v0 * s + v1 * c;
+    }
+}
+
+TEST(RopeKeysBasis, CommutesWithRope) {
+  for (const auto& [heads, d] : {std::pair{4, 8}, std::pair{2, 16}, std::pair{3, 4}}) {
+    const vq::VqLayerModel m = vqtest::random_weights_layer_model(heads, d, 24, 3, rope_keys());
+    const int n = heads * d;
+    ASSERT_EQ(m.k_pair_freq.size(), static_cast<std::size_t>(n / 2));
+    // Each RoPE frequency names as many coefficient pairs as there are heads.
+    for (int f = 0; f < d / 2; ++f) EXPECT_EQ(std::count(m.k_pair_freq.begin(), m.k_pair_freq.end(), f), heads);
+    std::mt19937_64 rng(7);
+    std::normal_distribution<double> nd(0.0, 1.0);
+    std::vector<double> y(static_cast<std::size_t>(n));
+    for (auto& v : y) v = nd(rng);
+    for (const double pos : {0.0, 1.0, 37.0, 511.0}) {
+      // R_t (F^-1 y) against F^-1 (R'_t y).
+      std::vector<double> x(static_cast<std::size_t>(n), 0.0), yr = y, xr(static_cast<std::size_t>(n), 0.0);
+      for (int i = 0; i < n; ++i)
+        for (int j = 0; j < n; ++j) x[static_cast<std::size_t>(i)] += m.k.inv[static_cast<std::size_t>(i * n + j)] * y[static_cast<std::size_t>(j)];
+      rope(x, d, m.rope_freq, pos);
+      for (int c = 0; c < n / 2; ++c) {
+        const double a = pos * m.rope_freq[static_cast<std::size_t>(m.k_pair_freq[static_cast<std::size_t>(c)])];
+        const double y0 = y[static_cast<std::size_t>(2 * c)], y1 = y[static_cast<std::size_t>(2 * c + 1)];
+        yr[static_cast<std::size_t>(2 * c)] = y0 * std::cos(a) - y1 * std::sin(a);
+        yr[static_cast<std::size_t>(2 * c + 1)] = y0 * std::sin(a) + y1 * std::cos(a);
+      }
+      for (int i = 0; i < n; ++i)
+        for (int j = 0; j < n; ++j) xr[static_cast<std::size_t>(i)] += m.k.inv[static_cast<std::size_t>(i * n + j)] * yr[static_cast<std::size_t>(j)];
+      for (int i = 0; i < n; ++i) EXPECT_NEAR(x[static_cast<std::size_t>(i)], xr[static_cast<std::size_t>(i)], 1e-4 * (1 + std::fabs(x[static_cast<std::size_t>(i)])));
+    }
+    // F and F^-1 are inverses.
+    for (int i = 0; i < n; ++i)
+      for (int j = 0; j < n; ++j) {
+        double acc = 0;
+        for (int k = 0; k < n; ++k) acc += double(m.k.fwd[static_cast<std::size_t>(i * n + k)]) * m.k.inv[static_cast<std::size_t>(k * n + j)];
+        EXPECT_NEAR(acc, i == j ? 1.0 : 0.0, 1e-4);
+      }
+  }
+}
+
+TEST(RopeKeysBasis, SpecNeedsTheWeightBasisAndRope) {
+  EXPECT_NO_THROW(vq::MethodSpec::parse("vq:bits=2,kbasis=rope"));
+  EXPECT_NO_THROW(vq::MethodSpec::parse("vq:kbasis=full"));
+  EXPECT_THROW(vq::MethodSpec::parse("vq:kbasis=rope,rope=off"), vq::InvalidArgument);
+  EXPECT_THROW(vq::MethodSpec::parse("vq:kbasis=rope,basis=identity"), vq::InvalidArgument);
+  EXPECT_THROW(vq::MethodSpec::parse("vq:kbasis=maybe"), vq::InvalidArgument);
+  EXPECT_NE(vq::MethodSpec::parse("vq:bits=2,kbasis=rope").to_string().find("kbasis=rope"), std::string::npos);
+  EXPECT_EQ(vq::MethodSpec::parse("vq:bits=2").to_string().find("kbasis"), std::string::npos);
+}
+
+double max_diff(const Tensor& a, const Tensor& b, double& mag) {
+  const auto x = a.to_f32_vector(), y = b.to_f32_vector();
+  double diff = 0;
+  mag = 0;
+  for (std::size_t i = 0; i < x.size(); ++i) diff = std::max(diff, std::fabs(double(x[i]) - y[i])), mag = std::max(mag, std::fabs(double(y[i])));
+  return diff;
+}
+
+// Rows that a transform mixes: Gaussian, with rare outliers (escapes).
+Tensor data(const vq::Shape4& s, std::uint64_t seed, vq::DType dtype) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::uniform_real_distribution<float> u(0.0f, 1.0f);
+  std::vector<float> v(static_cast<std::size_t>(s[0] * s[1] * s[2] * s[3]));
+  for (std::size_t i = 0; i < v.size(); ++i) {
+    v[i] = 0.2f * static_cast<float>(static_cast<std::int64_t>(i) % s[3]) + nd(rng);
+    if (u(rng) < 0.003f) v[i] += u(rng) < 0.5f ? -30.0f : 30.0f;
+  }
+  return Tensor::from_f32(s, v).to(dtype);
+}
+
+struct Case {
+  std::int64_t B, H, Hq, D, T, Sq;
+  int sinks = 0, residual = 0;
+  vq::DType dtype = vq::DType::F32;
+  bool own = true;  // attend_own takes the call
+};
+
+void expect_matches(const Case& c) {
+  SCOPED_TRACE(::testing::Message() << "B=" << c.B << " H=" << c.H << " Hq=" << c.Hq << " D=" << c.D << " T=" << c.T << " Sq=" << c.Sq
+                                    << " sinks=" << c.sinks << " residual=" << c.residual << (c.dtype == vq::DType::F16 ? " f16" : ""));
+  vq::VqConfig cfg;
+  cfg.bits = 3;
+  cfg.calib = 32;
+  cfg.sinks = c.sinks;
+  cfg.residual = c.residual;
+  auto model = std::make_shared<const vq::VqLayerModel>(
+      vqtest::random_weights_layer_model(static_cast<int>(c.H), static_cast<int>(c.D), 32, 9, rope_keys()));
+  vq::VqKVCache cache(cfg, model);
+  const Tensor k = data({c.B, c.H, c.T, c.D}, 21, c.dtype), v = data({c.B, c.H, c.T, c.D}, 22, c.dtype);
+  cache.update(k.slice(2, 0, c.T - c.Sq), v.slice(2, 0, c.T - c.Sq));
+  cache.update(k.slice(2, c.T - c.Sq, c.T), v.slice(2, c.T - c.Sq, c.T));
+  ASSERT_GT(cache.quantized_tokens(), 0);
+  if (c.T >= 150) EXPECT_GT(cache.escapes(), 0u);
+  const Tensor q = vqtest::random_uniform({c.B, c.Hq, c.Sq, c.D}, 23);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(c.D));
+  Tensor own;
+  ASSERT_EQ(cache.attend_own(q, scale, own), c.own);
+  const Tensor ref = vq::attend_ref(cache, q, scale);
+  const Tensor got = cache.attend(q, scale);
+  const Tensor tiles = vq::attend_tiled(cache, q, scale);
+  double mag = 0;
+  // Float32 sums in coefficient space: the transform's conditioning (the noise shaping's scales)
+  // costs a few more ulps than the tile loop's.
+  EXPECT_LE(max_diff(got, ref, mag), 2e-5 * (1.0 + mag));
+  EXPECT_GT(mag, 0.1);
+  EXPECT_LE(max_diff(tiles, ref, mag), 2e-5 * (1.0 + mag));
+  // The portable decode gives the same within float32 rounding.
+  const bool was = vq::attn::set_avx512_enabled(false);
+  const Tensor portable = cache.attend(q, scale);
+  vq::attn::set_avx512_enabled(was);
+  EXPECT_LE(max_diff(portable, ref, mag), 2e-5 * (1.0 + mag));
+}
+
+TEST(RopeAttention, EqualsDenseAttentionOverState) {
+  expect_matches({1, 4, 8, 8, 300, 1});                 // stories260K's shape: n = 32, GQA 2:1
+  expect_matches({2, 4, 16, 8, 150, 5});                // B > 1, Sq > 1, GQA 4:1
+  expect_matches({1, 4, 8, 8, 200, 3, 3, 7});           // sinks and an exact tail
+  expect_matches({1, 2, 4, 16, 130, 2, 0, 70});         // n = 32 of two heads of 16; most tokens exact
+  expect_matches({1, 3, 6, 4, 100, 1});                 // D = 4: the portable decode (D % 8 != 0)
+  expect_matches({1, 3, 3, 16, 120, 2});                // n = 48: the portable decode
+  expect_matches({1, 4, 8, 8, 100, 1, 0, 0, vq::DType::F16, false});  // float16: declined (state() rounds rows)
+}
+
+TEST(RopeAttention, DeclinesBeforeCalibrationAndForOtherBases) {
+  vq::VqConfig cfg;
+  cfg.calib = 32;
+  auto model = std::make_shared<const vq::VqLayerModel>(vqtest::random_weights_layer_model(4, 8, 32, 9, rope_keys()));
+  vq::VqKVCache cache(cfg, model);
+  cache.update(data({1, 4, 20, 8}, 1, vq::DType::F32), data({1, 4, 20, 8}, 2, vq::DType::F32));
+  const Tensor q = vqtest::random_uniform({1, 8, 1, 8}, 3);
+  Tensor out;
+  EXPECT_FALSE(cache.attend_own(q, 0.3f, out));  // nothing quantized yet
+  vq::VqKVCache full(cfg, std::make_shared<const vq::VqLayerModel>(vqtest::random_weights_layer_model(4, 8, 32, 9)));
+  full.update(data({1, 4, 40, 8}, 1, vq::DType::F32), data({1, 4, 40, 8}, 2, vq::DType::F32));
+  EXPECT_FALSE(full.attend_own(q, 0.3f, out));  // the full key basis does not commute with RoPE
+  // Bad queries still get the shared checks' errors, the cache unchanged.
+  cache.update(data({1, 4, 20, 8}, 4, vq::DType::F32), data({1, 4, 20, 8}, 5, vq::DType::F32));
+  EXPECT_THROW(cache.attend(vqtest::random_uniform({1, 6, 1, 8}, 3), 0.3f), vq::InvalidArgument);
+  EXPECT_THROW(cache.attend(vqtest::random_uniform({1, 8, 1, 7}, 3), 0.3f), vq::InvalidArgument);
+  EXPECT_EQ(cache.offset(), 40);
+}
+
+}  // namespace
