@@ -162,19 +162,6 @@ void rope_keys_block(const VqLayerWeights& w, int r0, int bn, const std::vector<
         c[sz(2 * h) * sz(m) + sz(2 * g)] = a, c[sz(2 * h + 1) * sz(m) + sz(2 * g + 1)] = a;
         c[sz(2 * h) * sz(m) + sz(2 * g + 1)] = -b, c[sz(2 * h + 1) * sz(m) + sz(2 * g)] = b;
       }
-    if (getenv("VQ_EXP_RAW")) {  // EXPERIMENT: per-frequency real KLT (does not commute)
-      for (int i = 0; i < m; ++i) for (int j = 0; j < m; ++j) c[sz(i) * sz(m) + sz(j)] = cov[sz(ch(i)) * sz(bn) + sz(ch(j))];
-      std::vector<double> lambda;
-      const std::vector<double> u = symmetric_eigen(c, m, lambda);
-      for (int k = 0; k < m; k += 2) {
-        Vec e{lambda[sz(k)], f, std::vector<double>(sz(bn), 0.0)};
-        for (int i = 0; i < m; ++i) e.v[sz(ch(i))] = u[sz(i) * sz(m) + sz(k)];
-        Vec e2{lambda[sz(k)], f, std::vector<double>(sz(bn), 0.0)};
-        for (int i = 0; i < m; ++i) e2.v[sz(ch(i))] = u[sz(i) * sz(m) + sz(k + 1)];
-        found.push_back(e); found.push_back(e2);
-      }
-      continue;
-    }
     std::vector<double> lambda;
     const std::vector<double> u = symmetric_eigen(c, m, lambda);
     // Eigenvalues come in pairs: take one vector of each pair's plane, orthogonal to the planes
@@ -203,17 +190,6 @@ void rope_keys_block(const VqLayerWeights& w, int r0, int bn, const std::vector<
       for (int i = 0; i < m; ++i) e.v[sz(ch(i))] = v[sz(i)];
       found.push_back(std::move(e));
     }
-  }
-  if (getenv("VQ_EXP_RAW")) {
-    std::stable_sort(found.begin(), found.end(), [](const Vec& a, const Vec& b) { return a.value > b.value; });
-    std::vector<double> B(sz(bn) * sz(bn), 0.0);
-    for (std::size_t c = 0; c < found.size(); ++c) for (int k = 0; k < bn; ++k) B[sz(k) * sz(bn) + c] = found[c].v[sz(k)];
-    fwd.assign(sz(bn) * sz(bn), 0.0); inv.assign(sz(bn) * sz(bn), 0.0); freq.assign(sz(bn / 2), 0);
-    for (int i = 0; i < bn; ++i) for (int j = 0; j < bn; ++j) {
-      fwd[sz(i) * sz(bn) + sz(j)] = B[sz(j) * sz(bn) + sz(i)] * s[sz(j) * sz(bn) + sz(j)];
-      inv[sz(i) * sz(bn) + sz(j)] = s_inv[sz(i) * sz(bn) + sz(i)] * B[sz(i) * sz(bn) + sz(j)];
-    }
-    return;
   }
   require(static_cast<int>(found.size()) * 2 == bn, "vq: kbasis=rope found {} coefficient pairs for {} channels", found.size(), bn);
   std::stable_sort(found.begin(), found.end(), [](const Vec& a, const Vec& b) { return a.value > b.value; });
