@@ -380,6 +380,7 @@ VqLayerModel make_vq_layer_model(const VqLayerWeights& w, const VqBasisOptions& 
 void vq_index_inverse(VqSideTransform& side, int kv_heads) {
   side.inv_cols.clear();
   side.fwd_t.clear();
+  side.inv_t.clear();
   side.col_span = 0;
   if (side.identity() || kv_heads <= 0 || side.n % kv_heads != 0) return;
   const int n = side.n, d = n / kv_heads;
@@ -392,8 +393,12 @@ void vq_index_inverse(VqSideTransform& side, int kv_heads) {
   side.col_span = span;
   if (!per_head) {
     side.fwd_t.resize(sz(n) * sz(n));
+    side.inv_t.resize(sz(n) * sz(n));
     for (int c = 0; c < n; ++c)
-      for (int j = 0; j < n; ++j) side.fwd_t[sz(j) * sz(n) + sz(c)] = side.fwd[sz(c) * sz(n) + sz(j)];
+      for (int j = 0; j < n; ++j) {
+        side.fwd_t[sz(j) * sz(n) + sz(c)] = side.fwd[sz(c) * sz(n) + sz(j)];
+        side.inv_t[sz(j) * sz(n) + sz(c)] = side.inv[sz(c) * sz(n) + sz(j)];
+      }
   }
   side.inv_cols.assign(sz(kv_heads) * sz(span) * sz(d), 0.0f);
   for (int h = 0; h < kv_heads; ++h) {

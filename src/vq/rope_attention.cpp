@@ -121,6 +121,40 @@ VQ_ROPE_AVX512 void rotate_rows(const FieldPlan& fp, const VqRopeTable& rope, st
   }
 }
 
+// Keys rebuilt in place: x = F^-1 y for `rows` token rows of 32 floats (y in coefficient order;
+// inv_t = F^-1 transposed, n <= 32 columns of n floats). Four tokens at a time (eight independent
+// sums of fused multiply-adds).
+VQ_ROPE_AVX512 void rebuild_rows(const float* inv_t, int n, std::int64_t rows, float* y) {
+  const __mmask16 m0 = static_cast<__mmask16>(n >= 16 ? 0xFFFF : (1u << n) - 1);
+  const __mmask16 m1 = static_cast<__mmask16>(n >= 32 ? 0xFFFF : n > 16 ? (1u << (n - 16)) - 1 : 0);
+  std::int64_t t = 0;
+  for (; t + 4 <= rows; t += 4, y += 4 * 32) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, b0 = a0, b1 = a0, c0 = a0, c1 = a0, d0 = a0, d1 = a0;
+    const float* col = inv_t;
+    for (int j = 0; j < n; ++j, col += n) {
+      const __m512 lo = _mm512_maskz_loadu_ps(m0, col), hi = _mm512_maskz_loadu_ps(m1, col + 16);
+      const __m512 ya = _mm512_set1_ps(y[j]), yb = _mm512_set1_ps(y[32 + j]), yc = _mm512_set1_ps(y[64 + j]), yd = _mm512_set1_ps(y[96 + j]);
+      a0 = _mm512_fmadd_ps(ya, lo, a0), a1 = _mm512_fmadd_ps(ya, hi, a1);
+      b0 = _mm512_fmadd_ps(yb, lo, b0), b1 = _mm512_fmadd_ps(yb, hi, b1);
+      c0 = _mm512_fmadd_ps(yc, lo, c0), c1 = _mm512_fmadd_ps(yc, hi, c1);
+      d0 = _mm512_fmadd_ps(yd, lo, d0), d1 = _mm512_fmadd_ps(yd, hi, d1);
+    }
+    _mm512_storeu_ps(y, a0), _mm512_storeu_ps(y + 16, a1);
+    _mm512_storeu_ps(y + 32, b0), _mm512_storeu_ps(y + 48, b1);
+    _mm512_storeu_ps(y + 64, c0), _mm512_storeu_ps(y + 80, c1);
+    _mm512_storeu_ps(y + 96, d0), _mm512_storeu_ps(y + 112, d1);
+  }
+  for (; t < rows; ++t, y += 32) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0;
+    const float* col = inv_t;
+    for (int j = 0; j < n; ++j, col += n) {
+      const __m512 yj = _mm512_set1_ps(y[j]);
+      a0 = _mm512_fmadd_ps(yj, _mm512_maskz_loadu_ps(m0, col), a0), a1 = _mm512_fmadd_ps(yj, _mm512_maskz_loadu_ps(m1, col + 16), a1);
+    }
+    _mm512_storeu_ps(y, a0), _mm512_storeu_ps(y + 16, a1);
+  }
+}
+
 // a (32 floats, coefficient order) = scale * sum_e q[e] * row e of F^-1 for head h (d rows of
 // n <= 32 floats, n apart); a[c] = 0 past n.
 VQ_ROPE_AVX512 void query_side(const float* inv, int n, int d, const float* q, float scale, float* a) {
@@ -151,25 +185,32 @@ bool fast_decode_available() { return false; }
 void decode_rows(const FieldPlan&, const std::uint8_t*, std::uint32_t, std::int64_t, float, float*) {}
 void rotate_rows(const FieldPlan&, const VqRopeTable&, std::int64_t, std::int64_t, float*) {}
 void query_side(const float*, int, int, const float*, float, float*) {}
+void rebuild_rows(const float*, int, std::int64_t, float*) {}
 void output_side(const float*, int, int, const float*, float, float*) {}
 #endif
 
 }  // namespace
 
 bool VqKVCache::attend_own(const Tensor& queries, float scale, Tensor& out) const {
-  if (!layer_ || layer_->k_pair_freq.empty() || layer_->rope_freq.empty() || !calibrated_ || config_.coded) return false;
+  if (!layer_ || identity_from_data_ || !calibrated_ || config_.coded) return false;
   if (keys_buf_.dtype() != DType::F32) return false;
   const VqSideTransform &tk = layer_->k, &tv = layer_->v;
   const int H = layer_->kv_heads, d = layer_->head_dim, n = tk.n;
   if (tk.identity() || tv.identity() || tv.n != n || tk.col_span != n || tv.col_span != n || H * d != n ||
-      tv.inv_cols.size() != sz(n) * sz(n) || tk.fwd_t.size() != sz(n) * sz(n) || tv.fwd_t.size() != sz(n) * sz(n))
+      tv.inv_cols.size() != sz(n) * sz(n) || tk.fwd_t.size() != sz(n) * sz(n) || tv.fwd_t.size() != sz(n) * sz(n) ||
+      tk.inv_t.size() != sz(n) * sz(n))
     return false;
+  // How keys are scored: Rotated (kbasis=rope: a = F^-1_h^T q against the codes rotated pairwise),
+  // Plain (no RoPE: the same without the rotation), Rebuilt (the full weight basis with RoPE: each
+  // token's key row rebuilt, x = F^-1 y, and rotated per head; a = q in head h's place).
+  enum class Keys { Rotated, Plain, Rebuilt };
+  const Keys keys = layer_->rope_freq.empty() ? Keys::Plain : !layer_->k_pair_freq.empty() ? Keys::Rotated : Keys::Rebuilt;
   const std::int64_t sink_end = std::min<std::int64_t>(config_.sinks, offset_), Q = quantized_;
   if (Q <= sink_end) return false;
 
   const std::int64_t B = queries.dim(0), Hq = queries.dim(1), Sq = queries.dim(2), G = Hq / H, T = offset_, R = Hq * Sq;
   out = Tensor::uninitialized({B, Hq, Sq, d}, DType::F32);
-  const auto rope = vq_rope_table(layer_->rope_freq, T);
+  const auto rope = keys == Keys::Plain ? nullptr : vq_rope_table(layer_->rope_freq, T);
   const code_pack::Layout lay[2] = {code_pack::pack_layout(kq_, n, H), code_pack::pack_layout(vq_, n, H)};
   const SideQuant* sqs[2] = {&kq_, &vq_};
   const SideStore* sts[2] = {&ks_, &vs_};
@@ -178,7 +219,7 @@ bool VqKVCache::attend_own(const Tensor& queries, float scale, Tensor& out) cons
   // The fast decode (AVX-512 VBMI) where it applies: rows of <= 32 coefficients in <= 64 bytes,
   // whole groups of 8 fields of <= 8 bits, at most 16 cos/sin per position.
   thread_local FieldPlan plan[2];
-  bool fast = fast_decode_available() && n <= 32 && d % 8 == 0 && layer_->rope_freq.size() <= 8;
+  bool fast = fast_decode_available() && n <= 32 && d % 8 == 0 && d <= 16;
   for (int side = 0; side < 2 && fast; ++side) {
     for (std::uint8_t w : sqs[side]->group_width) fast = fast && w <= 8;
     fast = fast && lay[side].row_bytes() <= 64;
@@ -201,7 +242,12 @@ bool VqKVCache::attend_own(const Tensor& queries, float scale, Tensor& out) cons
       }
       for (int c = 0; c < n; ++c) {
         fp.mean[c] = sq.mean[sz(c)];
-        if (side == 0) fp.cos_at[c] = 2 * layer_->k_pair_freq[sz(c / 2)], fp.sign[c] = (c % 2 == 0) ? -1.0f : 1.0f;
+        // Keys' rotation: coefficient pair c / 2 by its RoPE pair (Rotated), or channel pair
+        // (c % d) / 2 of its head (Rebuilt).
+        if (side == 0 && keys != Keys::Plain) {
+          fp.cos_at[c] = 2 * (keys == Keys::Rotated ? layer_->k_pair_freq[sz(c / 2)] : (c % d) / 2);
+          fp.sign[c] = (c % 2 == 0) ? -1.0f : 1.0f;
+        }
       }
     }
   const int ns = fast ? 32 : n;  // floats per token of y (coefficients n .. ns - 1 unused)
@@ -222,7 +268,10 @@ bool VqKVCache::attend_own(const Tensor& queries, float scale, Tensor& out) cons
         const std::int64_t h = hq / G;
         to_f32(queries.row(b, hq, i), queries.dtype(), qrow.data(), sz(d));
         float* ar = a.data() + sz(hq * Sq + i) * sz(ns);
-        if (fast) {
+        if (keys == Keys::Rebuilt) {
+          std::fill(ar, ar + n, 0.0f);
+          for (int e = 0; e < d; ++e) ar[h * d + e] = qrow[sz(e)] * scale;
+        } else if (fast) {
           query_side(tk.inv.data() + sz(h * d) * sz(n), n, d, qrow.data(), scale, ar);
         } else {
           std::fill(ar, ar + n, 0.0f);
@@ -256,14 +305,26 @@ bool VqKVCache::attend_own(const Tensor& queries, float scale, Tensor& out) cons
           }
           for (auto it = first; it != e.end() && it->t < qb; ++it)
             yq[sz(it->t - qa) * sz(ns) + sz(it->c)] = dequant(sq.mean[sz(it->c)], it->q, sq.step);
-          if (side == 0 && fast) {
+          if (side == 0 && keys == Keys::Rebuilt) {
+            if (fast) {
+              rebuild_rows(tk.inv_t.data(), n, qb - qa, yq);
+            } else {
+              for (std::int64_t t = 0; t < qb - qa; ++t) {
+                float* yt = yq + sz(t) * sz(ns);
+                std::copy_n(yt, n, x.data());
+                std::fill(yt, yt + n, 0.0f);
+                for (int j = 0; j < n; ++j) add_scaled(yt, tk.inv_t.data() + sz(j) * sz(n), x[sz(j)], n);
+              }
+            }
+          }
+          if (side == 0 && keys != Keys::Plain && fast) {
             rotate_rows(plan[0], *rope, qa, qb - qa, yq);
-          } else if (side == 0) {
+          } else if (side == 0 && keys != Keys::Plain) {
             for (std::int64_t t = qa; t < qb; ++t) {
               const double* cs = rope->at(t);
               float* yt = yq + sz(t - qa) * sz(ns);
               for (int p = 0; p < n / 2; ++p) {
-                const int f = layer_->k_pair_freq[sz(p)];
+                const int f = keys == Keys::Rotated ? layer_->k_pair_freq[sz(p)] : (2 * p % d) / 2;
                 const float co = static_cast<float>(cs[2 * f]), si = static_cast<float>(cs[2 * f + 1]);
                 const float y0 = yt[2 * p], y1 = yt[2 * p + 1];
                 yt[2 * p] = co * y0 - si * y1;
@@ -278,6 +339,10 @@ bool VqKVCache::attend_own(const Tensor& queries, float scale, Tensor& out) cons
           const std::uint8_t* src = t < sink_end ? st.sinks.data() + sz(t * B + b) * sz(n) * 4 : st.tail.data() + sz((t - Q) * B + b) * sz(n) * 4;
           to_f32(src, DType::F32, x.data(), sz(n));
           float* yt = y + sz(t - t0) * sz(ns);
+          if (side == 0 && keys == Keys::Rebuilt) {  // rows as held are what rebuilt keys stand for
+            std::copy_n(x.data(), n, yt);
+            continue;
+          }
           std::fill(yt, yt + n, 0.0f);
           for (int j = 0; j < n; ++j) add_scaled(yt, tr.fwd_t.data() + sz(j) * sz(n), x[sz(j)], n);
         }

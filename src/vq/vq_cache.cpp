@@ -35,11 +35,37 @@ std::uint64_t next_seal_gen() {
 // The high-rate code rate of a uniformly quantized Gaussian is log2(sigma * sqrt(2 pi e) / step).
 constexpr double kSqrt2PiE = 4.132731354122493;
 
-// Rotate each (2i, 2i+1) pair of every head by +angle (re-apply RoPE) or -angle (undo it),
-// angle = pos * freq_i, in double.
-void rope(double* x, int heads, int d, const std::vector<double>& freq, std::int64_t pos, bool undo) {
-  for (std::size_t p = 0; p < freq.size(); ++p) {
-    const double a = static_cast<double>(pos) * freq[p], c = std::cos(a), s = undo ? -std::sin(a) : std::sin(a);
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+// forward() for a transform that mixes every head, from F transposed (fwd_t): eight rows per zmm
+// of doubles, up to 32 rows side by side; each row's terms are the scalar loop's (double(f) * x_j,
+// a product and then an add, from 0 in j order), so the codes are the same bits.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"  // GCC 12's _mm512_cvtps_pd passes an undefined source for its unused mask
+__attribute__((target("avx512f"))) void forward_t_avx512(const float* fwd_t, int n, const double* x, double* y) {
+  for (int i0 = 0; i0 < n; i0 += 32) {
+    const int blocks = std::min(32, n - i0) / 8;
+    __m512d acc[4] = {_mm512_setzero_pd(), _mm512_setzero_pd(), _mm512_setzero_pd(), _mm512_setzero_pd()};
+    for (int j = 0; j < n; ++j) {
+      const __m512d xj = _mm512_set1_pd(x[j]);
+      const float* col = fwd_t + sz(j) * sz(n) + sz(i0);
+      for (int k = 0; k < blocks; ++k) acc[k] = _mm512_add_pd(acc[k], _mm512_mul_pd(_mm512_cvtps_pd(_mm256_loadu_ps(col + 8 * k)), xj));
+    }
+    for (int k = 0; k < blocks; ++k) _mm512_storeu_pd(y + i0 + 8 * k, acc[k]);
+  }
+}
+#pragma GCC diagnostic pop
+bool forward_avx512_ok() {
+  static const bool has = __builtin_cpu_supports("avx512f");
+  return has;
+}
+#endif
+
+// Undo RoPE on each (2i, 2i+1) pair of every head, angle = pos * freq_i, in double, with cos / sin
+// from the position's VqRopeTable row (pairs {cos, sin}, the table's expressions).
+void unrope_from(double* x, int heads, int d, const double* cs, std::size_t pairs) {
+  for (std::size_t p = 0; p < pairs; ++p) {
+    const double c = cs[2 * p], s = -cs[2 * p + 1];
     for (int h = 0; h < heads; ++h) {
       double* v = x + sz(h) * sz(d) + 2 * p;
       const double v0 = v[0], v1 = v[1];
@@ -49,6 +75,13 @@ void rope(double* x, int heads, int d, const std::vector<double>& freq, std::int
   }
 }
 
+// std::nearbyint in the default rounding mode (half to even), without the library call on CPUs
+// without SSE4.1's round: adding and subtracting 1.5 * 2^52 rounds any |v| < 2^51 exactly so.
+inline double round_even(double v) {
+  constexpr double kMagic = 6755399441055744.0;  // 1.5 * 2^52
+  return std::fabs(v) < 2251799813685248.0 ? (v + kMagic) - kMagic : std::nearbyint(v);
+}
+
 // y = F x (double); identity when F is empty.
 void forward(const VqSideTransform& t, const double* x, double* y) {
   const int n = t.n;
@@ -56,6 +89,9 @@ void forward(const VqSideTransform& t, const double* x, double* y) {
     std::copy_n(x, n, y);
     return;
   }
+#if defined(__x86_64__) && defined(__GNUC__)
+  if (t.fwd_t.size() == sz(n) * sz(n) && n % 8 == 0 && forward_avx512_ok()) return forward_t_avx512(t.fwd_t.data(), n, x, y);
+#endif
   // With per-head blocks (col_span = d < n) row i's nonzero columns are its head's: the terms
   // skipped are exact zeros (acc never holds -0, so adding them changes no bit). Four rows at once
   // give four independent sums, each in the same order as one row alone.
@@ -144,12 +180,6 @@ inline std::uint32_t get_field(const std::uint8_t* base, std::uint64_t bit, unsi
   std::uint64_t v;
   std::memcpy(&v, base + (bit >> 3), 8);
   return static_cast<std::uint32_t>((v >> (bit & 7)) & ((std::uint64_t{1} << w) - 1));
-}
-inline void put_field(std::uint8_t* base, std::uint64_t bit, std::uint32_t f) {  // the field's bits must be 0
-  std::uint64_t v;
-  std::memcpy(&v, base + (bit >> 3), 8);
-  v |= static_cast<std::uint64_t>(f) << (bit & 7);
-  std::memcpy(base + (bit >> 3), &v, 8);
 }
 std::size_t packed_bytes(std::int64_t rows, std::uint32_t row_bits) { return (sz(rows) * row_bits + 7) / 8 + 8; }
 
@@ -332,6 +362,8 @@ void VqKVCache::update(const Tensor& keys, const Tensor& values) {
     std::vector<double> x(sz(n));
     std::vector<float> row(sz(d));
     // Token t (tail or chunk) of batch b, transformed into y.
+    // cos / sin of each position from the shared table (the same expressions as rope()'s).
+    const auto rope_tab = freq ? vq_rope_table(*freq, T1) : nullptr;
     auto transformed = [&](std::int64_t t, std::int64_t b, double* y) {
       for (std::int64_t h = 0; h < H; ++h) {
         const void* src = t < offset_ ? static_cast<const void*>(st.tail.data() + sz(((t - quantized_) * B + b) * H + h) * sz(d) * es)
@@ -339,7 +371,7 @@ void VqKVCache::update(const Tensor& keys, const Tensor& values) {
         to_f32(src, in.dtype(), row.data(), sz(d));
         std::copy(row.begin(), row.end(), x.begin() + h * d);
       }
-      if (freq) rope(x.data(), static_cast<int>(H), d, *freq, t, /*undo=*/true);
+      if (freq) unrope_from(x.data(), static_cast<int>(H), d, rope_tab->at(t), freq->size());
       forward(tr, x.data(), y);
     };
     Work& w = work[side];
@@ -370,7 +402,7 @@ void VqKVCache::update(const Tensor& keys, const Tensor& values) {
         transformed(t, b, y.data());
         std::int32_t* q = w.codes.data() + sz(b * (q1 - q0) + (t - q0)) * sz(n);
         for (int c = 0; c < n; ++c) {
-          const double v = std::nearbyint((y[sz(c)] - wq.mean[sz(c)]) * inv_step);
+          const double v = round_even((y[sz(c)] - wq.mean[sz(c)]) * inv_step);
           if (!(std::fabs(v) <= lim))
             throw InvalidArgument(fmt::format("vq: token {} {} coefficient {} lies {:.3g} steps from its calibrated mean, beyond the codes' "
                                               "reach of +-{} (bits={} is too fine for data this far from the first {} tokens); cache unchanged",
@@ -413,21 +445,19 @@ void VqKVCache::update(const Tensor& keys, const Tensor& values) {
     if (st.packed.size() != sz(B)) st.packed.resize(sz(B)), st.escapes.resize(sz(B));  // released between updates (resident=coded)
     const int n = side == 0 ? layer_->k.n : layer_->v.n;
     const std::uint32_t row_bits = sq.bit_at[sz(n)];
+    // The new rows through code_pack's packer (fields kept in registers: packing field by field
+    // into memory stalled on store forwarding); escapes appended in (token, coefficient) order.
+    thread_local std::vector<std::int16_t> q16;
+    thread_local std::vector<code_pack::Escape> esc;
     for (std::int64_t b = 0; b < B; ++b) {
       auto& buf = st.packed[sz(b)];
       buf.resize(packed_bytes(q1 - sealed_, row_bits));
-      for (std::int64_t t = q0; t < q1; ++t) {
-        const std::int32_t* q = work[side].codes.data() + sz(b * (q1 - q0) + (t - q0)) * sz(n);
-        const std::uint64_t base = static_cast<std::uint64_t>(t - sealed_) * row_bits;
-        for (int c = 0; c < n; ++c) {
-          const std::int32_t bias = 1 << (sq.width[sz(c)] - 1);
-          if (std::abs(q[c]) < bias) {
-            put_field(buf.data(), base + sq.bit_at[sz(c)], static_cast<std::uint32_t>(q[c] + bias));
-          } else {
-            st.escapes[sz(b)].push_back({static_cast<std::int32_t>(t), c, q[c]});  // field stays 0: the escape
-          }
-        }
-      }
+      const std::int32_t* q = work[side].codes.data() + sz(b * (q1 - q0)) * sz(n);
+      q16.resize(sz(q1 - q0) * sz(n));
+      for (std::size_t i = 0; i < q16.size(); ++i) q16[i] = static_cast<std::int16_t>(q[i]);  // |q| <= vq_max_code(kVqMaxShift)
+      esc.clear();
+      code_pack::pack_rows(pack_layout(sq, n, static_cast<int>(H)), q16.data(), q1 - q0, q0 - sealed_, buf.data(), esc);
+      for (const code_pack::Escape& x : esc) st.escapes[sz(b)].push_back({x.t + static_cast<std::int32_t>(sealed_), x.c, x.q});
     }
     widen(sq, st, n, static_cast<int>(H), q1 - sealed_, sealed_);
     st.tail.erase(st.tail.begin(), st.tail.begin() + static_cast<std::ptrdiff_t>(sz(q1 - q0) * tokb));

@@ -110,18 +110,26 @@ struct Case {
   int sinks = 0, residual = 0;
   vq::DType dtype = vq::DType::F32;
   bool own = true;  // attend_own takes the call
+  vq::VqBasisOptions basis = rope_keys();
 };
+
+vq::VqBasisOptions full_basis(bool rope) {
+  vq::VqBasisOptions o;
+  o.rope = rope;
+  return o;
+}
 
 void expect_matches(const Case& c) {
   SCOPED_TRACE(::testing::Message() << "B=" << c.B << " H=" << c.H << " Hq=" << c.Hq << " D=" << c.D << " T=" << c.T << " Sq=" << c.Sq
-                                    << " sinks=" << c.sinks << " residual=" << c.residual << (c.dtype == vq::DType::F16 ? " f16" : ""));
+                                    << " sinks=" << c.sinks << " residual=" << c.residual << (c.dtype == vq::DType::F16 ? " f16" : "")
+                                    << (c.basis.rope_keys ? " kbasis=rope" : c.basis.rope ? " full basis" : " rope=off"));
   vq::VqConfig cfg;
   cfg.bits = 3;
   cfg.calib = 32;
   cfg.sinks = c.sinks;
   cfg.residual = c.residual;
   auto model = std::make_shared<const vq::VqLayerModel>(
-      vqtest::random_weights_layer_model(static_cast<int>(c.H), static_cast<int>(c.D), 32, 9, rope_keys()));
+      vqtest::random_weights_layer_model(static_cast<int>(c.H), static_cast<int>(c.D), 32, 9, c.basis));
   vq::VqKVCache cache(cfg, model);
   const Tensor k = data({c.B, c.H, c.T, c.D}, 21, c.dtype), v = data({c.B, c.H, c.T, c.D}, 22, c.dtype);
   cache.update(k.slice(2, 0, c.T - c.Sq), v.slice(2, 0, c.T - c.Sq));
@@ -156,9 +164,19 @@ TEST(RopeAttention, EqualsDenseAttentionOverState) {
   expect_matches({1, 3, 6, 4, 100, 1});                 // D = 4: the portable decode (D % 8 != 0)
   expect_matches({1, 3, 3, 16, 120, 2});                // n = 48: the portable decode
   expect_matches({1, 4, 8, 8, 100, 1, 0, 0, vq::DType::F16, false});  // float16: declined (state() rounds rows)
+  // The full weight basis: keys rebuilt from codes (x = F^-1 y, rotated per head), values on the
+  // query side; and without RoPE, both sides on the query side.
+  for (const bool rope : {true, false}) {
+    const auto basis = full_basis(rope);
+    expect_matches({1, 4, 8, 8, 300, 1, 0, 0, vq::DType::F32, true, basis});
+    expect_matches({2, 4, 16, 8, 150, 5, 0, 0, vq::DType::F32, true, basis});
+    expect_matches({1, 4, 8, 8, 200, 3, 3, 7, vq::DType::F32, true, basis});
+    expect_matches({1, 3, 6, 4, 100, 1, 0, 0, vq::DType::F32, true, basis});
+    expect_matches({1, 3, 3, 16, 120, 2, 0, 5, vq::DType::F32, true, basis});
+  }
 }
 
-TEST(RopeAttention, DeclinesBeforeCalibrationAndForOtherBases) {
+TEST(RopeAttention, DeclinesWhereItDoesNotApply) {
   vq::VqConfig cfg;
   cfg.calib = 32;
   auto model = std::make_shared<const vq::VqLayerModel>(vqtest::random_weights_layer_model(4, 8, 32, 9, rope_keys()));
@@ -167,9 +185,14 @@ TEST(RopeAttention, DeclinesBeforeCalibrationAndForOtherBases) {
   const Tensor q = vqtest::random_uniform({1, 8, 1, 8}, 3);
   Tensor out;
   EXPECT_FALSE(cache.attend_own(q, 0.3f, out));  // nothing quantized yet
-  vq::VqKVCache full(cfg, std::make_shared<const vq::VqLayerModel>(vqtest::random_weights_layer_model(4, 8, 32, 9)));
-  full.update(data({1, 4, 40, 8}, 1, vq::DType::F32), data({1, 4, 40, 8}, 2, vq::DType::F32));
-  EXPECT_FALSE(full.attend_own(q, 0.3f, out));  // the full key basis does not commute with RoPE
+  vq::VqBasisOptions ident;
+  ident.basis = vq::VqBasis::Identity;
+  vq::VqKVCache plain(cfg, std::make_shared<const vq::VqLayerModel>(vqtest::random_weights_layer_model(4, 8, 32, 9, ident)));
+  plain.update(data({1, 4, 40, 8}, 1, vq::DType::F32), data({1, 4, 40, 8}, 2, vq::DType::F32));
+  EXPECT_FALSE(plain.attend_own(q, 0.3f, out));  // nothing mixes heads: the per-head tile loop (and its kernels on codes)
+  vq::VqKVCache coded(vq::VqConfig{.bits = 2, .calib = 32, .coded = true}, model);
+  coded.update(data({1, 4, 40, 8}, 1, vq::DType::F32), data({1, 4, 40, 8}, 2, vq::DType::F32));
+  EXPECT_FALSE(coded.attend_own(q, 0.3f, out));  // sealed tiles: read through the tiles
   // Bad queries still get the shared checks' errors, the cache unchanged.
   cache.update(data({1, 4, 20, 8}, 4, vq::DType::F32), data({1, 4, 20, 8}, 5, vq::DType::F32));
   EXPECT_THROW(cache.attend(vqtest::random_uniform({1, 6, 1, 8}, 3), 0.3f), vq::InvalidArgument);

@@ -52,6 +52,9 @@ struct VqSideTransform {
   // fwd transposed (fwd_t[j * n + c] = fwd[c * n + j]) when one block mixes every head (col_span ==
   // n): the attention of kbasis=rope takes exact tokens into coefficient space with it. Else empty.
   std::vector<float> fwd_t;
+  // inv transposed the same way (inv_t[j * n + i] = inv[i * n + j]), under the same condition: the
+  // attention that rebuilds keys from codes (weight basis with RoPE) reads it. Else empty.
+  std::vector<float> inv_t;
 };
 
 // Builds side.inv_cols / col_span from side.inv for `kv_heads` heads (no-op for the identity).
