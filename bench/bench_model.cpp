@@ -112,8 +112,6 @@ BENCHMARK_CAPTURE(BM_Decode, fp32, "fp32")->Unit(benchmark::kMillisecond);
 BENCHMARK_CAPTURE(BM_Decode, cachegen4_aligned, "cachegen:bits=4,flush=group_aligned,schedule=off")->Unit(benchmark::kMillisecond);
 BENCHMARK_CAPTURE(BM_Prefill, vq2, "vq:bits=2")->Unit(benchmark::kMillisecond);
 BENCHMARK_CAPTURE(BM_Decode, vq2, "vq:bits=2")->Unit(benchmark::kMillisecond);
-BENCHMARK_CAPTURE(BM_Prefill, vq2_kbasis_rope, "vq:bits=2,kbasis=rope")->Unit(benchmark::kMillisecond);
-BENCHMARK_CAPTURE(BM_Decode, vq2_kbasis_rope, "vq:bits=2,kbasis=rope")->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_MemcpyWeightsPerToken)->Unit(benchmark::kMillisecond);
 
 BENCHMARK_MAIN();

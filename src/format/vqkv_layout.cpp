@@ -63,13 +63,13 @@ double f64(ByteReader& r, const char* what) {
   return v;
 }
 
-std::uint8_t basis_number(const VqBasisOptions& o) {
-  switch (o.basis) {
+std::uint8_t basis_number(VqBasis b) {
+  switch (b) {
     case VqBasis::Identity: return kVqBasisIdentity;
     case VqBasis::Hadamard: return kVqBasisHadamard;
     case VqBasis::Weights: break;
   }
-  return o.rope_keys ? kVqBasisWeightsRopeKeys : kVqBasisWeights;
+  return kVqBasisWeights;
 }
 
 void write_vq(ByteWriter& w, const LayerEntry& e) {
@@ -83,7 +83,7 @@ void write_vq(ByteWriter& w, const LayerEntry& e) {
     const VqModelSource& m = *e.vq_source;
     w.u64(m.fingerprint);
     w.u32(static_cast<std::uint32_t>(m.layer));
-    w.u8(basis_number(m.basis));
+    w.u8(basis_number(m.basis.basis));
     w.u8(m.basis.shape ? 1 : 0);
     w.u8(m.basis.rope ? 1 : 0);
     f64(w, m.basis.rope_theta);
@@ -107,12 +107,10 @@ void read_vq(ByteReader& r, LayerEntry& e, std::uint64_t layer) {
     VqModelSource m;
     m.fingerprint = r.u64("vq model fingerprint");
     m.layer = static_cast<int>(r.ranged(r.u32("vq model layer"), 0, kMaxLayers - 1, "vq model layer"));
-    const auto basis = r.ranged(r.u8("vq basis"), 0, kVqBasisWeightsRopeKeys, "vq basis");
+    const auto basis = r.ranged(r.u8("vq basis"), 0, 2, "vq basis");
     m.basis.basis = basis == kVqBasisIdentity ? VqBasis::Identity : basis == kVqBasisHadamard ? VqBasis::Hadamard : VqBasis::Weights;
-    m.basis.rope_keys = basis == kVqBasisWeightsRopeKeys;
     m.basis.shape = flag(r, "vq shape flag");
     m.basis.rope = flag(r, "vq rope flag");
-    if (m.basis.rope_keys && !m.basis.rope) r.fail(fmt::format("layer {}: vq basis {} (kbasis=rope) needs the rope flag", layer, basis));
     m.basis.rope_theta = f64(r, "vq rope theta");
     if (!(m.basis.rope_theta > 0)) r.fail(fmt::format("layer {}: vq rope theta {} must be > 0", layer, m.basis.rope_theta));
     e.vq_source = m;

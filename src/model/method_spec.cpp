@@ -57,7 +57,7 @@ constexpr const char* kValidMethods =
     "fp32, fp16, cachegen[:bits=N,group=G,flush=per_call|group_aligned,delta=0|1,schedule=on|off], "
     "kivi[:bits=2|4,group=G,residual=R], q8_0[:rotate=0|1], q4_0[:rotate=0|1], q4_1[:rotate=0|1], fp8, lmcache[:chunk=N,schedule=scaled|native], "
     "cachegen_paper[:bin1=B,bin2=B,bin3=B,group=G,chunk=N,profile=PATH,profile_tokens=N], "
-    "vq[:bits=B,calib=N,residual=N,alloc=flat|K0/V0/...,basis=weights|hadamard|identity,shape=on|off,rope=on|off,kbasis=full|rope]";
+    "vq[:bits=B,calib=N,residual=N,alloc=flat|K0/V0/...,basis=weights|hadamard|identity,shape=on|off,rope=on|off]";
 
 }  // namespace
 

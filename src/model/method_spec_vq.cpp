@@ -17,7 +17,7 @@ namespace vq::detail {
 
 namespace {
 
-constexpr const char* kKeys = "bits, calib, residual, sinks, resident, alloc, basis, shape, rope, kbasis";
+constexpr const char* kKeys = "bits, calib, residual, sinks, resident, alloc, basis, shape, rope";
 
 double parse_real(const std::string& spec, const std::string& key, const std::string& value) {
   double v = 0;
@@ -90,27 +90,20 @@ MethodSpec parse_vq_spec(const std::string& spec, const std::string& args, bool 
       m.vq_basis.shape = parse_on_off(spec, key, value);
     } else if (key == "rope") {
       m.vq_basis.rope = parse_on_off(spec, key, value);
-    } else if (key == "kbasis") {
-      if (value != "full" && value != "rope")
-        throw InvalidArgument(fmt::format("method '{}': kbasis={} is not valid; use kbasis=full or kbasis=rope", spec, value));
-      m.vq_basis.rope_keys = value == "rope";
     } else {
       throw InvalidArgument(fmt::format("method '{}': unknown key '{}' for vq; valid keys are {}", spec, key, kKeys));
     }
   });
   naming_spec(spec, [&] { m.vq.validate(); });
-  if (m.vq_basis.rope_keys && (m.vq_basis.basis != VqBasis::Weights || !m.vq_basis.rope))
-    throw InvalidArgument(fmt::format("method '{}': kbasis=rope needs basis=weights and rope=on (it is the weight basis made to commute "
-                                      "with RoPE)", spec));
   return m;
 }
 
 std::string vq_spec_string(const MethodSpec& m) {
   // sinks and resident only when set, so the canonical text of every earlier spec is unchanged.
-  return fmt::format("vq:bits={},calib={},residual={},{}{}alloc={},basis={},shape={},rope={}{}", m.vq.bits, m.vq.calib, m.vq.residual,
+  return fmt::format("vq:bits={},calib={},residual={},{}{}alloc={},basis={},shape={},rope={}", m.vq.bits, m.vq.calib, m.vq.residual,
                      m.vq.sinks > 0 ? fmt::format("sinks={},", m.vq.sinks) : std::string(), m.vq.coded ? "resident=coded," : "", m.vq_alloc,
                      vq_basis_name(m.vq_basis.basis),
-                     m.vq_basis.shape ? "on" : "off", m.vq_basis.rope ? "on" : "off", m.vq_basis.rope_keys ? ",kbasis=rope" : "");
+                     m.vq_basis.shape ? "on" : "off", m.vq_basis.rope ? "on" : "off");
 }
 
 VqLayerModel vq_checkpoint_layer(const Checkpoint& ck, std::size_t l, const VqBasisOptions& basis, std::uint64_t fingerprint) {

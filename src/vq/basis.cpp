@@ -124,95 +124,6 @@ void weights_block(const VqLayerWeights& w, std::span<const float> wmat, int r0,
       }
 }
 
-// The keys' basis that commutes with RoPE (VqBasisOptions::rope_keys), for one block of `bn`
-// channels (whole heads of d) starting at row `r0` of W_k: the shaped covariance S W diag(g)^2 W^T S
-// averaged over independent rotations of each RoPE frequency (what the rotation leaves of it: the
-// blocks between channels of different frequencies vanish, and each 2 x 2 block between two pairs
-// of one frequency keeps only its rotation-scaling part a I + b J, J = [[0, -1], [1, 0]]); its
-// eigenvectors then come in pairs (v, J v) within one frequency. Coefficient pair (2c, 2c + 1) is
-// (v_c, J v_c), sorted by eigenvalue, so RoPE on the keys rotates each coefficient pair by its
-// frequency (freq[c]) and F R_t = R'_t F.
-void rope_keys_block(const VqLayerWeights& w, int r0, int bn, const std::vector<double>& s, const std::vector<double>& s_inv,
-                     std::vector<double>& fwd, std::vector<double>& inv, std::vector<int>& freq) {
-  const int d = w.head_dim, dim = w.dim, heads = bn / d, half = d / 2;
-  std::vector<double> cov(sz(bn) * sz(bn), 0.0);
-  for (int a = 0; a < bn; ++a)
-    for (int b = 0; b < bn; ++b) {
-      double acc = 0;
-      const float* ra = w.wk.data() + sz(r0 + a) * sz(dim);
-      const float* rb = w.wk.data() + sz(r0 + b) * sz(dim);
-      for (int i = 0; i < dim; ++i) acc += static_cast<double>(ra[i]) * rb[i] * w.rms_att[sz(i)] * w.rms_att[sz(i)];
-      cov[sz(a) * sz(bn) + sz(b)] = acc * s[sz(a) * sz(bn) + sz(a)] * s[sz(b) * sz(bn) + sz(b)];  // S is diagonal for keys
-    }
-  struct Vec {
-    double value;
-    int f;
-    std::vector<double> v;  // bn channels
-  };
-  std::vector<Vec> found;
-  const int m = 2 * heads;  // channels of one frequency
-  for (int f = 0; f < half; ++f) {
-    // The circular part of frequency f's channels (heads x pair), 2 heads-by-heads blocks.
-    auto ch = [&](int k) { return (k / 2) * d + 2 * f + (k % 2); };
-    std::vector<double> c(sz(m) * sz(m), 0.0);
-    for (int h = 0; h < heads; ++h)
-      for (int g = 0; g < heads; ++g) {
-        auto X = [&](int i, int j) { return cov[sz(ch(2 * h + i)) * sz(bn) + sz(ch(2 * g + j))]; };
-        const double a = 0.5 * (X(0, 0) + X(1, 1)), b = 0.5 * (X(1, 0) - X(0, 1));
-        c[sz(2 * h) * sz(m) + sz(2 * g)] = a, c[sz(2 * h + 1) * sz(m) + sz(2 * g + 1)] = a;
-        c[sz(2 * h) * sz(m) + sz(2 * g + 1)] = -b, c[sz(2 * h + 1) * sz(m) + sz(2 * g)] = b;
-      }
-    std::vector<double> lambda;
-    const std::vector<double> u = symmetric_eigen(c, m, lambda);
-    // Eigenvalues come in pairs: take one vector of each pair's plane, orthogonal to the planes
-    // taken (Gram-Schmidt against v and J v), its partner J v.
-    std::vector<std::vector<double>> taken;
-    for (int k = 0; k < m && static_cast<int>(taken.size()) < m; ++k) {
-      std::vector<double> v(sz(m));
-      for (int i = 0; i < m; ++i) v[sz(i)] = u[sz(i) * sz(m) + sz(k)];
-      for (const auto& t : taken) {
-        double p = 0;
-        for (int i = 0; i < m; ++i) p += t[sz(i)] * v[sz(i)];
-        for (int i = 0; i < m; ++i) v[sz(i)] -= p * t[sz(i)];
-      }
-      double nn = 0;
-      for (double x : v) nn += x * x;
-      if (nn < 0.25) continue;  // in the plane of one taken already
-      for (double& x : v) x /= std::sqrt(nn);
-      std::vector<double> jv(sz(m));
-      for (int h = 0; h < heads; ++h) jv[sz(2 * h)] = -v[sz(2 * h + 1)], jv[sz(2 * h + 1)] = v[sz(2 * h)];
-      double value = 0;  // v^T c v
-      for (int i = 0; i < m; ++i)
-        for (int j = 0; j < m; ++j) value += v[sz(i)] * c[sz(i) * sz(m) + sz(j)] * v[sz(j)];
-      taken.push_back(v);
-      taken.push_back(jv);
-      Vec e{value, f, std::vector<double>(sz(bn), 0.0)};
-      for (int i = 0; i < m; ++i) e.v[sz(ch(i))] = v[sz(i)];
-      found.push_back(std::move(e));
-    }
-  }
-  require(static_cast<int>(found.size()) * 2 == bn, "vq: kbasis=rope found {} coefficient pairs for {} channels", found.size(), bn);
-  std::stable_sort(found.begin(), found.end(), [](const Vec& a, const Vec& b) { return a.value > b.value; });
-  // B's columns: (v_c, J v_c) for each c.
-  std::vector<double> B(sz(bn) * sz(bn), 0.0);
-  freq.clear();
-  for (std::size_t c = 0; c < found.size(); ++c) {
-    const auto& v = found[c].v;
-    freq.push_back(found[c].f);
-    for (int k = 0; k < bn; k += 2) {
-      B[sz(k) * sz(bn) + 2 * c] = v[sz(k)], B[sz(k + 1) * sz(bn) + 2 * c] = v[sz(k + 1)];
-      B[sz(k) * sz(bn) + 2 * c + 1] = -v[sz(k + 1)], B[sz(k + 1) * sz(bn) + 2 * c + 1] = v[sz(k)];
-    }
-  }
-  fwd.assign(sz(bn) * sz(bn), 0.0);
-  inv.assign(sz(bn) * sz(bn), 0.0);
-  for (int i = 0; i < bn; ++i)
-    for (int j = 0; j < bn; ++j) {
-      fwd[sz(i) * sz(bn) + sz(j)] = B[sz(j) * sz(bn) + sz(i)] * s[sz(j) * sz(bn) + sz(j)];      // B^T S
-      inv[sz(i) * sz(bn) + sz(j)] = s_inv[sz(i) * sz(bn) + sz(i)] * B[sz(i) * sz(bn) + sz(j)];  // S^-1 B
-    }
-}
-
 }  // namespace
 
 VqBasis vq_basis_from_name(const std::string& name) {
@@ -341,7 +252,6 @@ VqLayerModel make_vq_layer_model(const VqLayerWeights& w, const VqBasisOptions& 
       }
     }
   });
-  if (o.rope_keys && o.rope) m.k_pair_freq.assign(sz(n / 2), 0);
   auto sub = [&](const std::vector<double>& full, int at) {
     std::vector<double> b(sz(bn) * sz(bn));
     for (int i = 0; i < bn; ++i)
@@ -359,13 +269,7 @@ VqLayerModel make_vq_layer_model(const VqLayerWeights& w, const VqBasisOptions& 
       put_block(m.v.inv, n, at, inv, bn);
       return;
     }
-    if (o.rope_keys && o.rope) {
-      std::vector<int> freq;
-      rope_keys_block(w, at, bn, sub(sk, at), sub(sk_inv, at), fwd, inv, freq);
-      for (int c = 0; c < bn / 2; ++c) m.k_pair_freq[sz(at / 2 + c)] = freq[sz(c)];
-    } else {
-      weights_block(w, w.wk, at, bn, sub(sk, at), sub(sk_inv, at), fwd, inv);
-    }
+    weights_block(w, w.wk, at, bn, sub(sk, at), sub(sk_inv, at), fwd, inv);
     put_block(m.k.fwd, n, at, fwd, bn);
     put_block(m.k.inv, n, at, inv, bn);
     weights_block(w, w.wv, at, bn, sub(sv, at), sub(sv_inv, at), fwd, inv);

@@ -1,6 +1,9 @@
 #include "veloxquant/vq/vq_cache.hpp"
 
 #include <algorithm>
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#endif
 #include <atomic>
 #include <bit>
 #include <cmath>
@@ -36,7 +39,6 @@ std::uint64_t next_seal_gen() {
 constexpr double kSqrt2PiE = 4.132731354122493;
 
 #if defined(__x86_64__) && defined(__GNUC__)
-#include <immintrin.h>
 // forward() for a transform that mixes every head, from F transposed (fwd_t): eight rows per zmm
 // of doubles, up to 32 rows side by side; each row's terms are the scalar loop's (double(f) * x_j,
 // a product and then an add, from 0 in j order), so the codes are the same bits.

@@ -81,7 +81,7 @@ class KVCache {
   // it reads tiles through read_key_tile / read_value_tile. Throws InvalidArgument on bad queries or
   // a non-finite scale; the cache never changes.
   Tensor attend(const Tensor& queries, float scale) const;
-  // A cache whose storage mixes its heads (our `vq` with a RoPE-commuting key basis: one code row
+  // A cache whose storage mixes its heads (our `vq` with a cross-head transform: one code row
   // serves every head) may compute a whole attend() call itself, all heads at once, rather than
   // through the per-head tile loop below: it writes `out` ([B, Hq, Sq, D_v] float32, the same
   // result within float32 rounding) and returns true. Called by attend() after the queries are

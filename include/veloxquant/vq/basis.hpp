@@ -49,24 +49,20 @@ struct VqSideTransform {
   // built (the decoder walks inv itself).
   int col_span = 0;  // j1 - j0 (d: fwd and inv are both block-diagonal per head; n: not)
   std::vector<float> inv_cols;
-  // fwd transposed (fwd_t[j * n + c] = fwd[c * n + j]) when one block mixes every head (col_span ==
-  // n): the attention of kbasis=rope takes exact tokens into coefficient space with it. Else empty.
-  std::vector<float> fwd_t;
-  // inv transposed the same way (inv_t[j * n + i] = inv[i * n + j]), under the same condition: the
-  // attention that rebuilds keys from codes (weight basis with RoPE) reads it. Else empty.
-  std::vector<float> inv_t;
+  // fwd and inv transposed (fwd_t[j * n + c] = fwd[c * n + j], the same for inv_t) when one block
+  // mixes every head (col_span == n): the encoder's F x eight rows at a time, and the attention
+  // over such a cache (src/vq/mixed_attention.cpp: exact tokens into coefficient space, keys
+  // rebuilt from codes) read them contiguously. Else empty.
+  std::vector<float> fwd_t, inv_t;
 };
 
-// Builds side.inv_cols / col_span from side.inv for `kv_heads` heads (no-op for the identity).
+// Builds side.inv_cols / col_span (and fwd_t / inv_t) from side.fwd / inv for `kv_heads` heads (no-op for the identity).
 void vq_index_inverse(VqSideTransform& side, int kv_heads);
 
 struct VqBasisOptions {
   VqBasis basis = VqBasis::Weights;
   bool shape = true;         // Weights only: the downstream noise shaping S (false: S = I)
   bool rope = true;          // un-rotate keys
-  // Weights with rope only: the keys' basis mixes only channels of one RoPE frequency, as complex
-  // (rotation-scaling) 2 x 2 blocks, so that it commutes with RoPE ("kbasis=rope", below).
-  bool rope_keys = false;
   double rope_theta = 10000.0;
   bool operator==(const VqBasisOptions&) const = default;
 };
@@ -89,10 +85,6 @@ struct VqLayerModel {
   // RoPE frequency of each pair (head_dim / 2 values, theta^(-2i/head_dim)); empty: keys are
   // quantized as given (no model, or rope=off).
   std::vector<double> rope_freq;
-  // kbasis=rope: the RoPE pair (0 .. head_dim / 2 - 1) of each key coefficient pair (2c, 2c + 1),
-  // n / 2 values: the keys' transform commutes with RoPE, R_t F^-1 = F^-1 R'_t where R'_t rotates
-  // coefficient pair c by rope_freq[k_pair_freq[c]] * t. Empty otherwise.
-  std::vector<int> k_pair_freq;
   std::optional<VqModelSource> source;  // set by whoever derives the model from a checkpoint
 };
 

@@ -44,8 +44,9 @@
 // widening are mapped and unmapped at once too, so the process's RSS follows nbytes().
 // The transforms belong to the layer model (shared, not billed).
 // attend() on a model-less cache (identity transform, no RoPE) with float32/float16 input and
-// SIMD reads the packed codes directly (score_key_tile / accumulate_value_tile below); otherwise
-// it reads tiles: a quantized token's row of head h is rebuilt from its codes (head h's
+// SIMD reads the packed codes directly (score_key_tile / accumulate_value_tile below); with a
+// transform that mixes every head and float32 input, attend_own runs the call on the codes (all
+// heads at once); otherwise it reads tiles: a quantized token's row of head h is rebuilt from its codes (head h's
 // coefficients only when the transform is per head / the identity; the whole row otherwise),
 // transformed back and re-rotated, exactly as state() rebuilds it (bit for bit).
 // update_and_fetch and state() rebuild every token into fresh dense tensors (O(offset) work per
@@ -160,10 +161,10 @@ class VqKVCache : public KVCache {
                       float* scores, float* scratch) const override;
   void accumulate_value_tile(std::int64_t b, std::int64_t h, std::int64_t t0, std::int64_t n, const float* weights,
                              std::int64_t nq, float* acc, float* scratch) const override;
-  // kbasis=rope (the keys' basis commutes with RoPE; src/vq/rope_attention.cpp): the whole call on
-  // the codes, every head at once, with the transforms moved to the query side (F^-1^T q once per
-  // query row, F^-1 once per output row) and RoPE applied to coefficient pairs. Float32 input,
-  // packed rows, a cross-head transform and some quantized tokens; declines otherwise (the tile loop).
+  // A transform that mixes every head (src/vq/mixed_attention.cpp): the whole call on the codes,
+  // every head at once: values (and keys without RoPE) summed in coefficient space with F^-1 moved
+  // to the query and output rows, keys with RoPE rebuilt once per token for all heads. Float32
+  // input, packed rows, some quantized tokens; declines otherwise (the tile loop below).
   bool attend_own(const Tensor& queries, float scale, Tensor& out) const override;
   // kCodeTileTokens when both sides run on their codes (the per-tile work of the code kernels:
   // listing the tile's escapes, the field-order sum's epilogue, is then spread over more tokens;

@@ -1,28 +1,38 @@
-// VqKVCache::attend_own: attention on the codes of a cache whose keys' basis commutes with RoPE
-// (VqBasisOptions::rope_keys, spec `kbasis=rope`), every head at once.
+// VqKVCache::attend_own: attention on the codes of a cache whose transform mixes its heads (our
+// `vq` with the weight basis on rows of <= kVqMaxCrossHead values: stories260K's 4 KV heads x 8),
+// every head at once.
 //
 // What a reader must know first:
-// - The cache holds y_t = F x_t per token (x: the un-rotated key row of all heads; F mixes heads).
-//   The keys attention needs are k_t = R_t x_t = R_t F^-1 y_t (RoPE at position t). With a basis
-//   that commutes with RoPE, R_t F^-1 = F^-1 R'_t, where R'_t rotates each coefficient pair by its
-//   own frequency (VqLayerModel::k_pair_freq). So for a query q of head h:
-//     q . k_t = (F^-1_h^T q) . (R'_t y_t) = a . y'_t,
-//   a = F^-1_h^T q once per call and query row, y'_t: the codes dequantized and rotated pairwise,
-//   once per token for every head. Values the same way: sum_t p_t v_t = F^-1_h (sum_t p_t y_t).
-//   Nothing per token costs the n x n product that rebuilding the rows (read_rows) costs.
-// - A tile of tokens is decoded once (codes -> y, keys rotated), then scored against every query
-//   row of every head (attention_kernels.hpp's score kernel, rows of n coefficients), run through
-//   the online softmax (softmax_step, scale folded into a), and accumulated in coefficient space
-//   (accumulate kernel); each row's output is F^-1_h of its sum over l at the end.
-// - Exact tokens (sinks, the tail) are taken into coefficient space with F (y' = F k for keys as
-//   held, already rotated; y = F v), so every token goes through the same loop. F then F^-1 in
-//   float32 gives the rows back within float32 rounding.
+// - The cache holds y_t = F x_t per token and side (x: the row of all heads, keys un-rotated; F
+//   mixes heads). The tile loop (read_rows) rebuilt every head's rows from y for every tile read,
+//   keys and values, in the exact arithmetic of state(). Here, once per tile for all heads:
+//   - values stay in coefficient space: sum_t p_t v_t = F^-1_h (sum_t p_t y_t), so each query row
+//     accumulates the dequantized codes y_t (n values) and takes F^-1_h once at the end;
+//   - keys without RoPE likewise go to the query side: q . k_t = (F^-1_h^T q) . y_t;
+//   - keys with RoPE cannot (R_t F^-1 y differs per position): each token's key row is rebuilt
+//     once for every head, x_t = F^-1 y_t, and rotated per head pair at position t; the query row
+//     is q in head h's place. (A key basis that commutes with RoPE would move them to the query
+//     side as well: measured in docs/benchmarks.md, not kept: it costs 3x the KL.)
+// - A tile of kTile tokens is decoded once (codes -> y: an AVX-512 VBMI cut of the packed fields
+//   where the layout allows, code_pack::unpack_rows otherwise), scored against every query row of
+//   every head (attention_kernels.hpp's score kernel over rows of n), run through the online
+//   softmax (softmax_step; the scale is folded into the query rows) and accumulated (accumulate
+//   kernel).
+// - Exact tokens (sinks, the tail) join the same loop: rebuilt keys are their rows as held; the
+//   other sides are taken into coefficient space with F (F then F^-1 in float32 gives the rows
+//   back within float32 rounding).
+// - Values are dequantized as fma(code, step, mean) on every path and for escapes alike, and summed
+//   in coefficient order, so they never depend on the packed widths: a loaded cache (packed at
+//   widths chosen again) attends bit for bit as the saved one did.
 // - The result equals attention over state()'s rows within float32 rounding (tests:
-//   tests/vq/rope_attention_test.cpp), not bit for bit: sums run in another order.
-// - Declines (the tile loop runs) where this does not apply: another basis, float16 input (state()
-//   rounds rows through float16, which coefficient space cannot), sealed tiles (resident=coded),
-//   transforms per head (rows wider than kVqMaxCrossHead), or nothing quantized yet.
+//   tests/vq/mixed_attention_test.cpp), not bit for bit: the sums run in another order.
+// - Declines (the tile loop runs) where this does not apply: transforms per head (the identity,
+//   wider rows), float16 input (state() rounds rows through float16, which coefficient space
+//   cannot), sealed tiles (resident=coded), or nothing quantized yet.
 #include <algorithm>
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#endif
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -44,9 +54,8 @@ constexpr std::int64_t kTile = 64;
 // What the fast decode needs of a side: the multishift controls and masks that cut a packed row's
 // fields (field position p holds coefficient order[p]: vq_cache.hpp, "Packed layout"), the byte
 // gather from the row, each field's code bias 2^(w-1), the permutation back to coefficient order,
-// the means, and for keys each coefficient's cos/sin index and sign. Everything after the cut is
-// in coefficient order and reads codes, not fields, so the values never depend on the widths (a
-// loaded cache, packed at other widths, attends bit for bit as the saved one did).
+// the means, and for keys each channel's cos/sin index and sign. Everything after the cut is in
+// coefficient order and reads codes, not fields.
 struct FieldPlan {
   alignas(64) std::uint8_t gather[64];   // zmm byte k <- row byte gather[k] (group k / 8's bytes)
   alignas(64) std::uint8_t shift[64];    // bit of field k % 8 within its group's qword
@@ -54,7 +63,7 @@ struct FieldPlan {
   alignas(64) std::int32_t half[32];     // 2^(w-1) per field position: code = field - half
   alignas(64) std::int32_t pos[32];      // field position of coefficient c (c past n: c)
   alignas(64) float mean[32];            // per coefficient (0 past n)
-  alignas(64) std::int32_t cos_at[32];   // keys: index of cos(t theta_f) in the position's cos/sin row
+  alignas(64) std::int32_t cos_at[32];   // keys: index of cos(t theta_p) in the position's cos/sin row
   alignas(64) float sign[32];            // keys: -1 (even coefficient: y0' = c y0 - s y1) or +1
 };
 
@@ -68,8 +77,11 @@ void add_scaled(float* __restrict acc, const float* __restrict row, float w, int
 }
 
 #if defined(__x86_64__) && defined(__GNUC__)
-#define VQ_ROPE_AVX512 __attribute__((target("avx512f,avx512bw,avx512vbmi,avx512dq")))
-#include <immintrin.h>
+// GCC 12's AVX-512 intrinsics pass an undefined source for their unused masks (as in code_pack.cpp).
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#define VQ_MIXED_AVX512 __attribute__((target("avx512f,avx512bw,avx512vbmi,avx512dq")))
 
 bool fast_decode_available() {
   static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
@@ -80,7 +92,7 @@ bool fast_decode_available() {
 // Tokens' packed rows [rows] (row_bytes apart) -> y [rows][32] floats in coefficient order
 // (coefficients past n read finite junk, never used); an escaped field comes out as its field 0
 // (code -2^(w-1)): the caller patches it.
-VQ_ROPE_AVX512 void decode_rows(const FieldPlan& fp, const std::uint8_t* row, std::uint32_t row_bytes, std::int64_t rows, float step,
+VQ_MIXED_AVX512 void decode_rows(const FieldPlan& fp, const std::uint8_t* row, std::uint32_t row_bytes, std::int64_t rows, float step,
                                 float* y) {
   const __m512i gather = _mm512_load_si512(fp.gather), shift = _mm512_load_si512(fp.shift), mask = _mm512_load_si512(fp.mask);
   const __m512i h0 = _mm512_load_si512(fp.half), h1 = _mm512_load_si512(fp.half + 16);
@@ -98,8 +110,8 @@ VQ_ROPE_AVX512 void decode_rows(const FieldPlan& fp, const std::uint8_t* row, st
   }
 }
 
-// Keys: y'_c = cos y_c + sign sin y_(c xor 1) at each token's position (rows of 32, in place).
-VQ_ROPE_AVX512 void rotate_rows(const FieldPlan& fp, const VqRopeTable& rope, std::int64_t pos0, std::int64_t rows, float* y) {
+// Keys: x'_c = cos x_c + sign sin x_(c xor 1) at each token's position (rows of 32, in place).
+VQ_MIXED_AVX512 void rotate_rows(const FieldPlan& fp, const VqRopeTable& rope, std::int64_t pos0, std::int64_t rows, float* y) {
   const __m512i swap = _mm512_xor_si512(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_epi32(1));
   const __m512i ci0 = _mm512_load_si512(fp.cos_at), ci1 = _mm512_load_si512(fp.cos_at + 16);
   const __m512i one = _mm512_set1_epi32(1);
@@ -124,7 +136,7 @@ VQ_ROPE_AVX512 void rotate_rows(const FieldPlan& fp, const VqRopeTable& rope, st
 // Keys rebuilt in place: x = F^-1 y for `rows` token rows of 32 floats (y in coefficient order;
 // inv_t = F^-1 transposed, n <= 32 columns of n floats). Four tokens at a time (eight independent
 // sums of fused multiply-adds).
-VQ_ROPE_AVX512 void rebuild_rows(const float* inv_t, int n, std::int64_t rows, float* y) {
+VQ_MIXED_AVX512 void rebuild_rows(const float* inv_t, int n, std::int64_t rows, float* y) {
   const __mmask16 m0 = static_cast<__mmask16>(n >= 16 ? 0xFFFF : (1u << n) - 1);
   const __mmask16 m1 = static_cast<__mmask16>(n >= 32 ? 0xFFFF : n > 16 ? (1u << (n - 16)) - 1 : 0);
   std::int64_t t = 0;
@@ -157,7 +169,7 @@ VQ_ROPE_AVX512 void rebuild_rows(const float* inv_t, int n, std::int64_t rows, f
 
 // a (32 floats, coefficient order) = scale * sum_e q[e] * row e of F^-1 for head h (d rows of
 // n <= 32 floats, n apart); a[c] = 0 past n.
-VQ_ROPE_AVX512 void query_side(const float* inv, int n, int d, const float* q, float scale, float* a) {
+VQ_MIXED_AVX512 void query_side(const float* inv, int n, int d, const float* q, float scale, float* a) {
   const __mmask16 m0 = static_cast<__mmask16>(n >= 16 ? 0xFFFF : (1u << n) - 1);
   const __mmask16 m1 = static_cast<__mmask16>(n >= 32 ? 0xFFFF : n > 16 ? (1u << (n - 16)) - 1 : 0);
   __m512 lo = _mm512_setzero_ps(), hi = _mm512_setzero_ps();
@@ -171,7 +183,7 @@ VQ_ROPE_AVX512 void query_side(const float* inv, int n, int d, const float* q, f
 }
 
 // out[e] = scale * (row e of head h's F^-1) . u (32 floats, coefficient order).
-VQ_ROPE_AVX512 void output_side(const float* inv, int n, int d, const float* u, float scale, float* out) {
+VQ_MIXED_AVX512 void output_side(const float* inv, int n, int d, const float* u, float scale, float* out) {
   const __mmask16 m0 = static_cast<__mmask16>(n >= 16 ? 0xFFFF : (1u << n) - 1);
   const __mmask16 m1 = static_cast<__mmask16>(n >= 32 ? 0xFFFF : n > 16 ? (1u << (n - 16)) - 1 : 0);
   const __m512 u0 = _mm512_loadu_ps(u), u1 = _mm512_loadu_ps(u + 16);
@@ -180,6 +192,7 @@ VQ_ROPE_AVX512 void output_side(const float* inv, int n, int d, const float* u, 
     out[e] = _mm512_reduce_add_ps(p) * scale;
   }
 }
+#pragma GCC diagnostic pop
 #else
 bool fast_decode_available() { return false; }
 void decode_rows(const FieldPlan&, const std::uint8_t*, std::uint32_t, std::int64_t, float, float*) {}
@@ -200,17 +213,15 @@ bool VqKVCache::attend_own(const Tensor& queries, float scale, Tensor& out) cons
       tv.inv_cols.size() != sz(n) * sz(n) || tk.fwd_t.size() != sz(n) * sz(n) || tv.fwd_t.size() != sz(n) * sz(n) ||
       tk.inv_t.size() != sz(n) * sz(n))
     return false;
-  // How keys are scored: Rotated (kbasis=rope: a = F^-1_h^T q against the codes rotated pairwise),
-  // Plain (no RoPE: the same without the rotation), Rebuilt (the full weight basis with RoPE: each
-  // token's key row rebuilt, x = F^-1 y, and rotated per head; a = q in head h's place).
-  enum class Keys { Rotated, Plain, Rebuilt };
-  const Keys keys = layer_->rope_freq.empty() ? Keys::Plain : !layer_->k_pair_freq.empty() ? Keys::Rotated : Keys::Rebuilt;
+  // Keys on the query side (no RoPE: a = F^-1_h^T q against y) or rebuilt (RoPE: x = F^-1 y rotated
+  // per head; a = q in head h's place).
+  const bool rebuilt = !layer_->rope_freq.empty();
   const std::int64_t sink_end = std::min<std::int64_t>(config_.sinks, offset_), Q = quantized_;
   if (Q <= sink_end) return false;
 
   const std::int64_t B = queries.dim(0), Hq = queries.dim(1), Sq = queries.dim(2), G = Hq / H, T = offset_, R = Hq * Sq;
   out = Tensor::uninitialized({B, Hq, Sq, d}, DType::F32);
-  const auto rope = keys == Keys::Plain ? nullptr : vq_rope_table(layer_->rope_freq, T);
+  const auto rope = rebuilt ? vq_rope_table(layer_->rope_freq, T) : nullptr;
   const code_pack::Layout lay[2] = {code_pack::pack_layout(kq_, n, H), code_pack::pack_layout(vq_, n, H)};
   const SideQuant* sqs[2] = {&kq_, &vq_};
   const SideStore* sts[2] = {&ks_, &vs_};
@@ -242,12 +253,8 @@ bool VqKVCache::attend_own(const Tensor& queries, float scale, Tensor& out) cons
       }
       for (int c = 0; c < n; ++c) {
         fp.mean[c] = sq.mean[sz(c)];
-        // Keys' rotation: coefficient pair c / 2 by its RoPE pair (Rotated), or channel pair
-        // (c % d) / 2 of its head (Rebuilt).
-        if (side == 0 && keys != Keys::Plain) {
-          fp.cos_at[c] = 2 * (keys == Keys::Rotated ? layer_->k_pair_freq[sz(c / 2)] : (c % d) / 2);
-          fp.sign[c] = (c % 2 == 0) ? -1.0f : 1.0f;
-        }
+        // Rebuilt keys: channel c is in pair (c % d) / 2 of its head.
+        if (side == 0 && rebuilt) fp.cos_at[c] = 2 * ((c % d) / 2), fp.sign[c] = (c % 2 == 0) ? -1.0f : 1.0f;
       }
     }
   const int ns = fast ? 32 : n;  // floats per token of y (coefficients n .. ns - 1 unused)
@@ -268,7 +275,7 @@ bool VqKVCache::attend_own(const Tensor& queries, float scale, Tensor& out) cons
         const std::int64_t h = hq / G;
         to_f32(queries.row(b, hq, i), queries.dtype(), qrow.data(), sz(d));
         float* ar = a.data() + sz(hq * Sq + i) * sz(ns);
-        if (keys == Keys::Rebuilt) {
+        if (rebuilt) {
           std::fill(ar, ar + n, 0.0f);
           for (int e = 0; e < d; ++e) ar[h * d + e] = qrow[sz(e)] * scale;
         } else if (fast) {
@@ -305,7 +312,7 @@ bool VqKVCache::attend_own(const Tensor& queries, float scale, Tensor& out) cons
           }
           for (auto it = first; it != e.end() && it->t < qb; ++it)
             yq[sz(it->t - qa) * sz(ns) + sz(it->c)] = dequant(sq.mean[sz(it->c)], it->q, sq.step);
-          if (side == 0 && keys == Keys::Rebuilt) {
+          if (side == 0 && rebuilt) {
             if (fast) {
               rebuild_rows(tk.inv_t.data(), n, qb - qa, yq);
             } else {
@@ -317,14 +324,14 @@ bool VqKVCache::attend_own(const Tensor& queries, float scale, Tensor& out) cons
               }
             }
           }
-          if (side == 0 && keys != Keys::Plain && fast) {
+          if (side == 0 && rebuilt && fast) {
             rotate_rows(plan[0], *rope, qa, qb - qa, yq);
-          } else if (side == 0 && keys != Keys::Plain) {
+          } else if (side == 0 && rebuilt) {
             for (std::int64_t t = qa; t < qb; ++t) {
               const double* cs = rope->at(t);
               float* yt = yq + sz(t - qa) * sz(ns);
               for (int p = 0; p < n / 2; ++p) {
-                const int f = keys == Keys::Rotated ? layer_->k_pair_freq[sz(p)] : (2 * p % d) / 2;
+                const int f = (2 * p % d) / 2;
                 const float co = static_cast<float>(cs[2 * f]), si = static_cast<float>(cs[2 * f + 1]);
                 const float y0 = yt[2 * p], y1 = yt[2 * p + 1];
                 yt[2 * p] = co * y0 - si * y1;
@@ -339,7 +346,7 @@ bool VqKVCache::attend_own(const Tensor& queries, float scale, Tensor& out) cons
           const std::uint8_t* src = t < sink_end ? st.sinks.data() + sz(t * B + b) * sz(n) * 4 : st.tail.data() + sz((t - Q) * B + b) * sz(n) * 4;
           to_f32(src, DType::F32, x.data(), sz(n));
           float* yt = y + sz(t - t0) * sz(ns);
-          if (side == 0 && keys == Keys::Rebuilt) {  // rows as held are what rebuilt keys stand for
+          if (side == 0 && rebuilt) {  // rows as held are what rebuilt keys stand for
             std::copy_n(x.data(), n, yt);
             continue;
           }
