@@ -227,13 +227,18 @@ bool VqKVCache::attend_own(const Tensor& queries, float scale, Tensor& out) cons
   const SideStore* sts[2] = {&ks_, &vs_};
   const VqSideTransform* trs[2] = {&tk, &tv};
 
-  // The fast decode (AVX-512 VBMI) where it applies: rows of <= 32 coefficients in <= 64 bytes,
-  // whole groups of 8 fields of <= 8 bits, at most 16 cos/sin per position.
+  // The AVX-512 forms where the CPU has them and rows have <= 32 coefficients and <= 16 cos/sin per
+  // position (`fast`); of those, the VBMI cut of the packed fields where a side's groups are whole
+  // groups of 8 fields of <= 8 bits in <= 64 bytes (`cut`), code_pack::unpack_rows otherwise. The
+  // cut only extracts codes, so which one runs never changes a value: the arithmetic depends on
+  // `fast` alone, never on the packed widths (a cache packed at other widths attends bit for bit
+  // the same on this CPU).
   thread_local FieldPlan plan[2];
-  bool fast = fast_decode_available() && n <= 32 && d % 8 == 0 && d <= 16;
+  const bool fast = fast_decode_available() && n <= 32 && d <= 16;
+  bool cut[2] = {false, false};
   for (int side = 0; side < 2 && fast; ++side) {
-    for (std::uint8_t w : sqs[side]->group_width) fast = fast && w <= 8;
-    fast = fast && lay[side].row_bytes() <= 64;
+    cut[side] = d % 8 == 0 && lay[side].row_bytes() <= 64;
+    for (std::uint8_t w : sqs[side]->group_width) cut[side] = cut[side] && w <= 8;
   }
   if (fast)
     for (int side = 0; side < 2; ++side) {
@@ -243,7 +248,7 @@ bool VqKVCache::attend_own(const Tensor& queries, float scale, Tensor& out) cons
       std::fill(std::begin(fp.shift), std::end(fp.shift), 0);
       std::fill(std::begin(fp.mask), std::end(fp.mask), 0);
       for (int p = 0; p < 32; ++p) fp.half[p] = 0, fp.pos[p] = p, fp.mean[p] = 0.0f, fp.cos_at[p] = 0, fp.sign[p] = 0.0f;
-      for (int p = 0; p < n; ++p) {
+      for (int p = 0; p < n && cut[side]; ++p) {
         const int g = p / 8, i = p % 8, w = sq.group_width[sz(g)], c = sq.order[sz(p)];
         fp.gather[p] = static_cast<std::uint8_t>(sq.group_byte[sz(g)] + static_cast<std::uint32_t>(i));
         fp.shift[p] = static_cast<std::uint8_t>(i * w);
@@ -303,7 +308,7 @@ bool VqKVCache::attend_own(const Tensor& queries, float scale, Tensor& out) cons
           const auto& e = st.escapes[sz(b)];
           const auto first = std::lower_bound(e.begin(), e.end(), qa, [](const Escape& x, std::int64_t t) { return x.t < t; });
           float* yq = y + sz(qa - t0) * sz(ns);
-          if (fast) {
+          if (cut[side]) {
             decode_rows(plan[side], rows, lay[side].row_bytes(), qb - qa, sq.step, yq);
           } else {
             code_pack::unpack_rows(lay[side], rows, qb - qa, codes.data());

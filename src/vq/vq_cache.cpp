@@ -449,17 +449,22 @@ void VqKVCache::update(const Tensor& keys, const Tensor& values) {
     const std::uint32_t row_bits = sq.bit_at[sz(n)];
     // The new rows through code_pack's packer (fields kept in registers: packing field by field
     // into memory stalled on store forwarding); escapes appended in (token, coefficient) order.
-    thread_local std::vector<std::int16_t> q16;
-    thread_local std::vector<code_pack::Escape> esc;
+    // (In blocks of 64 rows: the int16 copy stays small, whatever a prefill's size.)
+    constexpr std::int64_t kBlock = 64;
+    std::vector<std::int16_t> q16(sz(std::min(kBlock, q1 - q0)) * sz(n));
+    std::vector<code_pack::Escape> esc;
+    const code_pack::Layout lay = pack_layout(sq, n, static_cast<int>(H));
     for (std::int64_t b = 0; b < B; ++b) {
       auto& buf = st.packed[sz(b)];
       buf.resize(packed_bytes(q1 - sealed_, row_bits));
-      const std::int32_t* q = work[side].codes.data() + sz(b * (q1 - q0)) * sz(n);
-      q16.resize(sz(q1 - q0) * sz(n));
-      for (std::size_t i = 0; i < q16.size(); ++i) q16[i] = static_cast<std::int16_t>(q[i]);  // |q| <= vq_max_code(kVqMaxShift)
-      esc.clear();
-      code_pack::pack_rows(pack_layout(sq, n, static_cast<int>(H)), q16.data(), q1 - q0, q0 - sealed_, buf.data(), esc);
-      for (const code_pack::Escape& x : esc) st.escapes[sz(b)].push_back({x.t + static_cast<std::int32_t>(sealed_), x.c, x.q});
+      for (std::int64_t t0 = q0; t0 < q1; t0 += kBlock) {
+        const std::int64_t rows = std::min(kBlock, q1 - t0);
+        const std::int32_t* q = work[side].codes.data() + sz(b * (q1 - q0) + (t0 - q0)) * sz(n);
+        for (std::size_t i = 0; i < sz(rows) * sz(n); ++i) q16[i] = static_cast<std::int16_t>(q[i]);  // |q| <= vq_max_code(kVqMaxShift)
+        esc.clear();
+        code_pack::pack_rows(lay, q16.data(), rows, t0 - sealed_, buf.data(), esc);
+        for (const code_pack::Escape& x : esc) st.escapes[sz(b)].push_back({x.t + static_cast<std::int32_t>(sealed_), x.c, x.q});
+      }
     }
     widen(sq, st, n, static_cast<int>(H), q1 - sealed_, sealed_);
     st.tail.erase(st.tail.begin(), st.tail.begin() + static_cast<std::ptrdiff_t>(sz(q1 - q0) * tokb));
