@@ -66,7 +66,9 @@ void expect_matches(const Case& c) {
   cache.update(k.slice(2, 0, c.T - c.Sq), v.slice(2, 0, c.T - c.Sq));
   cache.update(k.slice(2, c.T - c.Sq, c.T), v.slice(2, c.T - c.Sq, c.T));
   ASSERT_GT(cache.quantized_tokens(), 0);
-  if (c.T >= 150) EXPECT_GT(cache.escapes(), 0u);
+  if (c.T >= 150) {
+    EXPECT_GT(cache.escapes(), 0u);
+  }
   const Tensor q = vqtest::random_uniform({c.B, c.Hq, c.Sq, c.D}, 23);
   const float scale = 1.0f / std::sqrt(static_cast<float>(c.D));
   Tensor own;
@@ -96,6 +98,7 @@ TEST(MixedAttention, EqualsDenseAttentionOverState) {
     expect_matches({1, 3, 6, 4, 100, 1, 0, 0, rope});           // D = 4: the portable decode (D % 8 != 0)
     expect_matches({1, 3, 3, 16, 120, 2, 0, 5, rope});          // n = 48: the portable decode
     expect_matches({1, 4, 8, 8, 100, 1, 0, 0, rope, vq::DType::F16, false});  // float16: declined (state() rounds rows)
+    expect_matches({1, 4, 8, 8, 120, 17, 0, 0, rope, vq::DType::F32, false});  // a prefill-sized call: the tile loop
   }
 }
 
