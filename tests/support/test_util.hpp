@@ -1,5 +1,7 @@
 // Shared helpers for the GoogleTest suite.
 #pragma once
+#include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <system_error>
 #include <array>
@@ -97,6 +99,15 @@ inline CliRun run_shell(const std::string& command) {
   std::ifstream e(err_path);
   r.err.assign(std::istreambuf_iterator<char>(e), {});
   return r;
+}
+
+// The largest |a - b| over two tensors' elements (as float32), and in `mag` the largest |b|.
+inline double max_abs_diff(const vq::Tensor& a, const vq::Tensor& b, double& mag) {
+  const auto x = a.to_f32_vector(), y = b.to_f32_vector();
+  double diff = 0;
+  mag = 0;
+  for (std::size_t i = 0; i < x.size(); ++i) diff = std::max(diff, std::fabs(double(x[i]) - y[i])), mag = std::max(mag, std::fabs(double(y[i])));
+  return diff;
 }
 
 // Run the built veloxquant binary with `args`.

@@ -19,14 +19,6 @@ namespace {
 
 using vq::Tensor;
 
-double max_diff(const Tensor& a, const Tensor& b, double& mag) {
-  const auto x = a.to_f32_vector(), y = b.to_f32_vector();
-  double diff = 0;
-  mag = 0;
-  for (std::size_t i = 0; i < x.size(); ++i) diff = std::max(diff, std::fabs(double(x[i]) - y[i])), mag = std::max(mag, std::fabs(double(y[i])));
-  return diff;
-}
-
 // Rows that a transform mixes: Gaussian, with rare outliers (escapes).
 Tensor data(const vq::Shape4& s, std::uint64_t seed, vq::DType dtype) {
   std::mt19937_64 rng(seed);
@@ -79,14 +71,14 @@ void expect_matches(const Case& c) {
   double mag = 0;
   // Float32 sums in coefficient space: the transform's conditioning (the noise shaping's scales)
   // costs a few more ulps than the tile loop's.
-  EXPECT_LE(max_diff(got, ref, mag), 2e-5 * (1.0 + mag));
+  EXPECT_LE(vqtest::max_abs_diff(got, ref, mag), 2e-5 * (1.0 + mag));
   EXPECT_GT(mag, 0.1);
-  EXPECT_LE(max_diff(tiles, ref, mag), 2e-5 * (1.0 + mag));
+  EXPECT_LE(vqtest::max_abs_diff(tiles, ref, mag), 2e-5 * (1.0 + mag));
   // The portable decode gives the same within float32 rounding.
   const bool was = vq::attn::set_avx512_enabled(false);
   const Tensor portable = cache.attend(q, scale);
   vq::attn::set_avx512_enabled(was);
-  EXPECT_LE(max_diff(portable, ref, mag), 2e-5 * (1.0 + mag));
+  EXPECT_LE(vqtest::max_abs_diff(portable, ref, mag), 2e-5 * (1.0 + mag));
 }
 
 TEST(MixedAttention, EqualsDenseAttentionOverState) {

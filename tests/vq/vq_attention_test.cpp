@@ -20,14 +20,6 @@ namespace {
 
 using vq::Tensor;
 
-double max_diff(const Tensor& a, const Tensor& b, double& mag) {
-  const auto x = a.to_f32_vector(), y = b.to_f32_vector();
-  double diff = 0;
-  mag = 0;
-  for (std::size_t i = 0; i < x.size(); ++i) diff = std::max(diff, std::fabs(double(x[i]) - y[i])), mag = std::max(mag, std::fabs(double(y[i])));
-  return diff;
-}
-
 // Data whose channels have very different spreads (so widths differ within a head and the field
 // order is not the identity), with rare large outliers (escapes).
 Tensor spread_data(const vq::Shape4& s, std::uint64_t seed, vq::DType dtype, bool outliers) {
@@ -73,12 +65,12 @@ void expect_codes_attend_matches(const Case& c) {
   const Tensor on_tiles = cache.attend(q, scale);
   vq::attn::set_simd_enabled(was);
   double mag = 0;
-  const double codes_vs_ref = max_diff(on_codes, ref, mag);
+  const double codes_vs_ref = vqtest::max_abs_diff(on_codes, ref, mag);
   EXPECT_GT(mag, 0.1);
   EXPECT_LE(codes_vs_ref, c.tol * 2e-6 * (1.0 + mag));
-  const double tiles_vs_ref = max_diff(on_tiles, ref, mag);
+  const double tiles_vs_ref = vqtest::max_abs_diff(on_tiles, ref, mag);
   EXPECT_LE(tiles_vs_ref, c.tol * 2e-6 * (1.0 + mag));
-  const double codes_vs_tiles = max_diff(on_codes, on_tiles, mag);
+  const double codes_vs_tiles = vqtest::max_abs_diff(on_codes, on_tiles, mag);
   EXPECT_LE(codes_vs_tiles, c.tol * 4e-6 * (1.0 + mag));
 }
 
