@@ -351,7 +351,8 @@ bool VqKVCache::attend_own(const Tensor& queries, float scale, Tensor& out) cons
             }
           }
         }
-        // Exact tokens of the tile into coefficient space: y = F x (keys as held, rotated).
+        // Exact tokens of the tile: rebuilt keys are their rows as held (rotated); values, and keys
+        // scored on the query side, go into coefficient space, y = F x.
         for (std::int64_t t = t0; t < t0 + mt; ++t) {
           if (t >= qa && t < qb) continue;
           const std::uint8_t* src = t < sink_end ? st.sinks.data() + sz(t * B + b) * sz(n) * 4 : st.tail.data() + sz((t - Q) * B + b) * sz(n) * 4;

@@ -303,12 +303,12 @@ void calibrate_side(const std::vector<double>& y, int n, double bits, float& ste
     // calibration codes' own and a Gaussian tail of the calibration's spread.
     std::fill(beyond.begin(), beyond.end(), 0);
     for (std::size_t r = 0; r < rows; ++r) {
-      const double q = std::fabs(std::nearbyint((y[r * sz(n) + sz(c)] - mean_f[sz(c)]) / static_cast<double>(step)));
+      const double q = std::fabs(round_even((y[r * sz(n) + sz(c)] - mean_f[sz(c)]) / static_cast<double>(step)));
       for (int w = 1; w <= 16; ++w)
         if (q > static_cast<double>((1 << (w - 1)) - 1)) ++beyond[sz(w)];
     }
     double best = INFINITY;
-    for (int w = 1; w <= 16; ++w) {
+    for (int w = 1; w <= 16 && w < best; ++w) {  // a cost is at least w: no wider field can win (and no erfc is wasted)
       const double lim = static_cast<double>((1 << (w - 1)) - 1) + 0.5;
       const double gauss = sigma[sz(c)] > 0 ? std::erfc(lim * static_cast<double>(step) / (sigma[sz(c)] * std::sqrt(2.0))) : 0.0;
       const double cost = w + kEscapeBits * std::max(gauss, static_cast<double>(beyond[sz(w)]) / cnt);
@@ -364,7 +364,8 @@ void VqKVCache::update(const Tensor& keys, const Tensor& values) {
     std::vector<double> x(sz(n));
     std::vector<float> row(sz(d));
     // Token t (tail or chunk) of batch b, transformed into y.
-    // cos / sin of each position from the shared table (the same expressions as rope()'s).
+    // cos / sin of each position from the shared table (reconstruct_kernels.hpp: the expressions the
+    // re-rotation uses, so the same bits as computing them here).
     const auto rope_tab = freq ? vq_rope_table(*freq, T1) : nullptr;
     auto transformed = [&](std::int64_t t, std::int64_t b, double* y) {
       for (std::int64_t h = 0; h < H; ++h) {
