@@ -14,7 +14,8 @@
 //     is q in head h's place. (A key basis that commutes with RoPE would move them to the query
 //     side as well: measured in docs/benchmarks.md, not kept: it costs 3x the KL.)
 // - A tile of kTile tokens is decoded once (codes -> y: an AVX-512 VBMI cut of the packed fields
-//   where the layout allows, code_pack::unpack_rows otherwise), scored against every query row of
+//   where the layout allows, code_pack::unpack_rows otherwise; resident=coded's sealed tiles
+//   through sealed_row, one Rice decode per tile and side: kTile is kSealTokens), scored against every query row of
 //   every head (attention_kernels.hpp's score kernel over rows of n), run through the online
 //   softmax (softmax_step; the scale is folded into the query rows) and accumulated (accumulate
 //   kernel).
@@ -28,7 +29,7 @@
 //   tests/vq/mixed_attention_test.cpp), not bit for bit: the sums run in another order.
 // - Declines (the tile loop runs) where this does not apply: transforms per head (the identity,
 //   wider rows), float16 input (state() rounds rows through float16, which coefficient space
-//   cannot), sealed tiles (resident=coded), calls of more than kAttentionSplitMaxQueries query
+//   cannot), calls of more than kAttentionSplitMaxQueries query
 //   tokens (a prefill: the tile loop's per-head rows cost less there), or nothing quantized yet.
 #include <algorithm>
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -50,8 +51,8 @@ namespace {
 
 constexpr std::size_t sz(std::int64_t v) { return static_cast<std::size_t>(v); }
 
-// Tokens decoded and scored at a time.
-constexpr std::int64_t kTile = 64;
+// Tokens decoded and scored at a time: a sealed tile (resident=coded) is decoded once per side.
+constexpr std::int64_t kTile = VqKVCache::kSealTokens;
 
 // What the fast decode needs of a side: the multishift controls and masks that cut a packed row's
 // fields (field position p holds coefficient order[p]: vq_cache.hpp, "Packed layout"), the byte
@@ -207,7 +208,7 @@ void output_side(const float*, int, int, const float*, float, float*) {}
 }  // namespace
 
 bool VqKVCache::attend_own(const Tensor& queries, float scale, Tensor& out) const {
-  if (!layer_ || identity_from_data_ || !calibrated_ || config_.coded) return false;
+  if (!layer_ || identity_from_data_ || !calibrated_) return false;
   if (keys_buf_.dtype() != DType::F32) return false;
   const VqSideTransform &tk = layer_->k, &tv = layer_->v;
   const int H = layer_->kv_heads, d = layer_->head_dim, n = tk.n;
@@ -228,7 +229,12 @@ bool VqKVCache::attend_own(const Tensor& queries, float scale, Tensor& out) cons
   const std::int64_t B = queries.dim(0), Hq = queries.dim(1), Sq = queries.dim(2), G = Hq / H, T = offset_, R = Hq * Sq;
   out = Tensor::uninitialized({B, Hq, Sq, d}, DType::F32);
   const auto rope = rebuilt ? vq_rope_table(layer_->rope_freq, T) : nullptr;
-  const code_pack::Layout lay[2] = {code_pack::pack_layout(kq_, n, H), code_pack::pack_layout(vq_, n, H)};
+  // Quantized tokens [sink_end, sealed_) are in sealed tiles (resident=coded: all of them between
+  // updates), the rest in packed rows, read through the packed layout.
+  const bool packed = Q > std::max(sealed_, sink_end);
+  if (packed && (kq_.bit_at.size() != sz(n) + 1 || vq_.bit_at.size() != sz(n) + 1)) return false;
+  code_pack::Layout lay[2];
+  if (packed) lay[0] = code_pack::pack_layout(kq_, n, H), lay[1] = code_pack::pack_layout(vq_, n, H);
   const SideQuant* sqs[2] = {&kq_, &vq_};
   const SideStore* sts[2] = {&ks_, &vs_};
   const VqSideTransform* trs[2] = {&tk, &tv};
@@ -242,7 +248,7 @@ bool VqKVCache::attend_own(const Tensor& queries, float scale, Tensor& out) cons
   thread_local FieldPlan plan[2];
   const bool fast = fast_decode_available() && n <= 32 && d <= 16;
   bool cut[2] = {false, false};
-  for (int side = 0; side < 2 && fast; ++side) {
+  for (int side = 0; side < 2 && fast && packed; ++side) {
     cut[side] = d % 8 == 0 && lay[side].row_bytes() <= 64;
     for (std::uint8_t w : sqs[side]->group_width) cut[side] = cut[side] && w <= 8;
   }
@@ -310,19 +316,28 @@ bool VqKVCache::attend_own(const Tensor& queries, float scale, Tensor& out) cons
         const VqSideTransform& tr = *trs[side];
         float* y = side == 0 ? yk.data() : yv.data();
         if (qa < qb) {
-          const std::uint8_t* rows = st.packed[sz(b)].data() + sz(qa - sealed_) * lay[side].row_bytes();
-          const auto& e = st.escapes[sz(b)];
-          const auto first = std::lower_bound(e.begin(), e.end(), qa, [](const Escape& x, std::int64_t t) { return x.t < t; });
           float* yq = y + sz(qa - t0) * sz(ns);
-          if (cut[side]) {
-            decode_rows(plan[side], rows, lay[side].row_bytes(), qb - qa, sq.step, yq);
-          } else {
-            code_pack::unpack_rows(lay[side], rows, qb - qa, codes.data());
-            for (std::int64_t t = 0; t < qb - qa; ++t)
-              for (int c = 0; c < n; ++c) yq[sz(t) * sz(ns) + sz(c)] = dequant(sq.mean[sz(c)], codes[sz(t) * sz(n) + sz(c)], sq.step);
+          // Sealed tokens [qa, pa): their tile's codes, decoded once per tile and side (sealed_row).
+          const std::int64_t pa = std::clamp(sealed_, qa, qb);
+          for (std::int64_t t = qa; t < pa; ++t) {
+            const std::int16_t* q = sealed_row(side, b, t);
+            for (int c = 0; c < n; ++c) yq[sz(t - qa) * sz(ns) + sz(c)] = dequant(sq.mean[sz(c)], q[c], sq.step);
           }
-          for (auto it = first; it != e.end() && it->t < qb; ++it)
-            yq[sz(it->t - qa) * sz(ns) + sz(it->c)] = dequant(sq.mean[sz(it->c)], it->q, sq.step);
+          if (pa < qb) {  // packed tokens [pa, qb)
+            const std::uint8_t* rows = st.packed[sz(b)].data() + sz(pa - sealed_) * lay[side].row_bytes();
+            float* yp = yq + sz(pa - qa) * sz(ns);
+            if (cut[side]) {
+              decode_rows(plan[side], rows, lay[side].row_bytes(), qb - pa, sq.step, yp);
+            } else {
+              code_pack::unpack_rows(lay[side], rows, qb - pa, codes.data());
+              for (std::int64_t t = 0; t < qb - pa; ++t)
+                for (int c = 0; c < n; ++c) yp[sz(t) * sz(ns) + sz(c)] = dequant(sq.mean[sz(c)], codes[sz(t) * sz(n) + sz(c)], sq.step);
+            }
+            const auto& e = st.escapes[sz(b)];
+            for (auto it = std::lower_bound(e.begin(), e.end(), pa, [](const Escape& x, std::int64_t t) { return x.t < t; });
+                 it != e.end() && it->t < qb; ++it)
+              yp[sz(it->t - pa) * sz(ns) + sz(it->c)] = dequant(sq.mean[sz(it->c)], it->q, sq.step);
+          }
           if (side == 0 && rebuilt) {
             if (fast) {
               rebuild_rows(tk.inv_t.data(), n, qb - qa, yq);

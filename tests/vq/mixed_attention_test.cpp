@@ -1,7 +1,8 @@
 // Attention on the codes of a vq cache whose transform mixes its heads (VqKVCache::attend_own,
 // src/vq/mixed_attention.cpp): attend() equal to dense attention over state() for keys rebuilt
 // (RoPE) and keys on the query side (no RoPE), grouped queries, Sq > 1, B > 1, sinks, an exact
-// tail, escapes, the fast and the portable decode; the cases it declines.
+// tail, escapes, packed rows and sealed tiles (resident=coded), the fast and the portable decode;
+// the cases it declines.
 #include <algorithm>
 #include <cmath>
 #include <random>
@@ -38,17 +39,19 @@ struct Case {
   bool rope = true;  // the layer model un-rotates keys (so attention rebuilds them)
   vq::DType dtype = vq::DType::F32;
   bool own = true;  // attend_own takes the call
+  bool coded = false;  // resident=coded: the quantized tokens in sealed tiles
 };
 
 void expect_matches(const Case& c) {
   SCOPED_TRACE(::testing::Message() << "B=" << c.B << " H=" << c.H << " Hq=" << c.Hq << " D=" << c.D << " T=" << c.T << " Sq=" << c.Sq
                                     << " sinks=" << c.sinks << " residual=" << c.residual << (c.dtype == vq::DType::F16 ? " f16" : "")
-                                    << (c.rope ? "" : " rope=off"));
+                                    << (c.rope ? "" : " rope=off") << (c.coded ? " resident=coded" : ""));
   vq::VqConfig cfg;
   cfg.bits = 3;
   cfg.calib = 32;
   cfg.sinks = c.sinks;
   cfg.residual = c.residual;
+  cfg.coded = c.coded;
   vq::VqBasisOptions basis;
   basis.rope = c.rope;
   auto model = std::make_shared<const vq::VqLayerModel>(
@@ -58,7 +61,7 @@ void expect_matches(const Case& c) {
   cache.update(k.slice(2, 0, c.T - c.Sq), v.slice(2, 0, c.T - c.Sq));
   cache.update(k.slice(2, c.T - c.Sq, c.T), v.slice(2, c.T - c.Sq, c.T));
   ASSERT_GT(cache.quantized_tokens(), 0);
-  if (c.T >= 150) {
+  if (c.T >= 150 && !c.coded) {
     EXPECT_GT(cache.escapes(), 0u);
   }
   const Tensor q = vqtest::random_uniform({c.B, c.Hq, c.Sq, c.D}, 23);
@@ -91,6 +94,10 @@ TEST(MixedAttention, EqualsDenseAttentionOverState) {
     expect_matches({1, 3, 3, 16, 120, 2, 0, 5, rope});          // n = 48: the portable decode
     expect_matches({1, 4, 8, 8, 100, 1, 0, 0, rope, vq::DType::F16, false});  // float16: declined (state() rounds rows)
     expect_matches({1, 4, 8, 8, 120, 17, 0, 0, rope, vq::DType::F32, false});  // a prefill-sized call: the tile loop
+    // resident=coded: sealed tiles, the open one included, with sinks and a tail.
+    expect_matches({1, 4, 8, 8, 300, 1, 0, 0, rope, vq::DType::F32, true, true});
+    expect_matches({2, 4, 8, 8, 150, 3, 2, 5, rope, vq::DType::F32, true, true});
+    expect_matches({1, 3, 3, 16, 120, 2, 0, 5, rope, vq::DType::F32, true, true});
   }
 }
 
@@ -108,9 +115,7 @@ TEST(MixedAttention, DeclinesWhereItDoesNotApply) {
   vq::VqKVCache plain(cfg, std::make_shared<const vq::VqLayerModel>(vqtest::random_weights_layer_model(4, 8, 32, 9, ident)));
   plain.update(data({1, 4, 40, 8}, 1, vq::DType::F32), data({1, 4, 40, 8}, 2, vq::DType::F32));
   EXPECT_FALSE(plain.attend_own(q, 0.3f, out));  // nothing mixes heads: the per-head tile loop (and its kernels on codes)
-  vq::VqKVCache coded(vq::VqConfig{.bits = 2, .calib = 32, .coded = true}, model);
-  coded.update(data({1, 4, 40, 8}, 1, vq::DType::F32), data({1, 4, 40, 8}, 2, vq::DType::F32));
-  EXPECT_FALSE(coded.attend_own(q, 0.3f, out));  // sealed tiles: read through the tiles
+
   // Bad queries still get the shared checks' errors, the cache unchanged.
   cache.update(data({1, 4, 20, 8}, 4, vq::DType::F32), data({1, 4, 20, 8}, 5, vq::DType::F32));
   EXPECT_THROW(cache.attend(vqtest::random_uniform({1, 6, 1, 8}, 3), 0.3f), vq::InvalidArgument);
