@@ -113,6 +113,20 @@ VQ_MIXED_AVX512 void decode_rows(const FieldPlan& fp, const std::uint8_t* row, s
   }
 }
 
+// y = fma(code, step, mean) for `rows` rows of n <= 32 codes (`stride` apart) into rows of 32 floats.
+VQ_MIXED_AVX512 void dequant_rows(const FieldPlan& fp, const std::int16_t* q, std::int64_t stride, int n, std::int64_t rows, float step,
+                                  float* y) {
+  const __mmask32 m = n >= 32 ? ~__mmask32{0} : ((__mmask32{1} << n) - 1);
+  const __m512 m0 = _mm512_load_ps(fp.mean), m1 = _mm512_load_ps(fp.mean + 16), st = _mm512_set1_ps(step);
+  for (std::int64_t t = 0; t < rows; ++t, q += stride, y += 32) {
+    const __m512i c = _mm512_maskz_loadu_epi16(m, q);
+    const __m512 c0 = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_castsi512_si256(c)));
+    const __m512 c1 = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(c, 1)));
+    _mm512_storeu_ps(y, _mm512_fmadd_ps(c0, st, m0));
+    _mm512_storeu_ps(y + 16, _mm512_fmadd_ps(c1, st, m1));
+  }
+}
+
 // Keys: x'_c = cos x_c + sign sin x_(c xor 1) at each token's position (rows of 32, in place).
 VQ_MIXED_AVX512 void rotate_rows(const FieldPlan& fp, const VqRopeTable& rope, std::int64_t pos0, std::int64_t rows, float* y) {
   const __m512i swap = _mm512_xor_si512(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_epi32(1));
@@ -202,6 +216,7 @@ void decode_rows(const FieldPlan&, const std::uint8_t*, std::uint32_t, std::int6
 void rotate_rows(const FieldPlan&, const VqRopeTable&, std::int64_t, std::int64_t, float*) {}
 void query_side(const float*, int, int, const float*, float, float*) {}
 void rebuild_rows(const float*, int, std::int64_t, float*) {}
+void dequant_rows(const FieldPlan&, const std::int16_t*, std::int64_t, int, std::int64_t, float, float*) {}
 void output_side(const float*, int, int, const float*, float, float*) {}
 #endif
 
@@ -321,7 +336,11 @@ bool VqKVCache::attend_own(const Tensor& queries, float scale, Tensor& out) cons
           const std::int64_t pa = std::clamp(sealed_, qa, qb);
           for (std::int64_t t = qa; t < pa; ++t) {
             const std::int16_t* q = sealed_row(side, b, t);
-            for (int c = 0; c < n; ++c) yq[sz(t - qa) * sz(ns) + sz(c)] = dequant(sq.mean[sz(c)], q[c], sq.step);
+            if (fast) {
+              dequant_rows(plan[side], q, n, n, 1, sq.step, yq + sz(t - qa) * sz(ns));
+            } else {
+              for (int c = 0; c < n; ++c) yq[sz(t - qa) * sz(ns) + sz(c)] = dequant(sq.mean[sz(c)], q[c], sq.step);
+            }
           }
           if (pa < qb) {  // packed tokens [pa, qb)
             const std::uint8_t* rows = st.packed[sz(b)].data() + sz(pa - sealed_) * lay[side].row_bytes();
@@ -330,8 +349,12 @@ bool VqKVCache::attend_own(const Tensor& queries, float scale, Tensor& out) cons
               decode_rows(plan[side], rows, lay[side].row_bytes(), qb - pa, sq.step, yp);
             } else {
               code_pack::unpack_rows(lay[side], rows, qb - pa, codes.data());
-              for (std::int64_t t = 0; t < qb - pa; ++t)
-                for (int c = 0; c < n; ++c) yp[sz(t) * sz(ns) + sz(c)] = dequant(sq.mean[sz(c)], codes[sz(t) * sz(n) + sz(c)], sq.step);
+              if (fast) {
+                dequant_rows(plan[side], codes.data(), n, n, qb - pa, sq.step, yp);
+              } else {
+                for (std::int64_t t = 0; t < qb - pa; ++t)
+                  for (int c = 0; c < n; ++c) yp[sz(t) * sz(ns) + sz(c)] = dequant(sq.mean[sz(c)], codes[sz(t) * sz(n) + sz(c)], sq.step);
+              }
             }
             const auto& e = st.escapes[sz(b)];
             for (auto it = std::lower_bound(e.begin(), e.end(), pa, [](const Escape& x, std::int64_t t) { return x.t < t; });
