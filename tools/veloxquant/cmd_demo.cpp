@@ -146,7 +146,10 @@ int run_demo(const DemoOptions& o) {
     const double dppl = std::abs(r.delta_ppl_pct) < 5e-4 ? 0.0 : r.delta_ppl_pct;  // no "-0.000"
     fmt::print("{:<44} {:>7.3f} {:>9.3f} {:>7.2f} {:>8.3f} {:>10.3e} {:>7.4f}  {}\n", r.method, bits, resident[i], 16.0 / bits, dppl,
                r.kl, r.top1, kDemoMethods[i].who);
-    points.push_back({r.method, bits, r.delta_ppl_pct, r.kl, r.top1, false});
+    // Named fields: a positional list put dPPL in resident_bits and top-1 in kl once resident_bits
+    // was added to Point (the picture's frontier and tooltips then read the wrong columns).
+    points.push_back({.method = r.method, .bits = bits, .resident_bits = resident[i], .delta_ppl_pct = r.delta_ppl_pct, .kl = r.kl,
+                      .top1 = r.top1});
     if (r.method == "cachegen:flush=per_call") reference = i;
     if (r.method != "fp16" && r.delta_ppl_pct <= kBudgetDeltaPplPct &&
         (!best || bits < results[*best].bits_per_element_coded))

@@ -99,7 +99,8 @@ int run_rd(RdOptions o) {
     const auto results = vq::evaluate(model, tokens, methods, eval);
     seconds = progress.elapsed();
     for (const auto& r : results)
-      points.push_back({r.method, r.bits_per_element_coded, r.resident_bits_per_element, r.delta_ppl_pct, r.kl, r.top1, false});
+      points.push_back({.method = r.method, .bits = r.bits_per_element_coded, .resident_bits = r.resident_bits_per_element,
+                        .delta_ppl_pct = r.delta_ppl_pct, .kl = r.kl, .top1 = r.top1});
   }
   // reuse measures what a context costs to store or send (coded bits); stream what a live cache
   // holds while it decodes (resident bits).
