@@ -104,6 +104,10 @@ class MemoryStore final : public vq::KVStore {
     std::lock_guard<std::mutex> l(mu_);
     blobs_.emplace(std::string(key), vq::Blob(blob.begin(), blob.end()));
   }
+  void replace(std::string_view key, std::span<const std::uint8_t> blob) override {
+    std::lock_guard<std::mutex> l(mu_);
+    blobs_[std::string(key)] = vq::Blob(blob.begin(), blob.end());
+  }
   std::optional<vq::Blob> get(std::string_view key) override {
     std::lock_guard<std::mutex> l(mu_);
     const auto it = blobs_.find(std::string(key));
@@ -227,19 +231,16 @@ int main(int argc, char** argv) {
       fmt::print("put {}: {} chunks, {:.1f} MB, {:.1f} s\n", fmt::join(s->levels, ";"), r.chunks, r.bytes_written / 1e6, ms_since(tp) / 1e3);
       dirs[s->levels.front()] = r.directories;
     }
-    // The SLO scheme (vq:bits=1;2;4 and fp16) reuses those blobs: only its directories are new.
+    // The SLO scheme (vq:bits=1;2;4 and fp16): the directories list every level put above (a lookup
+    // finds them all); slo_dirs is the same list for the clairvoyant plan below.
     const vq::ChunkScheme slo_scheme = scheme_of({"vq:bits=1", "vq:bits=2", "vq:bits=4", "fp16"});
     std::uint64_t vq2_bytes = 0;
     for (const auto& d : dirs[vq2.levels[0]]) vq2_bytes += d.entries[0].bytes;
     std::vector<vq::ChunkDirectory> slo_dirs;  // the SLO scheme's directories (the clairvoyant plan below)
     if (a.slo_runs > 0) {
-      std::uint64_t dprev = 0;
       for (std::size_t i = 0; i < dirs[vq2.levels[0]].size(); ++i) {
-        dprev = vq::directory_hash(dprev, slo_scheme, prefix.subspan(i * static_cast<std::size_t>(a.chunk_tokens), static_cast<std::size_t>(a.chunk_tokens)));
         const auto& r = dirs[rest.levels[0]][i].entries;
-        const vq::ChunkDirectory d{{r[0], dirs[vq2.levels[0]][i].entries[0], r[1], dirs[f16.levels[0]][i].entries[0]}};
-        store->put(vq::directory_key(dprev), vq::encode_directory(d));
-        slo_dirs.push_back(d);
+        slo_dirs.push_back(vq::ChunkDirectory{{r[0], dirs[vq2.levels[0]][i].entries[0], r[1], dirs[f16.levels[0]][i].entries[0]}, a.chunk_tokens});
       }
     }
     std::map<std::string, std::uint64_t> level_bytes;
@@ -320,7 +321,7 @@ int main(int argc, char** argv) {
         for (const auto& e : d.entries) mem.put(e.key, *store->get(e.key));
       std::uint64_t dprev = 0;
       for (std::size_t i = 0; i < dirs[vq2.levels[0]].size(); ++i) {
-        dprev = vq::directory_hash(dprev, vq2, prefix.subspan(i * static_cast<std::size_t>(a.chunk_tokens), static_cast<std::size_t>(a.chunk_tokens)));
+        dprev = vq::directory_hash(dprev, a.chunk_tokens, prefix.subspan(i * static_cast<std::size_t>(a.chunk_tokens), static_cast<std::size_t>(a.chunk_tokens)));
         mem.put(vq::directory_key(dprev), vq::encode_directory(dirs[vq2.levels[0]][i]));
       }
       // CPU seconds of the process per wall second during each load: ~threads when the decoder threads

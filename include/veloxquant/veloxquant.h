@@ -136,9 +136,12 @@ vq_status vq_store_put(vq_store* store, const char* model_id, int32_t chunk_toke
 
 /* Load the longest stored prefix of `tokens` into `caches` (empty: no layer holds a token yet; its
  * layers, KV heads and head dim those of the stored context), leaving at least the last token for
- * the caller to compute (its logits start the generation); model_id, chunk_tokens and levels must
- * be those of the put. `level` NULL loads each chunk at the best quality stored ("fp32"), else at
- * that level (one of `levels`). The loaded chunks are appended as float32 K/V: later appends to
+ * the caller to compute (its logits start the generation); model_id must be the put's. The chunk
+ * size and the levels are found in the store: chunk_tokens 0 takes every size stored (the one
+ * reusing the most tokens wins), levels NULL every level stored; a size or a level list given only
+ * narrows that ("fp32" is always allowed). `level` NULL loads each chunk at the best quality stored
+ * ("fp32" when stored), else at that level (one of `levels` when given). What was found, per chunk,
+ * and why reuse stopped where it did: vq_store_report. The loaded chunks are appended as float32 K/V: later appends to
  * the handle must be VQ_DTYPE_F32. *tokens_reused = the tokens loaded (a multiple of chunk_tokens;
  * 0 when nothing is stored). Faults in the store (a missing, corrupt or foreign blob, a failed or
  * timed-out fetch) never give a wrong cache: loading stops before the chunk at fault, the status is
@@ -149,6 +152,14 @@ vq_status vq_store_get(vq_store* store, const char* model_id, int32_t chunk_toke
 /* The warnings of this handle's last vq_store_get, one line each ("" when it had none). Valid
  * until the handle's next call. */
 vq_status vq_store_warnings(const vq_store* store, const char** out);
+/* The report of this handle's last vq_store_get as JSON text ("" before any): {"tokens_reused",
+ * "tokens_filled", "chunk_tokens" (the size found, 0: none), "load_ms", "prefill_ms_estimate",
+ * "chunks": [{"index", "status": "hit", "levels" (stored for this model), "level" (loaded),
+ * "reason", "bytes", "fetch_ms", "decode_ms"}], "miss": null or {"index", "status": "miss" or
+ * "fault", "levels", "reason"} (where reuse ended and why: "not stored", "stored for another model
+ * only (fingerprint ...)", a level list that leaves out what is stored, a fault), "not_used" (one
+ * line when a stored prefix was not used, else ""), "warnings"}. Valid until the handle's next call. */
+vq_status vq_store_report(const vq_store* store, const char** out);
 /* How many blobs (chunk levels and chunk directories) the store holds, and their bytes. */
 vq_status vq_store_stats(vq_store* store, uint64_t* blobs, uint64_t* bytes);
 /* Remove every blob the store holds (under a Redis URL: every key under its prefix). */

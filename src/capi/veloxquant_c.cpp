@@ -33,6 +33,7 @@ struct vq_caches {
 struct vq_store {
   std::unique_ptr<vq::KVStore> store;
   std::string warnings;  // of the last vq_store_get, one per line
+  std::string report;    // of the last vq_store_get: load_report_json
 };
 
 namespace {
@@ -112,15 +113,17 @@ std::int64_t numel4(std::int64_t b, std::int64_t h, std::int64_t s, std::int64_t
   return vq::checked_numel({b, h, s, d});
 }
 
-// The prefix scheme of a put or get: the C API's model identity, chunk size and level list.
-vq::ChunkScheme scheme_of(const char* model_id, int32_t chunk_tokens, const char* levels) {
+// The prefix scheme of a put (`get` false) or get: the C API's model identity, chunk size and level
+// list. A get's chunk size 0 and levels NULL take what the store holds (store/prefix_lookup.hpp).
+vq::ChunkScheme scheme_of(const char* model_id, int32_t chunk_tokens, const char* levels, bool get = false) {
   need(model_id, "model_id");
   if (*model_id == '\0') fail("model_id is empty (it must name the model, e.g. a hash of its weights)");
-  if (chunk_tokens < 1) fail("chunk_tokens " + std::to_string(chunk_tokens) + " must be at least 1");
+  if (chunk_tokens < (get ? 0 : 1))
+    fail("chunk_tokens " + std::to_string(chunk_tokens) + (get ? " must be at least 0 (0: every size stored)" : " must be at least 1"));
   vq::ChunkScheme scheme;
   scheme.model_fingerprint = vq::named_model_fingerprint(model_id);
   scheme.chunk_tokens = chunk_tokens;
-  scheme.levels = vq::parse_levels(levels ? levels : vq::kDefaultLevels);
+  if (levels || !get) scheme.levels = vq::parse_levels(levels ? levels : vq::kDefaultLevels);
   return scheme;
 }
 
@@ -365,7 +368,7 @@ vq_status vq_store_get(vq_store* store, const char* model_id, int32_t chunk_toke
     need(caches, "caches");
     need(tokens_reused, "tokens_reused");
     vq::LoaderOptions options;
-    options.scheme = scheme_of(model_id, chunk_tokens, levels);
+    options.scheme = scheme_of(model_id, chunk_tokens, levels, true);
     const std::span<const int> ids = tokens_of(tokens, n_tokens);
     if (level) options.level = vq::MethodSpec::parse(level).to_string();
     for (std::size_t l = 0; l < caches->layers.size(); ++l)
@@ -374,10 +377,12 @@ vq_status vq_store_get(vq_store* store, const char* model_id, int32_t chunk_toke
              " tokens: a prefix is loaded into empty caches");
     if (caches->kv_heads == 0) fail("the handle's KV heads are not known (a decoded handle without tokens): create one");
     store->warnings.clear();
+    store->report.clear();
     std::string warnings;
     const vq::LoadReport rep = vq::load_prefix(*store->store, vq::ChunkShape{caches->kv_heads, caches->head_dim}, caches->layers, ids,
                                                options, [&](const std::string& w) { warnings += (warnings.empty() ? "" : "\n") + w; });
     store->warnings = std::move(warnings);
+    store->report = vq::load_report_json(rep);
     *tokens_reused = rep.tokens_reused;
   });
 }
@@ -387,6 +392,14 @@ vq_status vq_store_warnings(const vq_store* store, const char** out) {
     need(store, "store");
     need(out, "out");
     *out = store->warnings.c_str();
+  });
+}
+
+vq_status vq_store_report(const vq_store* store, const char** out) {
+  return guarded([&] {
+    need(store, "store");
+    need(out, "out");
+    *out = store->report.c_str();
   });
 }
 

@@ -66,13 +66,18 @@ std::string FileStore::describe() const {
   return capacity_ ? fmt::format("file:{}?capacity={}", dir_.string(), capacity_) : "file:" + dir_.string();
 }
 
-void FileStore::put(std::string_view key, std::span<const std::uint8_t> blob) {
+void FileStore::put(std::string_view key, std::span<const std::uint8_t> blob) { write(key, blob, true); }
+
+// The rename of write_file_atomically replaces an existing file in one step.
+void FileStore::replace(std::string_view key, std::span<const std::uint8_t> blob) { write(key, blob, false); }
+
+void FileStore::write(std::string_view key, std::span<const std::uint8_t> blob, bool keep_existing) {
   const fs::path p = blob_path(key);
   if (capacity_ && blob.size() > capacity_)
     throw IoError(fmt::format("store {}: blob '{}' of {} bytes exceeds the capacity of {} bytes", describe(), std::string(key),
                               blob.size(), capacity_));
   std::error_code ec;
-  if (fs::exists(p, ec)) return;  // immutable: the first complete writer wins, later ones are no-ops
+  if (keep_existing && fs::exists(p, ec)) return;  // immutable: the first complete writer wins, later ones are no-ops
   write_file_atomically(p.string(), blob);
   if (capacity_) evict_to_capacity();
 }

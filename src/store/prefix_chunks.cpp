@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <charconv>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -174,10 +175,8 @@ std::string chunk_key(const std::string& level, std::uint64_t hash) {
   return fmt::format("vq-{:08x}-{}", static_cast<std::uint32_t>(XXH64(level.data(), level.size(), 0)), hex16(hash));
 }
 
-std::uint64_t directory_hash(std::uint64_t prev, const ChunkScheme& scheme, std::span<const int> tokens) {
-  std::string what = fmt::format("dir:{}", scheme.chunk_tokens);
-  for (const auto& l : scheme.levels) what += ";" + l;
-  return chain_hash(prev, scheme.model_fingerprint, what, tokens);
+std::uint64_t directory_hash(std::uint64_t prev, int chunk_tokens, std::span<const int> tokens) {
+  return chain_hash(prev, 0, fmt::format("dir:{}", chunk_tokens), tokens);
 }
 
 std::string directory_key(std::uint64_t hash) { return "vq-dir-" + hex16(hash); }
@@ -373,23 +372,55 @@ std::vector<std::uint8_t> unpack_widths(const std::string& text, std::uint64_t c
 }
 }  // namespace
 
+// Version 2: entries name their model, the directory its chunk size (version 1 directories were
+// keyed per level list and model, and are no longer looked up).
 Blob encode_directory(const ChunkDirectory& dir) {
   nlohmann::json j = nlohmann::json::array();
   for (const auto& e : dir.entries) {
-    j.push_back({{"level", e.level}, {"key", e.key}, {"bytes", e.bytes}});
+    j.push_back({{"model", hex16(e.model)}, {"level", e.level}, {"key", e.key}, {"bytes", e.bytes}});
     if (!e.widths.empty()) j.back()["widths"] = {{"count", e.widths.size()}, {"zstd_base64", pack_widths(e.widths)}};
   }
-  const std::string text = nlohmann::json{{"vqkv_chunk_directory", 1}, {"levels", j}}.dump();
+  const std::string text = nlohmann::json{{"vqkv_chunk_directory", 2}, {"chunk_tokens", dir.chunk_tokens}, {"levels", j}}.dump();
   return Blob(text.begin(), text.end());
 }
 
+namespace {
+// An index blob's size, refused before it is parsed.
+void check_index_size(std::span<const std::uint8_t> blob, const char* what) {
+  if (blob.size() > kMaxIndexBlobBytes)
+    throw FormatError(fmt::format("{} of {} bytes (at most {})", what, blob.size(), kMaxIndexBlobBytes));
+}
+// An integer field within [lo, hi] (a float, or a number out of range, is malformed: no cast of
+// an out-of-range value).
+int json_int(const nlohmann::json& v, const char* what, int lo, int hi) {
+  if (!v.is_number_integer()) throw FormatError(fmt::format("malformed index blob: {} is not an integer", what));
+  const bool neg = v.is_number_unsigned() ? false : v.get<std::int64_t>() < 0;
+  const std::int64_t x = neg ? v.get<std::int64_t>() : static_cast<std::int64_t>(std::min<std::uint64_t>(v.get<std::uint64_t>(), std::uint64_t{1} << 62));
+  if (x < lo || x > hi) throw FormatError(fmt::format("malformed index blob: {} {} is out of [{}, {}]", what, x, lo, hi));
+  return static_cast<int>(x);
+}
+std::uint64_t parse_hex16(const std::string& text) {
+  std::uint64_t v = 0;
+  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v, 16);
+  if (text.size() != 16 || ec != std::errc() || end != text.data() + text.size())
+    throw FormatError(fmt::format("malformed chunk directory: model '{}' is not 16 hex digits", text.substr(0, 40)));
+  return v;
+}
+}  // namespace
+
 ChunkDirectory decode_directory(std::span<const std::uint8_t> blob) {
+  check_index_size(blob, "chunk directory");
   ChunkDirectory d;
   try {
     const auto j = nlohmann::json::parse(blob.begin(), blob.end());
-    if (j.at("vqkv_chunk_directory").get<int>() != 1) throw FormatError("chunk directory of an unknown version");
-    for (const auto& e : j.at("levels")) {
-      d.entries.push_back({e.at("level").get<std::string>(), e.at("key").get<std::string>(), e.at("bytes").get<std::uint64_t>(), {}});
+    if (json_int(j.at("vqkv_chunk_directory"), "version", 0, 1 << 30) != 2) throw FormatError("chunk directory of an unknown version");
+    d.chunk_tokens = json_int(j.at("chunk_tokens"), "chunk size", 1, 1 << 30);
+    const auto& levels = j.at("levels");
+    if (!levels.is_array() || levels.size() > kMaxDirectoryEntries)
+      throw FormatError(fmt::format("malformed chunk directory: more than {} entries, or not a list", kMaxDirectoryEntries));
+    for (const auto& e : levels) {
+      d.entries.push_back({e.at("level").get<std::string>(), e.at("key").get<std::string>(), e.at("bytes").get<std::uint64_t>(), {},
+                           parse_hex16(e.at("model").get<std::string>())});
       if (const auto w = e.find("widths"); w != e.end())
         d.entries.back().widths = unpack_widths(w->at("zstd_base64").get<std::string>(), w->at("count").get<std::uint64_t>());
     }
@@ -398,6 +429,91 @@ ChunkDirectory decode_directory(std::span<const std::uint8_t> blob) {
   }
   return d;
 }
+
+Blob encode_chunk_sizes(const std::vector<int>& sizes) {
+  const std::string text = nlohmann::json{{"vqkv_chunk_sizes", 1}, {"sizes", sizes}}.dump();
+  return Blob(text.begin(), text.end());
+}
+
+std::vector<int> decode_chunk_sizes(std::span<const std::uint8_t> blob) {
+  check_index_size(blob, "chunk-sizes list");
+  std::vector<int> sizes;
+  try {
+    const auto j = nlohmann::json::parse(blob.begin(), blob.end());
+    if (json_int(j.at("vqkv_chunk_sizes"), "version", 0, 1 << 30) != 1) throw FormatError("chunk-sizes list of an unknown version");
+    const auto& list = j.at("sizes");
+    if (!list.is_array() || list.size() > kMaxChunkSizes)
+      throw FormatError(fmt::format("malformed chunk-sizes list: more than {} sizes, or not a list", kMaxChunkSizes));
+    for (const auto& v : list) {
+      const int c = json_int(v, "chunk size", 1, 1 << 30);
+      if (std::find(sizes.begin(), sizes.end(), c) == sizes.end()) sizes.push_back(c);
+    }
+  } catch (const nlohmann::json::exception& e) {
+    throw FormatError(fmt::format("malformed chunk-sizes list: {}", e.what()));
+  }
+  return sizes;
+}
+
+namespace {
+// Read-modify-replace of an index blob: `merge` turns what is there (nullopt: nothing, or a blob
+// that does not decode) into what should be, or nullopt when nothing needs writing. After a
+// replace, read back and merge again (a concurrent writer may have replaced it meanwhile): up to 3
+// writes. What a lost race drops is a miss for readers until the next put, never a wrong blob.
+// Returns the size of the last blob written (0: none).
+template <class T>
+std::uint64_t merge_index_blob(KVStore& store, const std::string& key, const std::function<T(std::span<const std::uint8_t>)>& decode,
+                      const std::function<std::optional<Blob>(const std::optional<T>&)>& merge) {
+  std::uint64_t written = 0;
+  for (int attempt = 0; attempt < 3; ++attempt) {
+    std::optional<T> now;
+    if (const auto blob = store.get(key)) {
+      try {
+        now = decode(*blob);
+      } catch (const FormatError&) {  // corrupt or foreign: replaced by ours
+      }
+    }
+    const auto next = merge(now);
+    if (!next) break;
+    store.replace(key, *next);
+    written = next->size();
+  }
+  return written;
+}
+
+// Adds entries to chunk position's directory: those whose (model, level) it lacks.
+std::uint64_t add_to_directory(KVStore& store, const std::string& key, int chunk_tokens, const std::vector<ChunkDirectory::Entry>& add) {
+  return merge_index_blob<ChunkDirectory>(
+      store, key, [](std::span<const std::uint8_t> b) { return decode_directory(b); },
+      [&](const std::optional<ChunkDirectory>& now) -> std::optional<Blob> {
+        ChunkDirectory d = now && now->chunk_tokens == chunk_tokens ? *now : ChunkDirectory{};
+        d.chunk_tokens = chunk_tokens;
+        bool changed = !now || now->chunk_tokens != chunk_tokens;
+        for (const auto& e : add) {
+          const auto same = [&](const ChunkDirectory::Entry& x) { return x.model == e.model && x.level == e.level; };
+          const auto it = std::find_if(d.entries.begin(), d.entries.end(), same);
+          if (it != d.entries.end() && it->key == e.key) continue;
+          if (it != d.entries.end()) *it = e;  // a forged or stale key for this prefix: ours is the chain's
+          else d.entries.push_back(e);
+          changed = true;
+        }
+        if (d.entries.size() > kMaxDirectoryEntries) d.entries.assign(add.begin(), add.end()), changed = true;
+        return changed ? std::optional<Blob>(encode_directory(d)) : std::nullopt;
+      });
+}
+
+// Adds a chunk size to the store's list of them.
+std::uint64_t add_chunk_size(KVStore& store, int chunk_tokens) {
+  return merge_index_blob<std::vector<int>>(
+      store, kChunkSizesKey, [](std::span<const std::uint8_t> b) { return decode_chunk_sizes(b); },
+      [&](const std::optional<std::vector<int>>& now) -> std::optional<Blob> {
+        std::vector<int> sizes = now.value_or(std::vector<int>{});
+        if (now && std::find(sizes.begin(), sizes.end(), chunk_tokens) != sizes.end()) return std::nullopt;
+        sizes.push_back(chunk_tokens);
+        if (sizes.size() > kMaxChunkSizes) sizes.erase(sizes.begin());  // the oldest size goes
+        return encode_chunk_sizes(sizes);
+      });
+}
+}  // namespace
 
 PutReport put_context(KVStore& store, const Transformer& model, const ChunkScheme& scheme, std::span<const int> tokens,
                       const std::vector<KVState>& exact) {
@@ -429,7 +545,7 @@ PutReport put_context(KVStore& store, const LevelCaches& fresh, const ChunkSchem
     }
   for (int i = 0; i < rep.chunks; ++i) {
     const auto toks = tokens.subspan(static_cast<std::size_t>(i) * C, C);
-    dir_prev = directory_hash(dir_prev, scheme, toks);
+    dir_prev = directory_hash(dir_prev, scheme.chunk_tokens, toks);
     const std::string dkey = directory_key(dir_prev);
     for (std::size_t l = 0; l < scheme.levels.size(); ++l) prev[l] = chain_hash(prev[l], scheme.model_fingerprint, scheme.levels[l], toks);
     ChunkKV chunk;
@@ -440,26 +556,45 @@ PutReport put_context(KVStore& store, const LevelCaches& fresh, const ChunkSchem
       require(lv.empty() || lv.size() == chunk.size(), "put_context: {} layers of K/V for a model of {} layers", chunk.size(), lv.size());
       for (std::size_t k = 0; k < lv.size(); ++k) lv[k]->update(chunk[k].keys, chunk[k].values);
     }
-    if (auto existing = store.get(dkey)) {  // written last: every level is there
-      rep.directories.push_back(decode_directory(*existing));
-      continue;
+    // The directory is written last: an entry it lists names a blob already there. A level it
+    // lists for this model under this chunk's key is skipped.
+    std::optional<ChunkDirectory> existing;
+    if (const auto b = store.get(dkey)) {
+      try {
+        existing = decode_directory(*b);
+      } catch (const FormatError&) {  // corrupt: rewritten below
+      }
     }
-    ChunkDirectory dir;
+    ChunkDirectory dir;  // the scheme's levels, in its order
+    std::vector<ChunkDirectory::Entry> added;
     for (std::size_t l = 0; l < scheme.levels.size(); ++l) {
       const std::string key = chunk_key(scheme.levels[l], prev[l]);
+      if (existing && existing->chunk_tokens == scheme.chunk_tokens) {
+        const auto it = std::find_if(existing->entries.begin(), existing->entries.end(), [&](const ChunkDirectory::Entry& e) {
+          return e.model == scheme.model_fingerprint && e.level == scheme.levels[l] && e.key == key;
+        });
+        if (it != existing->entries.end()) {
+          dir.entries.push_back(*it);
+          continue;
+        }
+      }
       const Blob blob = live[l].empty() ? encode_chunk(fresh, scheme.model_fingerprint, scheme.levels[l], i, toks, chunk)
                                         : live_chunk_blob(live[l], scheme.model_fingerprint, scheme.levels[l], i, toks,
                                                           static_cast<std::int64_t>(i) * scheme.chunk_tokens, chunk[0].keys.dtype());
       store.put(key, blob);
       rep.bytes_written += blob.size();
-      dir.entries.push_back({scheme.levels[l], key, blob.size(), live_widths(live[l])});
+      dir.entries.push_back({scheme.levels[l], key, blob.size(), live_widths(live[l]), scheme.model_fingerprint});
+      added.push_back(dir.entries.back());
     }
-    const Blob d = encode_directory(dir);
-    store.put(dkey, d);
-    rep.bytes_written += d.size();
-    ++rep.chunks_written;
+    dir.chunk_tokens = scheme.chunk_tokens;
+    if (!added.empty()) {
+      rep.bytes_written += add_to_directory(store, dkey, scheme.chunk_tokens, added);
+      ++rep.chunks_written;
+    }
     rep.directories.push_back(std::move(dir));
   }
+  // Listed once the chunks are there (a reader that finds the size finds its chunks).
+  if (rep.chunks > 0) rep.bytes_written += add_chunk_size(store, scheme.chunk_tokens);
   return rep;
 }
 

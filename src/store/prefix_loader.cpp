@@ -10,13 +10,16 @@
 #include <map>
 #include <mutex>
 #include <thread>
+#include <utility>
 
 #include <fmt/core.h>
+#include <nlohmann/json.hpp>
 
 #include "veloxquant/core/error.hpp"
 #include "veloxquant/model/method_spec.hpp"
 #include "veloxquant/model/transformer.hpp"
 #include "veloxquant/store/load_plan.hpp"
+#include "veloxquant/store/prefix_lookup.hpp"
 #include "veloxquant/vq/code_buffers.hpp"
 #include "veloxquant/vq/packed_codes.hpp"
 #include "veloxquant/vq/vq_cache.hpp"
@@ -95,77 +98,39 @@ struct InFlight {
   std::uint64_t bytes = 0;
   double fetch_ms = 0, decode_ms = 0;
   bool ready = false;             // kv, error or a recompute choice is set
+  std::string reason;             // why the choice (LoadedChunk::reason)
 };
 // Both overloads: `model` null means no recompute and no model layer transforms for vq levels.
 LoadReport load(KVStore& store, Transformer* model, const ChunkShape& shape, std::vector<std::shared_ptr<KVCache>>& caches,
                 std::span<const int> tokens, const LoaderOptions& o, const std::function<void(const std::string&)>& warn_fn) {
   const auto t0 = Clock::now();
   const ChunkScheme& scheme = o.scheme;
-  require(scheme.chunk_tokens >= 1, "chunk tokens must be >= 1, got {}", scheme.chunk_tokens);
+  require(scheme.chunk_tokens >= 0, "chunk tokens must be >= 0 (0: every size stored), got {}", scheme.chunk_tokens);
   require(o.slo_guard > 0.0 && o.slo_guard <= 1.0, "the deadline's guard must be a fraction of the link in (0, 1], got {}", o.slo_guard);
   for (const auto& c : caches) require(c && c->offset() == 0, "load_prefix needs empty caches");
-  require(!o.level || std::find(scheme.levels.begin(), scheme.levels.end(), *o.level) != scheme.levels.end(),
-          "level '{}' is not one of the stored levels", o.level.value_or(""));
-  const auto C = static_cast<std::size_t>(scheme.chunk_tokens);
+  require(!o.level || scheme.levels.empty() || std::find(scheme.levels.begin(), scheme.levels.end(), *o.level) != scheme.levels.end(),
+          "level '{}' is not one of the levels asked for", o.level.value_or(""));
   LoadReport rep;
   const char* const rest = model ? "recomputing" : "left to the caller";  // what happens to the chunk at fault
   const auto warn = [&](std::string msg) {
     if (warn_fn) warn_fn(msg);
     rep.warnings.push_back(std::move(msg));
   };
-  const int max_chunks = tokens.empty() ? 0 : static_cast<int>((tokens.size() - 1) / C);
-  const auto chunk_tokens = [&](int i) { return tokens.subspan(static_cast<std::size_t>(i) * C, C); };
 
-  // The stored prefix: every directory key in one pipelined get.
-  std::vector<std::string> dkeys;
-  std::vector<std::vector<std::string>> level_keys;  // expected key of each level per chunk
-  std::uint64_t dprev = 0;
-  std::vector<std::uint64_t> lprev(scheme.levels.size(), 0);
-  for (int i = 0; i < max_chunks; ++i) {
-    dprev = directory_hash(dprev, scheme, chunk_tokens(i));
-    dkeys.push_back(directory_key(dprev));
-    std::vector<std::string> ks;
-    for (std::size_t l = 0; l < scheme.levels.size(); ++l) {
-      lprev[l] = chain_hash(lprev[l], scheme.model_fingerprint, scheme.levels[l], chunk_tokens(i));
-      ks.push_back(chunk_key(scheme.levels[l], lprev[l]));
-    }
-    level_keys.push_back(std::move(ks));
-  }
-  std::vector<ChunkDirectory> dirs;
-  std::string node_down;  // a directory that failed when got one by one: reported unless a chunk before it faults
-  if (max_chunks > 0) {
-    std::vector<std::optional<Blob>> got;
-    try {
-      got = store.get_many(dkeys);
-    } catch (const std::exception&) {
-      // One node down (a cluster) fails the whole batch: get the keys one by one, and keep the
-      // chunks before the first that fails (the warning names that chunk).
-      got.clear();
-      for (int i = 0; i < max_chunks; ++i) {
-        try {
-          got.push_back(store.get(dkeys[static_cast<std::size_t>(i)]));
-          if (!got.back()) break;
-        } catch (const std::exception& e) {
-          if (i == 0) warn(fmt::format("chunk 0: store {} failed ({}); {}", store.describe(), e.what(), rest));
-          else node_down = fmt::format("chunk {}: store {} failed ({}); {}", i, store.describe(), e.what(), rest);
-          break;
-        }
-      }
-    }
-    for (int i = 0; i < static_cast<int>(got.size()) && got[static_cast<std::size_t>(i)]; ++i) {
-      try {
-        ChunkDirectory d = decode_directory(*got[static_cast<std::size_t>(i)]);
-        bool ok = d.entries.size() == scheme.levels.size();
-        for (std::size_t l = 0; ok && l < d.entries.size(); ++l)
-          ok = d.entries[l].level == scheme.levels[l] && d.entries[l].key == level_keys[static_cast<std::size_t>(i)][l];
-        if (!ok) throw FormatError("its levels or keys are not those of this model, method list and token sequence");
-        dirs.push_back(std::move(d));
-      } catch (const FormatError& e) {
-        warn(fmt::format("chunk {}: corrupt directory blob ({}); {}", i, e.what(), rest));
-        break;
-      }
-    }
-  }
+  // The stored prefix, its chunk size and levels found in the store (store/prefix_lookup.hpp); a
+  // forced level narrows the levels to itself.
+  PrefixLookup found = lookup_prefix(store, scheme.model_fingerprint, scheme.chunk_tokens,
+                                     o.level ? std::vector<std::string>{*o.level} : scheme.levels, tokens);
+  rep.chunk_tokens = found.chunk_tokens;
+  rep.end = found.end;
+  // A fault at chunk 0 is the load's first word; one after a usable prefix is said at the end,
+  // unless loading that prefix faulted first (the chunk at fault is the one to name).
+  std::string lookup_fault;
+  if (!found.fault.empty()) lookup_fault = fmt::format("chunk {}: {}; {}", found.end->index, found.fault, rest);
+  if (!lookup_fault.empty() && found.dirs.empty()) warn(std::exchange(lookup_fault, std::string()));
+  const std::vector<ChunkDirectory>& dirs = found.dirs;
+  const auto C = static_cast<std::size_t>(std::max(1, found.chunk_tokens));
+  const auto chunk_tokens = [&](int i) { return tokens.subspan(static_cast<std::size_t>(i) * C, C); };
   rep.chunks_stored = static_cast<int>(dirs.size());
   const int n = rep.chunks_stored;
   // Host caches reserve the whole stored prefix at once: no row copied twice on the way (dense
@@ -352,6 +317,11 @@ LoadReport load(KVStore& store, Transformer* model, const ChunkShape& shape, std
       const int choice = choose(i);
       InFlight& f = flight[static_cast<std::size_t>(i)];
       f.choice = choice;
+      f.reason = o.level ? "forced level"
+                 : choice < 0 ? "plan: recomputing is predicted sooner than fetching"
+                 : choice == quality_order(dirs[static_cast<std::size_t>(i)]).front()
+                     ? (o.slo_ms ? "plan: the best level stored, within the deadline" : "plan: the best level stored")
+                     : "plan: a smaller level, to meet the deadline (or come nearest it)";
       if (choice < 0) {  // recomputed by the calling thread
         f.ready = true;
         cv.notify_all();
@@ -492,6 +462,7 @@ LoadReport load(KVStore& store, Transformer* model, const ChunkShape& shape, std
     }
     if (!f.error.empty()) {
       warn(fmt::format("chunk {}: {}; {}", i, f.error, rest));
+      rep.end = PrefixEnd{i, "fault", found.stored_levels[static_cast<std::size_t>(i)], f.error};
       break;  // nothing of this chunk was fed; the joiner stops the threads
     }
     LoadedChunk rc;
@@ -540,11 +511,22 @@ LoadReport load(KVStore& store, Transformer* model, const ChunkShape& shape, std
       fed = i + 1;
     }
     cv.notify_all();
+    rc.reason = f.reason;
+    rc.levels = found.stored_levels[static_cast<std::size_t>(i)];
     rep.chunks.push_back(rc);
     rep.tokens_filled += static_cast<int>(C);
     if (f.choice >= 0) rep.tokens_reused += static_cast<int>(C);
   }
-  if (!node_down.empty() && rep.warnings.empty()) warn(node_down);
+  if (!lookup_fault.empty() && rep.warnings.empty()) warn(lookup_fault);
+  // A stored prefix that was not (all) used says why, in one line.
+  const auto recomputed = std::count_if(rep.chunks.begin(), rep.chunks.end(), [](const LoadedChunk& c) { return c.level == "recompute"; });
+  std::vector<std::string> unused;
+  if (recomputed > 0)
+    unused.push_back(fmt::format("{} of the {} stored chunks recomputed: the plan predicted recomputing them sooner than fetching them "
+                                 "(a load without recompute takes them all)", recomputed, n));
+  if (rep.end && rep.end->status == "miss" && rep.end->reason.rfind("not stored", 0) != 0 && rep.end->reason.rfind("the prompt", 0) != 0)
+    unused.push_back(fmt::format("chunk {} {}", rep.end->index, rep.end->reason));
+  for (const auto& u : unused) rep.not_used += (rep.not_used.empty() ? "" : "; ") + u;
   rep.load_ms = ms_since(t0);
   return rep;
 }
@@ -561,6 +543,19 @@ LoadReport load_prefix(KVStore& store, const ChunkShape& shape, std::vector<std:
   require(shape.kv_heads >= 1 && shape.head_dim >= 1, "load_prefix: chunk shape needs kv_heads and head_dim >= 1, got {} and {}",
           shape.kv_heads, shape.head_dim);
   return load(store, nullptr, shape, caches, tokens, options, warn);
+}
+
+std::string load_report_json(const LoadReport& r) {
+  nlohmann::json chunks = nlohmann::json::array();
+  for (const auto& c : r.chunks)
+    chunks.push_back({{"index", c.index}, {"status", "hit"}, {"levels", c.levels}, {"level", c.level}, {"reason", c.reason},
+                      {"bytes", c.bytes}, {"fetch_ms", c.fetch_ms}, {"decode_ms", c.decode_ms}});
+  nlohmann::json miss = nullptr;
+  if (r.end) miss = {{"index", r.end->index}, {"status", r.end->status}, {"levels", r.end->levels}, {"reason", r.end->reason}};
+  return nlohmann::json{{"tokens_reused", r.tokens_reused}, {"tokens_filled", r.tokens_filled}, {"chunk_tokens", r.chunk_tokens},
+                        {"load_ms", r.load_ms}, {"prefill_ms_estimate", r.prefill_ms_estimate}, {"chunks", chunks}, {"miss", miss},
+                        {"not_used", r.not_used}, {"warnings", r.warnings}}
+      .dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
 }
 
 }  // namespace vq

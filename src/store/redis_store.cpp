@@ -436,11 +436,15 @@ class RedisStore : public KVStore {
     return fmt::format("{}://{}{}", o_.cluster ? "redis-cluster" : "redis", nodes, o_.db ? fmt::format("/{}", o_.db) : "");
   }
 
-  void put(std::string_view key, std::span<const std::uint8_t> blob) override {
+  void put(std::string_view key, std::span<const std::uint8_t> blob) override { write(key, blob, true); }
+  // Parts, then the head: a reader of the old head that meets new parts fails the checksum.
+  void replace(std::string_view key, std::span<const std::uint8_t> blob) override { write(key, blob, false); }
+
+  void write(std::string_view key, std::span<const std::uint8_t> blob, bool keep_existing) {
     check_store_key(key);
     std::lock_guard lock(mu_);
     const std::string head = head_key(key);
-    if (exists_locked(head)) return;
+    if (keep_existing && exists_locked(head)) return;
     const std::string_view bytes(reinterpret_cast<const char*>(blob.data()), blob.size());
     std::string value;
     if (blob.size() <= o_.part_bytes) {
@@ -461,7 +465,8 @@ class RedisStore : public KVStore {
       put_u64(value, blob.size());
       put_u64(value, XXH64(blob.data(), blob.size(), 0));
     }
-    auto r = std::move(router_->exec({{head, {"SET", head, value, "NX"}}})[0]);
+    auto r = std::move(router_->exec({{head, keep_existing ? Argv{"SET", head, value, "NX"}
+                                                         : Argv{"SET", head, value}}})[0]);
     if (r->type == REDIS_REPLY_ERROR) ok_or_throw(r, "SET", key);
   }
 

@@ -244,16 +244,16 @@ static void test_store(const char* scratch) {
   CHECK(stored == CT);
   blob_list first, all;
   list_blobs(dir, &first);
-  CHECK(first.n == 3); /* fp32, vq:bits=2 and the directory */
+  CHECK(first.n == 4); /* fp32, vq:bits=2, the directory and the store's chunk-sizes list */
   EXPECT_OK(vq_store_put(st, model, CT, levels, ids, NT, src, &stored));
   CHECK(stored == 2 * CT);
   EXPECT_OK(vq_store_stats(st, &blobs, &bytes));
-  CHECK(blobs == 6 && bytes > 2 * SL * 2 * sizeof(float) * H * CT * D);
+  CHECK(blobs == 7 && bytes > 2 * SL * 2 * sizeof(float) * H * CT * D);
   EXPECT_OK(vq_store_put(st, model, CT, levels, ids, NT, src, &stored)); /* idempotent */
   EXPECT_OK(vq_store_stats(st, &blobs, &bytes));
-  CHECK(blobs == 6);
+  CHECK(blobs == 7);
   list_blobs(dir, &all);
-  CHECK(all.n == 6);
+  CHECK(all.n == 7);
   /* chunk 1's blobs, by size: fp32 (largest), vq:bits=2, directory (smallest) */
   int fp32_1 = -1, vq_1 = -1, dir_1 = -1;
   for (int i = 0; i < all.n; ++i) {
@@ -311,8 +311,24 @@ static void test_store(const char* scratch) {
   EXPECT_OK(vq_caches_free(dst));
   CHECK(get_into(st, model, CT / 2, levels, NULL, ids, NT, &dst) == 0);
   EXPECT_OK(vq_caches_free(dst));
-  CHECK(get_into(st, model, CT, "vq:bits=4", NULL, ids, NT, &dst) == 0);
+  /* a level list only narrows what is found: vq:bits=4 is not stored, fp32 (always allowed) is */
+  CHECK(get_into(st, model, CT, "vq:bits=4", NULL, ids, NT, &dst) == 2 * CT);
   EXPECT_OK(vq_caches_free(dst));
+  /* neither chunk size nor levels named: both found in the store, and reported */
+  const char* report = NULL;
+  CHECK(get_into(st, model, 0, NULL, NULL, ids, NT, &dst) == 2 * CT);
+  CHECK(holds_prefix(dst, pk, pv, 2 * CT));
+  EXPECT_OK(vq_store_report(st, &report));
+  CHECK(strstr(report, "\"chunk_tokens\":64") != NULL && strstr(report, "\"status\":\"hit\"") != NULL);
+  CHECK(strstr(report, "\"levels\":[\"vq:bits=2,") != NULL && strstr(report, "\"fp32\"]") != NULL); /* canonical specs */
+  EXPECT_OK(vq_caches_free(dst));
+  /* another identity's prefix: a miss that names why */
+  CHECK(get_into(st, "another-model", 0, NULL, NULL, ids, NT, &dst) == 0);
+  EXPECT_OK(vq_store_report(st, &report));
+  CHECK(strstr(report, "another model") != NULL);
+  EXPECT_OK(vq_caches_free(dst));
+  EXPECT_ERR(vq_store_report(NULL, &report), VQ_ERR_INVALID_ARGUMENT, "store is NULL");
+  EXPECT_ERR(vq_store_report(st, NULL), VQ_ERR_INVALID_ARGUMENT, "out is NULL");
   ids[CT + 1] += 1; /* a prompt that shares only the first chunk */
   CHECK(get_into(st, model, CT, levels, NULL, ids, NT, &dst) == CT);
   CHECK(holds_prefix(dst, pk, pv, CT));

@@ -75,6 +75,17 @@ TEST(FileStore, PutIsIdempotentAndBlobsImmutable) {
   EXPECT_EQ(*store.get("k"), a);
 }
 
+TEST(FileStore, ReplaceOverwrites) {
+  TempDir d;
+  vq::FileStore store(d.path);
+  store.replace("k", bytes_of(100, 1));  // a missing key: written
+  EXPECT_EQ(*store.get("k"), bytes_of(100, 1));
+  store.replace("k", bytes_of(30, 2));
+  EXPECT_EQ(*store.get("k"), bytes_of(30, 2));
+  EXPECT_EQ(store.list(), std::vector<std::string>{"k"});
+  EXPECT_THROW(store.replace("bad key", bytes_of(1, 1)), vq::InvalidArgument);
+}
+
 TEST(FileStore, IgnoresTemporariesAndForeignFiles) {
   TempDir d;
   vq::FileStore store(d.path);

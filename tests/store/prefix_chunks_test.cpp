@@ -157,13 +157,13 @@ TEST(PrefixChunks, PutContextStoresEveryWholeChunkOnceAtEveryLevel) {
   const auto rep = vq::put_context(store, *c.model, scheme, std::span<const int>(c.tokens).first(n), exact);
   EXPECT_EQ(rep.chunks, static_cast<int>(n / 12));
   EXPECT_EQ(rep.chunks_written, rep.chunks);
-  EXPECT_EQ(store.list().size(), static_cast<std::size_t>(rep.chunks) * 5);  // 4 levels + a directory each
+  EXPECT_EQ(store.list().size(), static_cast<std::size_t>(rep.chunks) * 5 + 1);  // 4 levels + a directory each, the chunk-sizes list
   // Walk the chain as a loader does and decode every chunk at every level.
   std::vector<std::uint64_t> prev(4, 0);
   std::uint64_t dprev = 0;
   for (int i = 0; i < rep.chunks; ++i) {
     const auto toks = std::span<const int>(c.tokens).subspan(static_cast<std::size_t>(i * 12), 12);
-    dprev = vq::directory_hash(dprev, scheme, toks);
+    dprev = vq::directory_hash(dprev, scheme.chunk_tokens, toks);
     const auto d = vq::decode_directory(*store.get(vq::directory_key(dprev)));
     ASSERT_EQ(d.entries.size(), 4u);
     for (std::size_t l = 0; l < 4; ++l) {

@@ -262,7 +262,7 @@ namespace {
 std::string last_directory_key(const Stored& s) {
   std::uint64_t h = 0;
   for (int k = 0; k < stored_tokens() / kC; ++k)
-    h = vq::directory_hash(h, s.scheme, std::span<const int>(context().tokens).subspan(static_cast<std::size_t>(k * kC), kC));
+    h = vq::directory_hash(h, s.scheme.chunk_tokens, std::span<const int>(context().tokens).subspan(static_cast<std::size_t>(k * kC), kC));
   return vq::directory_key(h);
 }
 std::shared_ptr<vq::VqKVCache> as_vq(const std::shared_ptr<vq::KVCache>& c) { return std::dynamic_pointer_cast<vq::VqKVCache>(c); }

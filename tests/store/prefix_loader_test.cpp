@@ -237,6 +237,7 @@ class OneKeyDownStore final : public vq::KVStore {
  public:
   OneKeyDownStore(vq::KVStore& inner, std::vector<std::string> down) : inner_(inner), down_(std::move(down)) {}
   void put(std::string_view k, std::span<const std::uint8_t> b) override { inner_.put(k, b); }
+  void replace(std::string_view k, std::span<const std::uint8_t> b) override { inner_.replace(k, b); }
   std::optional<vq::Blob> get(std::string_view k) override {
     if (std::find(down_.begin(), down_.end(), k) != down_.end()) throw vq::IoError("node of '" + std::string(k) + "' is down");
     return inner_.get(k);
@@ -258,7 +259,7 @@ TEST(PrefixLoader, ANodeDownKeepsTheChunksBeforeIt) {
   const int n = whole_chunks(), k = n / 2;
   const Stored s({"fp32"});
   std::uint64_t h = 0;
-  for (int i = 0; i <= k; ++i) h = vq::directory_hash(h, s.scheme, std::span<const int>(c.tokens).subspan(static_cast<std::size_t>(i * kC), kC));
+  for (int i = 0; i <= k; ++i) h = vq::directory_hash(h, s.scheme.chunk_tokens, std::span<const int>(c.tokens).subspan(static_cast<std::size_t>(i * kC), kC));
   OneKeyDownStore store(*s.store, {vq::directory_key(h)});
   vq::LoaderOptions o;
   o.scheme = s.scheme;

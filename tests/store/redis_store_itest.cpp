@@ -7,6 +7,7 @@
 #include <memory>
 #include <set>
 
+#include "lookup_checks.hpp"
 #include "redis_servers.hpp"
 #include "veloxquant/core/error.hpp"
 #include "veloxquant/store/redis_store.hpp"
@@ -176,6 +177,35 @@ TEST(RedisStore, PasswordAndErrors) {
     FAIL() << "no server must fail";
   } catch (const vq::IoError& e) {
     EXPECT_NE(std::string(e.what()).find("cannot connect"), std::string::npos) << e.what();
+  }
+}
+
+// A lookup finds the levels, chunk sizes and models stored (tests/store/lookup_checks.hpp).
+TEST(RedisStore, LookupFindsWhatTheStoreHolds) {
+  SKIP_WITHOUT_REDIS();
+  auto s = vq::open_store(plain_url("?prefix=lookup:"));
+  vqtest::check_lookup_discovers(*s);
+}
+
+TEST(RedisCluster, LookupFindsWhatTheStoreHolds) {
+  SKIP_WITHOUT_REDIS();
+  auto s = vq::open_store(cluster_url("?prefix=lookup:"));
+  vqtest::check_lookup_discovers(*s);
+}
+
+// replace() overwrites, put() does not; a replaced multi-part blob reads back whole.
+TEST(RedisStore, ReplaceOverwrites) {
+  SKIP_WITHOUT_REDIS();
+  for (const auto& url : {plain_url("?prefix=replace:&part_bytes=1000"), cluster_url("?prefix=replace:&part_bytes=1000")}) {
+    auto s = vq::open_store(url);
+    s->put("k", bytes_of(10, 1));
+    s->put("k", bytes_of(20, 2));
+    EXPECT_EQ(*s->get("k"), bytes_of(10, 1)) << url;
+    s->replace("k", bytes_of(2500, 3));
+    EXPECT_EQ(*s->get("k"), bytes_of(2500, 3)) << url;
+    s->replace("k", bytes_of(7, 4));
+    EXPECT_EQ(*s->get("k"), bytes_of(7, 4)) << url;
+    s->remove("k");
   }
 }
 

@@ -54,10 +54,11 @@ TEST(StoreCli, PutLsStatsRm) {
   EXPECT_EQ(j.at("levels").size(), 2u);  // fp16 and fp32, always added
   const auto ls = vqtest::run_cli("store ls --store '" + s.url() + "' --json");
   ASSERT_EQ(ls.code, 0) << ls.err;
-  EXPECT_EQ(nlohmann::json::parse(ls.out).at("keys").size(), static_cast<std::size_t>(chunks) * 3);
+  // Per chunk fp16, fp32 and its directory; one chunk-sizes list.
+  EXPECT_EQ(nlohmann::json::parse(ls.out).at("keys").size(), static_cast<std::size_t>(chunks) * 3 + 1);
   const auto st = vqtest::run_cli("store stats --store '" + s.url() + "' --json");
   ASSERT_EQ(st.code, 0) << st.err;
-  EXPECT_EQ(nlohmann::json::parse(st.out).at("blobs").get<int>(), chunks * 3);
+  EXPECT_EQ(nlohmann::json::parse(st.out).at("blobs").get<int>(), chunks * 3 + 1);
   EXPECT_EQ(nlohmann::json::parse(st.out).at("bytes").get<std::uint64_t>(), j.at("bytes_written").get<std::uint64_t>());
   // Again: idempotent, nothing new.
   const auto again = put(s, "fp16");
@@ -125,6 +126,69 @@ TEST(StoreCli, GenerateWithOnlyFp32StoredMatchesPlainGenerate) {
   // The streamed form prints the same text too.
   const auto streamed = gen("--store '" + s.url() + "' --levels fp32 --chunk-tokens 8");
   EXPECT_EQ(streamed.out, plain.out);
+}
+
+// A user stores at one level and chunk size, then generates naming neither: the prefix is found
+// and reused, and the JSON says per chunk what was stored, what was loaded and why. A level list
+// that leaves out what is stored is a miss that stderr explains in one line.
+TEST(StoreCli, GenerateFindsTheLevelsAndChunkSizeOfThePut) {
+  StoreDir s;
+  ASSERT_EQ(put(s, "fp16", 8).code, 0);
+  const auto plain = gen("");
+  const auto r = gen("--store '" + s.url() + "' --json --no-recompute");
+  ASSERT_EQ(r.code, 0) << r.err;
+  const auto j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j.at("text").get<std::string>() + "\n", plain.out);
+  EXPECT_EQ(j.at("chunk_tokens").get<int>(), 8);
+  ASSERT_GE(j.at("chunks").size(), 4u);
+  EXPECT_EQ(j.at("tokens_reused").get<std::size_t>(), 8 * j.at("chunks").size());
+  for (const auto& c : j.at("chunks")) {
+    EXPECT_EQ(c.at("status"), "hit") << c.dump();
+    EXPECT_EQ(c.at("level"), "fp32") << c.dump();  // the best level stored
+    EXPECT_EQ(c.at("levels"), nlohmann::json({"fp16", "fp32"})) << c.dump();
+    EXPECT_EQ(c.at("reason"), "plan: the best level stored") << c.dump();
+  }
+  EXPECT_EQ(j.at("not_used"), "");
+  // Narrowed to a level not stored (vq:bits=2; fp32 stays allowed): fp32 still found.
+  const auto narrowed = gen("--store '" + s.url() + "' --levels 'vq:bits=2' --json --no-recompute");
+  ASSERT_EQ(narrowed.code, 0) << narrowed.err;
+  EXPECT_EQ(nlohmann::json::parse(narrowed.out).at("tokens_reused"), j.at("tokens_reused"));
+  // Another chunk size than stored: a miss; in text mode nothing is said (nothing of that size is
+  // stored), and the text is the same as without a store.
+  const auto other = gen("--store '" + s.url() + "' --chunk-tokens 16 --json");
+  ASSERT_EQ(other.code, 0) << other.err;
+  const auto jo = nlohmann::json::parse(other.out);
+  EXPECT_EQ(jo.at("tokens_reused"), 0);
+  EXPECT_EQ(jo.at("miss").at("reason"), "not stored");
+  EXPECT_EQ(jo.at("text").get<std::string>() + "\n", plain.out);
+}
+
+// A stored prefix left unused says why on stderr, in one line (text mode): here it was stored for
+// another model (stories260K's prefix, generated from with stories3M-h64, the same tokenizer).
+TEST(StoreCli, APrefixOfAnotherModelIsAMissSaidInOneLine) {
+  StoreDir s;
+  ASSERT_EQ(put(s, "fp32", 8).code, 0);
+  const std::string other = fmt::format("--model '{}/stories3M-h64.bin' --tokenizer '{}'", vqtest::models_dir(), vqtest::tokenizer_path());
+  const auto plain = vqtest::run_cli(fmt::format("generate {} --prompt '{}' --temperature 0 --steps 60", other, kPrompt));
+  ASSERT_EQ(plain.code, 0) << plain.err;
+  const auto r = vqtest::run_cli(fmt::format("generate {} --prompt '{}' --temperature 0 --steps 60 --store '{}'", other, kPrompt, s.url()));
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_EQ(r.out, plain.out);
+  const std::regex note(R"(veloxquant: note: a stored prefix was not used: chunk 0 stored for another model only \(fingerprint [0-9a-f]{16}; this model's is [0-9a-f]{16}\)\n)");
+  EXPECT_TRUE(std::regex_search(r.err, note)) << r.err;
+  EXPECT_EQ(r.err.find("warning"), std::string::npos) << r.err;
+  // (generate stored its own context after: a fresh store for the JSON run)
+  StoreDir s2;
+  ASSERT_EQ(put(s2, "fp32", 8).code, 0);
+  const auto j = vqtest::run_cli(fmt::format("generate {} --prompt '{}' --temperature 0 --steps 60 --store '{}' --json", other, kPrompt, s2.url()));
+  ASSERT_EQ(j.code, 0) << j.err;
+  const auto jj = nlohmann::json::parse(j.out);
+  EXPECT_EQ(jj.at("tokens_reused"), 0) << s.url() << " " << s2.url() << " " << j.out.substr(j.out.find("\"tokens_reused")) << j.err;
+  ASSERT_FALSE(jj.at("miss").is_null());
+  EXPECT_EQ(jj.at("miss").at("status"), "miss");
+  EXPECT_NE(jj.at("miss").at("reason").get<std::string>().find("another model"), std::string::npos) << j.out;
+  EXPECT_NE(jj.at("not_used").get<std::string>().find("another model"), std::string::npos) << j.out;
+  EXPECT_EQ(j.err.find("note:"), std::string::npos) << j.err;  // JSON mode: in the JSON, not on stderr
 }
 
 TEST(StoreCli, LossyLevelsUnderADeadlineReport) {

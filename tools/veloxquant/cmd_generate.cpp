@@ -35,9 +35,11 @@ struct GenerateOptions {
   std::uint64_t seed = 0;
   bool stats = false;
   // generate --store: reuse the longest stored prefix (store/prefix_loader.hpp).
-  std::string store, levels = vq::kDefaultLevels;
+  // --levels / --chunk-tokens: unset, the lookup takes every level and chunk size stored (and the
+  // context is stored after at the defaults, kDefaultLevels in chunks of the size found or 256).
+  std::string store, levels;
   bool use_store = false, json = false, no_recompute = false;
-  int chunk_tokens = vq::kDefaultChunkTokens;
+  std::optional<int> chunk_tokens;
   std::optional<double> slo_ms, bandwidth_mbps, slo_guard;
   std::optional<int> threads;  // --threads: the loader's decoder threads (default: all cores)
 };
@@ -47,6 +49,7 @@ struct StoreRun {
   std::unique_ptr<vq::KVStore> store;
   vq::LoaderOptions options;
   vq::LoadReport report;
+  vq::ChunkScheme put_scheme;  // what the context is stored at after generating
   bool exact_prefix = true;  // every filled chunk exact (fp32 or recomputed): the caches may be stored
 };
 
@@ -58,7 +61,7 @@ void store_context(StoreRun& sr, vq::Transformer& model, const std::string& meth
   // Lossy K/V never poison the exact chain; after a fault the store is left alone (one warning is enough).
   if (!sr.store || method != "fp32" || !sr.exact_prefix || !sr.report.warnings.empty()) return;
   const std::int64_t held = std::min<std::int64_t>(caches.front()->offset(), static_cast<std::int64_t>(tokens.size()));
-  const std::int64_t C = sr.options.scheme.chunk_tokens;
+  const std::int64_t C = sr.put_scheme.chunk_tokens;
   const std::int64_t n = held / C * C;
   if (n == 0) return;
   std::vector<vq::KVState> exact;
@@ -67,7 +70,7 @@ void store_context(StoreRun& sr, vq::Transformer& model, const std::string& meth
     exact.push_back({s.keys.slice(2, 0, n), s.values.slice(2, 0, n)});
   }
   try {
-    vq::put_context(*sr.store, model, sr.options.scheme, std::span<const int>(tokens.data(), static_cast<std::size_t>(n)), exact);
+    vq::put_context(*sr.store, model, sr.put_scheme, std::span<const int>(tokens.data(), static_cast<std::size_t>(n)), exact);
   } catch (const vq::IoError& e) {
     warn(fmt::format("storing the context failed: {}", e.what()));
   } catch (const vq::FormatError& e) {
@@ -95,9 +98,12 @@ int run_generate(const GenerateOptions& o) {
   StoreRun sr;
   const std::string method = vq::MethodSpec::parse(o.method).to_string();
   if (o.use_store) {
-    sr.options.scheme.chunk_tokens = o.chunk_tokens;
-    sr.options.scheme.levels = vq::parse_levels(o.levels);
+    sr.options.scheme.chunk_tokens = o.chunk_tokens.value_or(0);
+    if (!o.levels.empty()) sr.options.scheme.levels = vq::parse_levels(o.levels);
     sr.options.scheme.model_fingerprint = vq::model_fingerprint(model);
+    sr.put_scheme.model_fingerprint = sr.options.scheme.model_fingerprint;
+    sr.put_scheme.levels = vq::parse_levels(o.levels.empty() ? vq::kDefaultLevels : o.levels);
+    sr.put_scheme.chunk_tokens = o.chunk_tokens.value_or(vq::kDefaultChunkTokens);
     sr.options.slo_ms = o.slo_ms;
     if (o.slo_guard) sr.options.slo_guard = *o.slo_guard;
     sr.options.bandwidth_mbps = o.bandwidth_mbps;
@@ -111,6 +117,7 @@ int run_generate(const GenerateOptions& o) {
     if (sr.store)
       cfg.fill_prefix = [&](std::span<const int> tokens, std::vector<std::shared_ptr<KVCache>>& cs) {
         sr.report = vq::load_prefix(*sr.store, model, cs, tokens, sr.options, warn);
+        sr.put_scheme.chunk_tokens = o.chunk_tokens.value_or(sr.report.chunk_tokens > 0 ? sr.report.chunk_tokens : vq::kDefaultChunkTokens);
         for (const auto& c : sr.report.chunks) sr.exact_prefix = sr.exact_prefix && (c.level == "fp32" || c.level == "recompute");
         return sr.report.tokens_filled;
       };
@@ -122,15 +129,17 @@ int run_generate(const GenerateOptions& o) {
   };
   const vq::GenerateResult r = o.json ? vq::generate(model, tok, caches, o.prompt, cfg) : vq::generate(model, tok, caches, o.prompt, cfg, print_piece);
   if (o.json) {
-    nlohmann::json chunks = nlohmann::json::array();
-    for (const auto& c : sr.report.chunks)
-      chunks.push_back({{"index", c.index}, {"level", c.level}, {"bytes", c.bytes}, {"fetch_ms", c.fetch_ms}, {"decode_ms", c.decode_ms}});
+    // The store's part is the loader's report (store/prefix_loader.hpp, load_report_json).
+    const auto store = nlohmann::json::parse(vq::load_report_json(sr.report));
     fmt::print("{}\n", json_text({{"text", r.text},
                                   {"tokens", r.tokens},
                                   {"tokens_reused", sr.report.tokens_reused},
                                   {"ttft_ms", r.ttft_ms},
                                   {"prefill_ms_estimate", sr.report.prefill_ms_estimate},
-                                  {"chunks", chunks}}));
+                                  {"chunk_tokens", store.at("chunk_tokens")},
+                                  {"chunks", store.at("chunks")},
+                                  {"miss", store.at("miss")},
+                                  {"not_used", store.at("not_used")}}));
   } else {
     std::fputc('\n', stdout);
     if (sr.store) {
@@ -139,6 +148,7 @@ int run_generate(const GenerateOptions& o) {
       for (const auto& c : sr.report.chunks)
         fmt::print(stderr, "  chunk {:>4}  {:<40} {:>10} bytes  fetch {:8.2f} ms  decode {:8.2f} ms\n", c.index, c.level, c.bytes, c.fetch_ms,
                    c.decode_ms);
+      if (!sr.report.not_used.empty()) fmt::print(stderr, "veloxquant: note: a stored prefix was not used: {}\n", sr.report.not_used);
     }
   }
   fmt::print(stderr, "kv cache: peak resident {} bytes ({}); fp16 would hold {} bytes for the same {} tokens ({:.2f}x of fp16)\n",
@@ -186,11 +196,16 @@ Runner add_generate(CLI::App& app) {
       ->transform(integer_in(1, 1024));
   app.add_flag("--no-recompute", o->no_recompute,
                "with --store: load every stored chunk, never recompute one by choice (a fault still falls back to prefill)");
-  app.add_option("--levels", o->levels, "with --store: the level list the prefix was stored with (store put --levels)")->capture_default_str();
-  app.add_option("--chunk-tokens", o->chunk_tokens, "with --store: tokens per chunk, as stored")
-      ->capture_default_str()
+  app.add_option("--levels", o->levels,
+                 "with --store: load only these levels (';'-separated; fp32 always allowed). Default: every level stored, found in the "
+                 "store; the context is stored after at vq:bits=1;vq:bits=2;vq:bits=4 (and fp32) or at these");
+  app.add_option("--chunk-tokens", o->chunk_tokens,
+                 "with --store: load only chunks of this size. Default: every size stored, found in the store; the context is stored "
+                 "after in chunks of the size found, else 256")
       ->transform(integer_in(1, 1 << 20));
-  app.add_flag("--json", o->json, "print {text, tokens, tokens_reused, ttft_ms, prefill_ms_estimate, chunks} as JSON instead of streaming the text");
+  app.add_flag("--json", o->json,
+               "print {text, tokens, tokens_reused, ttft_ms, prefill_ms_estimate, chunk_tokens, chunks, miss, not_used} as JSON instead "
+               "of streaming the text");
   return [o] { return run_generate(*o); };
 }
 

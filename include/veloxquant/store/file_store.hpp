@@ -26,6 +26,7 @@ class FileStore : public KVStore {
   explicit FileStore(std::filesystem::path dir, std::uint64_t capacity = 0);
 
   void put(std::string_view key, std::span<const std::uint8_t> blob) override;
+  void replace(std::string_view key, std::span<const std::uint8_t> blob) override;
   std::optional<Blob> get(std::string_view key) override;
   bool exists(std::string_view key) override;
   bool remove(std::string_view key) override;
@@ -37,6 +38,7 @@ class FileStore : public KVStore {
   std::filesystem::path blob_path(std::string_view key) const;
 
  private:
+  void write(std::string_view key, std::span<const std::uint8_t> blob, bool keep_existing);
   void evict_to_capacity();
   std::filesystem::path dir_, blobs_;
   std::uint64_t capacity_;

@@ -5,7 +5,8 @@
 // What a caller must know first:
 // - Blobs are immutable: put() of a key that exists leaves it as it is (put is idempotent; two
 //   writers of one key race harmlessly because they write the same bytes). A reader sees a blob
-//   whole or not at all, never half of one.
+//   whole or not at all, never half of one. replace() is the one mutable write, for the prefix
+//   index's small blobs (store/prefix_chunks.hpp), which writers merge by read-modify-replace.
 // - Keys are 1..100 bytes of printable ASCII without spaces or braces ('{', '}' are reserved for
 //   Redis Cluster hash tags); anything else is InvalidArgument.
 // - Every method is thread-safe. Failures to reach or use the backend throw IoError with one
@@ -44,6 +45,10 @@ class KVStore {
 
   // Store `blob` under `key` unless the key exists (then nothing changes). Throws IoError.
   virtual void put(std::string_view key, std::span<const std::uint8_t> blob) = 0;
+  // Store `blob` under `key` whether or not the key exists. A reader sees the old blob or the new
+  // one whole (a blob split into parts that a reader catches mid-replace fails its checksum:
+  // FormatError, never a mix). Throws IoError.
+  virtual void replace(std::string_view key, std::span<const std::uint8_t> blob) = 0;
   // The blob, or nullopt when the key is missing. Throws IoError (and FormatError when the backend
   // holds something under the key that is not a whole blob of ours).
   virtual std::optional<Blob> get(std::string_view key) = 0;

@@ -27,8 +27,16 @@
 //   format holds are written as they are; an Fp16KVCache (float32 rows holding float16 values) is
 //   written as a plain float16 KVCache (exact, 2 bytes per element); any other class is refused
 //   with InvalidArgument naming the level, until the format learns it.
-// - A directory blob per chunk (key chain over "dir:" + C + the level list) lists each level's
-//   key and size, written after the levels, so a loader learns what exists and its cost in one get.
+// - The index, what a lookup discovers (store/prefix_lookup.hpp): a directory blob per chunk
+//   position, keyed by a chain over the chunk size and the token ids alone (no model, no level:
+//   dir_i = chain_hash(dir_{i-1}, 0, "dir:" + C, the chunk's token ids), written "vq-dir-<16 hex>"),
+//   lists every (model fingerprint, level) stored there with its blob's key and size. put_context
+//   writes a chunk's level blobs first, then merges their entries into the directory
+//   (read-modify-replace, KVStore::replace; read back and merged again when a concurrent writer's
+//   replace won, up to 3 tries: an entry lost to a race is a miss until the next put, never a wrong
+//   blob). And the chunk sizes stored at all are listed in one blob, "vq-dir-chunk-sizes", merged
+//   the same way. So a reader needs neither the level list nor the chunk size of the put: it finds
+//   them, and a prefix stored for another model is found and named as such (a miss with its reason).
 #pragma once
 #include <cstdint>
 #include <functional>
@@ -58,12 +66,21 @@ struct ChunkLayer {
 };
 using ChunkKV = std::vector<ChunkLayer>;
 
-// What identifies a stored context: the model and how it is chunked.
+// What identifies a stored context: the model and how it is chunked. put_context stores at exactly
+// these levels and chunk size. A reader (LoaderOptions::scheme) only narrows what it finds: levels
+// empty takes every level stored for the model, chunk_tokens 0 every chunk size stored.
 struct ChunkScheme {
   std::uint64_t model_fingerprint = 0;
   int chunk_tokens = kDefaultChunkTokens;
   std::vector<std::string> levels;  // canonical method specs; "fp32" is the raw exact level
 };
+// The most chunk sizes a lookup tries (the chunk-sizes blob lists at most this many: a put of one
+// more size replaces the oldest), and the most entries a directory holds (a put that would add
+// more replaces the directory with its own entries).
+inline constexpr std::size_t kMaxChunkSizes = 16;
+inline constexpr std::size_t kMaxDirectoryEntries = 1024;
+// Index blobs (directories, the chunk-sizes list) are small JSON; a larger one is refused unread.
+inline constexpr std::uint64_t kMaxIndexBlobBytes = std::uint64_t{4} << 20;
 
 // A hash of everything that decides a model's K/V: its configuration and every weight.
 std::uint64_t model_fingerprint(const Transformer& model);
@@ -85,9 +102,13 @@ std::vector<std::string> parse_levels(const std::string& list);
 // The chain: key_i from key_{i-1} (0 for the first chunk).
 std::uint64_t chain_hash(std::uint64_t prev, std::uint64_t model_fingerprint, const std::string& level, std::span<const int> tokens);
 std::string chunk_key(const std::string& level, std::uint64_t hash);
-// The directory chain of a scheme.
-std::uint64_t directory_hash(std::uint64_t prev, const ChunkScheme& scheme, std::span<const int> tokens);
+// The directory chain of a chunk size (no model, no level: see above).
+std::uint64_t directory_hash(std::uint64_t prev, int chunk_tokens, std::span<const int> tokens);
 std::string directory_key(std::uint64_t hash);
+// The blob listing the chunk sizes stored, and its coding (decode throws FormatError).
+inline constexpr const char* kChunkSizesKey = "vq-dir-chunk-sizes";
+Blob encode_chunk_sizes(const std::vector<int>& sizes);
+std::vector<int> decode_chunk_sizes(std::span<const std::uint8_t> blob);
 
 // The chunk's K/V at `level` (see the definition above): a fresh cache of that method per layer fed
 // `exact` (the chunk's exact float32 K/V, one entry per layer).
@@ -123,7 +144,7 @@ bool live_coded_level(const std::vector<std::shared_ptr<KVCache>>& fresh_caches,
 // chunk a loader decodes (thread-safe). `model` must outlive the returned function.
 VqLayerModelSource chunk_vq_models(const Transformer& model);
 
-// One chunk's directory: each level's key and blob size, in the scheme's level order.
+// One chunk position's directory: each (model, level) stored there, its key and blob size.
 struct ChunkDirectory {
   struct Entry {
     std::string level, key;
@@ -135,18 +156,22 @@ struct ChunkDirectory {
     // values (a wrong one is widened as any cache widens). Empty otherwise, and in directories
     // written before it.
     std::vector<std::uint8_t> widths = {};
+    std::uint64_t model = 0;  // the model fingerprint the blob was stored for
   };
   std::vector<Entry> entries;
+  int chunk_tokens = 0;  // the chunk size of the chain it sits on (a lookup checks it)
 };
 Blob encode_directory(const ChunkDirectory& dir);
 ChunkDirectory decode_directory(std::span<const std::uint8_t> blob);  // throws FormatError
 
 // Store the first floor(tokens.size() / C) chunks of a context at every level of `scheme`, from the
 // exact per-layer K/V of all its tokens ([1, H, n, D] each; e.g. the state of plain caches after a
-// prefill). Chunks already stored are skipped (put is idempotent). Returns per chunk the directory.
+// prefill). A level a chunk's directory already lists for the model is skipped (put is idempotent;
+// a put at new levels adds them beside the old). Returns per chunk the entries of the scheme's
+// levels, in its order.
 struct PutReport {
   int chunks = 0, chunks_written = 0;
-  std::uint64_t bytes_written = 0;
+  std::uint64_t bytes_written = 0;  // level blobs written, and index blobs (each replace counted whole)
   std::vector<ChunkDirectory> directories;
 };
 PutReport put_context(KVStore& store, const Transformer& model, const ChunkScheme& scheme, std::span<const int> tokens,

@@ -50,13 +50,16 @@
 #include "veloxquant/store/kv_store.hpp"
 #include "veloxquant/store/load_plan.hpp"
 #include "veloxquant/store/prefix_chunks.hpp"
+#include "veloxquant/store/prefix_lookup.hpp"
 
 namespace vq {
 
 class Transformer;
 
 struct LoaderOptions {
-  ChunkScheme scheme;                       // fingerprint, chunk tokens and level list used by put
+  // The model's fingerprint, and what narrows the lookup: chunk_tokens 0 (the default here) takes
+  // every chunk size stored, levels empty every level stored (store/prefix_lookup.hpp).
+  ChunkScheme scheme = {.model_fingerprint = 0, .chunk_tokens = 0, .levels = {}};
   std::optional<double> slo_ms;             // deadline for the whole load (time to first token)
   std::optional<double> bandwidth_mbps;     // emulated link (megabits per second); unset: measured
   std::optional<double> bandwidth_after_mbps;  // the emulated link after drop_after_bytes
@@ -85,6 +88,11 @@ struct LoadedChunk {
   std::string level;  // a level's spec, or "recompute"
   std::uint64_t bytes = 0;
   double fetch_ms = 0, decode_ms = 0;
+  std::vector<std::string> levels;  // every level stored for this model at this chunk
+  // Why `level`: "plan: the best level stored", "plan: ... within the deadline", "plan: a smaller
+  // level, to meet the deadline (or come nearest it)", "plan: recomputing is predicted sooner than
+  // fetching", or "forced level" (LoaderOptions::level).
+  std::string reason;
 };
 
 struct LoadReport {
@@ -93,9 +101,23 @@ struct LoadReport {
   int chunks_stored = 0;               // length of the stored prefix found, in chunks
   double load_ms = 0;                  // wall time of the whole load
   double prefill_ms_estimate = 0;      // what recomputing the reused tokens would have cost (estimate)
-  std::vector<LoadedChunk> chunks;
+  std::vector<LoadedChunk> chunks;     // the chunks filled, in order (each a hit of the lookup)
   std::vector<std::string> warnings;   // also passed to `warn` as they happen
+  int chunk_tokens = 0;                // the chunk size found (0: nothing stored at any size)
+  // Where reuse ended and why: the lookup's end of the prefix (a miss, or a fault in the index), or
+  // the chunk whose blob faulted while loading; unset when the prompt had no chunk after the prefix.
+  std::optional<PrefixEnd> end;
+  // One line when a stored prefix exists but was not (all) used, saying why (chunks the plan
+  // recomputed; a chunk stored for another model only, at levels not asked for, or holding the
+  // prompt's last token); "" otherwise. Faults are warnings instead.
+  std::string not_used;
 };
+
+// The report as JSON text: {"tokens_reused", "tokens_filled", "chunk_tokens", "load_ms",
+// "prefill_ms_estimate", "chunks": [{"index", "status": "hit", "levels", "level", "reason",
+// "bytes", "fetch_ms", "decode_ms"}], "miss": null or {"index", "status": "miss"|"fault",
+// "levels", "reason"}, "not_used", "warnings"} (generate --json and vq_store_report print it).
+std::string load_report_json(const LoadReport& report);
 
 // Fill `caches` (empty, one per layer, the host's live caches) with the longest stored prefix of
 // `tokens`. Never throws for store faults (see above); throws InvalidArgument on bad arguments.
