@@ -459,14 +459,17 @@ namespace {
 // that does not decode) into what should be, or nullopt when nothing needs writing. After a
 // replace, read back and merge again (a concurrent writer may have replaced it meanwhile): up to 3
 // writes. What a lost race drops is a miss for readers until the next put, never a wrong blob.
-// Returns the size of the last blob written (0: none).
+// `read`: what the caller already read (decoded, nullopt: nothing or corrupt), taken for the first
+// round instead of a second get. Returns the size of the last blob written (0: none).
 template <class T>
 std::uint64_t merge_index_blob(KVStore& store, const std::string& key, const std::function<T(std::span<const std::uint8_t>)>& decode,
-                      const std::function<std::optional<Blob>(const std::optional<T>&)>& merge) {
+                      const std::function<std::optional<Blob>(const std::optional<T>&)>& merge,
+                      std::optional<std::optional<T>> read = std::nullopt) {
   std::uint64_t written = 0;
   for (int attempt = 0; attempt < 3; ++attempt) {
     std::optional<T> now;
-    if (const auto blob = store.get(key)) {
+    if (attempt == 0 && read) now = std::move(*read);
+    else if (const auto blob = store.get(key)) {
       try {
         now = decode(*blob);
       } catch (const FormatError&) {  // corrupt or foreign: replaced by ours
@@ -481,7 +484,9 @@ std::uint64_t merge_index_blob(KVStore& store, const std::string& key, const std
 }
 
 // Adds entries to chunk position's directory: those whose (model, level) it lacks.
-std::uint64_t add_to_directory(KVStore& store, const std::string& key, int chunk_tokens, const std::vector<ChunkDirectory::Entry>& add) {
+// `read`: the directory as the caller read it just before.
+std::uint64_t add_to_directory(KVStore& store, const std::string& key, int chunk_tokens, const std::vector<ChunkDirectory::Entry>& add,
+                               const std::optional<ChunkDirectory>& read) {
   return merge_index_blob<ChunkDirectory>(
       store, key, [](std::span<const std::uint8_t> b) { return decode_directory(b); },
       [&](const std::optional<ChunkDirectory>& now) -> std::optional<Blob> {
@@ -498,7 +503,8 @@ std::uint64_t add_to_directory(KVStore& store, const std::string& key, int chunk
         }
         if (d.entries.size() > kMaxDirectoryEntries) d.entries.assign(add.begin(), add.end()), changed = true;
         return changed ? std::optional<Blob>(encode_directory(d)) : std::nullopt;
-      });
+      },
+      std::optional<std::optional<ChunkDirectory>>(read));
 }
 
 // Adds a chunk size to the store's list of them.
@@ -588,7 +594,7 @@ PutReport put_context(KVStore& store, const LevelCaches& fresh, const ChunkSchem
     }
     dir.chunk_tokens = scheme.chunk_tokens;
     if (!added.empty()) {
-      rep.bytes_written += add_to_directory(store, dkey, scheme.chunk_tokens, added);
+      rep.bytes_written += add_to_directory(store, dkey, scheme.chunk_tokens, added, existing);
       ++rep.chunks_written;
     }
     rep.directories.push_back(std::move(dir));

@@ -462,7 +462,7 @@ LoadReport load(KVStore& store, Transformer* model, const ChunkShape& shape, std
     }
     if (!f.error.empty()) {
       warn(fmt::format("chunk {}: {}; {}", i, f.error, rest));
-      rep.end = PrefixEnd{i, "fault", found.stored_levels[static_cast<std::size_t>(i)], f.error};
+      rep.end = PrefixEnd{i, "fault", found.stored_levels[static_cast<std::size_t>(i)], f.error, true};
       break;  // nothing of this chunk was fed; the joiner stops the threads
     }
     LoadedChunk rc;
@@ -524,7 +524,7 @@ LoadReport load(KVStore& store, Transformer* model, const ChunkShape& shape, std
   if (recomputed > 0)
     unused.push_back(fmt::format("{} of the {} stored chunks recomputed: the plan predicted recomputing them sooner than fetching them "
                                  "(a load without recompute takes them all)", recomputed, n));
-  if (rep.end && rep.end->status == "miss" && rep.end->reason.rfind("not stored", 0) != 0 && rep.end->reason.rfind("the prompt", 0) != 0)
+  if (rep.end && rep.end->status == "miss" && rep.end->stored)
     unused.push_back(fmt::format("chunk {} {}", rep.end->index, rep.end->reason));
   for (const auto& u : unused) rep.not_used += (rep.not_used.empty() ? "" : "; ") + u;
   rep.load_ms = ms_since(t0);

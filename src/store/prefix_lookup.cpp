@@ -24,8 +24,7 @@ struct Walk {
   std::vector<std::string> keys;             // directory key per position
   std::vector<std::optional<Blob>> got;      // per position, until the first missing or failed one
   std::string get_fault;                     // the get that failed (one by one), at position got.size()
-  // The analysis.
-  int n = 0;                                 // usable chunks
+  // The analysis (dirs.size(): the usable chunks).
   std::vector<std::string> common;           // the levels the usable chunks share
   std::vector<ChunkDirectory> dirs;          // per usable chunk: this model's entries of `common`
   std::vector<std::vector<std::string>> stored;  // per usable chunk: every level stored for this model
@@ -61,8 +60,8 @@ class LevelKeys {
 
 void analyse(Walk& w, std::uint64_t fp, const std::vector<std::string>& allowed, std::span<const int> tokens) {
   LevelKeys keys(fp, w.C, tokens);
-  const auto stop = [&](int i, const char* status, std::vector<std::string> levels, std::string reason) {
-    w.end = PrefixEnd{i, status, std::move(levels), std::move(reason)};
+  const auto stop = [&](int i, const char* status, std::vector<std::string> levels, std::string reason, bool stored = false) {
+    w.end = PrefixEnd{i, status, std::move(levels), std::move(reason), stored};
   };
   for (int i = 0; i < w.positions; ++i) {
     const auto at = static_cast<std::size_t>(i);
@@ -102,11 +101,13 @@ void analyse(Walk& w, std::uint64_t fp, const std::vector<std::string>& allowed,
       for (std::size_t k = 0; k < others.size() && k < 3; ++k) fps += fmt::format("{}{:016x}", k ? ", " : "", others[k]);
       if (others.size() > 3) fps += ", ...";
       stop(i, "miss", {}, others.empty() ? std::string("not stored (an empty directory)")
-                                         : fmt::format("stored for another model only (fingerprint {}; this model's is {:016x})", fps, fp));
+                                         : fmt::format("stored for another model only (fingerprint {}; this model's is {:016x})", fps, fp),
+           !others.empty());
       return;
     }
     if (usable.empty()) {
-      stop(i, "miss", stored, fmt::format("stored at levels {}; none is among the levels asked for ({})", list_text(stored), list_text(allowed)));
+      stop(i, "miss", stored, fmt::format("stored at levels {}; none is among the levels asked for ({})", list_text(stored), list_text(allowed)),
+           true);
       return;
     }
     std::vector<std::string> common;
@@ -119,12 +120,12 @@ void analyse(Walk& w, std::uint64_t fp, const std::vector<std::string>& allowed,
     }
     if (common.empty()) {
       stop(i, "miss", stored,
-           fmt::format("stored at levels {}, none of which the chunks before it hold ({})", list_text(stored), list_text(w.common)));
+           fmt::format("stored at levels {}, none of which the chunks before it hold ({})", list_text(stored), list_text(w.common)), true);
       return;
     }
     if (i >= w.usable_max) {
       stop(i, "miss", stored,
-           "stored, not used: it holds the prompt's last token, which the host computes itself (its logits start the generation)");
+           "stored, not used: it holds the prompt's last token, which the host computes itself (its logits start the generation)", true);
       return;
     }
     w.common = std::move(common);
@@ -133,7 +134,6 @@ void analyse(Walk& w, std::uint64_t fp, const std::vector<std::string>& allowed,
     for (const auto* e : usable) kept.entries.push_back(*e);
     w.dirs.push_back(std::move(kept));
     w.stored.push_back(std::move(stored));
-    w.n = i + 1;
   }
 }
 
@@ -202,7 +202,6 @@ PrefixLookup lookup_prefix(KVStore& store, std::uint64_t fp, int chunk_tokens, c
   for (Walk& w : walks) {
     if (batch_ok) {
       for (int i = 0; i < w.positions; ++i) w.got.push_back(std::move(got[at++]));
-      while (!w.got.empty() && !w.got.back()) w.got.pop_back();  // trailing misses
       const auto first_miss = std::find_if(w.got.begin(), w.got.end(), [](const auto& b) { return !b.has_value(); });
       w.got.erase(first_miss, w.got.end());
       continue;
@@ -223,18 +222,17 @@ PrefixLookup lookup_prefix(KVStore& store, std::uint64_t fp, int chunk_tokens, c
   // something at position 0 (to say why it was not used), else the first.
   const Walk* best = nullptr;
   for (const Walk& w : walks) {
-    out.sizes_found.push_back(fmt::format("chunks of {}: {} usable", w.C, w.n));
     if (!best) {
       best = &w;
       continue;
     }
-    const auto tokens_of = [](const Walk& x) { return static_cast<std::int64_t>(x.n) * x.C; };
+    const auto tokens_of = [](const Walk& x) { return static_cast<std::int64_t>(x.dirs.size()) * x.C; };
     if (tokens_of(w) > tokens_of(*best) || (tokens_of(w) == tokens_of(*best) && tokens_of(w) > 0 && w.C > best->C) ||
         (tokens_of(*best) == 0 && tokens_of(w) == 0 && w.found_any && !best->found_any))
       best = &w;
   }
-  if (!best) {  // the prompt is shorter than every chunk size stored
-    out.end = PrefixEnd{0, "miss", {}, fmt::format("the prompt ({} tokens) is shorter than every chunk size stored", tokens.size())};
+  if (!best) {  // a size list with no size in it
+    out.end = PrefixEnd{0, "miss", {}, "not stored (the store lists no chunk size)"};
     return out;
   }
   out.chunk_tokens = best->C;

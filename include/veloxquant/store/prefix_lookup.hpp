@@ -35,6 +35,7 @@ struct PrefixEnd {
   std::string status;                 // "miss" (nothing usable stored there) or "fault" (a store or blob fault)
   std::vector<std::string> levels;    // levels stored there for this model (empty: none)
   std::string reason;                 // one sentence, e.g. "not stored", "stored for another model (fingerprint ...)"
+  bool stored = false;                // a miss where something is stored (another model's, other levels, the last token)
 };
 
 struct PrefixLookup {
@@ -42,7 +43,6 @@ struct PrefixLookup {
   std::vector<ChunkDirectory> dirs;            // the usable prefix: per chunk, this model's entries of the common levels
   std::vector<std::vector<std::string>> stored_levels;  // per chunk of the prefix: every level stored for this model
   std::optional<PrefixEnd> end;                // where the prefix ends, when a chunk position after it was looked at
-  std::vector<std::string> sizes_found;        // for messages: "C=8: 5 chunks", one per size tried
   std::string fault;                           // a fault that ended the chosen size's prefix (also in end), else ""
 };
 
