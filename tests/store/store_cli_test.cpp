@@ -77,7 +77,8 @@ TEST(StoreCli, BadInputIsOneLineAndNonzero) {
                                  "store put --prompt x --levels fp99", "store rm --all k1", "store ls --store redis://h",
                                  "generate --slo-ms 5", "generate --no-recompute", "generate --slo-guard 0.5",
                                  "generate --store file:/tmp/vq-never --slo-guard 0.5", "generate --store file:/tmp/vq-never --slo-ms 5 --slo-guard 0",
-                                 "generate --store file:/tmp/vq-never --slo-ms 5 --slo-guard 2"}) {
+                                 "generate --store file:/tmp/vq-never --slo-ms 5 --slo-guard 2",
+                                 "generate --store file:/tmp/vq-never --chunk-tokens 0", "generate --store file:/tmp/vq-never --levels fp99"}) {
     const auto r = vqtest::run_cli(args + " " + (args.rfind("store put", 0) == 0 || args.rfind("generate", 0) == 0 ? model_args() : ""));
     EXPECT_NE(r.code, 0) << args;
     EXPECT_NE(r.err.find("error"), std::string::npos) << args << ": " << r.err;
