@@ -29,7 +29,7 @@
 
 #include "veloxquant/cache/builder.hpp"
 #include "veloxquant/cache/kv_cache.hpp"
-#include "veloxquant/model/method_spec.hpp"
+#include "veloxquant/methods/method_spec.hpp"
 #include "veloxquant/synth/synthetic_kv.hpp"
 
 namespace {

@@ -34,7 +34,8 @@
 #include "veloxquant/cache/cachegen_cache.hpp"
 #include "veloxquant/format/vqkv.hpp"
 #include "veloxquant/model/checkpoint.hpp"
-#include "veloxquant/model/method_spec.hpp"
+#include "veloxquant/methods/method_table.hpp"
+#include "veloxquant/model/vq_layer_models.hpp"
 #include "veloxquant/model/transformer.hpp"
 #include "veloxquant/cache/config.hpp"
 #include "veloxquant/cache/kv_cache.hpp"
@@ -384,6 +385,24 @@ PYBIND11_MODULE(veloxquant, m) {
       "method"_a, "model"_a,
       "One cache per layer of the llama2.c checkpoint at `model` for a method spec (e.g. 'vq:bits=2', 'cachegen'); "
       "`vq` caches derive their transforms from the model's weights and record its fingerprint. ValueError for a bad spec.");
+
+  m.def(
+      "methods",
+      [] {
+        py::list rows;
+        for (const auto& r : vq::method_table()) {
+          py::list keys;
+          for (const auto& k : r.keys)
+            keys.append(py::dict("name"_a = k.name, "default"_a = k.fallback, "range"_a = k.range, "help"_a = k.help));
+          rows.append(py::dict("name"_a = r.name, "family"_a = vq::method_family_name(r.family), "usage"_a = vq::method_usage(r),
+                               "summary"_a = r.summary, "saves_vqkv"_a = r.saves_vqkv, "keys"_a = keys,
+                               "canonical_default"_a = vq::MethodSpec::parse(r.name).to_string()));
+        }
+        return rows;
+      },
+      "The method table (as `veloxquant methods --json` prints it): one dict per method with its name, family (ours, "
+      "reference, peer, baseline), spec usage, summary, whether it saves to .vqkv, its keys (name, default, range, help) and "
+      "the canonical text of its default spec. make_caches takes any of these specs.");
 
   m.def("layer_group_bits", &vq::layer_group_bits, "n_layers"_a, "base_bits"_a, "n_groups"_a = 3,
         "CacheGen's layer-wise bit schedule: deeper layers get fewer bits (never below 2).");

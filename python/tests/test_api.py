@@ -251,3 +251,19 @@ def test_memory_follows_the_data():
     cache = vq.CacheGenKVCache()
     cache.update_and_fetch(one, one)
     assert cache.nbytes <= 4 * 2 * one.nbytes + 64 * 1024
+
+
+def test_methods_table_lists_every_method_and_its_specs_build():
+    rows = vq.methods()
+    names = [r["name"] for r in rows]
+    for expected in ("fp32", "fp16", "cachegen", "kivi", "q8_0", "q4_0", "q4_1", "fp8", "lmcache", "cachegen_paper", "vq"):
+        assert expected in names
+    assert len(set(names)) == len(names)
+    for r in rows:
+        assert r["family"] in ("baseline", "ours", "reference", "peer")
+        assert r["usage"].startswith(r["name"])
+        # Every key's default is what the canonical text of the bare spec says (where it says it).
+        for k in r["keys"]:
+            if k["default"] and f"{k['name']}=" in r["canonical_default"]:
+                assert f"{k['name']}={k['default']}" in r["canonical_default"], (r["name"], k)
+    assert {r["name"] for r in rows if r["family"] == "ours"} == {"vq"}

@@ -18,7 +18,7 @@
 #include "veloxquant/core/error.hpp"
 #include "veloxquant/core/tensor.hpp"
 #include "veloxquant/format/vqkv.hpp"
-#include "veloxquant/model/method_spec.hpp"
+#include "veloxquant/methods/method_spec.hpp"
 #include "veloxquant/store/kv_store.hpp"
 #include "veloxquant/store/prefix_chunks.hpp"
 #include "veloxquant/store/prefix_loader.hpp"

@@ -15,7 +15,8 @@
 
 #include "veloxquant/cache/cachegen_cache.hpp"
 #include "veloxquant/core/error.hpp"
-#include "veloxquant/model/method_spec.hpp"
+#include "veloxquant/methods/method_spec.hpp"
+#include "veloxquant/cache/fp16_cache.hpp"
 #include "veloxquant/model/transformer.hpp"
 #include "veloxquant/synth/synthetic_kv.hpp"
 

@@ -13,9 +13,8 @@
 
 #include "veloxquant/core/dtype.hpp"
 #include "veloxquant/core/error.hpp"
-#include "veloxquant/model/method_spec.hpp"
+#include "veloxquant/model/vq_layer_models.hpp"
 #include "matmul.hpp"
-#include "method_spec_vq.hpp"
 #include "swiglu.hpp"
 
 namespace vq {

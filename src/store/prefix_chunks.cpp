@@ -18,7 +18,9 @@
 
 #include "veloxquant/core/error.hpp"
 #include "veloxquant/format/vqkv.hpp"
-#include "veloxquant/model/method_spec.hpp"
+#include "veloxquant/methods/method_spec.hpp"
+#include "veloxquant/model/vq_layer_models.hpp"
+#include "veloxquant/cache/fp16_cache.hpp"
 #include "veloxquant/model/transformer.hpp"
 #include "veloxquant/vq/vq_cache.hpp"
 #include "veloxquant/vq/vq_reconstruct_at.hpp"

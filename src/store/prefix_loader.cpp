@@ -16,7 +16,7 @@
 #include <nlohmann/json.hpp>
 
 #include "veloxquant/core/error.hpp"
-#include "veloxquant/model/method_spec.hpp"
+#include "veloxquant/methods/method_spec.hpp"
 #include "veloxquant/model/transformer.hpp"
 #include "veloxquant/store/load_plan.hpp"
 #include "veloxquant/store/prefix_lookup.hpp"

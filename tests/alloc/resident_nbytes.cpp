@@ -12,7 +12,7 @@
 #include <gtest/gtest.h>
 
 #include "veloxquant/cache/cachegen_cache.hpp"
-#include "veloxquant/model/method_spec.hpp"
+#include "veloxquant/methods/method_spec.hpp"
 #include "veloxquant/peers/kivi_cache.hpp"
 #include "../support/test_util.hpp"
 

@@ -9,7 +9,7 @@
 #include "veloxquant/cache/cachegen_cache.hpp"
 #include "veloxquant/cache/kv_cache.hpp"
 #include "veloxquant/core/error.hpp"
-#include "veloxquant/model/method_spec.hpp"
+#include "veloxquant/methods/method_spec.hpp"
 #include "../support/test_util.hpp"
 
 namespace {

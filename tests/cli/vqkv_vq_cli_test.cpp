@@ -14,7 +14,8 @@
 #include "veloxquant/core/npy.hpp"
 #include "veloxquant/format/safetensors.hpp"
 #include "veloxquant/model/checkpoint.hpp"
-#include "veloxquant/model/method_spec.hpp"
+#include "veloxquant/methods/method_spec.hpp"
+#include "veloxquant/model/vq_layer_models.hpp"
 #include "veloxquant/vq/vq_cache.hpp"
 
 namespace {

@@ -12,7 +12,7 @@
 #include "veloxquant/cache/attention.hpp"
 #include "veloxquant/cache/attention_kernels.hpp"
 #include "veloxquant/model/checkpoint.hpp"
-#include "veloxquant/model/method_spec.hpp"
+#include "veloxquant/methods/method_spec.hpp"
 #include "veloxquant/model/transformer.hpp"
 #include "../support/test_util.hpp"
 #include "model_support.hpp"

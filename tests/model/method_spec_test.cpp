@@ -1,5 +1,6 @@
 // Method specs and the caches they build; default model file lookup.
-#include "veloxquant/model/method_spec.hpp"
+#include "veloxquant/methods/method_spec.hpp"
+#include "veloxquant/cache/fp16_cache.hpp"
 
 #include <cstdlib>
 

@@ -1,7 +1,7 @@
 // Shared helpers for the model tests: paths of the shared stories260K files, and file I/O.
 #pragma once
 #include "veloxquant/core/error.hpp"
-#include "veloxquant/model/method_spec.hpp"
+#include "veloxquant/methods/method_spec.hpp"
 #include <fstream>
 #include <iterator>
 #include <string>

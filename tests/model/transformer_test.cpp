@@ -11,7 +11,7 @@
 #include "veloxquant/cache/cachegen_cache.hpp"
 #include "veloxquant/core/error.hpp"
 #include "veloxquant/model/generate.hpp"
-#include "veloxquant/model/method_spec.hpp"
+#include "veloxquant/methods/method_spec.hpp"
 #include "veloxquant/model/tokenizer.hpp"
 #include "model_support.hpp"
 

@@ -6,7 +6,7 @@
 
 #include "veloxquant/core/error.hpp"
 #include "veloxquant/eval/evaluator.hpp"
-#include "veloxquant/model/method_spec.hpp"
+#include "veloxquant/methods/method_spec.hpp"
 #include "veloxquant/model/tokenizer.hpp"
 #include "veloxquant/model/transformer.hpp"
 #include "veloxquant/vq/vq_cache.hpp"

@@ -10,7 +10,7 @@
 #include "veloxquant/eval/evaluator.hpp"
 #include "veloxquant/model/cachegen_profile.hpp"
 #include "veloxquant/model/checkpoint.hpp"
-#include "veloxquant/model/method_spec.hpp"
+#include "veloxquant/methods/method_spec.hpp"
 #include "veloxquant/model/tokenizer.hpp"
 #include "veloxquant/model/transformer.hpp"
 #include "veloxquant/peers/cachegen_paper_cache.hpp"

@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "veloxquant/cache/builder.hpp"
-#include "veloxquant/model/method_spec.hpp"
+#include "veloxquant/methods/method_spec.hpp"
 #include "veloxquant/store/prefix_chunks.hpp"
 #include "veloxquant/store/prefix_loader.hpp"
 

@@ -9,7 +9,7 @@
 #include "store_context.hpp"
 #include "veloxquant/core/error.hpp"
 #include "veloxquant/model/checkpoint.hpp"
-#include "veloxquant/model/method_spec.hpp"
+#include "veloxquant/methods/method_spec.hpp"
 #include "veloxquant/model/tokenizer.hpp"
 #include "veloxquant/model/transformer.hpp"
 #include "veloxquant/store/file_store.hpp"

@@ -14,7 +14,7 @@
 #include "store_context.hpp"
 #include "veloxquant/core/error.hpp"
 #include "veloxquant/format/vqkv.hpp"
-#include "veloxquant/model/method_spec.hpp"
+#include "veloxquant/methods/method_spec.hpp"
 #include "veloxquant/model/transformer.hpp"
 #include "veloxquant/store/file_store.hpp"
 #include "veloxquant/store/prefix_loader.hpp"

@@ -14,7 +14,7 @@
 #include "../../src/vq/seal_coder.hpp"
 #include "veloxquant/cache/attention.hpp"
 #include "veloxquant/core/error.hpp"
-#include "veloxquant/model/method_spec.hpp"
+#include "veloxquant/methods/method_spec.hpp"
 #include "veloxquant/vq/vq_cache.hpp"
 #include "../support/test_util.hpp"
 #include "../support/vq_random_layer.hpp"

@@ -4,7 +4,7 @@
 // query token, over `context` tokens of synthetic K/V (synth/synthetic_kv.hpp, float16, seed 0)
 // fed in chunks of 4096 tokens. Storage forms: "fp32" and "fp16" are plain KVCaches of that dtype
 // (the dense baselines, the same attention loop), every other form is a method spec's cache
-// (model/method_spec.hpp) fed float32. Threads (--threads, vq::set_attention_threads; default every
+// (methods/method_spec.hpp) fed float32. Threads (--threads, vq::set_attention_threads; default every
 // core): with one, steps are timed on the thread's CPU clock; with more, on the wall clock (the CPU
 // clock of the calling thread would miss the others' work), memcpy included.
 //
@@ -35,7 +35,7 @@
 #include "veloxquant/cache/attention.hpp"
 #include "veloxquant/cache/kv_cache.hpp"
 #include "veloxquant/core/error.hpp"
-#include "veloxquant/model/method_spec.hpp"
+#include "veloxquant/methods/method_spec.hpp"
 #include "veloxquant/synth/synthetic_kv.hpp"
 
 namespace vqcli {

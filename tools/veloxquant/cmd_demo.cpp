@@ -20,7 +20,7 @@
 #include "veloxquant/core/error.hpp"
 #include "veloxquant/eval/evaluator.hpp"
 #include "veloxquant/model/checkpoint.hpp"
-#include "veloxquant/model/method_spec.hpp"
+#include "veloxquant/methods/method_table.hpp"
 #include "veloxquant/model/model_files.hpp"
 #include "veloxquant/model/tokenizer.hpp"
 #include "veloxquant/model/transformer.hpp"
@@ -29,24 +29,12 @@ namespace vqcli {
 
 namespace {
 
-// The rows, in table order, and what each stands for (docs/quality.md, "Rate-distortion").
-struct DemoMethod {
-  const char* spec;
-  const char* who;
-};
-constexpr DemoMethod kDemoMethods[] = {
-    {"fp16", "baseline"},
-    {"vq:bits=1", "ours"},
-    {"vq:bits=2", "ours"},
-    {"vq:bits=4", "ours"},
-    {"cachegen:flush=per_call", "reference CacheGen, as it runs"},
-    {"cachegen:bits=4,schedule=off,flush=per_call", "reference CacheGen, best setting"},
-    {"kivi:bits=4", "peer"},
-    {"kivi:bits=2", "peer"},
-    {"q8_0", "peer (llama.cpp)"},
-    {"q4_0", "peer (llama.cpp)"},
-    {"fp8", "peer"},
-};
+// The rows and what each stands for: the method table's demo settings (methods/method_table.hpp),
+// baseline first, then ours, the reference's and the peers' (docs/quality.md, "Rate-distortion").
+const std::vector<vq::MethodSetting>& demo_methods() {
+  static const std::vector<vq::MethodSetting> rows = vq::default_demo_methods();
+  return rows;
+}
 
 // The quality budget "the best row" is chosen under: the fewest coded bits with at most this
 // perplexity cost.
@@ -84,7 +72,7 @@ int run_synthetic(const std::vector<std::string>& methods, const std::string& wh
   for (std::size_t i = 0; i < results.size(); ++i) {
     const auto& r = results[i];
     fmt::print("{:<44} {:>10.3f} {:>7.2f} {:>12.3e}  {}\n", r.method, r.bits_per_element_fixed, 16.0 / r.bits_per_element_fixed,
-               r.relative_mse, kDemoMethods[i].who);
+               r.relative_mse, demo_methods()[i].note);
   }
   return 0;
 }
@@ -96,7 +84,7 @@ int run_demo(const DemoOptions& o) {
   eval.window = 512;
   eval.chunk = 64;
   std::vector<std::string> methods;
-  for (const auto& m : kDemoMethods) methods.emplace_back(m.spec);
+  for (const auto& m : demo_methods()) methods.push_back(m.spec);
   if (!o.plot.empty()) {
     const auto dir = std::filesystem::path(o.plot).parent_path();
     if (!dir.empty() && !std::filesystem::is_directory(dir))
@@ -145,7 +133,7 @@ int run_demo(const DemoOptions& o) {
     const double bits = r.bits_per_element_coded;
     const double dppl = std::abs(r.delta_ppl_pct) < 5e-4 ? 0.0 : r.delta_ppl_pct;  // no "-0.000"
     fmt::print("{:<44} {:>7.3f} {:>9.3f} {:>7.2f} {:>8.3f} {:>10.3e} {:>7.4f}  {}\n", r.method, bits, resident[i], 16.0 / bits, dppl,
-               r.kl, r.top1, kDemoMethods[i].who);
+               r.kl, r.top1, demo_methods()[i].note);
     // Named fields: a positional list put dPPL in resident_bits and top-1 in kl once resident_bits
     // was added to Point (the picture's frontier and tooltips then read the wrong columns).
     points.push_back({.method = r.method, .bits = bits, .resident_bits = resident[i], .delta_ppl_pct = r.delta_ppl_pct, .kl = r.kl,

@@ -19,7 +19,7 @@
 #include "veloxquant/core/error.hpp"
 #include "veloxquant/eval/evaluator.hpp"
 #include "veloxquant/model/checkpoint.hpp"
-#include "veloxquant/model/method_spec.hpp"
+#include "veloxquant/methods/method_table.hpp"
 #include "veloxquant/model/model_files.hpp"
 #include "veloxquant/model/tokenizer.hpp"
 #include "veloxquant/model/transformer.hpp"
@@ -28,11 +28,15 @@ namespace vqcli {
 
 namespace {
 
-constexpr const char* kDefaultMethods =
-    "fp32;fp16;cachegen:bits=4;cachegen:bits=3;cachegen:bits=2;cachegen:bits=4,schedule=off;cachegen:bits=4,flush=per_call";
+// The method table's eval settings: the exact cache, fp16 and the reference's CacheGen.
+std::string default_methods() {
+  std::string out;
+  for (const auto& m : vq::default_eval_methods()) out += (out.empty() ? "" : ";") + m;
+  return out;
+}
 
 struct EvalCliOptions {
-  std::string model, tokenizer, text, methods = kDefaultMethods, protocol = "stream";
+  std::string model, tokenizer, text, methods = default_methods(), protocol = "stream";
   vq::EvalOptions eval;
   bool json = false;
 };

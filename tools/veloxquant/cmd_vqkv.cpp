@@ -24,7 +24,8 @@
 #include "veloxquant/format/vqkv.hpp"
 #include "veloxquant/model/checkpoint.hpp"
 #include "veloxquant/model/gguf.hpp"
-#include "veloxquant/model/method_spec.hpp"
+#include "veloxquant/methods/method_table.hpp"
+#include "veloxquant/model/vq_layer_models.hpp"
 #include "veloxquant/model/model_files.hpp"
 #include "veloxquant/model/tokenizer.hpp"
 #include "veloxquant/model/transformer.hpp"
@@ -61,9 +62,15 @@ vq::MethodSpec method_of(const CompressOptions& o) {
     if (!o.flush.empty()) spec.cachegen.cachegen_flush = vq::flush_mode_from_name(o.flush);
     spec.cachegen.validate();
   }
-  vq::require(spec.kind == vq::MethodSpec::Kind::CacheGen || spec.kind == vq::MethodSpec::Kind::Fp32 || spec.kind == vq::MethodSpec::Kind::Vq ||
-                  (spec.kind == vq::MethodSpec::Kind::Fp16 && !o.llama_state.empty()),
-              "--method {}: a .vqkv file holds cachegen, vq or fp32 caches (and fp16 from --llama-state)", o.method);
+  // The method table's rows that save to .vqkv: the compressing ones, then the exact baseline.
+  std::vector<std::string> rows;
+  for (const bool baseline : {false, true})
+    for (const auto& r : vq::method_table())
+      if (r.saves_vqkv && (r.family == vq::MethodFamily::Baseline) == baseline) rows.emplace_back(r.name);
+  std::string saved;
+  for (std::size_t i = 0; i < rows.size(); ++i) saved += (i == 0 ? "" : i + 1 == rows.size() ? " or " : ", ") + rows[i];
+  vq::require(vq::method_row(spec.kind).saves_vqkv || (spec.kind == vq::MethodSpec::Kind::Fp16 && !o.llama_state.empty()),
+              "--method {}: a .vqkv file holds {} caches (and fp16 from --llama-state)", o.method, saved);
   return spec;
 }
 

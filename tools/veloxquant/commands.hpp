@@ -23,5 +23,6 @@ Runner add_store(CLI::App& app);
 Runner add_demo(CLI::App& app);
 Runner add_convert(CLI::App& app);
 Runner add_tokenize(CLI::App& app);
+Runner add_methods(CLI::App& app);
 
 }  // namespace vqcli

@@ -7,6 +7,8 @@
 
 #include <CLI/CLI.hpp>
 
+#include "veloxquant/methods/method_table.hpp"
+
 namespace vqcli {
 
 inline constexpr const char* kExitCodes =
@@ -57,6 +59,7 @@ inline const std::map<std::string, HelpText>& help_texts() {
       {"store rm", {"veloxquant store rm [--store URL] (--all | KEY...)", "veloxquant store rm --all"}},
       {"convert", {"veloxquant convert M.bin --tokenizer T -o M.gguf [--pad-head P]",
                    "veloxquant convert ../shared/models/stories260K.bin --tokenizer ../shared/models/tok512.bin -o stories260K.gguf"}},
+      {"methods", {"veloxquant methods [--json]", "veloxquant methods --json"}},
       {"tokenize", {"veloxquant tokenize [--model M] [--tokenizer T] (--text F | --prompt TEXT) [--bos] [--json]",
                     "veloxquant tokenize --prompt 'Once upon a time' --bos"}},
       {"bench", {"veloxquant bench (codec | attention) [OPTIONS]", "veloxquant bench codec --synthetic --bits 4"}},
@@ -69,13 +72,26 @@ inline const std::map<std::string, HelpText>& help_texts() {
   return texts;
 }
 
+// The commands that take method specs, and the list their --help prints (from the method table).
+inline bool takes_method_specs(const std::string& path) {
+  for (const char* p : {"eval", "rd", "generate", "compress", "store put", "bench codec", "bench attention"})
+    if (path == p) return true;
+  return false;
+}
+inline std::string method_specs_help() {
+  std::string out = "Method specs (`veloxquant methods` lists each key's default and range):\n";
+  for (const auto& r : vq::method_table()) out += "  " + vq::method_usage(r) + "\n";
+  return out;
+}
+
 // Give `app` and each of its subcommands (recursively) its footer; `path` is the command path of `app`.
 inline void add_help_footers(CLI::App& app, const std::string& path = "") {
   if (path.empty()) {
     app.footer(std::string("Run 'veloxquant COMMAND --help' for a command's synopsis, options, defaults and an example.\n"
                            "Example:\n  veloxquant demo\n") + kExitCodes);
   } else if (auto it = help_texts().find(path); it != help_texts().end()) {
-    app.footer(std::string("Synopsis:\n  ") + it->second.synopsis + "\nExample:\n  " + it->second.example + "\n" + kExitCodes);
+    app.footer(std::string("Synopsis:\n  ") + it->second.synopsis + "\nExample:\n  " + it->second.example + "\n" +
+               (takes_method_specs(path) ? method_specs_help() : "") + kExitCodes);
   } else {
     app.footer(kExitCodes);
   }

@@ -32,6 +32,7 @@ int main(int argc, char** argv) {
       vqcli::add_rd);
   add("convert", "write a llama2.c checkpoint and tokenizer as a llama-architecture GGUF file (optionally with padded heads)",
       vqcli::add_convert);
+  add("methods", "list the KV cache methods: their spec keys with defaults and ranges, whose each is, its cache", vqcli::add_methods);
   add("tokenize", "print the token ids the model's tokenizer gives a text (as eval and generate tokenize it)", vqcli::add_tokenize);
   add("compress", "save a KV cache (from .npy, safetensors or a model run) as a .vqkv file", vqcli::add_compress);
   add("decompress", "load a .vqkv file and write its K/V as safetensors or .npy", vqcli::add_decompress);

@@ -6,36 +6,18 @@
 
 #include <fmt/format.h>
 
+#include "veloxquant/methods/method_table.hpp"
+
 namespace vqcli::rd {
 
 namespace {
 
-struct Family {
-  const char* name;
-  std::vector<std::string> specs;
-};
-
-// The usual settings of each family. Rate knobs: cachegen and kivi their bits; cachegen_paper its
-// delta bin sizes (the paper's, then 4x and 8x finer: docs/methods.md measured the paper's far too
-// coarse for stories260K); lmcache its two bins schedules; vq its nominal bits,
-// from below every peer's rate up to where it beats fp16.
-const std::vector<Family>& families() {
-  static const std::vector<Family> f = {
-      {"fp16", {"fp16"}},
-      {"fp8", {"fp8"}},
-      {"q8_0", {"q8_0"}},
-      {"q4_0", {"q4_0"}},
-      {"q4_1", {"q4_1"}},
-      {"kivi", {"kivi:bits=2", "kivi:bits=4"}},
-      {"cachegen",
-       {"cachegen:bits=2", "cachegen:bits=3", "cachegen:bits=4", "cachegen:bits=5", "cachegen:bits=2,schedule=off",
-        "cachegen:bits=3,schedule=off", "cachegen:bits=4,schedule=off", "cachegen:bits=5,schedule=off", "cachegen:bits=2,flush=per_call",
-        "cachegen:bits=3,flush=per_call", "cachegen:bits=4,flush=per_call", "cachegen:bits=5,flush=per_call"}},
-      {"lmcache", {"lmcache", "lmcache:schedule=native"}},
-      {"cachegen_paper",
-       {"cachegen_paper:bin1=0.0625,bin2=0.125,bin3=0.1875", "cachegen_paper:bin1=0.125,bin2=0.25,bin3=0.375", "cachegen_paper"}},
-      {"vq", {"vq:bits=0.5", "vq:bits=0.75", "vq:bits=1", "vq:bits=1.5", "vq:bits=2", "vq:bits=3", "vq:bits=4", "vq:bits=6", "vq:bits=8", "vq:bits=10"}},
-  };
+// A family is a row of the method table with rd settings (its `rd` list: the usual settings, from
+// below every peer's rate up to where each method matches fp16; docs/methods.md says why each).
+std::vector<const vq::MethodRow*> families() {
+  std::vector<const vq::MethodRow*> f;
+  for (const auto& r : vq::method_table())
+    if (!r.rd.empty()) f.push_back(&r);
   return f;
 }
 
@@ -57,18 +39,18 @@ std::string xml_escape(const std::string& s) {
 
 std::vector<std::string> default_families() {
   std::vector<std::string> out;
-  for (const auto& f : families()) out.push_back(f.name);
+  for (const auto* f : families()) out.push_back(f->name);
   return out;
 }
 
 std::vector<std::string> expand_methods(const std::vector<std::string>& items) {
   std::vector<std::string> out;
   for (const auto& item : items) {
-    const auto it = std::find_if(families().begin(), families().end(), [&](const Family& f) { return item == f.name; });
-    if (it == families().end())
+    const vq::MethodRow* row = vq::find_method(item);
+    if (!row || row->rd.empty())
       out.push_back(item);
     else
-      out.insert(out.end(), it->specs.begin(), it->specs.end());
+      out.insert(out.end(), row->rd.begin(), row->rd.end());
   }
   // A spec named twice (e.g. "vq,vq:bits=2") runs once.
   std::vector<std::string> unique;

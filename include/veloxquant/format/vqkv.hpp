@@ -21,7 +21,7 @@
 // - Cache classes the format holds: KVCache (plain, exact rows), CacheGenKVCache and VqKVCache
 //   (our `vq` method). Saving any other class throws InvalidArgument naming it.
 // - A VqKVCache's transforms are not stored: they are rebuilt from the model's weights, so its
-//   layer entry names the model by a fingerprint (model/method_spec.hpp's vq_model_fingerprint),
+//   layer entry names the model by a fingerprint (model/vq_layer_models.hpp's vq_model_fingerprint),
 //   the model layer and the basis options, and a loader needs VqkvLoadOptions::vq_models (e.g.
 //   vq_layer_models(checkpoint)), which refuses another model's fingerprint. A vq cache built
 //   without a model (identity transforms, synthetic K/V) needs none.
@@ -72,7 +72,7 @@ struct VqkvLoadOptions {
   // >= the file's tokens: the whole file, END block and all, must be present.
   std::optional<std::int64_t> max_tokens = std::nullopt;
   // Rebuilds the layer models of VqKVCache layers saved from a model (vq_layer_models(checkpoint) in
-  // model/method_spec.hpp). Unset: such a file is refused with a FormatError naming the model's
+  // model/vq_layer_models.hpp). Unset: such a file is refused with a FormatError naming the model's
   // fingerprint; what the source throws (another model's fingerprint) comes back as a FormatError.
   VqLayerModelSource vq_models = {};
   // Fill PromptCache::states (each layer's state(), bit for bit what the loaded cache's state()

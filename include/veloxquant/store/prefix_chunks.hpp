@@ -8,7 +8,7 @@
 //   the chunk's token ids), key_{-1} = 0, written "vq-<level hash>-<16 hex>" ("<level hash>": 8 hex
 //   digits of the spec's hash, so `store ls` groups a level's chunks). Two prompts sharing a prefix
 //   share its keys, so the longest stored prefix is found by walking the chain until a key is missing.
-// - A level is a method spec (model/method_spec.hpp). What a chunk holds at level L, exactly:
+// - A level is a method spec (methods/method_spec.hpp). What a chunk holds at level L, exactly:
 //   a fresh cache of method L (make_caches, one per layer), fed the chunk's exact float32 K/V (what
 //   the model computes for those tokens with the exact prefix before them) in one update call;
 //   the chunk's K/V at level L is that cache's state(). decode_chunk returns it bit for bit.

@@ -68,7 +68,7 @@ struct VqBasisOptions {
 };
 
 // Where a layer model came from, so that a saved cache can name what rebuilds it (format/vqkv.hpp):
-// the model's fingerprint (model/method_spec.hpp's vq_model_fingerprint: xxHash64 of its shape and
+// the model's fingerprint (model/vq_layer_models.hpp's vq_model_fingerprint: xxHash64 of its shape and
 // the weights the transforms read), the model layer, and the basis options. A layer model without
 // one (identity sized from the data, or built by hand) cannot be saved unless it is the identity.
 struct VqModelSource {
@@ -89,7 +89,7 @@ struct VqLayerModel {
 };
 
 // Rebuilds the layer model a saved vq cache names (format/vqkv.hpp, VqkvLoadOptions::vq_models;
-// model/method_spec.hpp's vq_layer_models makes one from a checkpoint). Returns a model whose
+// model/vq_layer_models.hpp's vq_layer_models makes one from a checkpoint). Returns a model whose
 // `source` equals `wanted`; throws (InvalidArgument or FormatError, with a sentence a user can act
 // on) when it holds no model with that fingerprint.
 using VqLayerModelSource = std::function<std::shared_ptr<const VqLayerModel>(const VqModelSource& wanted)>;
