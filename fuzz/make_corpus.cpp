@@ -21,6 +21,7 @@
 #include "veloxquant/vq/vq_cache.hpp"
 #include "cachegen_paper_fuzz_profile.hpp"
 #include "context_fuzz_layout.hpp"
+#include "order1_fuzz_shape.hpp"
 #include "../tests/format/vqkv_test_util.hpp"
 
 namespace {
@@ -113,6 +114,29 @@ int main(int argc, char** argv) {
       write(cx, "valid_" + std::to_string(m), b);
     ++m;
   }
+  // Order-1 context streams: 5 shape bytes (order1_fuzz_shape.hpp), then the coded bytes.
+  const auto o1 = root / "fuzz_order1_decode";
+  int p = 0;
+  for (std::array<std::uint8_t, 5> h : {std::array<std::uint8_t, 5>{3, 1, 7, 40, 0}, {3, 1, 7, 40, 1}, {0, 0, 0, 1, 0}, {5, 3, 15, 63, 0},
+                                        {1, 2, 3, 0, 1}, {2, 0, 15, 17, 1}}) {
+    const auto c = vqfuzz::order1_case(h);
+    std::mt19937 g(static_cast<unsigned>(p));
+    std::vector<std::vector<std::uint8_t>> slices(c.shape.slices.size(), std::vector<std::uint8_t>(c.shape.tokens * c.shape.channels));
+    vq::Order1Codes in = c.shape;
+    for (std::size_t s = 0; s < slices.size(); ++s) {
+      int walk = 0;
+      for (auto& v : slices[s]) v = static_cast<std::uint8_t>(walk = std::clamp(walk + static_cast<int>(g() % 3) - 1, 0, (1 << c.shape.bits) - 1));
+      in.slices[s] = slices[s];
+    }
+    auto b = vq::order1_encode(in, c.pooled);
+    b.insert(b.begin(), h.begin(), h.end());
+    if (b.size() > 10)
+      write_seeds(o1, p, b, b.size() - 3, 6, 0x11);
+    else
+      write(o1, "valid_" + std::to_string(p), b);
+    ++p;
+  }
+  write(o1, "short", {3, 1});
   write(rd, "empty", {});
   write(ft, "empty", {});
   write(ft, "bad_sum", {2, 2, 1, 2});

@@ -26,6 +26,7 @@
 #include "bench_attention.hpp"
 #include "commands.hpp"
 #include "json_out.hpp"
+#include "model_options.hpp"
 #include "numeric_options.hpp"
 #include "veloxquant/cache/attention.hpp"
 #include "veloxquant/cache/cachegen_cache.hpp"
@@ -36,9 +37,11 @@
 #include "veloxquant/entropy/channel_histograms.hpp"
 #include "veloxquant/entropy/context_coder.hpp"
 #include "veloxquant/entropy/frequency_table.hpp"
+#include "veloxquant/entropy/order1_coder.hpp"
 #include "veloxquant/entropy/rans.hpp"
+#include "veloxquant/eval/model_windows.hpp"
 #include "veloxquant/model/checkpoint.hpp"
-#include "veloxquant/model/method_spec.hpp"
+#include "veloxquant/methods/method_spec.hpp"
 #include "veloxquant/model/model_files.hpp"
 #include "veloxquant/model/tokenizer.hpp"
 #include "veloxquant/model/transformer.hpp"
@@ -87,43 +90,23 @@ Source from_tensors(const vq::Tensor& k, const vq::Tensor& v, int bits, std::str
   return src;
 }
 
-// Runs the model over --windows context-length windows, fresh caches of `spec` for each, and hands
-// every window's caches to `take`; returns the description of the run.
-std::string run_model_windows(const BenchOptions& o, const vq::MethodSpec& spec,
-                              const std::function<void(const std::vector<std::shared_ptr<vq::KVCache>>&)>& take) {
-  auto opt = [](const std::string& s) -> std::optional<std::filesystem::path> {
-    if (s.empty()) return std::nullopt;
-    return std::filesystem::path(s);
-  };
+// Runs the model over --windows context-length windows (eval/model_windows.hpp), fresh caches of
+// `spec` for each, and hands every window's caches to `take`; returns the description of the run.
+std::string run_model_windows(const BenchOptions& o, const vq::MethodSpec& spec, const std::function<void(const vq::WindowCaches&)>& take) {
   if (!std::filesystem::is_regular_file(o.model)) throw vq::IoError(fmt::format("{}: cannot open model (no such file)", o.model));
-  std::string tok_path = o.tokenizer, text_path = o.text;
-  const auto beside = [&](const char* name) {
-    const auto p = std::filesystem::path(o.model).parent_path() / name;
-    return std::filesystem::is_regular_file(p) ? p.string() : std::string();
-  };
-  if (tok_path.empty()) tok_path = beside("tok512.bin");
-  if (text_path.empty()) text_path = beside("tinystories_val.txt");
+  const std::string tok_path = o.tokenizer.empty() ? beside_model(o.model, "tok512.bin") : o.tokenizer;
+  const std::string text_path = o.text.empty() ? beside_model(o.model, "tinystories_val.txt") : o.text;
   vq::require(!text_path.empty(), "--text is required (no tinystories_val.txt beside the model)");
-  const vq::ModelFiles files = vq::resolve_model_files(opt(o.model), opt(tok_path));
+  const vq::ModelFiles files = vq::resolve_model_files(optional_path(o.model), optional_path(tok_path));
   vq::LoadedModel loaded = vq::load_model(files);
   vq::Transformer model(std::move(loaded.checkpoint));
-  const vq::Tokenizer tok = std::move(loaded.tokenizer);
   std::string text = vq::read_input_text(text_path, "text");
   const int window = model.config().seq_len;
   const std::size_t want = static_cast<std::size_t>(o.windows) * static_cast<std::size_t>(window) * 16;
   if (text.size() > want) text.resize(want);
-  const std::vector<int> tokens = tok.encode(text, /*bos=*/false);
-  const int per_window = window - 1;  // BOS + per_window text tokens fill the model's context
-  const int n_windows = std::min<int>(o.windows, static_cast<int>(tokens.size() / static_cast<std::size_t>(per_window)));
+  const std::vector<int> tokens = loaded.tokenizer.encode(text, /*bos=*/false);
+  const int n_windows = vq::run_model_windows(model, tokens, o.windows, spec, take);
   vq::require(n_windows >= 1, "{}: too little text for one {}-token window", text_path, window);
-  for (int w = 0; w < n_windows; ++w) {
-    std::vector<int> win{1};  // BOS
-    win.insert(win.end(), tokens.begin() + static_cast<std::ptrdiff_t>(w) * per_window,
-               tokens.begin() + static_cast<std::ptrdiff_t>(w + 1) * per_window);
-    auto caches = vq::make_caches(spec, model);
-    model.forward(win, caches);
-    take(caches);
-  }
   return fmt::format("model {} ({} windows x {} tokens, {} layers, K and V)", files.model.filename().string(), n_windows, window,
                      model.config().n_layers);
 }
@@ -157,152 +140,16 @@ std::vector<std::uint8_t> channel_major(const vq::QuantizedStream& s) {
   return out;
 }
 
-// ---- Order-1 context model (measurement): context = the previous code of the same channel (0 before
-// the first token). Each (slice, channel, context) with symbols is one segment of one rANS stream per
-// QuantizedStream, symbols grouped by context. Instead of tables, the per-context HISTOGRAMS travel
-// (the decoder rebuilds each table with FrequencyTable::from_histogram, deterministic, and the
-// histogram's total is the segment's length, which the grouped layout needs). It round-trips.
-// pooled: one histogram per context for the whole stream (all slices and channels), instead of one
-// per (slice, channel, context): far fewer table bytes, at the price of channels sharing a model.
-void put_varint(std::vector<std::uint8_t>& out, std::uint64_t v) {
-  while (v >= 0x80) {
-    out.push_back(static_cast<std::uint8_t>(v | 0x80));
-    v >>= 7;
-  }
-  out.push_back(static_cast<std::uint8_t>(v));
-}
-std::uint64_t get_varint(std::span<const std::uint8_t> b, std::size_t& pos) {
-  std::uint64_t v = 0;
-  for (int shift = 0; shift < 64; shift += 7) {
-    if (pos >= b.size()) throw vq::FormatError("order-1: truncated");
-    const std::uint8_t byte = b[pos++];
-    v |= static_cast<std::uint64_t>(byte & 0x7f) << shift;
-    if (!(byte & 0x80)) return v;
-  }
-  throw vq::FormatError("order-1: bad varint");
-}
-// Histogram: entries as in FrequencyTable's format (count > 0, or 0 then run - 1 of zeros).
-void put_hist(std::vector<std::uint8_t>& out, std::span<const std::uint32_t> h) {
-  for (std::size_t i = 0; i < h.size();) {
-    if (h[i]) {
-      put_varint(out, h[i++]);
-      continue;
-    }
-    std::size_t run = 0;
-    while (i < h.size() && !h[i]) ++i, ++run;
-    put_varint(out, 0);
-    put_varint(out, run - 1);
-  }
-}
-void get_hist(std::span<const std::uint8_t> b, std::size_t& pos, std::span<std::uint32_t> h) {
-  for (std::size_t i = 0; i < h.size();) {
-    const std::uint64_t f = get_varint(b, pos);
-    if (f) {
-      h[i++] = static_cast<std::uint32_t>(f);
-      continue;
-    }
-    const std::uint64_t run = get_varint(b, pos) + 1;
-    if (run > h.size() - i) throw vq::FormatError("order-1: bad histogram");
-    for (std::uint64_t k = 0; k < run; ++k) h[i++] = 0;
-  }
-}
-
-std::vector<std::uint8_t> order1_encode(const vq::QuantizedStream& s, bool pooled) {
-  const int A = 1 << s.bits();
-  const auto n = static_cast<std::size_t>(s.quantized_tokens()), d = static_cast<std::size_t>(s.dim());
-  const std::size_t chans = d * static_cast<std::size_t>(s.slices());
-  const std::size_t models = pooled ? 1 : chans;  // pooled: one set of context tables for the whole stream
-  std::vector<std::uint32_t> hist(models * static_cast<std::size_t>(A) * static_cast<std::size_t>(A), 0);  // [model][ctx][sym]
-  std::vector<std::uint8_t> out;
+// A stream's codes as the order-1 coder (entropy/order1_coder.hpp) takes them, unpacked into `keep`
+// (its timing has always included the unpacking); without `keep`, the shape alone (for decoding).
+vq::Order1Codes order1_codes(const vq::QuantizedStream& s, std::vector<std::vector<std::uint8_t>>* keep) {
+  vq::Order1Codes c{{}, static_cast<std::size_t>(s.quantized_tokens()), static_cast<std::size_t>(s.dim()), s.bits()};
+  if (keep) keep->reserve(static_cast<std::size_t>(s.slices()));
   for (std::int64_t sl = 0; sl < s.slices(); ++sl) {
-    const auto codes = s.codes(sl);
-    for (std::size_t c = 0; c < d; ++c) {
-      std::uint32_t* h = hist.data() + (pooled ? 0 : (static_cast<std::size_t>(sl) * d + c)) * static_cast<std::size_t>(A * A);
-      int prev = 0;
-      for (std::size_t t = 0; t < n; ++t) {
-        ++h[prev * A + codes[t * d + c]];
-        prev = codes[t * d + c];
-      }
-    }
+    if (keep) keep->push_back(s.codes(sl));
+    c.slices.push_back(keep ? std::span<const std::uint8_t>(keep->back()) : std::span<const std::uint8_t>());
   }
-  for (std::size_t k = 0; k < models * static_cast<std::size_t>(A); ++k)
-    put_hist(out, std::span<const std::uint32_t>(hist).subspan(k * static_cast<std::size_t>(A), static_cast<std::size_t>(A)));
-  // Symbols grouped by (channel, context), each group in token order.
-  std::vector<vq::FrequencyTable> tables;
-  std::vector<std::size_t> seg_start;
-  std::vector<std::size_t> offset(models * static_cast<std::size_t>(A));
-  std::size_t total = 0;
-  for (std::size_t k = 0; k < models * static_cast<std::size_t>(A); ++k) {
-    offset[k] = total;
-    for (int sym = 0; sym < A; ++sym) total += hist[k * static_cast<std::size_t>(A) + static_cast<std::size_t>(sym)];
-  }
-  std::vector<std::uint16_t> symbols(total);
-  std::vector<std::size_t> fill = offset;
-  for (std::int64_t sl = 0; sl < s.slices(); ++sl) {
-    const auto codes = s.codes(sl);
-    for (std::size_t c = 0; c < d; ++c) {
-      const std::size_t base = (pooled ? 0 : (static_cast<std::size_t>(sl) * d + c)) * static_cast<std::size_t>(A);
-      int prev = 0;
-      for (std::size_t t = 0; t < n; ++t) {
-        symbols[fill[base + static_cast<std::size_t>(prev)]++] = codes[t * d + c];
-        prev = codes[t * d + c];
-      }
-    }
-  }
-  std::vector<vq::RansEncodeSegment> segs;
-  tables.reserve(models * static_cast<std::size_t>(A));
-  for (std::size_t k = 0; k < models * static_cast<std::size_t>(A); ++k) {
-    const std::size_t len = (k + 1 < offset.size() ? offset[k + 1] : total) - offset[k];
-    if (!len) continue;
-    tables.push_back(vq::FrequencyTable::from_histogram(std::span<const std::uint32_t>(hist).subspan(k * static_cast<std::size_t>(A), static_cast<std::size_t>(A))));
-  }
-  std::size_t ti = 0;
-  for (std::size_t k = 0; k < models * static_cast<std::size_t>(A); ++k) {
-    const std::size_t len = (k + 1 < offset.size() ? offset[k + 1] : total) - offset[k];
-    if (!len) continue;
-    segs.push_back({std::span<const std::uint16_t>(symbols).subspan(offset[k], len), &tables[ti++]});
-  }
-  vq::rans_encode_append(out, segs);
-  return out;
-}
-
-std::vector<std::uint8_t> order1_decode(std::span<const std::uint8_t> bytes, const vq::QuantizedStream& shape, bool pooled) {
-  const int A = 1 << shape.bits();
-  const auto n = static_cast<std::size_t>(shape.quantized_tokens()), d = static_cast<std::size_t>(shape.dim());
-  const std::size_t chans = d * static_cast<std::size_t>(shape.slices()), K = (pooled ? 1 : chans) * static_cast<std::size_t>(A);
-  std::vector<std::uint32_t> hist(K * static_cast<std::size_t>(A));
-  std::size_t pos = 0;
-  for (std::size_t k = 0; k < K; ++k) get_hist(bytes, pos, std::span<std::uint32_t>(hist).subspan(k * static_cast<std::size_t>(A), static_cast<std::size_t>(A)));
-  std::vector<std::size_t> offset(K + 1, 0);
-  for (std::size_t k = 0; k < K; ++k) {
-    std::size_t len = 0;
-    for (int sym = 0; sym < A; ++sym) len += hist[k * static_cast<std::size_t>(A) + static_cast<std::size_t>(sym)];
-    offset[k + 1] = offset[k] + len;
-  }
-  if (offset[K] != n * chans) throw vq::FormatError("order-1: histograms disagree with the shape");
-  std::vector<std::uint16_t> symbols(offset[K]);
-  std::vector<vq::FrequencyTable> tables;
-  tables.reserve(K);
-  std::vector<vq::RansDecodeSegment> segs;
-  for (std::size_t k = 0; k < K; ++k) {
-    if (offset[k + 1] == offset[k]) continue;
-    tables.push_back(vq::FrequencyTable::from_histogram(std::span<const std::uint32_t>(hist).subspan(k * static_cast<std::size_t>(A), static_cast<std::size_t>(A))));
-    segs.push_back({std::span<std::uint16_t>(symbols).subspan(offset[k], offset[k + 1] - offset[k]), &tables.back()});
-  }
-  vq::rans_decode(bytes.subspan(pos), segs);
-  // Rebuild channel-major codes by following the contexts.
-  std::vector<std::uint8_t> out(n * chans);
-  std::vector<std::size_t> next(offset.begin(), offset.end() - 1);
-  for (std::size_t ch = 0; ch < chans; ++ch) {
-    int prev = 0;
-    for (std::size_t t = 0; t < n; ++t) {
-      const std::size_t k = (pooled ? 0 : ch) * static_cast<std::size_t>(A) + static_cast<std::size_t>(prev);
-      if (next[k] >= offset[k + 1]) throw vq::FormatError("order-1: context overrun");
-      prev = symbols[next[k]++];
-      out[ch * n + t] = static_cast<std::uint8_t>(prev);
-    }
-  }
-  return out;
+  return c;
 }
 
 struct CoderResult {
@@ -579,9 +426,12 @@ int run_bench_codec(const BenchOptions& o) {
   for (const bool pooled : {false, true})
     results.push_back(measure(
         pooled ? "veloxquant-rans-order1-pooled" : "veloxquant-rans-order1", ns,
-        [&](std::size_t i) { return order1_encode(streams[i], pooled); },
+        [&](std::size_t i) {
+          std::vector<std::vector<std::uint8_t>> unpacked;
+          return vq::order1_encode(order1_codes(streams[i], &unpacked), pooled);
+        },
         [](const std::vector<std::uint8_t>& b) { return static_cast<std::uint64_t>(b.size()); },
-        [&](std::size_t i, const std::vector<std::uint8_t>& b) { return order1_decode(b, streams[i], pooled) == cm[i]; }));
+        [&](std::size_t i, const std::vector<std::uint8_t>& b) { return vq::order1_decode(b, order1_codes(streams[i], nullptr), pooled) == cm[i]; }));
   for (const auto& peer : vq::peer_coders(o.bits))
     results.push_back(measure(
         peer.name, ns, [&](std::size_t i) { return peer.encode(cm[i]); },
