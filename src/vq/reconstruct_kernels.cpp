@@ -198,7 +198,7 @@ std::shared_ptr<const VqRopeTable> vq_rope_table(const std::vector<double>& freq
   t->cs.resize(sz(n) * freq.size() * 2);
   for (std::int64_t pos = 0; pos < n; ++pos)
     for (std::size_t p = 0; p < freq.size(); ++p) {
-      // The per-token path's expressions (vq_cache.cpp's rotate_out).
+      // The per-token path's expressions (transform.cpp's rotate_out).
       const double ang = static_cast<double>(pos) * freq[p], c = std::cos(ang), s = std::sin(ang);
       t->cs[(sz(pos) * freq.size() + p) * 2] = c;
       t->cs[(sz(pos) * freq.size() + p) * 2 + 1] = s;

@@ -1,7 +1,7 @@
 // The vq decoder's last step for many tokens at once: x_hat = F^-1 y_hat per head, keys re-rotated.
 //
 // What a reader must know first:
-// - The per-token path (vq_cache.cpp's reconstruct_head_cols, used by the cache's attention tiles)
+// - The per-token path (transform.hpp's reconstruct_head_cols, used by the cache's attention tiles)
 //   computes, for one token and head h, acc_i = sum over j = 0 .. span-1, in that order, of
 //   cols[j * d + i] * y_j in float32 (a product, then an add: the project builds with
 //   -ffp-contract=off, so never a fused multiply-add), acc starting at 0; then, for keys, each pair

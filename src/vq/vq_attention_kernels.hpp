@@ -1,4 +1,4 @@
-// Private to VqKVCache (vq_cache.cpp): attention's two tile steps straight on a head's packed
+// Private to VqKVCache (vq_cache_attend.cpp): attention's two tile steps straight on a head's packed
 // codes (vq/vq_cache.hpp, "Packed layout"), with no float32 tile in between.
 //
 // A head's fields come in groups of 8 of one width w (1..8 or 16), byte-aligned; a group is

@@ -1,102 +1,18 @@
-// VqKVCache: our own method (spec `vq`, docs/methods.md), for one layer.
+// VqKVCache: our own method (spec `vq`), the cache of one layer.
 //
-// Per token, for K and for V: the row of all KV heads (n = H * D values; keys first un-rotated
-// to undo RoPE) goes through the layer's fixed transform y = F x (vq/basis.hpp: derived from the
-// model's weights, no bytes stored), then each coefficient is quantized uniformly with one step per
-// side: q_c = clamp(round_half_even((y_c - o_c) / step), +-M_c), y_hat_c = o_c + q_c * step,
-// x_hat = F^-1 y_hat (keys re-rotated). Codes are rANS-coded with per-coefficient parametric
-// models (vq/codec.hpp): no group scales or zeros, so metadata is a few bytes per coefficient per
-// cache, not a bit per element.
-//
-// (o_c: the coefficient's calibration mean rounded to a quarter step; M_c = 255, or 255 * 2^s when
-// calibration says the codes need more, split in the coder; see vq/codec.hpp).
-// Exact window: the most recent `residual` tokens (default 0) stay exact and are quantized when
-// they leave it (KIVI's rule for values): in the reuse protocol a context is best stored whole,
-// but a host that decodes against its own cache (eval --protocol stream) gains from it.
-// Calibration: the first `calib` tokens wait in an exact residual; when that many have arrived,
-// the step (float32) and the per-coefficient offsets are computed from them and frozen,
-// those tokens are quantized, and every later token is quantized on arrival. The step is set by
-// reverse water-filling on the calibration variances: the high-rate Gaussian estimate of the code
-// rate, mean over coefficients of max(0, log2(4.13 sigma_c / step)), equals `bits` + the side's
-// offset. Everything depends only on token counts, so the cache is the same whatever the host's
-// chunking (tested).
-//
-// Sinks: the first `sinks` tokens (default 0) are also held exact, forever (attention sinks:
-// the first positions take much of the attention mass in live decoding). They are quantized like
-// every token (codes() covers them, so the codec and vq_reconstruct are unchanged), but the cache
-// serves their exact rows.
-//
-// Resident storage (nothing dense is kept for quantized tokens; see "Invariants" below):
-// - codes: per batch, one packed row per quantized token, coefficient c in a field of width_c
-//   bits (chosen at calibration: per coefficient the width that minimises width + the expected
-//   escape cost, from the calibration's spread and its own codes; then raised to its group's, see
-//   "Packed layout" below). Field f = q + 2^(width_c - 1);
-//   f = 0 is the ESCAPE: codes outside +-(2^(width_c - 1) - 1) are held exactly in a sorted side
-//   list (token, coefficient, code), never clamped. Codes the coder cannot hold at the
-//   coefficient's split widen the split (shift, up to kVqMaxShift); a code beyond +-vq_max_code(
-//   kVqMaxShift) (data ~32 000 steps from its calibration mean: far too many bits for it) is
-//   refused with InvalidArgument and the cache is unchanged.
-// - the exact tokens in the input dtype: the sinks, and the tail [quantized_tokens(), offset()).
-// - the calibration (step, offsets, splits, widths), a few bytes per coefficient.
-// nbytes() = the memory those hold: the vectors' capacity, and for the packed rows (PackedRows
-// below, in page mappings once past 64 KiB) the pages that back their bytes, i.e. their size
-// rounded up to a page (nbytes_mapped() is that part). Big temporaries of update() and of
-// widening are mapped and unmapped at once too, so the process's RSS follows nbytes().
-// The transforms belong to the layer model (shared, not billed).
-// attend() on a model-less cache (identity transform, no RoPE) with float32/float16 input and
-// SIMD reads the packed codes directly (score_key_tile / accumulate_value_tile below); with a
-// transform that mixes every head and float32 input, attend_own runs the call on the codes (all
-// heads at once); otherwise it reads tiles: a quantized token's row of head h is rebuilt from its codes (head h's
-// coefficients only when the transform is per head / the identity; the whole row otherwise),
-// transformed back and re-rotated, exactly as state() rebuilds it (bit for bit).
-// update_and_fetch and state() rebuild every token into fresh dense tensors (O(offset) work per
-// call and a dense copy while the caller holds it): hosts that attend call update().
-//
-// Sealed tiles (config.coded, spec `resident=coded`; default off): every quantized token's codes
-// leave the packed rows at the end of the update that quantized them and are held Rice-coded, per
-// batch row and side, in tiles of kSealTokens tokens (vq/seal_coder.hpp: per tile and coefficient
-// a Rice parameter and whether to code differences from the previous token, then the codes;
-// ~0.1-0.25 bit above the codes' entropy where a packed field costs ~0.8-1.3): the full tiles back
-// to back in `sealed`, the last tile while it has fewer than kSealTokens tokens (the open tile) in
-// `open`, coded again, whole, each time it grows (O(kSealTokens x n) per update: it keeps the
-// open tile's tokens at the sealed rate, where holding them packed cost ~0.25 bit per element at
-// 511 tokens on stories260K). The packed rows hold codes only inside update() (they are how new
-// codes arrive), so between updates the packed rows' per-batch lists, the escape lists and the
-// packed layout's arrays (widths, bit_at, order, group_*, field_mean) are dropped, and an update
-// packs its new rows at 16 bits (nothing escapes) with a layout made again (lay_out); the
-// offsets are dropped too when the means give them back exactly (codes() derives them). The
-// calibration then holds step, means and splits: 5 bytes per coefficient. Reading a sealed token (attend, state, codes) decodes its whole tile
-// into a per-thread scratch of one tile per side (not billed: the reader's working
-// memory, like attention's float tiles), reused while the same tile is read (attention's tiles are
-// the seal tiles then, so each tile is decoded once per side per attend). Values are the packed
-// form's bit for bit; only memory and speed differ. codes_direct is off (sealed tokens are read
-// through read_rows). Trim of quantized tokens re-packs everything and seals again; append_codes
-// declines (returns false); restore() seals everything; a .vqkv file holds the codes, not this
-// option (config is saved without it: a loaded cache is packed).
-//
-// Packed layout (so that attention reads a head's codes with SIMD, vq/vq_attention_kernels.hpp):
-// a row is the heads' segments in order, head h's segment holding the fields of its d = n / H
-// coefficients h*d .. h*d+d-1 in field order `order` (order[h*d + p] = the coefficient at field
-// position p: the head's coefficients sorted by their preferred width, narrowest first, ties by
-// index). Positions p = 8g .. 8g+7 form group g of the head: one width w for all its fields (the
-// widest its members prefer, and 16 for anything above 8: widths are 1..8 or 16), fields at bits
-// i*w (i = p - 8g) of the group's bytes, little-endian; a group of m fields takes ceil(m w / 8)
-// whole bytes (w bytes when full), so groups and rows start on bytes. bit_at[c] = the first bit
-// of c's field within a row, bit_at[n] = the row's bits (a multiple of 8); group_byte /
-// group_width per group (head-major, ceil(d / 8) per head); field_mean = mean in field order.
-// lay_out (vq_cache.cpp) derives all of them from per-coefficient preferred widths: calibration,
-// widening and restore() each call it, and get_field(row, bit_at[c], width[c]) reads a code
-// anywhere (the fields are independent of the order except through bit_at).
-//
-// Invariants (what a restore/decoder must reproduce): codes() = the int16 codes of tokens
-// [0, quantized_tokens()), the calibration's step/offsets/shifts; state() = vq_reconstruct(codes())
-// for tokens in [sinks, quantized_tokens()), the exact rows elsewhere (tokens < sinks and the tail).
-//
-// Stored and billed (stored_bytes): the size of encode() (header, steps, means, model parameters,
-// the rANS stream with its lane states), measured by running the coder, plus every exact token at
-// what it really holds (the input dtype: 4 bytes per element for float32 input): the tail, and the
-// sinks already quantized (held twice). fixed == estimated.
-// Fetch returns the dense reconstruction in the input dtype.
+// What a reader needs first:
+// - Per token, K and V each: the row of all KV heads (keys un-rotated) goes through the layer's fixed
+//   transform y = F x (vq/basis.hpp, derived from the weights; src/vq/transform.hpp), each
+//   coefficient is quantized with one step per side, y_hat = o_c + q_c * step (src/vq/quantizer.hpp),
+//   and x_hat = F^-1 y_hat. Nothing dense is kept for quantized tokens.
+// - The first `calib` tokens wait exact, then calibrate and are quantized; the first `sinks` and the
+//   last `residual` tokens are also served exact. Everything depends on token counts only.
+// - Resident: codes in packed rows (or Rice-coded sealed tiles with resident=coded), escapes in a
+//   side list, the exact tokens in the input dtype, the calibration (a few bytes per coefficient).
+// - attend() reads the codes (vq_cache_attend.cpp); update_and_fetch / state() rebuild dense rows.
+// - codes() / restore() / vq_reconstruct are the codec's side (vq_cache_codes.cpp, vq/codec.hpp).
+// The whole design (packed layout, sealed tiles, invariants, what is billed): docs/methods.md,
+// "The layer cache in full".
 #pragma once
 #include <cstdint>
 #include <memory>
