@@ -23,6 +23,7 @@
 #include "veloxquant/vq/code_buffers.hpp"
 #include "veloxquant/vq/packed_codes.hpp"
 #include "veloxquant/vq/vq_cache.hpp"
+#include "vq_intake.hpp"
 
 namespace vq {
 
@@ -78,16 +79,6 @@ class Link {
   double ms_ = 0, last_ms_ = 0, avg_ms_per_byte_ = 0;
 };
 
-// Whether a host vq cache is of the stored layer's config and layer model (then its codes may be
-// taken as they are, if the calibration matches too: VqKVCache::append_codes checks that).
-bool same_vq_layer(const VqKVCache& host, const VqStoredLayer& v) {
-  const VqConfig& a = host.config();
-  const VqConfig& b = v.config;
-  const VqLayerModel* lm = host.layer_model();
-  return a.bits == b.bits && a.calib == b.calib && a.residual == b.residual && a.sinks == b.sinks && a.k_offset == b.k_offset &&
-         a.v_offset == b.v_offset && lm && v.layer && (lm == v.layer.get() || (lm->source && lm->source == v.layer->source));
-}
-
 // One chunk between its level choice and its feeding: fetched, then decoded (or failed).
 struct InFlight {
   int choice = -1;                // index of the level in the chunk's directory; -1: recompute
@@ -100,6 +91,35 @@ struct InFlight {
   bool ready = false;             // kv, error or a recompute choice is set
   std::string reason;             // why the choice (LoadedChunk::reason)
 };
+// Where the plan for chunk i starts: the chunks already chosen and not fed yet (fed .. i-1), decoded
+// ones waiting to be fed, the others taking a decoder for their whole decode (conservative: it may
+// have begun).
+PlanStart plan_start(const std::vector<InFlight>& flight, const std::vector<ChunkDirectory>& dirs, int fed, int i, const PlanCosts& pc,
+                     int threads) {
+  PlanStart start;
+  start.decoder_free_ms.assign(static_cast<std::size_t>(threads), 0.0);
+  const auto cost = [](const std::map<std::string, double>& m, const std::string& l, double otherwise) {
+    const auto it = m.find(l);
+    return it != m.end() ? it->second : otherwise;
+  };
+  for (int j = fed; j < i; ++j) {
+    const InFlight& f = flight[static_cast<std::size_t>(j)];
+    if (f.choice < 0) {
+      start.feed_free_ms += pc.recompute_ms.value_or(0.0);
+    } else {
+      const std::string& l = dirs[static_cast<std::size_t>(j)].entries[static_cast<std::size_t>(f.choice)].level;
+      if (!f.ready) {
+        auto d = std::min_element(start.decoder_free_ms.begin(), start.decoder_free_ms.end());
+        *d += cost(pc.decode_ms, l, pc.unknown_decode_ms);
+        start.feed_free_ms = std::max(start.feed_free_ms, *d);
+      }
+      start.feed_free_ms += cost(pc.feed_ms, l, 0.0);
+    }
+    start.fed_at_ms.push_back(start.feed_free_ms);
+  }
+  return start;
+}
+
 // Both overloads: `model` null means no recompute and no model layer transforms for vq levels.
 LoadReport load(KVStore& store, Transformer* model, const ChunkShape& shape, std::vector<std::shared_ptr<KVCache>>& caches,
                 std::span<const int> tokens, const LoaderOptions& o, const std::function<void(const std::string&)>& warn_fn) {
@@ -164,33 +184,13 @@ LoadReport load(KVStore& store, Transformer* model, const ChunkShape& shape, std
   // transforms decode)
   const VqLayerModelSource vq_models = o.vq_models ? o.vq_models : model ? chunk_vq_models(*model) : VqLayerModelSource{};
   // Code-domain host (with a model): every cache a VqKVCache with the model's layer. A vq chunk then
-  // comes as codes, taken as they are where the host's config, layer model and calibration are the
-  // chunk's (VqKVCache::append_codes); otherwise (another vq level, another calibration) its rows
-  // are rebuilt and go through update(), re-quantized by the host, as every non-vq level's do.
-  std::vector<VqKVCache*> vq_hosts;
-  if (model)
-    for (const auto& c : caches) {
-      auto* v = dynamic_cast<VqKVCache*>(c.get());
-      if (!v || v->model_from_data() || !v->layer_model()) {
-        vq_hosts.clear();
-        break;
-      }
-      vq_hosts.push_back(v);
-    }
-  const bool code_host = !vq_hosts.empty();
-  // The code arrays of chunks fed, given back for the decoders of later chunks (no allocation, page
-  // faults or zeroing per layer and chunk).
-  VqCodeBuffers code_buffers;
-  // Per host layer, the packed layouts (K, V) the decoder threads pack its chunks' codes at, right
-  // after decoding them (VqPackedCodes: the feeding thread then copies rows): the host's, published
-  // by the feeding thread whenever they change (chunk 0 sets them, a widening changes them). A chunk
-  // packed at a layout the host no longer has is unpacked and appended as codes (append_packed).
-  // Under `mu`.
-  std::vector<std::array<std::shared_ptr<const VqFieldLayout>, 2>> pack_at(vq_hosts.size());
-  std::vector<VqPackedCodes> packed_free;  // packed chunks fed, their arrays for the next (under `mu`)
+  // comes as codes and enters the host through the intake (vq_intake.hpp); every other chunk's
+  // rows go through update().
+  const std::unique_ptr<VqIntake> intake = model ? VqIntake::for_caches(caches) : nullptr;
+  const bool code_host = intake != nullptr;
   const auto decode = [&](const Blob& blob, const std::string& level, int i) -> ChunkCodes {
-    if (code_host && MethodSpec::parse(level).kind == MethodSpec::Kind::Vq)
-      return decode_chunk_codes(blob, scheme.model_fingerprint, level, i, chunk_tokens(i), vq_models, &code_buffers);
+    if (intake && VqIntake::decodes(level))
+      return intake->decode(blob, scheme.model_fingerprint, level, i, chunk_tokens(i), vq_models);
     return ChunkCodes{decode_chunk(blob, scheme.model_fingerprint, level, i, chunk_tokens(i), vq_models), {}};
   };
 
@@ -217,35 +217,6 @@ LoadReport load(KVStore& store, Transformer* model, const ChunkShape& shape, std
   // fetch thread (chooses levels, fetches) and the decoder threads; all of it under `mu`.
   std::mutex mu;
   std::condition_variable cv;
-  // Before the host has a layout: the widths the live caches of a level held after the last chunk
-  // loaded (ChunkDirectory::Entry::widths), per level index and layer, made once (under `mu`); none
-  // when the directory has no hint or it does not fit the host.
-  std::map<int, std::vector<std::array<std::shared_ptr<const VqFieldLayout>, 2>>> hints;
-  const auto hinted = [&](int e, std::size_t l) -> std::array<std::shared_ptr<const VqFieldLayout>, 2> {
-    std::lock_guard<std::mutex> g(mu);
-    auto [it, fresh] = hints.try_emplace(e);
-    if (fresh) {
-      const std::vector<std::uint8_t>& w = dirs.back().entries[static_cast<std::size_t>(e)].widths;
-      std::size_t at = 0;
-      try {
-        for (const VqKVCache* h : vq_hosts) {
-          const int kn = h->layer_model()->k.n, vn = h->layer_model()->v.n, heads = h->layer_model()->kv_heads;
-          if (w.size() < at + static_cast<std::size_t>(kn + vn)) throw FormatError("short");
-          const auto part = [&](int count) {
-            std::vector<std::uint8_t> p(w.begin() + static_cast<std::ptrdiff_t>(at), w.begin() + static_cast<std::ptrdiff_t>(at) + count);
-            at += static_cast<std::size_t>(count);
-            return std::make_shared<const VqFieldLayout>(VqFieldLayout::from_widths(std::move(p), heads));
-          };
-          auto k = part(kn);
-          it->second.push_back({std::move(k), part(vn)});
-        }
-        if (at != w.size()) throw FormatError("long");
-      } catch (const std::exception&) {
-        it->second.clear();  // no hint, or not this host's shape: none
-      }
-    }
-    return l < it->second.size() ? it->second[l] : std::array<std::shared_ptr<const VqFieldLayout>, 2>{};
-  };
   // Decode cost of a chunk at a level the cost table does not know (no deadline, or a failed probe):
   // the slowest level it knows, or 1 GB/s of fp16 output. (Per chunk, not per blob byte: decode
   // time follows the K/V it outputs, and a 2-bit blob outputs 8x more per byte.)
@@ -274,29 +245,7 @@ LoadReport load(KVStore& store, Transformer* model, const ChunkShape& shape, std
       }
     if (pc.decode_ms.empty()) pc.unknown_decode_ms = default_decode_ms;
     if (may_recompute) pc.recompute_ms = recompute_ms_per_token * static_cast<double>(C);
-    // The chunks already chosen and not fed yet (fed.. i-1): decoded ones wait to be fed, the others
-    // take a decoder for their whole decode (conservative: it may have begun).
-    PlanStart start;
-    start.decoder_free_ms.assign(static_cast<std::size_t>(threads), 0.0);
-    const auto cost = [](const std::map<std::string, double>& m, const std::string& l, double otherwise) {
-      const auto it = m.find(l);
-      return it != m.end() ? it->second : otherwise;
-    };
-    for (int j = fed; j < i; ++j) {
-      const InFlight& f = flight[static_cast<std::size_t>(j)];
-      if (f.choice < 0) {
-        start.feed_free_ms += pc.recompute_ms.value_or(0.0);
-      } else {
-        const std::string& l = dirs[static_cast<std::size_t>(j)].entries[static_cast<std::size_t>(f.choice)].level;
-        if (!f.ready) {
-          auto d = std::min_element(start.decoder_free_ms.begin(), start.decoder_free_ms.end());
-          *d += cost(pc.decode_ms, l, pc.unknown_decode_ms);
-          start.feed_free_ms = std::max(start.feed_free_ms, *d);
-        }
-        start.feed_free_ms += cost(pc.feed_ms, l, 0.0);
-      }
-      start.fed_at_ms.push_back(start.feed_free_ms);
-    }
+    const PlanStart start = plan_start(flight, dirs, fed, i, pc, threads);
     std::optional<double> time_left;
     if (o.slo_ms) time_left = (*o.slo_ms - ms_since(t0)) * (1.0 - o.slo_margin);
     return choose_level(std::span<const ChunkDirectory>(dirs).subspan(static_cast<std::size_t>(i)), 0, time_left, pc, start);
@@ -389,23 +338,7 @@ LoadReport load(KVStore& store, Transformer* model, const ChunkShape& shape, std
                 fmt::format("K/V of shape {}, the model's chunk is {}", shape_string(kv.kv[l].keys.shape()), shape_string(want)));
         }
         // A code host's layers packed here, while their codes are in this thread's cache.
-        if (code_host) {
-          packed.resize(kv.vq.size());
-          for (std::size_t l = 0; l < kv.vq.size(); ++l) {
-            if (!kv.vq[l] || !same_vq_layer(*vq_hosts[l], *kv.vq[l])) continue;
-            std::array<std::shared_ptr<const VqFieldLayout>, 2> at;
-            VqPackedCodes reuse;
-            {
-              std::lock_guard<std::mutex> g(mu);
-              at = pack_at[l];
-              if (!packed_free.empty()) reuse = std::move(packed_free.back()), packed_free.pop_back();
-            }
-            if (!at[0] || !at[1]) at = hinted(f_choice, l);  // no host layout yet: the directory's widths, if any
-            if (!at[0] || !at[1]) continue;  // neither (chunk 0 not fed): the feeding thread packs
-            packed[l] = vq_pack_codes(kv.vq[l]->codes, at[0], at[1], std::move(reuse));
-            code_buffers.give(std::move(kv.vq[l]->codes));
-          }
-        }
+        if (intake) packed = intake->pack(kv, f_choice, dirs.back().entries[static_cast<std::size_t>(f_choice)].widths);
       } catch (const std::exception& e) {
         error = fmt::format("level {} blob rejected ({})", level, e.what());
         kv = {};
@@ -443,15 +376,6 @@ LoadReport load(KVStore& store, Transformer* model, const ChunkShape& shape, std
     for (int t = 0; t < threads; ++t) workers.emplace_back(decode_loop);
   }
 
-  // After a host layer took codes: its layouts for the decoder threads, when they changed.
-  const auto publish_layout = [&](std::size_t l) {
-    const VqKVCache& h = *vq_hosts[l];
-    std::lock_guard<std::mutex> g(mu);
-    auto& at = pack_at[l];
-    if (at[0] && at[1] && at[0]->width == h.key_widths() && at[1]->width == h.value_widths()) return;  // widths fix the layout
-    at = {std::make_shared<const VqFieldLayout>(h.field_layout(0)), std::make_shared<const VqFieldLayout>(h.field_layout(1))};
-  };
-
   // Feed the chunks in order.
   for (int i = 0; i < n; ++i) {
     InFlight f;
@@ -474,18 +398,7 @@ LoadReport load(KVStore& store, Transformer* model, const ChunkShape& shape, std
         if (l < got.vq.size() && got.vq[l]) {
           VqStoredLayer& v = *got.vq[l];
           std::optional<VqPackedCodes>* p = l < f.packed.size() && f.packed[l] ? &f.packed[l] : nullptr;
-          if (p && vq_hosts[l]->append_packed(**p, v.dtype)) {
-            publish_layout(l);
-            std::lock_guard<std::mutex> g(mu);
-            packed_free.push_back(std::move(**p));
-            continue;
-          }
-          if (p) v.codes = vq_unpack_codes(**p);  // refused: the rows below need the codes
-          if (same_vq_layer(*vq_hosts[l], v) && vq_hosts[l]->append_codes(v.codes, v.dtype)) {
-            code_buffers.give(std::move(v.codes));
-            publish_layout(l);
-            continue;
-          }
+          if (intake && intake->feed(l, v, p)) continue;
           // Not this host's calibration or level: the rows, re-quantized by the host's update().
           const ChunkLayer rows = vq_chunk_rows(v, got.first_position);
           caches[l]->update(rows.keys, rows.values);
