@@ -11,22 +11,27 @@ namespace vq {
 
 namespace detail {
 
-int parse_int(const std::string& key, const std::string& value, const std::string& spec) {
-  int v = 0;
+namespace {
+
+// A whole-text number of type T, or InvalidArgument naming the spec, the key and `what` it must be.
+template <class T>
+T parse_number(const std::string& key, const std::string& value, const std::string& spec, const char* what) {
+  T v = 0;
   const auto* end = value.data() + value.size();
   auto [p, ec] = std::from_chars(value.data(), end, v);
   if (ec != std::errc() || p != end || value.empty())
-    throw InvalidArgument(fmt::format("method '{}': {}={} is not an integer", spec, key, value));
+    throw InvalidArgument(fmt::format("method '{}': {}={} is not {}", spec, key, value, what));
   return v;
 }
 
+}  // namespace
+
+int parse_int(const std::string& key, const std::string& value, const std::string& spec) {
+  return parse_number<int>(key, value, spec, "an integer");
+}
+
 double parse_double(const std::string& key, const std::string& value, const std::string& spec) {
-  double v = 0;
-  const auto* end = value.data() + value.size();
-  auto [p, ec] = std::from_chars(value.data(), end, v);
-  if (ec != std::errc() || p != end || value.empty())
-    throw InvalidArgument(fmt::format("method '{}': {}={} is not a number", spec, key, value));
-  return v;
+  return parse_number<double>(key, value, spec, "a number");
 }
 
 bool parse_bool(const std::string& key, const std::string& value, const std::string& spec, const char* t, const char* f) {

@@ -38,18 +38,12 @@ inline void prefetch_rows(const void* first, std::int64_t rows, std::int64_t row
 #ifdef VQ_ATTN_HAVE_AVX2
 namespace vq::peer_attention {
 
-void score_blocks(const ggml::block_q8_0* first, std::int64_t token_stride, std::int64_t n, std::int64_t d, const float* q, std::int64_t nq,
-                  float* s);
-void score_blocks(const ggml::block_q4_0* first, std::int64_t token_stride, std::int64_t n, std::int64_t d, const float* q, std::int64_t nq,
-                  float* s);
-void score_blocks(const ggml::block_q4_1* first, std::int64_t token_stride, std::int64_t n, std::int64_t d, const float* q, std::int64_t nq,
-                  float* s);
-void accumulate_blocks(const ggml::block_q8_0* first, std::int64_t token_stride, std::int64_t n, std::int64_t d, const float* w,
-                       std::int64_t nq, float* acc);
-void accumulate_blocks(const ggml::block_q4_0* first, std::int64_t token_stride, std::int64_t n, std::int64_t d, const float* w,
-                       std::int64_t nq, float* acc);
-void accumulate_blocks(const ggml::block_q4_1* first, std::int64_t token_stride, std::int64_t n, std::int64_t d, const float* w,
-                       std::int64_t nq, float* acc);
+// Block is ggml::block_q8_0, block_q4_0 or block_q4_1 (instantiated in peer_attention_avx2.cpp).
+template <class Block>
+void score_blocks(const Block* first, std::int64_t token_stride, std::int64_t n, std::int64_t d, const float* q, std::int64_t nq, float* s);
+template <class Block>
+void accumulate_blocks(const Block* first, std::int64_t token_stride, std::int64_t n, std::int64_t d, const float* w, std::int64_t nq,
+                       float* acc);
 
 void score_fp8(const std::uint8_t* first, std::int64_t token_stride, std::int64_t n, std::int64_t d, const float* q, std::int64_t nq,
                float* s);

@@ -191,41 +191,27 @@ VQ_ATTN_AVX512 void accumulate_blocks_512(const Block* first, std::int64_t token
 
 }  // namespace
 
-VQ_ATTN_AVX2 void score_blocks(const block_q8_0* first, std::int64_t token_stride, std::int64_t n, std::int64_t d, const float* q,
-                               std::int64_t nq, float* s) {
+template <class Block>
+VQ_ATTN_AVX2 void score_blocks(const Block* first, std::int64_t token_stride, std::int64_t n, std::int64_t d, const float* q, std::int64_t nq,
+                               float* s) {
   if (attn::avx512_enabled()) return score_blocks_512(first, token_stride, n, d, q, nq, s);
-  attn::simd::score(Blocks<block_q8_0>{first, token_stride}, n, d, q, nq, s);
+  attn::simd::score(Blocks<Block>{first, token_stride}, n, d, q, nq, s);
 }
 
-VQ_ATTN_AVX2 void accumulate_blocks(const block_q8_0* first, std::int64_t token_stride, std::int64_t n, std::int64_t d, const float* w,
+template <class Block>
+VQ_ATTN_AVX2 void accumulate_blocks(const Block* first, std::int64_t token_stride, std::int64_t n, std::int64_t d, const float* w,
                                     std::int64_t nq, float* acc) {
   if (attn::avx512_enabled()) return accumulate_blocks_512(first, token_stride, n, d, w, nq, acc);
-  attn::simd::accumulate(Blocks<block_q8_0>{first, token_stride}, n, d, w, nq, acc);
+  attn::simd::accumulate(Blocks<Block>{first, token_stride}, n, d, w, nq, acc);
 }
 
-VQ_ATTN_AVX2 void score_blocks(const block_q4_0* first, std::int64_t token_stride, std::int64_t n, std::int64_t d, const float* q,
-                               std::int64_t nq, float* s) {
-  if (attn::avx512_enabled()) return score_blocks_512(first, token_stride, n, d, q, nq, s);
-  attn::simd::score(Blocks<block_q4_0>{first, token_stride}, n, d, q, nq, s);
-}
-
-VQ_ATTN_AVX2 void accumulate_blocks(const block_q4_0* first, std::int64_t token_stride, std::int64_t n, std::int64_t d, const float* w,
-                                    std::int64_t nq, float* acc) {
-  if (attn::avx512_enabled()) return accumulate_blocks_512(first, token_stride, n, d, w, nq, acc);
-  attn::simd::accumulate(Blocks<block_q4_0>{first, token_stride}, n, d, w, nq, acc);
-}
-
-VQ_ATTN_AVX2 void score_blocks(const block_q4_1* first, std::int64_t token_stride, std::int64_t n, std::int64_t d, const float* q,
-                               std::int64_t nq, float* s) {
-  if (attn::avx512_enabled()) return score_blocks_512(first, token_stride, n, d, q, nq, s);
-  attn::simd::score(Blocks<block_q4_1>{first, token_stride}, n, d, q, nq, s);
-}
-
-VQ_ATTN_AVX2 void accumulate_blocks(const block_q4_1* first, std::int64_t token_stride, std::int64_t n, std::int64_t d, const float* w,
-                                    std::int64_t nq, float* acc) {
-  if (attn::avx512_enabled()) return accumulate_blocks_512(first, token_stride, n, d, w, nq, acc);
-  attn::simd::accumulate(Blocks<block_q4_1>{first, token_stride}, n, d, w, nq, acc);
-}
+#define VQ_PEER_BLOCK_KERNELS(Block)                                                                                                      \
+  template VQ_ATTN_AVX2 void score_blocks<Block>(const Block*, std::int64_t, std::int64_t, std::int64_t, const float*, std::int64_t, float*);      \
+  template VQ_ATTN_AVX2 void accumulate_blocks<Block>(const Block*, std::int64_t, std::int64_t, std::int64_t, const float*, std::int64_t, float*)
+VQ_PEER_BLOCK_KERNELS(block_q8_0);
+VQ_PEER_BLOCK_KERNELS(block_q4_0);
+VQ_PEER_BLOCK_KERNELS(block_q4_1);
+#undef VQ_PEER_BLOCK_KERNELS
 
 VQ_ATTN_AVX2 void score_fp8(const std::uint8_t* first, std::int64_t token_stride, std::int64_t n, std::int64_t d, const float* q,
                             std::int64_t nq, float* s) {
