@@ -2,7 +2,7 @@
 // (C % 32 == 0): its classes come from the previous row's units (>> 4, then a byte shuffle through
 // the class map) or, at a group start, are all the start class; one gather per 8 lanes from the
 // row kind's slot tables (decoder) or three from its encoder constants (encoder). Same units and
-// words as the scalar loops in context_coder.cpp: the 32 steps of a group are independent, and the
+// words as the scalar loops in context_codec.cpp: the 32 steps of a group are independent, and the
 // words of a group are read (written) in ascending (descending) lane order.
 #include <immintrin.h>
 

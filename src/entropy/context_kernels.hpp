@@ -1,4 +1,4 @@
-// Private: the context coder's rANS kernels (context_coder.cpp: scalar; context_avx2.cpp: AVX2)
+// Private: the context coder's rANS kernels (context_codec.cpp: scalar; context_avx2.cpp: AVX2)
 // and the tables they share. See context_coder.hpp for the format.
 //
 // Units are bytes, row-major ([row][C], C = slices * dim): a pair row's unit is a | b << 4, a single
