@@ -1,6 +1,9 @@
 // Reading a .vqkv file: verify the header, the TABLES blocks, then every block against the plan
 // (vqkv_layout.hpp), decode, and rebuild the caches. inspect_prompt_cache runs the same walk
 // without decoding the rANS payloads.
+// Why one file of ~700 lines: FileReader walks an untrusted file once, and every check of its bytes
+// (sizes against the plan, checksums, each block's fields) stays in that one walk, the surface
+// fuzz/fuzz_vqkv_read.cpp covers; the layout it checks against is vqkv_layout.hpp.
 #include <algorithm>
 #include <bit>
 #include <cmath>

@@ -1,5 +1,10 @@
 // AVX2 attention tile kernels on VqKVCache's packed codes (vq_attention_kernels.hpp): a Source of
 // src/cache/attention_simd.hpp that decodes a head's fields 8 at a time.
+// Why one file of ~800 lines: the kernels are templates over the field width and the query rows,
+// instantiated only by the width dispatchers at the end, and the AVX-512 ones are called from the
+// AVX2 dispatch when the CPU has VBMI; apart, every (width, rows) pair would need an explicit
+// instantiation across files. Each fast kernel is held to the scalar path (attention_kernels.hpp)
+// by tests/vq/vq_attention_kernels_test.cpp.
 #include "vq_attention_kernels.hpp"
 
 #include <algorithm>
