@@ -18,7 +18,7 @@
 #include "veloxquant/core/error.hpp"
 #include "veloxquant/core/tensor.hpp"
 #include "veloxquant/format/vqkv.hpp"
-#include "veloxquant/methods/method_spec.hpp"
+#include "veloxquant/methods/method_table.hpp"
 #include "veloxquant/store/kv_store.hpp"
 #include "veloxquant/store/prefix_chunks.hpp"
 #include "veloxquant/store/prefix_loader.hpp"
@@ -123,7 +123,7 @@ vq::ChunkScheme scheme_of(const char* model_id, int32_t chunk_tokens, const char
   vq::ChunkScheme scheme;
   scheme.model_fingerprint = vq::named_model_fingerprint(model_id);
   scheme.chunk_tokens = chunk_tokens;
-  if (levels || !get) scheme.levels = vq::parse_levels(levels ? levels : vq::kDefaultLevels);
+  if (levels || !get) scheme.levels = vq::parse_levels(levels ? levels : vq::default_store_levels());
   return scheme;
 }
 

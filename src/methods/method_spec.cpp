@@ -123,6 +123,13 @@ std::vector<std::string> default_bench_attention_methods() {
   return out;
 }
 
+std::string default_store_levels() {
+  std::string out;
+  for (const auto& r : method_table())
+    for (const auto& l : r.store) out += (out.empty() ? "" : ";") + l;
+  return out;
+}
+
 MethodSpec MethodSpec::parse(const std::string& spec) {
   const auto colon = spec.find(':');
   const bool has_colon = colon != std::string::npos;

@@ -16,6 +16,7 @@
 #include "veloxquant/model/checkpoint.hpp"
 #include "veloxquant/model/transformer.hpp"
 #include "veloxquant/model/vq_layer_models.hpp"
+#include "veloxquant/store/prefix_chunks.hpp"
 #include "../model/model_support.hpp"
 #include "../support/test_util.hpp"
 
@@ -37,6 +38,7 @@ std::vector<std::string> specs_of(const MethodRow& r) {
   s.insert(s.end(), r.rd.begin(), r.rd.end());
   for (const auto& d : r.demo) s.push_back(d.spec);
   s.insert(s.end(), r.bench_attention.begin(), r.bench_attention.end());
+  s.insert(s.end(), r.store.begin(), r.store.end());
   return s;
 }
 
@@ -180,6 +182,8 @@ TEST(MethodTable, ReportsTakeTheirListsFromTheTable) {
   const auto eval = vq::default_eval_methods();
   EXPECT_EQ(eval.front(), "fp32");
   for (const auto& s : vq::default_bench_attention_methods()) EXPECT_NO_THROW(MethodSpec::parse(s)) << s;
+  // The store's default levels: the table's, and the header constant kept for older code says the same.
+  EXPECT_EQ(vq::default_store_levels(), std::string(vq::kDefaultLevels));
 }
 
 }  // namespace

@@ -16,7 +16,7 @@
 #include "veloxquant/core/error.hpp"
 #include "veloxquant/model/checkpoint.hpp"
 #include "veloxquant/model/generate.hpp"
-#include "veloxquant/methods/method_spec.hpp"
+#include "veloxquant/methods/method_table.hpp"
 #include "veloxquant/model/model_files.hpp"
 #include "veloxquant/model/tokenizer.hpp"
 #include "veloxquant/model/transformer.hpp"
@@ -36,7 +36,7 @@ struct GenerateOptions {
   bool stats = false;
   // generate --store: reuse the longest stored prefix (store/prefix_loader.hpp).
   // --levels / --chunk-tokens: unset, the lookup takes every level and chunk size stored (and the
-  // context is stored after at the defaults, kDefaultLevels in chunks of the size found or 256).
+  // context is stored after at the defaults, the method table's store levels in chunks of the size found or 256).
   std::string store, levels;
   bool use_store = false, json = false, no_recompute = false;
   std::optional<int> chunk_tokens;
@@ -102,7 +102,7 @@ int run_generate(const GenerateOptions& o) {
     if (!o.levels.empty()) sr.options.scheme.levels = vq::parse_levels(o.levels);
     sr.options.scheme.model_fingerprint = vq::model_fingerprint(model);
     sr.put_scheme.model_fingerprint = sr.options.scheme.model_fingerprint;
-    sr.put_scheme.levels = vq::parse_levels(o.levels.empty() ? vq::kDefaultLevels : o.levels);
+    sr.put_scheme.levels = vq::parse_levels(o.levels.empty() ? vq::default_store_levels() : o.levels);
     sr.put_scheme.chunk_tokens = o.chunk_tokens.value_or(vq::kDefaultChunkTokens);
     sr.options.slo_ms = o.slo_ms;
     if (o.slo_guard) sr.options.slo_guard = *o.slo_guard;

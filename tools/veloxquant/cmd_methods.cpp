@@ -30,7 +30,8 @@ nlohmann::json row_json(const vq::MethodRow& r) {
           {"eval", r.eval},
           {"rd", r.rd},
           {"demo", demo},
-          {"bench_attention", r.bench_attention}};
+          {"bench_attention", r.bench_attention},
+          {"store", r.store}};
 }
 
 }  // namespace

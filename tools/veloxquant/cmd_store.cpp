@@ -15,7 +15,7 @@
 #include "model_options.hpp"
 #include "veloxquant/core/error.hpp"
 #include "veloxquant/model/checkpoint.hpp"
-#include "veloxquant/methods/method_spec.hpp"
+#include "veloxquant/methods/method_table.hpp"
 #include "veloxquant/model/model_files.hpp"
 #include "veloxquant/model/tokenizer.hpp"
 #include "veloxquant/model/transformer.hpp"
@@ -26,7 +26,7 @@ namespace vqcli {
 
 namespace {
 struct StoreOptions {
-  std::string store, model, tokenizer, text, prompt, levels = vq::kDefaultLevels;
+  std::string store, model, tokenizer, text, prompt, levels = vq::default_store_levels();
   bool prompt_given = false;
   int chunk_tokens = vq::kDefaultChunkTokens;
   bool json = false, all = false;

@@ -64,6 +64,7 @@ struct MethodRow {
   std::vector<std::string> rd{};             // `veloxquant rd` (the family's usual settings)
   std::vector<MethodSetting> demo{};          // `veloxquant demo`'s rows
   std::vector<std::string> bench_attention{};  // `veloxquant bench attention`'s storage forms
+  std::vector<std::string> store{};            // the levels `store put` (and a put after generate) stores
 };
 
 // Every method, in table order.
@@ -83,5 +84,7 @@ std::string methods_text();
 std::vector<std::string> default_eval_methods();
 std::vector<MethodSetting> default_demo_methods();  // ordered by family, then table order
 std::vector<std::string> default_bench_attention_methods();
+// The store's default levels, ';'-separated (store/prefix_chunks.hpp's parse_levels takes it).
+std::string default_store_levels();
 
 }  // namespace vq

@@ -58,6 +58,8 @@ namespace vq {
 class Transformer;
 
 inline constexpr int kDefaultChunkTokens = 256;
+// The default levels, as the method table lists them (vq::default_store_levels(),
+// methods/method_table.hpp, is what the CLI and the C API use); kept for code written against it.
 inline constexpr const char* kDefaultLevels = "vq:bits=1;vq:bits=2;vq:bits=4";
 
 // One layer's K/V of one chunk: [1, n_kv_heads, C, head_size] float32 each.
