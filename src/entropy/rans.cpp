@@ -19,6 +19,15 @@ namespace rans_detail {
 
 void throw_truncated() { throw FormatError("rANS stream: payload truncated (ran out of renormalisation words)"); }
 
+// The decoder's renormalisation: a state below kL takes the next 16-bit word (little-endian).
+inline void renormalise(std::uint32_t& xi, const std::uint8_t*& p, const std::uint8_t* end) {
+  if (xi < kL) {
+    if (end - p < 2) throw_truncated();
+    xi = xi << 16 | static_cast<std::uint32_t>(p[0]) | static_cast<std::uint32_t>(p[1]) << 8;
+    p += 2;
+  }
+}
+
 namespace {
 // ceil(2^(shift+31) / f) with shift = ceil(log2 f), for f >= 2.
 struct Reciprocal {
@@ -149,11 +158,7 @@ const std::uint8_t* decode_scalar(std::uint32_t* x, std::uint16_t* out, std::siz
     const std::uint32_t slot = xi & mask;
     const std::uint16_t sy = slot_sym[slot];
     xi = t.freq(sy) * (xi >> s) + slot - t.cum(sy);
-    if (xi < kL) {
-      if (end - p < 2) throw_truncated();
-      xi = xi << 16 | static_cast<std::uint32_t>(p[0]) | static_cast<std::uint32_t>(p[1]) << 8;
-      p += 2;
-    }
+    renormalise(xi, p, end);
     x[lane] = xi;
     out[i] = sy;
     lane = (lane + 1) & kLaneMask;
@@ -171,11 +176,7 @@ const std::uint8_t* decode_scalar_packed(std::uint32_t* x, std::uint16_t* out, s
     std::uint32_t xi = x[lane];
     const std::uint32_t e = packed[xi & mask];
     xi = ((e & mask) + 1) * (xi >> s) + ((e >> s) & mask);
-    if (xi < kL) {
-      if (end - p < 2) throw_truncated();
-      xi = xi << 16 | static_cast<std::uint32_t>(p[0]) | static_cast<std::uint32_t>(p[1]) << 8;
-      p += 2;
-    }
+    renormalise(xi, p, end);
     x[lane] = xi;
     out[i] = static_cast<std::uint16_t>(e >> (2 * s));
     lane = (lane + 1) & kLaneMask;
@@ -194,11 +195,7 @@ const std::uint8_t* decode_scalar_search(std::uint32_t* x, std::uint16_t* out, s
     int sy = 0;
     while (sy + 1 < a && t.cum(sy + 1) <= slot) ++sy;  // the last symbol whose range starts at or below slot
     xi = t.freq(sy) * (xi >> s) + slot - t.cum(sy);
-    if (xi < kL) {
-      if (end - p < 2) throw_truncated();
-      xi = xi << 16 | static_cast<std::uint32_t>(p[0]) | static_cast<std::uint32_t>(p[1]) << 8;
-      p += 2;
-    }
+    renormalise(xi, p, end);
     x[lane] = xi;
     out[i] = static_cast<std::uint16_t>(sy);
     lane = (lane + 1) & kLaneMask;

@@ -501,16 +501,7 @@ class FileReader {
         }
       }
     }
-    // Rows blocks: [slice][token][D] per block, blocks in token order from token q.
-    const std::size_t row_bytes = static_cast<std::size_t>(d) * dtype_size(h_.dtype);
-    std::int64_t t = static_cast<std::int64_t>(q);
-    for (const auto& body : sd.rows) {
-      const std::int64_t count = static_cast<std::int64_t>(body.size() / row_bytes / slices());
-      const std::uint8_t* in = body.data();
-      for (std::int64_t s = 0; s < static_cast<std::int64_t>(slices()); ++s)
-        for (std::int64_t i = 0; i < count; ++i, in += row_bytes) std::memcpy(x.row(s / h_.heads, s % h_.heads, t + i), in, row_bytes);
-      t += count;
-    }
+    copy_rows(sd, d, static_cast<std::int64_t>(q), x);  // the ROWS blocks, from token q
     return x;
   }
 
@@ -522,16 +513,20 @@ class FileReader {
     const auto rows = static_cast<std::int64_t>(sd.row_tokens);
     if (rows == 0) return Tensor();
     Tensor x = Tensor::uninitialized({h_.batch, h_.heads, rows, d}, h_.dtype);
+    copy_rows(sd, d, 0, x);
+    return x;
+  }
+
+  // A side's ROWS blocks ([slice][token][D] per block, blocks in token order) into x's tokens from t.
+  void copy_rows(const SideData& sd, std::int64_t d, std::int64_t t, Tensor& x) const {
     const std::size_t row_bytes = static_cast<std::size_t>(d) * dtype_size(h_.dtype);
-    std::int64_t t = 0;
-    for (const auto& body : sd.rows) {  // [slice][token][D] per block, blocks in token order
+    for (const auto& body : sd.rows) {
       const std::int64_t count = static_cast<std::int64_t>(body.size() / row_bytes / slices());
       const std::uint8_t* in = body.data();
       for (std::int64_t s = 0; s < static_cast<std::int64_t>(slices()); ++s)
         for (std::int64_t i = 0; i < count; ++i, in += row_bytes) std::memcpy(x.row(s / h_.heads, s % h_.heads, t + i), in, row_bytes);
       t += count;
     }
-    return x;
   }
 
   // The layer's cache as saved, or, for a prefix load, built from what was decoded (a whole number
