@@ -69,6 +69,13 @@
 //     hence the lanes' words, differs (sizes within a few bytes).
 // - param: bit 7 = family (0 Gaussian, 1 Laplace), bits 0-6 = i, scale sigma = 2^((i - 48) / 8)
 //   code steps (1/8-octave resolution: a mismatch of half a step costs ~0.1 % of the rate).
+// Where all layers of one stored context meet: a stored context (a .vqkv file; a store chunk is
+// one) holds its vq layers as CODES blocks in chunk, then layer, then side order (BlockPlan,
+// src/format/vqkv_layout.hpp), so src/format/vqkv_write.cpp's vq_codes_block and
+// src/format/vqkv_read.cpp's read_vq_codes see one chunk's layers one after the other. Each layer is
+// coded on its own today (vq_encode / vq_decode); a coder across layers (predicting layer l's
+// codes from layer l-1's of the same chunk) keeps the previous layer's codes in those two places
+// and raises the format's version. The live cache (VqKVCache) stays per layer.
 #pragma once
 #include <cstdint>
 #include <span>
