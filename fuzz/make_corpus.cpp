@@ -347,6 +347,22 @@ int main(int argc, char** argv) {
     const auto b = vq::write_llama_state(st);
     write_seeds(ls, n++, b, b.size() * 2 / 3, 12 + 12 + 4 * streams + 4, 0x01);
   }
+  {  // a llama-server slot file: its token list packed (marker, version, count, ids, media count)
+    vq::LlamaState st;
+    st.tokens = {1, 301, 427};
+    st.server_tokens = true;
+    st.dtype = vq::DType::F16;
+    st.v_trans = true;
+    std::normal_distribution<float> nd;
+    for (int l = 0; l < 5; ++l) {
+      std::vector<float> x(2 * 4 * 3 * 8);
+      for (auto& v : x) v = nd(vrng);
+      st.layers.push_back({vq::Tensor::from_f32({1, 4, 3, 8}, std::span<const float>(x).first(x.size() / 2), vq::DType::F16),
+                           vq::Tensor::from_f32({1, 4, 3, 8}, std::span<const float>(x).last(x.size() / 2), vq::DType::F16)});
+    }
+    const auto b = vq::write_llama_state(st);
+    write_seeds(ls, n++, b, b.size() * 2 / 3, 12 + 8, 0x01);  // the flip lands in the packing's count
+  }
   write(ls, "empty", {});
   std::printf("corpus written under %s\n", root.c_str());
   return 0;

@@ -125,8 +125,27 @@ LlamaState read_llama_state(std::span<const std::uint8_t> bytes, const LlamaStat
   st.tokens.resize(n_token);
   const std::uint8_t* tokens = c.take(std::uint64_t{n_token} * 4, "the token ids");
   if (n_token > 0) std::memcpy(st.tokens.data(), tokens, std::size_t{n_token} * 4);  // data() may be null when empty
+  std::size_t first = 0;  // byte offset of token 0 is 12 + 4 * first
+  if (n_token > 0 && st.tokens[0] == kLlamaServerTokensMarker) {
+    // llama-server's packing: marker, version, count, the ids, the media count.
+    if (n_token < 4) c.fail(fmt::format("a llama-server token list of {} words (at least 4: marker, version, count, media count)", n_token));
+    if (st.tokens[1] != static_cast<std::int32_t>(kLlamaServerTokensVersion))
+      c.fail(fmt::format("llama-server token list version {} (this reader reads version {})", static_cast<std::uint32_t>(st.tokens[1]),
+                         kLlamaServerTokensVersion));
+    const auto count = static_cast<std::uint32_t>(st.tokens[2]);
+    if (std::uint64_t{count} + 4 > n_token)
+      c.fail(fmt::format("llama-server token list: {} ids claimed in {} words", count, n_token));
+    const auto media = static_cast<std::uint32_t>(st.tokens[3 + std::size_t{count}]);
+    if (media != 0) c.fail(fmt::format("llama-server token list with {} media chunks: a multimodal slot is not read", media));
+    if (std::uint64_t{count} + 4 != n_token)
+      c.fail(fmt::format("llama-server token list: {} words after its {} ids and media count", n_token - count - 4, count));
+    st.server_tokens = true;
+    first = 3;
+    st.tokens = std::vector<std::int32_t>(st.tokens.begin() + 3, st.tokens.begin() + 3 + count);
+  }
   for (std::size_t i = 0; i < st.tokens.size(); ++i)
-    if (st.tokens[i] < 0) c.fail(fmt::format("token {} is {} (byte {}): token ids are not negative", i, st.tokens[i], 12 + 4 * i));
+    if (st.tokens[i] < 0)
+      c.fail(fmt::format("token {} is {} (byte {}): token ids are not negative", i, st.tokens[i], 12 + 4 * (first + i)));
 
   st.n_stream = c.get<std::uint32_t>("stream count");
   if (st.n_stream == 0) c.fail("the stream count is 0");
@@ -237,7 +256,7 @@ std::vector<std::uint8_t> write_llama_state(const LlamaState& st) {
   require(!st.layers.empty(), "write_llama_state: no layers");
   require(st.n_stream >= 1 && st.stream < st.n_stream, "write_llama_state: stream {} of {} streams", st.stream, st.n_stream);
   require(st.seq_id >= 0, "write_llama_state: sequence id {}", st.seq_id);
-  require(st.tokens.size() <= 0xffffffffu, "write_llama_state: {} tokens", st.tokens.size());
+  require(st.tokens.size() <= 0xfffffffbu, "write_llama_state: {} tokens", st.tokens.size());
   const Shape4 ks = st.layers[0].keys.shape(), vs = st.layers[0].values.shape();
   require(ks[0] == 1 && vs[0] == 1 && ks[1] == vs[1] && ks[2] == vs[2] && ks[2] > 0 && ks[2] <= 0x7fffffff,
           "write_llama_state: keys {} / values {}: one batch row, the same heads and cells (1 .. 2^31-1)", shape_string(ks), shape_string(vs));
@@ -250,7 +269,7 @@ std::vector<std::uint8_t> write_llama_state(const LlamaState& st) {
   const std::uint64_t k_row = static_cast<std::uint64_t>(H * Dk) * es, v_row = static_cast<std::uint64_t>(H * Dv) * es;
 
   std::vector<std::uint8_t> out;
-  out.reserve(16 + st.tokens.size() * 4 + 4 * st.n_stream + static_cast<std::size_t>(n) * 12 + 8 +
+  out.reserve(32 + st.tokens.size() * 4 + 4 * st.n_stream + static_cast<std::size_t>(n) * 12 + 8 +
               st.layers.size() * (24 + static_cast<std::size_t>(n) * (k_row + v_row)));
   auto put = [&out](const auto& v) {
     const auto* p = reinterpret_cast<const std::uint8_t*>(&v);
@@ -258,8 +277,16 @@ std::vector<std::uint8_t> write_llama_state(const LlamaState& st) {
   };
   put(kLlamaStateMagic);
   put(kLlamaStateVersion);
-  put(static_cast<std::uint32_t>(st.tokens.size()));
+  if (st.server_tokens) {  // llama-server's packing: marker, version, count, the ids, no media
+    put(static_cast<std::uint32_t>(st.tokens.size() + 4));
+    put(kLlamaServerTokensMarker);
+    put(kLlamaServerTokensVersion);
+    put(static_cast<std::uint32_t>(st.tokens.size()));
+  } else {
+    put(static_cast<std::uint32_t>(st.tokens.size()));
+  }
   for (const auto t : st.tokens) put(t);
+  if (st.server_tokens) put(std::uint32_t{0});
   put(st.n_stream);
   for (std::uint32_t s = 0; s < st.n_stream; ++s) {
     if (s != st.stream) {

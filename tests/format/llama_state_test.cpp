@@ -30,6 +30,7 @@ vq::LlamaState make_state(vq::DType dtype, bool v_trans, std::int64_t cells = 5,
 
 void expect_same(const vq::LlamaState& a, const vq::LlamaState& b) {
   EXPECT_EQ(a.tokens, b.tokens);
+  EXPECT_EQ(a.server_tokens, b.server_tokens);
   EXPECT_EQ(a.n_stream, b.n_stream);
   EXPECT_EQ(a.stream, b.stream);
   EXPECT_EQ(a.seq_id, b.seq_id);
@@ -191,6 +192,55 @@ TEST(LlamaState, ForeignAndBadFilesAreRefusedWithTheirReason) {
   poke<std::uint32_t>(empty, streams + 4 - 4, 1);
   empty.insert(empty.end(), {0, 0, 0, 0});
   EXPECT_NE(error_of(empty).find("the state is empty"), std::string::npos);
+}
+
+// llama-server's slot files (POST /slots/N?action=save) pack the token list: -1, version 1, the
+// count, the ids, the media chunk count. Read and written back byte for byte; another version,
+// media chunks or a count that does not fill the list are refused with the reason.
+TEST(LlamaState, LlamaServerSlotFilesKeepTheirTokenPacking) {
+  vq::LlamaState st = make_state(vq::DType::F16, true);
+  st.server_tokens = true;
+  const auto bytes = vq::write_llama_state(st);
+  // magic, version, n_token = 5 ids + 4, then -1, 1, 5, the ids, 0.
+  std::uint32_t w[4];
+  std::memcpy(w, bytes.data() + 8, sizeof(w));
+  EXPECT_EQ(w[0], 9u);
+  EXPECT_EQ(static_cast<std::int32_t>(w[1]), -1);
+  EXPECT_EQ(w[2], 1u);
+  EXPECT_EQ(w[3], 5u);
+  std::int32_t first_id = 0, media = -7;
+  std::memcpy(&first_id, bytes.data() + 24, 4);
+  std::memcpy(&media, bytes.data() + 24 + 5 * 4, 4);
+  EXPECT_EQ(first_id, 1);
+  EXPECT_EQ(media, 0);
+  const vq::LlamaState back = vq::read_llama_state(bytes, kModel, "slot.bin");
+  expect_same(back, st);
+  EXPECT_EQ(vq::write_llama_state(back), bytes);
+  // The plain list of the same ids is 4 words shorter and reads as plain.
+  vq::LlamaState plain = st;
+  plain.server_tokens = false;
+  EXPECT_EQ(vq::write_llama_state(plain).size() + 16, bytes.size());
+  EXPECT_FALSE(vq::read_llama_state(vq::write_llama_state(plain), kModel).server_tokens);
+
+  auto with = [&](std::size_t at, std::uint32_t v) {
+    auto b = bytes;
+    poke(b, at, v);
+    return error_of(b);
+  };
+  EXPECT_NE(with(16, 2).find("llama-server token list version 2"), std::string::npos) << with(16, 2);
+  EXPECT_NE(with(44, 1).find("1 media chunks: a multimodal slot is not read"), std::string::npos) << with(44, 1);
+  EXPECT_NE(with(20, 6).find("6 ids claimed in 9 words"), std::string::npos) << with(20, 6);
+  {  // a count of 4 whose "media count" (the 5th id's word) is 0: one word left over
+    auto b = bytes;
+    poke(b, 20, std::uint32_t{4});
+    poke(b, 40, std::uint32_t{0});
+    EXPECT_NE(error_of(b).find("1 words after its 4 ids and media count"), std::string::npos) << error_of(b);
+  }
+  EXPECT_NE(with(24, 0xfffffff0u).find("token 0 is -16 (byte 24)"), std::string::npos) << with(24, 0xfffffff0u);
+  // A marker in a list too short to hold the packing.
+  vq::LlamaState shortlist = make_state(vq::DType::F16, true);
+  shortlist.tokens = {-1, 1, 0};
+  EXPECT_NE(error_of(vq::write_llama_state(shortlist)).find("a llama-server token list of 3 words"), std::string::npos);
 }
 
 TEST(LlamaState, WriterConvertsToTheStatesTypeAndRefusesRaggedLayers) {

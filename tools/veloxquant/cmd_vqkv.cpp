@@ -91,8 +91,8 @@ constexpr const char* kLlamaStateKey = "llama_state";
 constexpr const char* kLlamaTokensKey = "llama_state.tokens";
 
 void put_llama_state_metadata(vq::PromptMetadata& meta, const vq::LlamaState& st) {
-  meta[kLlamaStateKey] = fmt::format("type={},v_trans={},n_stream={},stream={},seq_id={}", vq::ggml_type_name(vq::ggml_type_of(st.dtype)),
-                                     st.v_trans ? 1 : 0, st.n_stream, st.stream, st.seq_id);
+  meta[kLlamaStateKey] = fmt::format("type={},v_trans={},n_stream={},stream={},seq_id={}{}", vq::ggml_type_name(vq::ggml_type_of(st.dtype)),
+                                     st.v_trans ? 1 : 0, st.n_stream, st.stream, st.seq_id, st.server_tokens ? ",server_tokens=1" : "");
   std::string t;
   for (std::size_t i = 0; i < st.tokens.size(); ++i) t += (i ? "," : "") + std::to_string(st.tokens[i]);
   meta[kLlamaTokensKey] = t;
@@ -258,7 +258,10 @@ vq::LlamaState llama_state_of(const vq::PromptCache& pc, const std::string& in) 
   st.n_stream = static_cast<std::uint32_t>(number("n_stream", 0xffffffffu));
   st.stream = static_cast<std::uint32_t>(number("stream", 0xffffffffu));
   st.seq_id = static_cast<std::int32_t>(number("seq_id", 0x7fffffff));
-  if (f.size() != 5) throw bad("unknown fields (expected type, v_trans, n_stream, stream, seq_id)");
+  // server_tokens=1 (the state came from a llama-server slot file) is there only when set.
+  st.server_tokens = f.count("server_tokens") && number("server_tokens", 1) == 1;
+  if (f.size() != (f.count("server_tokens") ? 6u : 5u))
+    throw bad("unknown fields (expected type, v_trans, n_stream, stream, seq_id and, from a llama-server slot, server_tokens)");
   if (st.n_stream == 0 || st.stream >= st.n_stream) throw bad(fmt::format("stream {} of {} streams", st.stream, st.n_stream));
   const std::string& toks = tt->second;
   std::size_t p = 0;

@@ -17,7 +17,10 @@
 // state_seq_save_file and src/llama-kv-cache.cpp state_write*; LLAMA_STATE_SEQ_VERSION 3). All
 // integers little-endian:
 //   u32 magic 0x67677371 ('ggsq'), u32 version 3
-//   u32 n_token, i32 token[n_token]                   the prompt the caller saved with the state
+//   u32 n_token, i32 token[n_token]                   the prompt the caller saved with the state; llama-server
+//                                                     packs it (tools/server/server-common.cpp, server_tokens::
+//                                                     serialize): i32 -1, u32 version 1, u32 count, count ids,
+//                                                     u32 media chunks (read only when 0)
 //   u32 n_stream                                      KV streams of the context (1 when unified)
 //   n_stream times:
 //     u32 cell_count                                  cells of this sequence in the stream (0: next stream)
@@ -42,6 +45,9 @@ namespace vq {
 
 inline constexpr std::uint32_t kLlamaStateMagic = 0x67677371u;  // 'ggsq', LLAMA_STATE_SEQ_MAGIC
 inline constexpr std::uint32_t kLlamaStateVersion = 3;           // LLAMA_STATE_SEQ_VERSION
+// llama-server's slot files pack their token list: LLAMA_TOKEN_NULL, then SERVER_TOKENS_STATE_VERSION.
+inline constexpr std::int32_t kLlamaServerTokensMarker = -1;
+inline constexpr std::uint32_t kLlamaServerTokensVersion = 1;
 
 // The model's KV shape, which the file does not carry: every count is checked against it.
 struct LlamaStateModel {
@@ -53,6 +59,7 @@ struct LlamaStateModel {
 
 struct LlamaState {
   std::vector<std::int32_t> tokens;  // the token ids saved with the state (not checked against the cells)
+  bool server_tokens = false;        // saved by llama-server (POST /slots/N?action=save): its token packing
   std::uint32_t n_stream = 1;        // the saving context's streams (a loading context must have as many)
   std::uint32_t stream = 0;          // the stream that holds the cells (the others hold none)
   std::int32_t seq_id = 0;           // the sequence id of every cell (llama.cpp's loader replaces it)
@@ -70,7 +77,8 @@ std::string ggml_type_name(std::int32_t type);
 // Parses a state. Throws FormatError "<name>: llama.cpp state: ..." with the field and byte offset
 // for a foreign or truncated file, trailing bytes, a count the file cannot hold, a row size or layer
 // count other than the model's, a type other than F32/F16/BF16, mixed types, several sequences or
-// positions other than 0 .. n-1, a negative token id, or a non-finite K/V value. Allocates only after the sizes were
+// positions other than 0 .. n-1, a negative token id, a llama-server token list of another version or
+// with media chunks, or a non-finite K/V value. Allocates only after the sizes were
 // checked against the bytes present.
 LlamaState read_llama_state(std::span<const std::uint8_t> bytes, const LlamaStateModel& model, const std::string& name = "state");
 LlamaState load_llama_state(const std::string& path, const LlamaStateModel& model);
