@@ -24,5 +24,8 @@ Runner add_demo(CLI::App& app);
 Runner add_convert(CLI::App& app);
 Runner add_tokenize(CLI::App& app);
 Runner add_methods(CLI::App& app);
+#ifdef VQ_HAVE_PROMPT_CACHE
+Runner add_prompt_cache(CLI::App& app);
+#endif
 
 }  // namespace vqcli

@@ -60,6 +60,9 @@ inline const std::map<std::string, HelpText>& help_texts() {
       {"convert", {"veloxquant convert M.bin --tokenizer T -o M.gguf [--pad-head P]",
                    "veloxquant convert ../shared/models/stories260K.bin --tokenizer ../shared/models/tok512.bin -o stories260K.gguf"}},
       {"methods", {"veloxquant methods [--json]", "veloxquant methods --json"}},
+      {"prompt-cache", {"veloxquant prompt-cache --upstream http://HOST:PORT --model M.gguf --slot-dir DIR [--listen HOST:PORT] "
+                        "[--store URL] [--levels LIST] [--chunk-tokens C] [--slot N]",
+                        "veloxquant prompt-cache --upstream http://127.0.0.1:8080 --model m.gguf --slot-dir /tmp/slots --store file:./cache"}},
       {"tokenize", {"veloxquant tokenize [--model M] [--tokenizer T] (--text F | --prompt TEXT) [--bos] [--json]",
                     "veloxquant tokenize --prompt 'Once upon a time' --bos"}},
       {"bench", {"veloxquant bench (codec | attention) [OPTIONS]", "veloxquant bench codec --synthetic --bits 4"}},
@@ -74,7 +77,7 @@ inline const std::map<std::string, HelpText>& help_texts() {
 
 // The commands that take method specs, and the list their --help prints (from the method table).
 inline bool takes_method_specs(const std::string& path) {
-  for (const char* p : {"eval", "rd", "generate", "compress", "store put", "bench codec", "bench attention"})
+  for (const char* p : {"eval", "rd", "generate", "compress", "store put", "bench codec", "bench attention", "prompt-cache"})
     if (path == p) return true;
   return false;
 }

@@ -33,6 +33,10 @@ int main(int argc, char** argv) {
   add("convert", "write a llama2.c checkpoint and tokenizer as a llama-architecture GGUF file (optionally with padded heads)",
       vqcli::add_convert);
   add("methods", "list the KV cache methods: their spec keys with defaults and ranges, whose each is, its cache", vqcli::add_methods);
+#ifdef VQ_HAVE_PROMPT_CACHE
+  add("prompt-cache", "a compressed, persistent prompt cache in front of a llama-server (a proxy: requests pass through)",
+      vqcli::add_prompt_cache);
+#endif
   add("tokenize", "print the token ids the model's tokenizer gives a text (as eval and generate tokenize it)", vqcli::add_tokenize);
   add("compress", "save a KV cache (from .npy, safetensors or a model run) as a .vqkv file", vqcli::add_compress);
   add("decompress", "load a .vqkv file and write its K/V as safetensors or .npy", vqcli::add_decompress);

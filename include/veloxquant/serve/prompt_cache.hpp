@@ -1,0 +1,74 @@
+// A compressed, persistent prompt cache in front of an unmodified llama-server (issue 30).
+//
+// What a reader needs first:
+// - The proxy listens on 127.0.0.1 and forwards every request to the llama-server at `upstream`,
+//   unchanged (streaming included). Completion requests with a prompt (POST /completion,
+//   /completions, /v1/completions) also go through the cache, one at a time, on one slot:
+//   1. the prompt's tokens (the server's own /tokenize);
+//   2. the longest stored prefix of them, in whole chunks (store/prefix_loader.hpp: a hash chain
+//      over token chunks, per chunk the best level stored; the loader never recomputes here: what
+//      is not restored the server computes itself);
+//   3. when that is longer than what the slot already holds, a llama.cpp slot file of those tokens
+//      (format/llama_state.hpp) written into the server's --slot-save-path and restored into the slot;
+//   4. the request, with id_slot and cache_prompt set, to the server;
+//   5. afterwards the slot saved, read back, and its whole chunks not stored yet put at `levels`.
+// - A fault anywhere in 1-3 or 5 (a store outage, a corrupt or foreign blob, a refused restore) is
+//   one log line and the request is served as it would be without the cache (the slot erased
+//   first when a restore failed): never from a wrong cache. Blobs are checked by the store's own
+//   decoder (model fingerprint, level, chunk index, tokens).
+// - The slot files' layout (K/V type, V transposed or not, streams) is the server's: read once at
+//   start from a one-token probe saved from the slot.
+// Its design and measurements: docs/prompt_cache.md.
+#pragma once
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace vq {
+
+struct PromptCacheOptions {
+  std::string upstream;                   // the llama-server, http://127.0.0.1:PORT
+  std::string listen_host = "127.0.0.1";  // where the proxy listens
+  int listen_port = 8081;                 // 0: a free port (port() says which)
+  std::string model;                      // the GGUF the server runs (its shape and fingerprint)
+  std::string slot_dir;                   // the server's --slot-save-path
+  std::string store = "file:./.vqkv-store";
+  std::vector<std::string> levels{"vq:bits=2"};  // what a put stores (canonical method specs)
+  int chunk_tokens = 256;
+  int slot = 0;                           // the server slot the cache restores into
+  std::function<void(const std::string&)> log;  // one line per request and per fault (stderr when unset)
+};
+
+// What the proxy did for one request (also logged): the prompt's tokens, those restored from the
+// store, those stored afterwards, and whether the cache was bypassed (and why).
+struct PromptCacheEvent {
+  int prompt_tokens = 0, restored_tokens = 0, stored_tokens = 0;  // stored: tokens of chunks newly stored
+  std::uint64_t stored_bytes = 0;                                  // blobs and index written for them
+  std::string note;
+};
+
+class PromptCacheProxy {
+ public:
+  // Loads the model's shape, opens the store, probes the server's slot layout. Throws
+  // InvalidArgument / IoError / FormatError with one clear line (no server, no --slot-save-path, a
+  // GGUF that is not the server's, ...).
+  explicit PromptCacheProxy(PromptCacheOptions options);
+  ~PromptCacheProxy();
+  PromptCacheProxy(const PromptCacheProxy&) = delete;
+  PromptCacheProxy& operator=(const PromptCacheProxy&) = delete;
+
+  // Binds the listening socket (IoError when it cannot); port() is then known.
+  void bind();
+  int port() const;
+  // Serves until stop() (from another thread or a signal handler's thread).
+  void serve();
+  void stop();
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace vq

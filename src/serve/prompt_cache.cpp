@@ -1,0 +1,422 @@
+// The prompt-cache proxy (serve/prompt_cache.hpp): HTTP in front of llama-server (cpp-httplib),
+// the store's lookup, loader and put (store/), and llama.cpp's slot files (format/llama_state.hpp).
+#include "veloxquant/serve/prompt_cache.hpp"
+
+#include <httplib.h>
+
+#include <algorithm>
+#include <chrono>
+#include <filesystem>
+#include <mutex>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "veloxquant/core/error.hpp"
+#include "veloxquant/format/llama_state.hpp"
+#include "veloxquant/methods/method_spec.hpp"
+#include "veloxquant/model/gguf.hpp"
+#include "veloxquant/model/transformer.hpp"
+#include "veloxquant/store/kv_store.hpp"
+#include "veloxquant/store/prefix_chunks.hpp"
+#include "veloxquant/store/prefix_loader.hpp"
+
+namespace vq {
+
+namespace {
+
+using json = nlohmann::json;
+
+// Bodies a proxy buffers (a request, a non-streaming reply); larger ones are refused, not read.
+constexpr std::size_t kMaxBodyBytes = std::size_t{64} << 20;
+
+// host and port of http://HOST:PORT[/]; InvalidArgument otherwise (no TLS: the server is local).
+std::pair<std::string, int> parse_upstream(const std::string& url) {
+  const std::string scheme = "http://";
+  require(url.rfind(scheme, 0) == 0, "--upstream {}: give the llama-server as http://HOST:PORT", url);
+  std::string rest = url.substr(scheme.size());
+  if (!rest.empty() && rest.back() == '/') rest.pop_back();
+  const auto colon = rest.rfind(':');
+  require(colon != std::string::npos && colon > 0 && rest.find('/') == std::string::npos, "--upstream {}: give it as http://HOST:PORT", url);
+  int port = 0;
+  const std::string p = rest.substr(colon + 1);
+  require(!p.empty() && p.size() <= 5 && p.find_first_not_of("0123456789") == std::string::npos && (port = std::stoi(p)) >= 1 && port <= 65535,
+          "--upstream {}: port '{}' is not in 1..65535", url, p);
+  return {rest.substr(0, colon), port};
+}
+
+}  // namespace
+
+struct PromptCacheProxy::Impl {
+  PromptCacheOptions o;
+  std::string host;
+  int port = 0;
+  Transformer model;
+  std::uint64_t fingerprint = 0;
+  std::unique_ptr<KVStore> store;
+  LlamaStateModel shape;
+  LlamaState layout;                // the server's slot files: type, V layout, streams (no layers)
+  std::vector<std::int32_t> slot_tokens;  // what the slot holds, as last saved or restored by us
+  std::mutex cache_mu;              // one request through the cache at a time
+  httplib::Server server;
+  int bound_port = 0;
+
+  explicit Impl(PromptCacheOptions options)
+      : o(std::move(options)), model(load_gguf(require_file(o.model)).checkpoint) {
+    std::tie(host, port) = parse_upstream(o.upstream);
+    require(!o.slot_dir.empty() && std::filesystem::is_directory(o.slot_dir),
+            "--slot-dir {}: not a directory (give the llama-server's --slot-save-path)", o.slot_dir);
+    require(o.chunk_tokens >= 1 && o.chunk_tokens <= 1 << 20, "--chunk-tokens {} is not in 1..2^20", o.chunk_tokens);
+    require(o.slot >= 0, "--slot {} must be >= 0", o.slot);
+    require(!o.levels.empty(), "--levels: give at least one method spec");
+    for (auto& l : o.levels) l = MethodSpec::parse(l).to_string();
+    if (!o.log) o.log = [](const std::string& line) { fmt::print(stderr, "veloxquant prompt-cache: {}\n", line); };
+    const ModelConfig& c = model.config();
+    shape = {c.n_layers, c.n_kv_heads, c.head_size(), c.head_size()};
+    fingerprint = model_fingerprint(model);
+    store = open_store(o.store);
+    probe_layout();
+  }
+
+  static const std::string& require_file(const std::string& path) {
+    require(!path.empty(), "--model: give the GGUF file the llama-server runs");
+    if (!std::filesystem::is_regular_file(path)) throw IoError(fmt::format("{}: cannot open model (no such file)", path));
+    return path;
+  }
+
+  httplib::Client client() const {
+    httplib::Client c(host, port);
+    c.set_connection_timeout(5, 0);
+    c.set_read_timeout(600, 0);
+    c.set_write_timeout(60, 0);
+    return c;
+  }
+
+  json post(const std::string& route, const json& body) const {
+    auto c = client();
+    const auto r = c.Post(route, body.dump(), "application/json");
+    if (!r) throw IoError(fmt::format("llama-server {}: POST {} failed ({})", o.upstream, route, httplib::to_string(r.error())));
+    if (r->status != 200)
+      throw IoError(fmt::format("llama-server {}: POST {} answered {}: {}", o.upstream, route, r->status, r->body.substr(0, 300)));
+    if (r->body.size() > kMaxBodyBytes) throw IoError(fmt::format("llama-server {}: POST {}: reply over 64 MiB", o.upstream, route));
+    try {
+      return json::parse(r->body);
+    } catch (const json::exception&) {
+      throw FormatError(fmt::format("llama-server {}: POST {}: the reply is not JSON", o.upstream, route));
+    }
+  }
+
+  std::string slot_route(const char* action) const { return fmt::format("/slots/{}?action={}", o.slot, action); }
+  std::string slot_file(const char* what) const { return fmt::format("veloxquant-{}-slot{}.bin", what, o.slot); }
+  std::string slot_path(const char* what) const { return (std::filesystem::path(o.slot_dir) / slot_file(what)).string(); }
+
+  LlamaState save_slot() {
+    post(slot_route("save"), {{"filename", slot_file("saved")}});
+    return load_llama_state(slot_path("saved"), shape);
+  }
+
+  // The server's slot layout, from a one-token completion saved from the slot (then erased).
+  void probe_layout() {
+    try {
+      post("/completion", {{"prompt", "a"}, {"n_predict", 1}, {"id_slot", o.slot}, {"cache_prompt", true}, {"temperature", 0}});
+      layout = save_slot();
+    } catch (const FormatError& e) {
+      throw FormatError(fmt::format("the slot llama-server saved does not fit {} ({}): give the GGUF the server runs", o.model, e.what()));
+    }
+    layout.layers.clear();
+    layout.tokens.clear();
+    post(slot_route("erase"), json::object());
+    slot_tokens.clear();
+  }
+
+  std::vector<int> tokenize(const json& prompt) const {
+    if (prompt.is_string()) {
+      const json r = post("/tokenize", {{"content", prompt.get<std::string>()}, {"add_special", true}});
+      return r.at("tokens").get<std::vector<int>>();
+    }
+    if (prompt.is_array() && !prompt.empty() && std::all_of(prompt.begin(), prompt.end(), [](const json& t) { return t.is_number_integer(); }))
+      return prompt.get<std::vector<int>>();
+    return {};  // several prompts, mixed content: not cached
+  }
+
+  static std::size_t common_prefix(const std::vector<std::int32_t>& a, const std::vector<int>& b) {
+    std::size_t n = 0;
+    while (n < a.size() && n < b.size() && a[n] == b[n]) ++n;
+    return n;
+  }
+
+  // How many tokens the server's slot holds now (GET /slots: n_prompt_tokens; 0 when it has run no
+  // task, e.g. after a restart, or when /slots is off): what we last saved or restored is trusted
+  // only up to that.
+  std::size_t slot_holds() const {
+    auto c = client();
+    const auto r = c.Get("/slots");
+    if (!r || r->status != 200 || r->body.size() > kMaxBodyBytes) return 0;
+    try {
+      for (const auto& s : json::parse(r->body))
+        if (s.is_object() && s.value("id", -1) == o.slot) return static_cast<std::size_t>(std::max(0, s.value("n_prompt_tokens", 0)));
+    } catch (const json::exception&) {
+    }
+    return 0;
+  }
+
+  // Steps 2-3: the stored prefix of `tokens` into the slot when it beats what the slot holds.
+  void restore(const std::vector<int>& tokens, PromptCacheEvent& ev) {
+    const std::size_t held = std::min(common_prefix(slot_tokens, tokens), slot_holds());
+    LoaderOptions lo;
+    lo.scheme = {.model_fingerprint = fingerprint, .chunk_tokens = o.chunk_tokens, .levels = {}};
+    lo.allow_recompute = false;
+    auto caches = make_caches("fp32", model);
+    std::vector<std::string> warnings;
+    const LoadReport rep = load_prefix(*store, model, caches, tokens, lo, [&](const std::string& w) { warnings.push_back(w); });
+    for (const auto& w : warnings) o.log(w);
+    const auto reused = static_cast<std::size_t>(rep.tokens_reused);
+    if (reused == 0 || reused <= held) {
+      if (reused > 0) ev.note = fmt::format("the slot already holds {} of the prompt's tokens", held);
+      return;
+    }
+    LlamaState st = layout;
+    st.tokens.assign(tokens.begin(), tokens.begin() + static_cast<std::ptrdiff_t>(reused));
+    for (const auto& c : caches) {
+      const KVState kv = c->state();
+      st.layers.push_back({kv.keys, kv.values});
+    }
+    const std::vector<std::uint8_t> bytes = write_llama_state(st);
+    {
+      const std::string tmp = slot_path("restore") + ".tmp";
+      FILE* f = std::fopen(tmp.c_str(), "wb");
+      if (!f) throw IoError(fmt::format("{}: cannot write the slot file", tmp));
+      const bool ok = std::fwrite(bytes.data(), 1, bytes.size(), f) == bytes.size();
+      if (std::fclose(f) != 0 || !ok) throw IoError(fmt::format("{}: cannot write the slot file", tmp));
+      std::filesystem::rename(tmp, slot_path("restore"));
+    }
+    try {
+      const json r = post(slot_route("restore"), {{"filename", slot_file("restore")}});
+      const auto n = r.value("n_restored", -1);
+      require(n == static_cast<long>(reused), "the server restored {} tokens of {}", n, reused);
+    } catch (...) {
+      slot_tokens.clear();
+      try {
+        post(slot_route("erase"), json::object());
+      } catch (...) {
+      }
+      throw;
+    }
+    slot_tokens = st.tokens;
+    ev.restored_tokens = static_cast<int>(reused);
+    std::vector<std::pair<std::string, int>> levels;  // level, chunks, in order of first use
+    for (const auto& c : rep.chunks) {
+      auto it = std::find_if(levels.begin(), levels.end(), [&](const auto& e) { return e.first == c.level; });
+      if (it == levels.end()) levels.emplace_back(c.level, 1);
+      else ++it->second;
+    }
+    std::string at;
+    for (const auto& [l, n] : levels) at += fmt::format("{}{} x{}", at.empty() ? "" : ", ", l, n);
+    ev.note = fmt::format("{} chunks of {} tokens from the store ({})", rep.chunks.size(), o.chunk_tokens, at);
+  }
+
+  // Step 5: the slot's whole chunks into the store (those stored already are skipped by put).
+  void store_slot(PromptCacheEvent& ev) {
+    LlamaState st = save_slot();
+    const std::size_t n = std::min<std::size_t>(st.tokens.size(), static_cast<std::size_t>(st.cells()));
+    slot_tokens = st.tokens;
+    if (n < static_cast<std::size_t>(o.chunk_tokens)) return;
+    std::vector<KVState> exact;
+    for (const auto& l : st.layers)
+      exact.push_back({l.keys.slice(2, 0, static_cast<std::int64_t>(n)).to(DType::F32), l.values.slice(2, 0, static_cast<std::int64_t>(n)).to(DType::F32)});
+    const ChunkScheme scheme{.model_fingerprint = fingerprint, .chunk_tokens = o.chunk_tokens, .levels = o.levels};
+    const std::vector<int> toks(st.tokens.begin(), st.tokens.begin() + static_cast<std::ptrdiff_t>(n));
+    const PutReport put = put_context(*store, model, scheme, toks, exact);
+    ev.stored_tokens = put.chunks_written * o.chunk_tokens;
+    ev.stored_bytes = put.bytes_written;
+  }
+
+  // Steps 1-3 for a completion body; the body to forward (id_slot, cache_prompt set when cached).
+  std::string before(const std::string& body, PromptCacheEvent& ev, bool& cached) {
+    cached = false;
+    json req;
+    try {
+      req = json::parse(body);
+    } catch (const json::exception&) {
+      ev.note = "the request is not JSON: passed through";
+      return body;
+    }
+    if (!req.is_object() || !req.contains("prompt")) {
+      ev.note = "no prompt: passed through";
+      return body;
+    }
+    std::vector<int> tokens;
+    try {
+      tokens = tokenize(req["prompt"]);
+    } catch (const std::exception& e) {
+      ev.note = fmt::format("tokenizing failed ({}): passed through", e.what());
+      return body;
+    }
+    if (tokens.empty()) {
+      ev.note = "a prompt the cache does not key (several prompts or mixed content): passed through";
+      return body;
+    }
+    ev.prompt_tokens = static_cast<int>(tokens.size());
+    try {
+      restore(tokens, ev);
+    } catch (const std::exception& e) {
+      ev.note = fmt::format("restoring from the store failed ({}): the server computes the prompt", e.what());
+      ev.restored_tokens = 0;
+    }
+    req["id_slot"] = o.slot;
+    req["cache_prompt"] = true;
+    cached = true;
+    return req.dump();
+  }
+
+  void after(PromptCacheEvent& ev) {
+    try {
+      store_slot(ev);
+    } catch (const std::exception& e) {
+      slot_tokens.clear();
+      ev.note += (ev.note.empty() ? "" : "; ") + fmt::format("storing the slot failed ({}): nothing stored lost", e.what());
+    }
+  }
+
+  void report(const PromptCacheEvent& ev) const {
+    o.log(fmt::format("{} prompt tokens, {} restored from the store, {} stored ({} bytes written){}{}", ev.prompt_tokens, ev.restored_tokens,
+                      ev.stored_tokens, ev.stored_bytes, ev.note.empty() ? "" : "; ", ev.note));
+  }
+
+  static httplib::Headers forward_headers(const httplib::Request& req) {
+    httplib::Headers h;
+    for (const auto& [k, v] : req.headers) {
+      const std::string lk = [&] {
+        std::string s = k;
+        std::transform(s.begin(), s.end(), s.begin(), [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+        return s;
+      }();
+      if (lk == "host" || lk == "content-length" || lk == "connection" || lk == "transfer-encoding" || lk == "remote_addr" ||
+          lk == "remote_port" || lk == "local_addr" || lk == "local_port")
+        continue;
+      h.emplace(k, v);
+    }
+    return h;
+  }
+
+  // Forwards `req` with `body`; a streaming reply goes back chunk by chunk, then `done` runs (with
+  // the cache lock held until then); a whole reply is copied, then `done` runs.
+  void forward(const httplib::Request& req, httplib::Response& res, const std::string& body, std::function<void()> done,
+               std::shared_ptr<std::unique_lock<std::mutex>> lock) {
+    bool stream = false;
+    if (!body.empty() && body.find("\"stream\"") != std::string::npos) {
+      try {
+        const json j = json::parse(body);
+        stream = j.is_object() && j.value("stream", false);
+      } catch (const json::exception&) {
+      }
+    }
+    const std::string target = req.target.empty() ? req.path : req.target;
+    const std::string content_type = req.has_header("Content-Type") ? req.get_header_value("Content-Type") : "application/json";
+    if (!stream) {
+      auto c = client();
+      httplib::Request up;
+      up.method = req.method;
+      up.path = target;
+      up.headers = forward_headers(req);
+      up.body = body;
+      if (!body.empty()) up.set_header("Content-Type", content_type);
+      const auto r = c.send(up);
+      if (!r) {
+        res.status = 502;
+        res.set_content(json{{"error", {{"code", 502}, {"message", fmt::format("veloxquant prompt-cache: llama-server {} did not answer ({})",
+                                                                              o.upstream, httplib::to_string(r.error()))},
+                                        {"type", "unavailable_error"}}}}
+                            .dump(),
+                        "application/json");
+        if (done) done();
+        return;
+      }
+      res.status = r->status;
+      for (const auto& [k, v] : r->headers) {
+        std::string lk = k;
+        std::transform(lk.begin(), lk.end(), lk.begin(), [](unsigned char ch) { return static_cast<char>(std::tolower(ch)); });
+        if (lk == "content-length" || lk == "transfer-encoding" || lk == "connection" || lk == "content-type") continue;
+        res.set_header(k, v);
+      }
+      res.set_content(r->body, r->has_header("Content-Type") ? r->get_header_value("Content-Type") : "application/json");
+      if (done) done();
+      return;
+    }
+    // Streaming: the upstream reply's bytes are written to the client as they arrive.
+    auto headers = forward_headers(req);
+    res.set_chunked_content_provider(
+        "text/event-stream",
+        [this, target, headers, body, content_type, lock](std::size_t, httplib::DataSink& sink) {
+          auto c = client();
+          httplib::Request up;
+          up.method = "POST";
+          up.path = target;
+          up.headers = headers;
+          up.body = body;
+          up.set_header("Content-Type", content_type);
+          up.content_receiver = [&sink](const char* data, std::size_t n, std::uint64_t, std::uint64_t) { return sink.write(data, n); };
+          const auto r = c.send(up);
+          if (!r) o.log(fmt::format("llama-server {} stream failed ({})", o.upstream, httplib::to_string(r.error())));
+          sink.done();
+          return true;
+        },
+        [done, lock](bool) {
+          if (done) done();
+          if (lock) lock->unlock();
+        });
+  }
+
+  void handle(const httplib::Request& req, httplib::Response& res, bool cacheable) {
+    if (req.body.size() > kMaxBodyBytes) {
+      res.status = 413;
+      res.set_content(R"({"error":{"code":413,"message":"veloxquant prompt-cache: request body over 64 MiB","type":"invalid_request_error"}})",
+                      "application/json");
+      return;
+    }
+    if (!cacheable || req.method != "POST") return forward(req, res, req.body, {}, nullptr);
+    auto lock = std::make_shared<std::unique_lock<std::mutex>>(cache_mu);
+    auto ev = std::make_shared<PromptCacheEvent>();
+    bool cached = false;
+    const std::string body = before(req.body, *ev, cached);
+    const auto done = [this, ev, cached] {
+      if (cached) after(*ev);
+      report(*ev);
+    };
+    forward(req, res, body, done, lock);
+  }
+};
+
+PromptCacheProxy::PromptCacheProxy(PromptCacheOptions options) : impl_(std::make_unique<Impl>(std::move(options))) {
+  Impl& m = *impl_;
+  const auto passthrough = [&m](const httplib::Request& req, httplib::Response& res) { m.handle(req, res, false); };
+  const auto cached = [&m](const httplib::Request& req, httplib::Response& res) { m.handle(req, res, true); };
+  m.server.set_payload_max_length(kMaxBodyBytes);
+  for (const char* route : {"/completion", "/completions", "/v1/completions"}) m.server.Post(route, cached);
+  m.server.Post(".*", passthrough);
+  m.server.Get(".*", passthrough);
+  m.server.Delete(".*", passthrough);
+  m.server.Options(".*", passthrough);
+}
+
+PromptCacheProxy::~PromptCacheProxy() { impl_->server.stop(); }
+
+void PromptCacheProxy::bind() {
+  Impl& m = *impl_;
+  if (m.o.listen_port == 0) {
+    m.bound_port = m.server.bind_to_any_port(m.o.listen_host);
+    if (m.bound_port <= 0) throw IoError(fmt::format("--listen {}:0: cannot listen", m.o.listen_host));
+  } else {
+    if (!m.server.bind_to_port(m.o.listen_host, m.o.listen_port))
+      throw IoError(fmt::format("--listen {}:{}: cannot listen (in use?)", m.o.listen_host, m.o.listen_port));
+    m.bound_port = m.o.listen_port;
+  }
+}
+
+int PromptCacheProxy::port() const { return impl_->bound_port; }
+
+void PromptCacheProxy::serve() { impl_->server.listen_after_bind(); }
+
+void PromptCacheProxy::stop() { impl_->server.stop(); }
+
+}  // namespace vq

@@ -1,0 +1,130 @@
+// `veloxquant prompt-cache` in front of a real llama-server (issue 30): misses store, hits restore,
+// a restarted server and proxy keep the cache (persistence), a shared prefix is a partial hit, and
+// a corrupt store costs a recompute, never a wrong answer.
+//
+// llama-server (tools/llama/build-llama.sh) runs stories260K (`veloxquant convert`), one slot, its
+// RAM prompt cache off; the proxy stores chunks of 64 tokens at `fp16` (exact for llama.cpp's F16
+// cache) in a file store. Every server and proxy is started on 127.0.0.1 at a port picked here (the
+// proxy's own, --listen 127.0.0.1:0, is read from its first line) and stopped by its pid.
+import fs from "node:fs";
+import path from "node:path";
+import {spawn, execFileSync} from "node:child_process";
+import {cli, models, scratch} from "./lib/env.mjs";
+import {startServer, post} from "./lib/server.mjs";
+
+let failures = 0;
+function check(ok, what) {
+  if (!ok) {
+    failures++;
+    console.error(`FAIL: ${what}`);
+  }
+}
+const C = 64;
+const gguf = path.join(scratch, "stories260K.gguf");
+execFileSync(cli, ["convert", path.join(models, "stories260K.bin"), "--tokenizer", path.join(models, "tok512.bin"), "-o", gguf]);
+const slots = path.join(scratch, "slots"), storeDir = path.join(scratch, "store");
+fs.mkdirSync(slots);
+const serverArgs = ["-m", gguf, "-c", "512", "-np", "1", "-t", "2", "--cache-ram", "0", "--slot-save-path", slots];
+
+async function startProxy(upstream) {
+  const child = spawn(cli, ["prompt-cache", "--upstream", upstream, "--model", gguf, "--slot-dir", slots, "--listen", "127.0.0.1:0",
+                            "--store", `file:${storeDir}`, "--levels", "fp16", "--chunk-tokens", String(C)],
+                      {stdio: ["ignore", "pipe", "pipe"]});
+  let out = "", log = "";
+  child.stderr.on("data", (d) => (log += d));
+  const exited = new Promise((r) => child.once("exit", r));
+  const url = await new Promise((resolve, reject) => {
+    const timer = setTimeout(() => reject(new Error(`prompt-cache did not start:\n${log}`)), 60000);
+    child.stdout.on("data", (d) => {
+      out += d;
+      const m = out.match(/listening on (http:\/\/127\.0\.0\.1:\d+)/);
+      if (m) {
+        clearTimeout(timer);
+        resolve(m[1]);
+      }
+    });
+    child.once("exit", (code) => reject(new Error(`prompt-cache exited with ${code}:\n${log}`)));
+  });
+  return {url, log: () => log, async stop() {
+    process.kill(child.pid, "SIGTERM");
+    await exited;
+  }};
+}
+
+const words = fs.readFileSync(path.join(models, "tinystories_val.txt"), "utf8").split(/\s+/).slice(0, 110).join(" ");
+const request = (prompt) => ({prompt, n_predict: 32, temperature: 0, top_k: 1, seed: 1});
+const lastLine = (log) => log.trim().split("\n").filter((l) => l.includes("prompt tokens")).pop() || "";
+
+let server = await startServer(serverArgs);
+let proxy = await startProxy(server.url);
+let first, tokens;
+try {
+  // 1. A miss: the server computes the whole prompt; the proxy stores its whole chunks.
+  first = await post(proxy.url, "/completion", request(words));
+  tokens = (await post(server.url, "/tokenize", {content: words, add_special: true})).tokens;
+  console.log(`miss: ${tokens.length} prompt tokens, ${first.timings.prompt_n} evaluated; proxy: ${lastLine(proxy.log())}`);
+  check(first.timings.prompt_n === tokens.length, `a miss evaluates the whole prompt (${first.timings.prompt_n} of ${tokens.length})`);
+  check(/0 restored from the store, [1-9]\d* stored/.test(lastLine(proxy.log())), "the miss stored chunks");
+  check(fs.existsSync(storeDir) && fs.readdirSync(storeDir).length > 0, "the store holds blobs");
+} finally {
+  await proxy.stop();
+  await server.stop();
+}
+
+// 2. Persistence: a fresh server and a fresh proxy, the same request: a hit from the store.
+const whole = Math.floor((tokens.length - 1) / C) * C;
+server = await startServer(serverArgs);
+proxy = await startProxy(server.url);
+try {
+  const again = await post(proxy.url, "/completion", request(words));
+  console.log(`hit after restart: ${again.timings.prompt_n} evaluated; proxy: ${lastLine(proxy.log())}`);
+  check(new RegExp(`${whole} restored from the store`).test(lastLine(proxy.log())), `the restarted proxy restores ${whole} tokens`);
+  check(again.timings.prompt_n === tokens.length - whole, `only the tail is evaluated (${again.timings.prompt_n}, want ${tokens.length - whole})`);
+  check(again.content === first.content, "the same greedy text as without the cache");
+  if (again.content !== first.content) console.error(`without: ${JSON.stringify(first.content)}\nwith:    ${JSON.stringify(again.content)}`);
+
+  // 3. A partial hit: the first two chunks shared, then other tokens (a token-array prompt).
+  const other = [...tokens.slice(0, 2 * C + 10), ...tokens.slice(5, 60)];
+  await post(server.url, "/slots/0?action=erase", {});
+  const partial = await post(proxy.url, "/completion", request(other));
+  console.log(`partial hit: ${other.length} prompt tokens, ${partial.timings.prompt_n} evaluated; proxy: ${lastLine(proxy.log())}`);
+  check(partial.timings.prompt_n <= other.length - 2 * C, `a partial hit evaluates at most the tokens after the shared chunks (${partial.timings.prompt_n})`);
+
+  // 4. Pass-through: other routes reach the server unchanged.
+  const health = await fetch(`${proxy.url}/health`);
+  check(health.ok, "GET /health passes through");
+  const tk = await post(proxy.url, "/tokenize", {content: "Once upon a time", add_special: false});
+  check(Array.isArray(tk.tokens) && tk.tokens.length > 0, "POST /tokenize passes through");
+} finally {
+  await proxy.stop();
+  await server.stop();
+}
+
+// 5. A corrupt store: every blob's bytes flipped in the middle. The request is computed by the
+// server (nothing restored), the text is the text without the cache, and the proxy says why.
+for (const f of fs.readdirSync(storeDir, {recursive: true})) {
+  const p = path.join(storeDir, f);
+  if (!fs.statSync(p).isFile()) continue;
+  const b = fs.readFileSync(p);
+  if (b.length > 16) {
+    b[Math.floor(b.length / 2)] ^= 0x5a;
+    fs.writeFileSync(p, b);
+  }
+}
+server = await startServer(serverArgs);
+proxy = await startProxy(server.url);
+try {
+  const hurt = await post(proxy.url, "/completion", request(words));
+  console.log(`corrupt store: ${hurt.timings.prompt_n} evaluated; proxy log:\n${proxy.log().trim()}`);
+  check(/ 0 restored from the store/.test(lastLine(proxy.log())), "nothing is restored from a corrupt store");
+  check(hurt.timings.prompt_n === tokens.length, `the whole prompt is computed (${hurt.timings.prompt_n})`);
+  check(hurt.content === first.content, "the same text as without the cache");
+} finally {
+  await proxy.stop();
+  await server.stop();
+}
+if (failures) {
+  console.error(`${failures} check(s) failed`);
+  process.exit(1);
+}
+console.log("ok");
