@@ -90,7 +90,18 @@ try {
   console.log(`partial hit: ${other.length} prompt tokens, ${partial.timings.prompt_n} evaluated; proxy: ${lastLine(proxy.log())}`);
   check(partial.timings.prompt_n <= other.length - 2 * C, `a partial hit evaluates at most the tokens after the shared chunks (${partial.timings.prompt_n})`);
 
-  // 4. Pass-through: other routes reach the server unchanged.
+  // 4. Streaming through the cache: server-sent events as they come, the same text; the slot is
+  // stored after the stream ends.
+  const streamed = await fetch(`${proxy.url}/completion`, {method: "POST", headers: {"content-type": "application/json"},
+                                                          body: JSON.stringify({...request(words), stream: true})});
+  check(streamed.ok && (streamed.headers.get("content-type") || "").startsWith("text/event-stream"), "a streaming request streams");
+  const events = (await streamed.text()).split("\n").filter((l) => l.startsWith("data: ")).map((l) => JSON.parse(l.slice(6)));
+  const text = events.map((e) => e.content || "").join("");
+  console.log(`stream: ${events.length} events; proxy: ${lastLine(proxy.log())}`);
+  check(events.length > 5, `the reply came as many events (${events.length})`);
+  check(text === first.content, "the streamed text is the text without the cache");
+
+  // 5. Pass-through: other routes reach the server unchanged.
   const health = await fetch(`${proxy.url}/health`);
   check(health.ok, "GET /health passes through");
   const tk = await post(proxy.url, "/tokenize", {content: "Once upon a time", add_special: false});
@@ -100,7 +111,7 @@ try {
   await server.stop();
 }
 
-// 5. A corrupt store: every blob's bytes flipped in the middle. The request is computed by the
+// 6. A corrupt store: every blob's bytes flipped in the middle. The request is computed by the
 // server (nothing restored), the text is the text without the cache, and the proxy says why.
 for (const f of fs.readdirSync(storeDir, {recursive: true})) {
   const p = path.join(storeDir, f);
