@@ -46,7 +46,7 @@ async function startProxy(upstream) {
     child.once("exit", (code) => reject(new Error(`prompt-cache exited with ${code}:\n${log}`)));
   });
   return {url, log: () => log, async stop() {
-    process.kill(child.pid, "SIGTERM");
+    if (child.exitCode === null && child.signalCode === null) process.kill(child.pid, "SIGTERM");
     await exited;
   }};
 }

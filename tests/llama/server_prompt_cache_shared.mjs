@@ -1,0 +1,120 @@
+// Two llama-servers behind two `veloxquant prompt-cache` proxies sharing one Redis (issue 30): a
+// prefix computed through one is a hit for the other; a Redis that goes away and a llama-server
+// that is killed cost a recompute or one failed request, never a wrong answer, and the proxy keeps
+// serving.
+//
+// redis-server, both llama-servers and both proxies run on 127.0.0.1 at ports picked here and are
+// stopped by their pids. Chunks of 64 tokens at fp16 (exact), so every text is the text without
+// the cache.
+import fs from "node:fs";
+import path from "node:path";
+import {spawn, execFileSync} from "node:child_process";
+import {cli, models, scratch} from "./lib/env.mjs";
+import {startServer, post, freePort} from "./lib/server.mjs";
+
+let failures = 0;
+function check(ok, what) {
+  if (!ok) {
+    failures++;
+    console.error(`FAIL: ${what}`);
+  }
+}
+const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
+const C = 64;
+const gguf = path.join(scratch, "stories260K.gguf");
+execFileSync(cli, ["convert", path.join(models, "stories260K.bin"), "--tokenizer", path.join(models, "tok512.bin"), "-o", gguf]);
+
+async function startRedis() {
+  const port = await freePort();
+  const child = spawn("redis-server", ["--port", String(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"], {stdio: "ignore"});
+  const exited = new Promise((r) => child.once("exit", r));
+  for (let i = 0; i < 100; i++) {
+    try {
+      if (execFileSync("redis-cli", ["-p", String(port), "ping"], {encoding: "utf8", stdio: ["ignore", "pipe", "ignore"]}).trim() === "PONG") break;
+    } catch {
+      // not up yet
+    }
+    await sleep(100);
+  }
+  return {url: `redis://127.0.0.1:${port}`, async stop() {
+    if (child.exitCode === null && child.signalCode === null) process.kill(child.pid, "SIGKILL");
+    await exited;
+  }};
+}
+
+async function startProxy(upstream, slots, store) {
+  const child = spawn(cli, ["prompt-cache", "--upstream", upstream, "--model", gguf, "--slot-dir", slots, "--listen", "127.0.0.1:0",
+                            "--store", store, "--levels", "fp16", "--chunk-tokens", String(C)],
+                      {stdio: ["ignore", "pipe", "pipe"]});
+  let out = "", log = "";
+  child.stderr.on("data", (d) => (log += d));
+  const exited = new Promise((r) => child.once("exit", r));
+  const url = await new Promise((resolve, reject) => {
+    const timer = setTimeout(() => reject(new Error(`prompt-cache did not start:\n${log}`)), 60000);
+    child.stdout.on("data", (d) => {
+      out += d;
+      const m = out.match(/listening on (http:\/\/127\.0\.0\.1:\d+)/);
+      if (m) {
+        clearTimeout(timer);
+        resolve(m[1]);
+      }
+    });
+    child.once("exit", (code) => reject(new Error(`prompt-cache exited with ${code}:\n${log}`)));
+  });
+  return {url, log: () => log, alive: () => child.exitCode === null && child.signalCode === null, async stop() {
+    if (child.exitCode === null && child.signalCode === null) process.kill(child.pid, "SIGTERM");
+    await exited;
+  }};
+}
+
+const lastLine = (log) => log.trim().split("\n").filter((l) => l.includes("prompt tokens")).pop() || "";
+const words = fs.readFileSync(path.join(models, "tinystories_val.txt"), "utf8").split(/\s+/).slice(0, 110).join(" ");
+const request = {prompt: words, n_predict: 32, temperature: 0, top_k: 1, seed: 1};
+
+const redis = await startRedis();
+const side = (name) => {
+  const slots = path.join(scratch, `slots-${name}`);
+  fs.mkdirSync(slots);
+  return {slots, args: ["-m", gguf, "-c", "512", "-np", "1", "-t", "1", "--cache-ram", "0", "--slot-save-path", slots]};
+};
+const a = side("a"), b = side("b");
+const serverA = await startServer(a.args), serverB = await startServer(b.args);
+const proxyA = await startProxy(serverA.url, a.slots, redis.url), proxyB = await startProxy(serverB.url, b.slots, redis.url);
+try {
+  // A prefix computed through A is a hit through B.
+  const viaA = await post(proxyA.url, "/completion", request);
+  console.log(`through A: ${viaA.timings.prompt_n} evaluated; ${lastLine(proxyA.log())}`);
+  check(/0 restored from the store, [1-9]\d* stored/.test(lastLine(proxyA.log())), "A stored the prefix in Redis");
+  const viaB = await post(proxyB.url, "/completion", request);
+  console.log(`through B: ${viaB.timings.prompt_n} evaluated; ${lastLine(proxyB.log())}`);
+  check(/ [1-9]\d* restored from the store/.test(lastLine(proxyB.log())), "B restored A's prefix from Redis");
+  check(viaB.timings.prompt_n < C + 1, `B's server evaluated only the tail (${viaB.timings.prompt_n})`);
+  check(viaB.content === viaA.content, "the same text through both");
+
+  // Redis goes away: the next request is computed by the server, the proxy says why and keeps serving.
+  await redis.stop();
+  await post(serverB.url, "/slots/0?action=erase", {});
+  const noRedis = await post(proxyB.url, "/completion", request);
+  console.log(`without Redis: ${noRedis.timings.prompt_n} evaluated; B's log tail:\n${proxyB.log().trim().split("\n").slice(-3).join("\n")}`);
+  check(noRedis.content === viaA.content, "without Redis: the same text");
+  check(proxyB.alive(), "proxy B still runs without its store");
+
+  // A killed llama-server: the request fails with a clear error (502), the proxy keeps running.
+  await serverA.stop();
+  const r = await fetch(`${proxyA.url}/completion`, {method: "POST", headers: {"content-type": "application/json"}, body: JSON.stringify(request)});
+  const body = await r.text();
+  console.log(`killed server: ${r.status} ${body.slice(0, 160)}`);
+  check(r.status === 502 && body.includes("did not answer"), "a killed llama-server is a 502 naming it");
+  check(proxyA.alive(), "proxy A still runs");
+} finally {
+  await proxyA.stop();
+  await proxyB.stop();
+  await serverA.stop();
+  await serverB.stop();
+  await redis.stop();
+}
+if (failures) {
+  console.error(`${failures} check(s) failed; proxy B log:\n${proxyB.log()}`);
+  process.exit(1);
+}
+console.log("ok");
