@@ -131,7 +131,7 @@ struct PromptCacheProxy::Impl {
 
   std::vector<int> tokenize(const json& prompt) const {
     if (prompt.is_string()) {
-      const json r = post("/tokenize", {{"content", prompt.get<std::string>()}, {"add_special", true}});
+      const json r = post("/tokenize", {{"content", prompt.get<std::string>()}, {"add_special", true}, {"parse_special", true}});
       return r.at("tokens").get<std::vector<int>>();
     }
     if (prompt.is_array() && !prompt.empty() && std::all_of(prompt.begin(), prompt.end(), [](const json& t) { return t.is_number_integer(); }))
@@ -231,8 +231,9 @@ struct PromptCacheProxy::Impl {
     ev.stored_bytes = put.bytes_written;
   }
 
-  // Steps 1-3 for a completion body; the body to forward (id_slot, cache_prompt set when cached).
-  std::string before(const std::string& body, PromptCacheEvent& ev, bool& cached) {
+  // Steps 1-3 for a completion body (chat: its messages, through the server's own chat template,
+  // POST /apply-template); the body to forward (id_slot, cache_prompt set when cached).
+  std::string before(const std::string& body, bool chat, PromptCacheEvent& ev, bool& cached) {
     cached = false;
     json req;
     try {
@@ -241,13 +242,13 @@ struct PromptCacheProxy::Impl {
       ev.note = "the request is not JSON: passed through";
       return body;
     }
-    if (!req.is_object() || !req.contains("prompt")) {
-      ev.note = "no prompt: passed through";
+    if (!req.is_object() || !req.contains(chat ? "messages" : "prompt")) {
+      ev.note = chat ? "no messages: passed through" : "no prompt: passed through";
       return body;
     }
     std::vector<int> tokens;
     try {
-      tokens = tokenize(req["prompt"]);
+      tokens = tokenize(chat ? post("/apply-template", req).at("prompt") : req["prompt"]);
     } catch (const std::exception& e) {
       ev.note = fmt::format("tokenizing failed ({}): passed through", e.what());
       return body;
@@ -367,7 +368,7 @@ struct PromptCacheProxy::Impl {
         });
   }
 
-  void handle(const httplib::Request& req, httplib::Response& res, bool cacheable) {
+  void handle(const httplib::Request& req, httplib::Response& res, bool cacheable, bool chat = false) {
     if (req.body.size() > kMaxBodyBytes) {
       res.status = 413;
       res.set_content(R"({"error":{"code":413,"message":"veloxquant prompt-cache: request body over 64 MiB","type":"invalid_request_error"}})",
@@ -378,7 +379,7 @@ struct PromptCacheProxy::Impl {
     auto lock = std::make_shared<std::unique_lock<std::mutex>>(cache_mu);
     auto ev = std::make_shared<PromptCacheEvent>();
     bool cached = false;
-    const std::string body = before(req.body, *ev, cached);
+    const std::string body = before(req.body, chat, *ev, cached);
     const auto done = [this, ev, cached] {
       if (cached) after(*ev);
       report(*ev);
@@ -392,7 +393,9 @@ PromptCacheProxy::PromptCacheProxy(PromptCacheOptions options) : impl_(std::make
   const auto passthrough = [&m](const httplib::Request& req, httplib::Response& res) { m.handle(req, res, false); };
   const auto cached = [&m](const httplib::Request& req, httplib::Response& res) { m.handle(req, res, true); };
   m.server.set_payload_max_length(kMaxBodyBytes);
+  const auto chat = [&m](const httplib::Request& req, httplib::Response& res) { m.handle(req, res, true, true); };
   for (const char* route : {"/completion", "/completions", "/v1/completions"}) m.server.Post(route, cached);
+  for (const char* route : {"/chat/completions", "/v1/chat/completions"}) m.server.Post(route, chat);
   m.server.Post(".*", passthrough);
   m.server.Get(".*", passthrough);
   m.server.Delete(".*", passthrough);

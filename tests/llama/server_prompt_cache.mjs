@@ -101,7 +101,20 @@ try {
   check(events.length > 5, `the reply came as many events (${events.length})`);
   check(text === first.content, "the streamed text is the text without the cache");
 
-  // 5. Pass-through: other routes reach the server unchanged.
+  // 5. OpenAI chat through the cache: the messages keyed through the server's own chat template; a
+  // second identical chat after the slot was erased is restored from the store, with the same reply.
+  const chat = {messages: [{role: "system", content: words.slice(0, 300)}, {role: "user", content: words.slice(300, 600)}],
+                max_tokens: 24, temperature: 0, top_k: 1, seed: 1};
+  const c1 = await post(proxy.url, "/v1/chat/completions", chat);
+  const chatMiss = lastLine(proxy.log());
+  await post(server.url, "/slots/0?action=erase", {});
+  const c2 = await post(proxy.url, "/v1/chat/completions", chat);
+  console.log(`chat: ${c1.usage.prompt_tokens} prompt tokens; then ${c2.timings.prompt_n} evaluated; ${chatMiss} / ${lastLine(proxy.log())}`);
+  check(c1.choices[0].message.content === c2.choices[0].message.content, "chat: the same reply from the cache");
+  check(/ [1-9]\d* restored from the store/.test(lastLine(proxy.log())), "chat: the second request was restored from the store");
+  check(c2.timings.prompt_n < c1.usage.prompt_tokens, `chat: fewer tokens evaluated (${c2.timings.prompt_n} of ${c1.usage.prompt_tokens})`);
+
+  // 6. Pass-through: other routes reach the server unchanged.
   const health = await fetch(`${proxy.url}/health`);
   check(health.ok, "GET /health passes through");
   const tk = await post(proxy.url, "/tokenize", {content: "Once upon a time", add_special: false});
@@ -111,7 +124,7 @@ try {
   await server.stop();
 }
 
-// 6. A corrupt store: every blob's bytes flipped in the middle. The request is computed by the
+// 7. A corrupt store: every blob's bytes flipped in the middle. The request is computed by the
 // server (nothing restored), the text is the text without the cache, and the proxy says why.
 for (const f of fs.readdirSync(storeDir, {recursive: true})) {
   const p = path.join(storeDir, f);

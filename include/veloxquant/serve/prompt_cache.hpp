@@ -3,8 +3,9 @@
 // What a reader needs first:
 // - The proxy listens on 127.0.0.1 and forwards every request to the llama-server at `upstream`,
 //   unchanged (streaming included). Completion requests with a prompt (POST /completion,
-//   /completions, /v1/completions) also go through the cache, one at a time, on one slot:
-//   1. the prompt's tokens (the server's own /tokenize);
+//   /completions, /v1/completions, and chat: /chat/completions, /v1/chat/completions) also go through
+//   the cache, one at a time, on one slot:
+//   1. the prompt's tokens (the server's own /tokenize; chat messages through its /apply-template);
 //   2. the longest stored prefix of them, in whole chunks (store/prefix_loader.hpp: a hash chain
 //      over token chunks, per chunk the best level stored; the loader never recomputes here: what
 //      is not restored the server computes itself);
