@@ -24,6 +24,7 @@
 #include <nlohmann/json.hpp>
 
 #include "bench_attention.hpp"
+#include "bench_prompt_cache.hpp"
 #include "commands.hpp"
 #include "json_out.hpp"
 #include "model_options.hpp"
@@ -536,7 +537,30 @@ Runner add_bench(CLI::App& app) {
   attention->add_flag("--json", a->json,
                       "print one JSON object: {memcpy_gb_s, threads, clock, rounds, rows: [{method, context, us_per_step, resident_bytes, "
                       "speedup_vs_fp16, speedup_vs_fp16_min, speedup_vs_fp16_max, vs_memcpy}]}");
+#ifdef VQ_HAVE_PROMPT_CACHE
+  auto pc = std::make_shared<BenchPromptCacheOptions>();
+  CLI::App* prompt_cache = app.add_subcommand(
+      "prompt-cache", "time to first token through `veloxquant prompt-cache` (hits from each store) against llama-server recomputing");
+  prompt_cache->add_option("--llama-server", pc->llama_server, "llama-server binary (default .llama/bin/llama-server, else on PATH)");
+  prompt_cache->add_flag("--realistic", pc->realistic,
+                         "a llama-shaped GGUF from a seed (dim 768, 12 layers, 12/4 heads of 64, Q8_0) instead of stories260K");
+  prompt_cache->add_option("--tokens", pc->tokens, "prompt tokens after BOS")->capture_default_str()->transform(integer_in(1, 1 << 20));
+  prompt_cache->add_option("--chunk-tokens", pc->chunk_tokens, "tokens per stored chunk")->capture_default_str()->transform(integer_in(1, 1 << 20));
+  prompt_cache->add_option("--levels", pc->levels, "what the proxy stores: method specs, ';'-separated")->delimiter(';')->capture_default_str();
+  prompt_cache->add_option("--stores", pc->stores, "stores to time, ';'-separated: file:auto, redis:auto (servers of the bench's own) or URLs")
+      ->delimiter(';')
+      ->capture_default_str();
+  prompt_cache->add_option("--rounds", pc->rounds, "rounds (each a hit and a recompute)")->capture_default_str()->transform(integer_in(1, 1000));
+  prompt_cache->add_option("--threads", pc->threads, "llama-server's -t")->capture_default_str()->transform(integer_in(1, 1024));
+  prompt_cache->add_option("--seed", pc->seed, "seed of the prompt (and of --realistic's weights)")->capture_default_str();
+  prompt_cache->add_flag("--json", pc->json, "print one JSON object: {model, prompt_tokens, chunk_tokens, levels, rounds, threads, rows: [...]}");
+  return [o, a, attention, pc, prompt_cache] {
+    if (prompt_cache->parsed()) return run_bench_prompt_cache(*pc);
+    return attention->parsed() ? run_bench_attention(*a) : run_bench_codec(*o);
+  };
+#else
   return [o, a, attention] { return attention->parsed() ? run_bench_attention(*a) : run_bench_codec(*o); };
+#endif
 }
 
 }  // namespace vqcli

@@ -65,10 +65,13 @@ inline const std::map<std::string, HelpText>& help_texts() {
                         "veloxquant prompt-cache --upstream http://127.0.0.1:8080 --model m.gguf --slot-dir /tmp/slots --store file:./cache"}},
       {"tokenize", {"veloxquant tokenize [--model M] [--tokenizer T] (--text F | --prompt TEXT) [--bos] [--json]",
                     "veloxquant tokenize --prompt 'Once upon a time' --bos"}},
-      {"bench", {"veloxquant bench (codec | attention) [OPTIONS]", "veloxquant bench codec --synthetic --bits 4"}},
+      {"bench", {"veloxquant bench (codec | attention | prompt-cache) [OPTIONS]", "veloxquant bench codec --synthetic --bits 4"}},
       {"bench codec", {"veloxquant bench codec [--keys K.npy --values V.npy | --model M [--tokenizer T] [--text F] [--windows N] "
                        "| --synthetic] [--bits N | --method vq:bits=B,...] [--json]",
                        "veloxquant bench codec --synthetic --bits 4 --json"}},
+      {"bench prompt-cache", {"veloxquant bench prompt-cache [--llama-server PATH] [--realistic] [--tokens N] [--chunk-tokens C] "
+                              "[--levels LIST] [--stores LIST] [--rounds N] [--threads N] [--seed S] [--json]",
+                              "veloxquant bench prompt-cache --stores 'file:auto;redis:auto' --tokens 448"}},
       {"bench attention", {"veloxquant bench attention [--context N ...] [--methods 'spec;spec'] [--threads N] [--json]",
                            "veloxquant bench attention --context 1024 --methods 'q8_0;vq:bits=2' --threads 1"}},
   };

@@ -1,0 +1,24 @@
+// `veloxquant bench prompt-cache`: options and runner (cmd_bench_prompt_cache.cpp).
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace vqcli {
+
+struct BenchPromptCacheOptions {
+  std::string llama_server;  // "" : .llama/bin/llama-server, else llama-server on PATH
+  bool realistic = false;    // the llama-shaped GGUF from a seed instead of stories260K
+  int tokens = 448;          // prompt tokens after BOS
+  int chunk_tokens = 64;
+  std::vector<std::string> levels{"vq:bits=2"};
+  std::vector<std::string> stores{"file:auto", "redis:auto"};  // auto: a folder / a redis-server of the bench's own
+  int rounds = 3;
+  int threads = 2;
+  std::uint64_t seed = 1;
+  bool json = false;
+};
+
+int run_bench_prompt_cache(const BenchPromptCacheOptions& o);
+
+}  // namespace vqcli
