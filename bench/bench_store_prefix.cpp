@@ -49,6 +49,7 @@
 #include "../tests/store/redis_servers.hpp"
 #include "veloxquant/core/error.hpp"
 #include "veloxquant/model/checkpoint.hpp"
+#include "veloxquant/model/random_checkpoint.hpp"
 #include "veloxquant/methods/method_spec.hpp"
 #include "veloxquant/model/vq_layer_models.hpp"
 #include "veloxquant/model/transformer.hpp"
@@ -73,29 +74,9 @@ struct Args {
 
 // Random weights of the 7B KV shape: 8 heads (all KV heads) x 128 = dim 1024, tiny FFN and vocab.
 vq::Checkpoint random_checkpoint(int layers, int seq_len) {
-  vq::Checkpoint ck;
-  auto& c = ck.config;
+  vq::ModelConfig c;
   c.dim = 1024, c.hidden_dim = 64, c.n_layers = layers, c.n_heads = 8, c.n_kv_heads = 8, c.vocab_size = 512, c.seq_len = seq_len;
-  c.shared_classifier = true;
-  std::mt19937 rng(7);
-  std::normal_distribution<float> nd(0.0f, 0.02f);
-  const auto fill = [&](std::vector<float>& v, std::size_t n) {
-    v.resize(n);
-    for (auto& x : v) x = nd(rng);
-  };
-  const std::size_t L = static_cast<std::size_t>(layers), D = 1024, H = 64, V = 512;
-  fill(ck.token_embedding, V * D);
-  ck.rms_att.assign(L * D, 1.0f);
-  fill(ck.wq, L * D * D);
-  fill(ck.wk, L * D * D);
-  fill(ck.wv, L * D * D);
-  fill(ck.wo, L * D * D);
-  ck.rms_ffn.assign(L * D, 1.0f);
-  fill(ck.w1, L * H * D);
-  fill(ck.w2, L * D * H);
-  fill(ck.w3, L * H * D);
-  ck.rms_final.assign(D, 1.0f);
-  return ck;
+  return vq::random_checkpoint(c, 7);
 }
 
 // An in-process store: the load path without a network (decode throughput).

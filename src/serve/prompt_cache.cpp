@@ -115,10 +115,11 @@ struct PromptCacheProxy::Impl {
     return load_llama_state(slot_path("saved"), shape);
   }
 
-  // The server's slot layout, from a one-token completion saved from the slot (then erased).
+  // The server's slot layout, from a one-token prompt (nothing predicted) saved from the slot (then
+  // erased).
   void probe_layout() {
     try {
-      post("/completion", {{"prompt", "a"}, {"n_predict", 1}, {"id_slot", o.slot}, {"cache_prompt", true}, {"temperature", 0}});
+      post("/completion", {{"prompt", "a"}, {"n_predict", 0}, {"id_slot", o.slot}, {"cache_prompt", true}, {"temperature", 0}});
       layout = save_slot();
     } catch (const FormatError& e) {
       throw FormatError(fmt::format("the slot llama-server saved does not fit {} ({}): give the GGUF the server runs", o.model, e.what()));

@@ -18,7 +18,7 @@
 //   first when a restore failed): never from a wrong cache. Blobs are checked by the store's own
 //   decoder (model fingerprint, level, chunk index, tokens).
 // - The slot files' layout (K/V type, V transposed or not, streams) is the server's: read once at
-//   start from a one-token probe saved from the slot.
+//   start from a one-token prompt (nothing predicted) saved from the slot.
 // Its design and measurements: docs/prompt_cache.md.
 #pragma once
 #include <cstdint>
