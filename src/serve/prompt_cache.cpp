@@ -7,7 +7,9 @@
 #include <algorithm>
 #include <chrono>
 #include <filesystem>
+#include <condition_variable>
 #include <mutex>
+#include <thread>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -57,7 +59,29 @@ struct PromptCacheProxy::Impl {
   LlamaStateModel shape;
   LlamaState layout;                // the server's slot files: type, V layout, streams (no layers)
   std::vector<std::int32_t> slot_tokens;  // what the slot holds, as last saved or restored by us
-  std::mutex cache_mu;              // one request through the cache at a time
+  // One request through the cache at a time, from its lookup until its slot is stored: a gate any
+  // thread may open (the storing runs on a thread of its own after the reply went out).
+  std::mutex gate_mu;
+  std::condition_variable gate_cv;
+  bool gate_busy = false;
+  struct Pass {  // holds the gate; opens it when the last holder lets go
+    Impl& m;
+    explicit Pass(Impl& impl) : m(impl) {
+      std::unique_lock<std::mutex> l(m.gate_mu);
+      m.gate_cv.wait(l, [&] { return !m.gate_busy; });
+      m.gate_busy = true;
+    }
+    ~Pass() {
+      {
+        std::lock_guard<std::mutex> l(m.gate_mu);
+        m.gate_busy = false;
+      }
+      m.gate_cv.notify_all();
+    }
+  };
+  // The last storing thread (it holds a Pass while it runs); joined by the next and at the end.
+  std::mutex afters_mu;
+  std::thread after_thread;
   httplib::Server server;
   int bound_port = 0;
 
@@ -170,6 +194,8 @@ struct PromptCacheProxy::Impl {
     auto caches = make_caches("fp32", model);
     std::vector<std::string> warnings;
     const LoadReport rep = load_prefix(*store, model, caches, tokens, lo, [&](const std::string& w) { warnings.push_back(w); });
+    ev.load_ms = rep.load_ms;
+    const auto t_write = std::chrono::steady_clock::now();
     for (const auto& w : warnings) o.log(w);
     const auto reused = static_cast<std::size_t>(rep.tokens_reused);
     if (reused == 0 || reused <= held) {
@@ -191,6 +217,8 @@ struct PromptCacheProxy::Impl {
       if (std::fclose(f) != 0 || !ok) throw IoError(fmt::format("{}: cannot write the slot file", tmp));
       std::filesystem::rename(tmp, slot_path("restore"));
     }
+    const auto t_restore = std::chrono::steady_clock::now();
+    ev.write_ms = std::chrono::duration<double, std::milli>(t_restore - t_write).count();
     try {
       const json r = post(slot_route("restore"), {{"filename", slot_file("restore")}});
       const auto n = r.value("n_restored", -1);
@@ -205,6 +233,7 @@ struct PromptCacheProxy::Impl {
     }
     slot_tokens = st.tokens;
     ev.restored_tokens = static_cast<int>(reused);
+    ev.restore_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t_restore).count();
     std::vector<std::pair<std::string, int>> levels;  // level, chunks, in order of first use
     for (const auto& c : rep.chunks) {
       auto it = std::find_if(levels.begin(), levels.end(), [&](const auto& e) { return e.first == c.level; });
@@ -213,7 +242,8 @@ struct PromptCacheProxy::Impl {
     }
     std::string at;
     for (const auto& [l, n] : levels) at += fmt::format("{}{} x{}", at.empty() ? "" : ", ", l, n);
-    ev.note = fmt::format("{} chunks of {} tokens from the store ({})", rep.chunks.size(), o.chunk_tokens, at);
+    ev.note = fmt::format("{} chunks of {} tokens from the store ({}); load {:.0f} ms, slot file {:.0f} ms, server restore {:.0f} ms",
+                          rep.chunks.size(), o.chunk_tokens, at, ev.load_ms, ev.write_ms, ev.restore_ms);
   }
 
   // Step 5: the slot's whole chunks into the store (those stored already are skipped by put).
@@ -301,10 +331,11 @@ struct PromptCacheProxy::Impl {
     return h;
   }
 
-  // Forwards `req` with `body`; a streaming reply goes back chunk by chunk, then `done` runs (with
-  // the cache lock held until then); a whole reply is copied, then `done` runs.
+  // Forwards `req` with `body`; a streaming reply goes back chunk by chunk, then `done` runs; a
+  // whole reply is copied and `done` runs on a thread of its own, after the reply went out. `pass`
+  // (the cache gate, or null) is held until `done` has run.
   void forward(const httplib::Request& req, httplib::Response& res, const std::string& body, std::function<void()> done,
-               std::shared_ptr<std::unique_lock<std::mutex>> lock) {
+               std::shared_ptr<Pass> pass) {
     bool stream = false;
     if (!body.empty() && body.find("\"stream\"") != std::string::npos) {
       try {
@@ -331,7 +362,7 @@ struct PromptCacheProxy::Impl {
                                         {"type", "unavailable_error"}}}}
                             .dump(),
                         "application/json");
-        if (done) done();
+        if (done) later(std::move(done), std::move(pass));
         return;
       }
       res.status = r->status;
@@ -342,14 +373,14 @@ struct PromptCacheProxy::Impl {
         res.set_header(k, v);
       }
       res.set_content(r->body, r->has_header("Content-Type") ? r->get_header_value("Content-Type") : "application/json");
-      if (done) done();
+      if (done) later(std::move(done), std::move(pass));
       return;
     }
     // Streaming: the upstream reply's bytes are written to the client as they arrive.
     auto headers = forward_headers(req);
     res.set_chunked_content_provider(
         "text/event-stream",
-        [this, target, headers, body, content_type, lock](std::size_t, httplib::DataSink& sink) {
+        [this, target, headers, body, content_type](std::size_t, httplib::DataSink& sink) {
           auto c = client();
           httplib::Request up;
           up.method = "POST";
@@ -363,10 +394,27 @@ struct PromptCacheProxy::Impl {
           sink.done();
           return true;
         },
-        [done, lock](bool) {
-          if (done) done();
-          if (lock) lock->unlock();
+        [this, done, pass](bool) mutable {
+          if (done) later(std::move(done), std::move(pass));
         });
+  }
+
+  // Runs `done` on a thread of its own, holding `pass` (the next request through the cache waits for
+  // it). The previous such thread has let its pass go before this request got one, so joining it
+  // here is immediate.
+  void later(std::function<void()> done, std::shared_ptr<Pass> pass) {
+    std::lock_guard<std::mutex> g(afters_mu);
+    if (after_thread.joinable()) after_thread.join();
+    after_thread = std::thread([done = std::move(done), pass = std::move(pass)]() mutable {
+      done();
+      pass.reset();
+    });
+  }
+
+  ~Impl() {
+    server.stop();
+    std::lock_guard<std::mutex> g(afters_mu);
+    if (after_thread.joinable()) after_thread.join();
   }
 
   void handle(const httplib::Request& req, httplib::Response& res, bool cacheable, bool chat = false) {
@@ -377,7 +425,7 @@ struct PromptCacheProxy::Impl {
       return;
     }
     if (!cacheable || req.method != "POST") return forward(req, res, req.body, {}, nullptr);
-    auto lock = std::make_shared<std::unique_lock<std::mutex>>(cache_mu);
+    auto pass = std::make_shared<Pass>(*this);
     auto ev = std::make_shared<PromptCacheEvent>();
     bool cached = false;
     const std::string body = before(req.body, chat, *ev, cached);
@@ -385,7 +433,7 @@ struct PromptCacheProxy::Impl {
       if (cached) after(*ev);
       report(*ev);
     };
-    forward(req, res, body, done, lock);
+    forward(req, res, body, done, std::move(pass));
   }
 };
 
@@ -422,5 +470,7 @@ int PromptCacheProxy::port() const { return impl_->bound_port; }
 void PromptCacheProxy::serve() { impl_->server.listen_after_bind(); }
 
 void PromptCacheProxy::stop() { impl_->server.stop(); }
+
+void PromptCacheProxy::wait_idle() { Impl::Pass pass(*impl_); }
 
 }  // namespace vq

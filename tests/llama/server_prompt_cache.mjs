@@ -8,9 +8,10 @@
 // proxy's own, --listen 127.0.0.1:0, is read from its first line) and stopped by its pid.
 import fs from "node:fs";
 import path from "node:path";
-import {spawn, execFileSync} from "node:child_process";
+import {execFileSync} from "node:child_process";
 import {cli, models, scratch} from "./lib/env.mjs";
 import {startServer, post} from "./lib/server.mjs";
+import {startProxy, lastLine} from "./lib/proxy.mjs";
 
 let failures = 0;
 function check(ok, what) {
@@ -26,41 +27,18 @@ const slots = path.join(scratch, "slots"), storeDir = path.join(scratch, "store"
 fs.mkdirSync(slots);
 const serverArgs = ["-m", gguf, "-c", "512", "-np", "1", "-t", "2", "--cache-ram", "0", "--slot-save-path", slots];
 
-async function startProxy(upstream) {
-  const child = spawn(cli, ["prompt-cache", "--upstream", upstream, "--model", gguf, "--slot-dir", slots, "--listen", "127.0.0.1:0",
-                            "--store", `file:${storeDir}`, "--levels", "fp16", "--chunk-tokens", String(C)],
-                      {stdio: ["ignore", "pipe", "pipe"]});
-  let out = "", log = "";
-  child.stderr.on("data", (d) => (log += d));
-  const exited = new Promise((r) => child.once("exit", r));
-  const url = await new Promise((resolve, reject) => {
-    const timer = setTimeout(() => reject(new Error(`prompt-cache did not start:\n${log}`)), 60000);
-    child.stdout.on("data", (d) => {
-      out += d;
-      const m = out.match(/listening on (http:\/\/127\.0\.0\.1:\d+)/);
-      if (m) {
-        clearTimeout(timer);
-        resolve(m[1]);
-      }
-    });
-    child.once("exit", (code) => reject(new Error(`prompt-cache exited with ${code}:\n${log}`)));
-  });
-  return {url, log: () => log, async stop() {
-    if (child.exitCode === null && child.signalCode === null) process.kill(child.pid, "SIGTERM");
-    await exited;
-  }};
-}
+const startProxyOn = (upstream) => startProxy(["--upstream", upstream, "--model", gguf, "--slot-dir", slots, "--store", `file:${storeDir}`,
+                                                 "--levels", "fp16", "--chunk-tokens", String(C)]);
 
 const words = fs.readFileSync(path.join(models, "tinystories_val.txt"), "utf8").split(/\s+/).slice(0, 110).join(" ");
 const request = (prompt) => ({prompt, n_predict: 32, temperature: 0, top_k: 1, seed: 1});
-const lastLine = (log) => log.trim().split("\n").filter((l) => l.includes("prompt tokens")).pop() || "";
 
 let server = await startServer(serverArgs);
-let proxy = await startProxy(server.url);
+let proxy = await startProxyOn(server.url);
 let first, tokens;
 try {
   // 1. A miss: the server computes the whole prompt; the proxy stores its whole chunks.
-  first = await post(proxy.url, "/completion", request(words));
+  first = await proxy.logged(() => post(proxy.url, "/completion", request(words)));
   tokens = (await post(server.url, "/tokenize", {content: words, add_special: true})).tokens;
   console.log(`miss: ${tokens.length} prompt tokens, ${first.timings.prompt_n} evaluated; proxy: ${lastLine(proxy.log())}`);
   check(first.timings.prompt_n === tokens.length, `a miss evaluates the whole prompt (${first.timings.prompt_n} of ${tokens.length})`);
@@ -74,9 +52,9 @@ try {
 // 2. Persistence: a fresh server and a fresh proxy, the same request: a hit from the store.
 const whole = Math.floor((tokens.length - 1) / C) * C;
 server = await startServer(serverArgs);
-proxy = await startProxy(server.url);
+proxy = await startProxyOn(server.url);
 try {
-  const again = await post(proxy.url, "/completion", request(words));
+  const again = await proxy.logged(() => post(proxy.url, "/completion", request(words)));
   console.log(`hit after restart: ${again.timings.prompt_n} evaluated; proxy: ${lastLine(proxy.log())}`);
   check(new RegExp(`${whole} restored from the store`).test(lastLine(proxy.log())), `the restarted proxy restores ${whole} tokens`);
   check(again.timings.prompt_n === tokens.length - whole, `only the tail is evaluated (${again.timings.prompt_n}, want ${tokens.length - whole})`);
@@ -86,16 +64,20 @@ try {
   // 3. A partial hit: the first two chunks shared, then other tokens (a token-array prompt).
   const other = [...tokens.slice(0, 2 * C + 10), ...tokens.slice(5, 60)];
   await post(server.url, "/slots/0?action=erase", {});
-  const partial = await post(proxy.url, "/completion", request(other));
+  const partial = await proxy.logged(() => post(proxy.url, "/completion", request(other)));
   console.log(`partial hit: ${other.length} prompt tokens, ${partial.timings.prompt_n} evaluated; proxy: ${lastLine(proxy.log())}`);
   check(partial.timings.prompt_n <= other.length - 2 * C, `a partial hit evaluates at most the tokens after the shared chunks (${partial.timings.prompt_n})`);
 
   // 4. Streaming through the cache: server-sent events as they come, the same text; the slot is
   // stored after the stream ends.
-  const streamed = await fetch(`${proxy.url}/completion`, {method: "POST", headers: {"content-type": "application/json"},
-                                                          body: JSON.stringify({...request(words), stream: true})});
+  let streamed = null;
+  const streamedText = await proxy.logged(async () => {
+    streamed = await fetch(`${proxy.url}/completion`, {method: "POST", headers: {"content-type": "application/json"},
+                                                       body: JSON.stringify({...request(words), stream: true})});
+    return streamed.text();
+  });
   check(streamed.ok && (streamed.headers.get("content-type") || "").startsWith("text/event-stream"), "a streaming request streams");
-  const events = (await streamed.text()).split("\n").filter((l) => l.startsWith("data: ")).map((l) => JSON.parse(l.slice(6)));
+  const events = streamedText.split("\n").filter((l) => l.startsWith("data: ")).map((l) => JSON.parse(l.slice(6)));
   const text = events.map((e) => e.content || "").join("");
   console.log(`stream: ${events.length} events; proxy: ${lastLine(proxy.log())}`);
   check(events.length > 5, `the reply came as many events (${events.length})`);
@@ -105,10 +87,10 @@ try {
   // second identical chat after the slot was erased is restored from the store, with the same reply.
   const chat = {messages: [{role: "system", content: words.slice(0, 300)}, {role: "user", content: words.slice(300, 600)}],
                 max_tokens: 24, temperature: 0, top_k: 1, seed: 1};
-  const c1 = await post(proxy.url, "/v1/chat/completions", chat);
+  const c1 = await proxy.logged(() => post(proxy.url, "/v1/chat/completions", chat));
   const chatMiss = lastLine(proxy.log());
   await post(server.url, "/slots/0?action=erase", {});
-  const c2 = await post(proxy.url, "/v1/chat/completions", chat);
+  const c2 = await proxy.logged(() => post(proxy.url, "/v1/chat/completions", chat));
   console.log(`chat: ${c1.usage.prompt_tokens} prompt tokens; then ${c2.timings.prompt_n} evaluated; ${chatMiss} / ${lastLine(proxy.log())}`);
   check(c1.choices[0].message.content === c2.choices[0].message.content, "chat: the same reply from the cache");
   check(/ [1-9]\d* restored from the store/.test(lastLine(proxy.log())), "chat: the second request was restored from the store");
@@ -136,9 +118,9 @@ for (const f of fs.readdirSync(storeDir, {recursive: true})) {
   }
 }
 server = await startServer(serverArgs);
-proxy = await startProxy(server.url);
+proxy = await startProxyOn(server.url);
 try {
-  const hurt = await post(proxy.url, "/completion", request(words));
+  const hurt = await proxy.logged(() => post(proxy.url, "/completion", request(words)));
   console.log(`corrupt store: ${hurt.timings.prompt_n} evaluated; proxy log:\n${proxy.log().trim()}`);
   check(/ 0 restored from the store/.test(lastLine(proxy.log())), "nothing is restored from a corrupt store");
   check(hurt.timings.prompt_n === tokens.length, `the whole prompt is computed (${hurt.timings.prompt_n})`);

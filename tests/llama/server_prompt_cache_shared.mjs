@@ -11,6 +11,7 @@ import path from "node:path";
 import {spawn, execFileSync} from "node:child_process";
 import {cli, models, scratch} from "./lib/env.mjs";
 import {startServer, post, freePort} from "./lib/server.mjs";
+import {startProxy, lastLine} from "./lib/proxy.mjs";
 
 let failures = 0;
 function check(ok, what) {
@@ -42,32 +43,9 @@ async function startRedis() {
   }};
 }
 
-async function startProxy(upstream, slots, store) {
-  const child = spawn(cli, ["prompt-cache", "--upstream", upstream, "--model", gguf, "--slot-dir", slots, "--listen", "127.0.0.1:0",
-                            "--store", store, "--levels", "fp16", "--chunk-tokens", String(C)],
-                      {stdio: ["ignore", "pipe", "pipe"]});
-  let out = "", log = "";
-  child.stderr.on("data", (d) => (log += d));
-  const exited = new Promise((r) => child.once("exit", r));
-  const url = await new Promise((resolve, reject) => {
-    const timer = setTimeout(() => reject(new Error(`prompt-cache did not start:\n${log}`)), 60000);
-    child.stdout.on("data", (d) => {
-      out += d;
-      const m = out.match(/listening on (http:\/\/127\.0\.0\.1:\d+)/);
-      if (m) {
-        clearTimeout(timer);
-        resolve(m[1]);
-      }
-    });
-    child.once("exit", (code) => reject(new Error(`prompt-cache exited with ${code}:\n${log}`)));
-  });
-  return {url, log: () => log, alive: () => child.exitCode === null && child.signalCode === null, async stop() {
-    if (child.exitCode === null && child.signalCode === null) process.kill(child.pid, "SIGTERM");
-    await exited;
-  }};
-}
+const startProxyOn = (upstream, slots, store) =>
+  startProxy(["--upstream", upstream, "--model", gguf, "--slot-dir", slots, "--store", store, "--levels", "fp16", "--chunk-tokens", String(C)]);
 
-const lastLine = (log) => log.trim().split("\n").filter((l) => l.includes("prompt tokens")).pop() || "";
 const words = fs.readFileSync(path.join(models, "tinystories_val.txt"), "utf8").split(/\s+/).slice(0, 110).join(" ");
 const request = {prompt: words, n_predict: 32, temperature: 0, top_k: 1, seed: 1};
 
@@ -79,13 +57,13 @@ const side = (name) => {
 };
 const a = side("a"), b = side("b");
 const serverA = await startServer(a.args), serverB = await startServer(b.args);
-const proxyA = await startProxy(serverA.url, a.slots, redis.url), proxyB = await startProxy(serverB.url, b.slots, redis.url);
+const proxyA = await startProxyOn(serverA.url, a.slots, redis.url), proxyB = await startProxyOn(serverB.url, b.slots, redis.url);
 try {
   // A prefix computed through A is a hit through B.
-  const viaA = await post(proxyA.url, "/completion", request);
+  const viaA = await proxyA.logged(() => post(proxyA.url, "/completion", request));
   console.log(`through A: ${viaA.timings.prompt_n} evaluated; ${lastLine(proxyA.log())}`);
   check(/0 restored from the store, [1-9]\d* stored/.test(lastLine(proxyA.log())), "A stored the prefix in Redis");
-  const viaB = await post(proxyB.url, "/completion", request);
+  const viaB = await proxyB.logged(() => post(proxyB.url, "/completion", request));
   console.log(`through B: ${viaB.timings.prompt_n} evaluated; ${lastLine(proxyB.log())}`);
   check(/ [1-9]\d* restored from the store/.test(lastLine(proxyB.log())), "B restored A's prefix from Redis");
   check(viaB.timings.prompt_n < C + 1, `B's server evaluated only the tail (${viaB.timings.prompt_n})`);
@@ -94,7 +72,7 @@ try {
   // Redis goes away: the next request is computed by the server, the proxy says why and keeps serving.
   await redis.stop();
   await post(serverB.url, "/slots/0?action=erase", {});
-  const noRedis = await post(proxyB.url, "/completion", request);
+  const noRedis = await proxyB.logged(() => post(proxyB.url, "/completion", request));
   console.log(`without Redis: ${noRedis.timings.prompt_n} evaluated; B's log tail:\n${proxyB.log().trim().split("\n").slice(-3).join("\n")}`);
   check(noRedis.content === viaA.content, "without Redis: the same text");
   check(proxyB.alive(), "proxy B still runs without its store");

@@ -17,6 +17,7 @@ struct BenchPromptCacheOptions {
   int threads = 2;
   std::uint64_t seed = 1;
   bool json = false;
+  bool verbose = false;  // the proxy's line per request on stderr
 };
 
 int run_bench_prompt_cache(const BenchPromptCacheOptions& o);

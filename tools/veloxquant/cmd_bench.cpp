@@ -553,6 +553,7 @@ Runner add_bench(CLI::App& app) {
   prompt_cache->add_option("--rounds", pc->rounds, "rounds (each a hit and a recompute)")->capture_default_str()->transform(integer_in(1, 1000));
   prompt_cache->add_option("--threads", pc->threads, "llama-server's -t")->capture_default_str()->transform(integer_in(1, 1024));
   prompt_cache->add_option("--seed", pc->seed, "seed of the prompt (and of --realistic's weights)")->capture_default_str();
+  prompt_cache->add_flag("--verbose", pc->verbose, "the proxy's line per request (what it restored and where the time went) on stderr");
   prompt_cache->add_flag("--json", pc->json, "print one JSON object: {model, prompt_tokens, chunk_tokens, levels, rounds, threads, rows: [...]}");
   return [o, a, attention, pc, prompt_cache] {
     if (prompt_cache->parsed()) return run_bench_prompt_cache(*pc);

@@ -10,7 +10,8 @@
 // random weights: fine for speed, never for quality). The prompt is BOS and --tokens random token
 // ids (seeded). One round: the slot erased, then the request (n_predict 1) through the proxy (a hit:
 // lookup, fetch, decode, restore, the tail evaluated) and straight to the server (a recompute of the
-// whole prompt); TTFT = the request's wall time. Rounds alternate the two; medians are reported.
+// whole prompt); TTFT = the request's wall time. Each starts when the proxy is idle (it stores a
+// request's slot after the reply went out). Rounds alternate the two; medians are reported.
 #ifdef VQ_HAVE_PROMPT_CACHE
 #include <algorithm>
 #include <chrono>
@@ -158,7 +159,9 @@ int run_bench_prompt_cache(const BenchPromptCacheOptions& o) {
     po.store = store;
     po.levels = o.levels;
     po.chunk_tokens = o.chunk_tokens;
-    po.log = [](const std::string&) {};
+    po.log = [&o](const std::string& line) {
+      if (o.verbose) fmt::print(stderr, "proxy: {}\n", line);
+    };
     vq::PromptCacheProxy proxy(po);
     proxy.bind();
     std::thread serving([&] { proxy.serve(); });
@@ -171,14 +174,17 @@ int run_bench_prompt_cache(const BenchPromptCacheOptions& o) {
         t.join();
       }
     } stop{proxy, serving};
-    // Populate: one request through the proxy stores the prompt's chunks.
+    // Populate: one request through the proxy stores the prompt's chunks (after its reply: each
+    // timed request starts once the proxy is idle).
     erase();
     post_ms(pport, "/completion", request);
     std::vector<double> hit, recompute;
     json last;
     for (int r = 0; r < o.rounds; ++r) {
+      proxy.wait_idle();
       erase();
       hit.push_back(post_ms(pport, "/completion", request, &last));
+      proxy.wait_idle();
       erase();
       json direct;
       recompute.push_back(post_ms(sport, "/completion", request, &direct));

@@ -47,6 +47,7 @@ struct PromptCacheOptions {
 struct PromptCacheEvent {
   int prompt_tokens = 0, restored_tokens = 0, stored_tokens = 0;  // stored: tokens of chunks newly stored
   std::uint64_t stored_bytes = 0;                                  // blobs and index written for them
+  double load_ms = 0, write_ms = 0, restore_ms = 0;  // the store's load, writing the slot file, the server's restore
   std::string note;
 };
 
@@ -66,6 +67,9 @@ class PromptCacheProxy {
   // Serves until stop() (from another thread or a signal handler's thread).
   void serve();
   void stop();
+  // Waits until no request is in the cache and nothing is being stored (a request's slot is stored
+  // after its reply went out): for benchmarks and tests that time the next request alone.
+  void wait_idle();
 
  private:
   struct Impl;
