@@ -1,4 +1,5 @@
-// Two llama-servers behind two `veloxquant prompt-cache` proxies sharing one Redis (issue 30): a
+// Two llama-servers behind two `veloxquant prompt-cache` proxies sharing one Redis, then one Redis
+// Cluster (issue 30): a
 // prefix computed through one is a hit for the other; a Redis that goes away and a llama-server
 // that is killed cost a recompute or one failed request, never a wrong answer, and the proxy keeps
 // serving.
@@ -25,9 +26,10 @@ const C = 64;
 const gguf = path.join(scratch, "stories260K.gguf");
 execFileSync(cli, ["convert", path.join(models, "stories260K.bin"), "--tokenizer", path.join(models, "tok512.bin"), "-o", gguf]);
 
-async function startRedis() {
+async function startRedisNode(extra = []) {
   const port = await freePort();
-  const child = spawn("redis-server", ["--port", String(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"], {stdio: "ignore"});
+  const child = spawn("redis-server", ["--port", String(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                                       "--dir", scratch, ...extra], {stdio: "ignore"});
   const exited = new Promise((r) => child.once("exit", r));
   for (let i = 0; i < 100; i++) {
     try {
@@ -37,10 +39,29 @@ async function startRedis() {
     }
     await sleep(100);
   }
-  return {url: `redis://127.0.0.1:${port}`, async stop() {
+  return {port, url: `redis://127.0.0.1:${port}`, async stop() {
     if (child.exitCode === null && child.signalCode === null) process.kill(child.pid, "SIGKILL");
     await exited;
   }};
+}
+const startRedis = () => startRedisNode();
+
+// Three masters, no replicas (redis-cli --cluster create), every slot covered.
+async function startRedisCluster() {
+  const nodes = [];
+  for (let i = 0; i < 3; i++)
+    nodes.push(await startRedisNode(["--cluster-enabled", "yes", "--cluster-config-file", path.join(scratch, `nodes-${i}.conf`),
+                                     "--cluster-node-timeout", "1000", "--cluster-require-full-coverage", "no"]));
+  execFileSync("redis-cli", ["--cluster", "create", ...nodes.map((n) => `127.0.0.1:${n.port}`), "--cluster-replicas", "0", "--cluster-yes"],
+               {stdio: "ignore"});
+  for (const n of nodes)
+    for (let i = 0; i < 100; i++) {
+      const info = execFileSync("redis-cli", ["-p", String(n.port), "cluster", "info"], {encoding: "utf8"});
+      if (info.includes("cluster_state:ok")) break;
+      await sleep(100);
+    }
+  return {nodes, url: `redis-cluster://127.0.0.1:${nodes[0].port},127.0.0.1:${nodes[1].port}`,
+          async stop() { for (const n of nodes) await n.stop(); }};
 }
 
 const startProxyOn = (upstream, slots, store) =>
@@ -90,6 +111,34 @@ try {
   await serverA.stop();
   await serverB.stop();
   await redis.stop();
+}
+// The same through a Redis Cluster of three masters; then one master is killed: what it held is
+// gone, the request is computed by the server (or restored in part from the surviving masters) and
+// gives the same text.
+{
+  const cluster = await startRedisCluster();
+  const sa = await startServer(a.args), sb = await startServer(b.args);
+  const pa = await startProxyOn(sa.url, a.slots, cluster.url), pb = await startProxyOn(sb.url, b.slots, cluster.url);
+  try {
+    const viaA = await pa.logged(() => post(pa.url, "/completion", request));
+    const viaB = await pb.logged(() => post(pb.url, "/completion", request));
+    console.log(`cluster: through A ${viaA.timings.prompt_n} evaluated, through B ${viaB.timings.prompt_n}; ${lastLine(pb.log())}`);
+    check(/ [1-9]\d* restored from the store/.test(lastLine(pb.log())), "cluster: B restored A's prefix");
+    check(viaB.timings.prompt_n < C + 1, `cluster: B's server evaluated only the tail (${viaB.timings.prompt_n})`);
+    check(viaB.content === viaA.content, "cluster: the same text through both");
+    await cluster.nodes[1].stop();
+    await post(sb.url, "/slots/0?action=erase", {});
+    const hurt = await pb.logged(() => post(pb.url, "/completion", request));
+    console.log(`cluster with a master killed: ${hurt.timings.prompt_n} evaluated; ${lastLine(pb.log())}`);
+    check(hurt.content === viaA.content, "cluster with a master killed: the same text");
+    check(pb.alive(), "cluster with a master killed: the proxy keeps serving");
+  } finally {
+    await pa.stop();
+    await pb.stop();
+    await sa.stop();
+    await sb.stop();
+    await cluster.stop();
+  }
 }
 if (failures) {
   console.error(`${failures} check(s) failed; proxy B log:\n${proxyB.log()}`);
