@@ -47,6 +47,11 @@ std::pair<std::string, int> parse_upstream(const std::string& url) {
   return {rest.substr(0, colon), port};
 }
 
+std::string lower(std::string s) {
+  std::transform(s.begin(), s.end(), s.begin(), [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  return s;
+}
+
 }  // namespace
 
 struct PromptCacheProxy::Impl {
@@ -188,6 +193,13 @@ struct PromptCacheProxy::Impl {
   // Steps 2-3: the stored prefix of `tokens` into the slot when it beats what the slot holds.
   void restore(const std::vector<int>& tokens, PromptCacheEvent& ev) {
     const std::size_t held = std::min(common_prefix(slot_tokens, tokens), slot_holds());
+    // The most a load can give (whole chunks, the last token left to the server): when the slot
+    // holds that much already, nothing is fetched or decoded.
+    const std::size_t chunk = static_cast<std::size_t>(o.chunk_tokens);
+    if (held > 0 && held >= (tokens.size() - 1) / chunk * chunk) {
+      ev.note = fmt::format("the slot already holds {} of the prompt's tokens", held);
+      return;
+    }
     LoaderOptions lo;
     lo.scheme = {.model_fingerprint = fingerprint, .chunk_tokens = o.chunk_tokens, .levels = {}};
     lo.allow_recompute = false;
@@ -195,8 +207,8 @@ struct PromptCacheProxy::Impl {
     std::vector<std::string> warnings;
     const LoadReport rep = load_prefix(*store, model, caches, tokens, lo, [&](const std::string& w) { warnings.push_back(w); });
     ev.load_ms = rep.load_ms;
-    const auto t_write = std::chrono::steady_clock::now();
     for (const auto& w : warnings) o.log(w);
+    const auto t_write = std::chrono::steady_clock::now();
     const auto reused = static_cast<std::size_t>(rep.tokens_reused);
     if (reused == 0 || reused <= held) {
       if (reused > 0) ev.note = fmt::format("the slot already holds {} of the prompt's tokens", held);
@@ -208,14 +220,16 @@ struct PromptCacheProxy::Impl {
       const KVState kv = c->state();
       st.layers.push_back({kv.keys, kv.values});
     }
+    // Written in place, unsynced (not through core/atomic_file.hpp, whose fsync would put tens of
+    // MB of disk writes on the hit path): a scratch file the server reads at once, and nothing
+    // reads it between requests.
     const std::vector<std::uint8_t> bytes = write_llama_state(st);
     {
-      const std::string tmp = slot_path("restore") + ".tmp";
-      FILE* f = std::fopen(tmp.c_str(), "wb");
-      if (!f) throw IoError(fmt::format("{}: cannot write the slot file", tmp));
+      const std::string path = slot_path("restore");
+      FILE* f = std::fopen(path.c_str(), "wb");
+      if (!f) throw IoError(fmt::format("{}: cannot write the slot file", path));
       const bool ok = std::fwrite(bytes.data(), 1, bytes.size(), f) == bytes.size();
-      if (std::fclose(f) != 0 || !ok) throw IoError(fmt::format("{}: cannot write the slot file", tmp));
-      std::filesystem::rename(tmp, slot_path("restore"));
+      if (std::fclose(f) != 0 || !ok) throw IoError(fmt::format("{}: cannot write the slot file", path));
     }
     const auto t_restore = std::chrono::steady_clock::now();
     ev.write_ms = std::chrono::duration<double, std::milli>(t_restore - t_write).count();
@@ -318,11 +332,7 @@ struct PromptCacheProxy::Impl {
   static httplib::Headers forward_headers(const httplib::Request& req) {
     httplib::Headers h;
     for (const auto& [k, v] : req.headers) {
-      const std::string lk = [&] {
-        std::string s = k;
-        std::transform(s.begin(), s.end(), s.begin(), [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
-        return s;
-      }();
+      const std::string lk = lower(k);
       if (lk == "host" || lk == "content-length" || lk == "connection" || lk == "transfer-encoding" || lk == "remote_addr" ||
           lk == "remote_port" || lk == "local_addr" || lk == "local_port")
         continue;
@@ -367,8 +377,7 @@ struct PromptCacheProxy::Impl {
       }
       res.status = r->status;
       for (const auto& [k, v] : r->headers) {
-        std::string lk = k;
-        std::transform(lk.begin(), lk.end(), lk.begin(), [](unsigned char ch) { return static_cast<char>(std::tolower(ch)); });
+        const std::string lk = lower(k);
         if (lk == "content-length" || lk == "transfer-encoding" || lk == "connection" || lk == "content-type") continue;
         res.set_header(k, v);
       }
