@@ -103,11 +103,18 @@ std::string methods_text() {
   return out;
 }
 
-std::vector<std::string> default_eval_methods() {
+namespace {
+
+// One settings list of every row (eval's, bench attention's, the store's), in table order.
+std::vector<std::string> every_row(std::vector<std::string> MethodRow::*list) {
   std::vector<std::string> out;
-  for (const auto& r : method_table()) out.insert(out.end(), r.eval.begin(), r.eval.end());
+  for (const auto& r : method_table()) out.insert(out.end(), (r.*list).begin(), (r.*list).end());
   return out;
 }
+
+}  // namespace
+
+std::vector<std::string> default_eval_methods() { return every_row(&MethodRow::eval); }
 
 std::vector<MethodSetting> default_demo_methods() {
   std::vector<MethodSetting> out;
@@ -117,16 +124,11 @@ std::vector<MethodSetting> default_demo_methods() {
   return out;
 }
 
-std::vector<std::string> default_bench_attention_methods() {
-  std::vector<std::string> out;
-  for (const auto& r : method_table()) out.insert(out.end(), r.bench_attention.begin(), r.bench_attention.end());
-  return out;
-}
+std::vector<std::string> default_bench_attention_methods() { return every_row(&MethodRow::bench_attention); }
 
 std::string default_store_levels() {
   std::string out;
-  for (const auto& r : method_table())
-    for (const auto& l : r.store) out += (out.empty() ? "" : ";") + l;
+  for (const auto& l : every_row(&MethodRow::store)) out += (out.empty() ? "" : ";") + l;
   return out;
 }
 
