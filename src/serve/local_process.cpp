@@ -4,7 +4,8 @@
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <signal.h>
-#include <spawn.h>
+#include <cerrno>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -14,14 +15,11 @@
 #include <chrono>
 #include <cstring>
 #include <fstream>
-#include <iterator>
 #include <thread>
 
 #include <fmt/format.h>
 
 #include "veloxquant/core/error.hpp"
-
-extern char** environ;
 
 namespace vq {
 
@@ -41,10 +39,13 @@ int free_local_port() {
 
 namespace {
 
-std::string tail_of(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::string s((std::istreambuf_iterator<char>(in)), {});
-  return s.size() > 2000 ? s.substr(s.size() - 2000) : s;
+// The last non-empty line of a log ("" when there is none), for a one-line message.
+std::string last_line_of(const std::string& path) {
+  std::ifstream in(path);
+  std::string line, last;
+  while (std::getline(in, line))
+    if (!line.empty()) last = line;
+  return last.size() > 300 ? last.substr(0, 300) + "..." : last;
 }
 
 }  // namespace
@@ -53,28 +54,44 @@ LocalProcess::LocalProcess(const std::vector<std::string>& argv, const std::stri
                            double timeout_s)
     : log_(log_path) {
   require(!argv.empty(), "LocalProcess: no command");
-  posix_spawn_file_actions_t fa;
-  posix_spawn_file_actions_init(&fa);
-  posix_spawn_file_actions_addopen(&fa, 1, log_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  posix_spawn_file_actions_adddup2(&fa, 1, 2);
-  posix_spawn_file_actions_addopen(&fa, 0, "/dev/null", O_RDONLY, 0);
+  // Opened before the fork, so a failure is an error here and the child only dup2s and execs.
+  const int log_fd = ::open(log_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (log_fd < 0) throw IoError(fmt::format("{}: cannot write the log ({})", log_path, std::strerror(errno)));
+  const int null_fd = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
   std::vector<char*> args;
   for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
   args.push_back(nullptr);
-  const int rc = posix_spawnp(&pid_, argv[0].c_str(), &fa, nullptr, args.data(), environ);
-  posix_spawn_file_actions_destroy(&fa);
-  if (rc != 0) throw IoError(fmt::format("{}: cannot start ({})", argv[0], std::strerror(rc)));
+  const pid_t parent = ::getpid();
+  pid_ = ::fork();
+  if (pid_ == 0) {
+    // The child dies with this process, even when it is killed (a benchmark stopped with ^C or a
+    // crash leaves no server behind).
+    ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (::getppid() != parent) ::_exit(1);
+    if (null_fd >= 0) ::dup2(null_fd, 0);
+    ::dup2(log_fd, 1);
+    ::dup2(log_fd, 2);
+    ::execvp(args[0], args.data());
+    ::_exit(127);
+  }
+  ::close(log_fd);
+  if (null_fd >= 0) ::close(null_fd);
+  if (pid_ < 0) throw IoError(fmt::format("{}: cannot start ({})", argv[0], std::strerror(errno)));
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
   for (;;) {
     int status = 0;
     if (::waitpid(pid_, &status, WNOHANG) == pid_) {
       pid_ = -1;
-      throw IoError(fmt::format("{} exited before it was ready; its output ends:\n{}", argv[0], tail_of(log_)));
+      if (WIFEXITED(status) && WEXITSTATUS(status) == 127)
+        throw IoError(fmt::format("{}: cannot start (not found, or not executable)", argv[0]));
+      const std::string last = last_line_of(log_);
+      throw IoError(fmt::format("{} exited before it was ready{}", argv[0], last.empty() ? "" : " (its last line: " + last + ")"));
     }
     if (ready()) return;
     if (std::chrono::steady_clock::now() > deadline) {
       stop();
-      throw IoError(fmt::format("{} was not ready in {} s; its output ends:\n{}", argv[0], timeout_s, tail_of(log_)));
+      const std::string last = last_line_of(log_);
+      throw IoError(fmt::format("{} was not ready in {} s{}", argv[0], timeout_s, last.empty() ? "" : " (its last line: " + last + ")"));
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }

@@ -9,9 +9,9 @@
 // the cache.
 import fs from "node:fs";
 import path from "node:path";
-import {spawn, execFileSync} from "node:child_process";
+import {execFileSync} from "node:child_process";
 import {cli, models, scratch} from "./lib/env.mjs";
-import {startServer, post, freePort} from "./lib/server.mjs";
+import {startServer, post, freePort, spawnTied} from "./lib/server.mjs";
 import {startProxy, lastLine} from "./lib/proxy.mjs";
 
 let failures = 0;
@@ -28,7 +28,7 @@ execFileSync(cli, ["convert", path.join(models, "stories260K.bin"), "--tokenizer
 
 async function startRedisNode(extra = []) {
   const port = await freePort();
-  const child = spawn("redis-server", ["--port", String(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+  const child = spawnTied("redis-server", ["--port", String(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
                                        "--dir", scratch, ...extra], {stdio: "ignore"});
   const exited = new Promise((r) => child.once("exit", r));
   for (let i = 0; i < 100; i++) {

@@ -1,6 +1,7 @@
 // A server process the caller starts on 127.0.0.1 and stops by its pid (llama-server, redis-server
 // for `bench prompt-cache`): a free port, the child's output in a log file, a readiness check, and
-// SIGTERM then SIGKILL on stop or destruction.
+// SIGTERM then SIGKILL on stop or destruction; the child also dies with this process
+// (PR_SET_PDEATHSIG), however that ends.
 #pragma once
 #include <sys/types.h>
 
@@ -16,8 +17,8 @@ int free_local_port();
 class LocalProcess {
  public:
   // Starts `argv` (argv[0] a path or a name on PATH), output to `log_path`; then calls `ready` every
-  // 100 ms until it returns true (IoError with the log's tail when the child exits or `timeout_s`
-  // passes first).
+  // 100 ms until it returns true (one-line IoError, with the log's last line, when the child exits
+  // or `timeout_s` passes first).
   LocalProcess(const std::vector<std::string>& argv, const std::string& log_path, const std::function<bool()>& ready, double timeout_s = 120);
   ~LocalProcess();
   LocalProcess(const LocalProcess&) = delete;

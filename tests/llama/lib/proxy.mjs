@@ -1,10 +1,10 @@
 // `veloxquant prompt-cache` for a test: started with --listen 127.0.0.1:0 (the port is read from its
-// first line), its log kept, stopped by its pid (SIGTERM).
-import {spawn} from "node:child_process";
+// first line), its log kept, stopped by its pid (SIGTERM), and tied to the test process.
 import {cli} from "./env.mjs";
+import {spawnTied} from "./server.mjs";
 
 export async function startProxy(args) {
-  const child = spawn(cli, ["prompt-cache", ...args, "--listen", "127.0.0.1:0"], {stdio: ["ignore", "pipe", "pipe"]});
+  const child = spawnTied(cli, ["prompt-cache", ...args, "--listen", "127.0.0.1:0"], {stdio: ["ignore", "pipe", "pipe"]});
   let out = "", log = "";
   child.stderr.on("data", (d) => (log += d));
   const exited = new Promise((r) => child.once("exit", r));

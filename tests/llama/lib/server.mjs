@@ -1,7 +1,8 @@
 // A real llama-server for a test (issue 30): built from the pinned package's llama.cpp source by
 // tools/llama/build-llama.sh, found through VQ_LLAMA_SERVER. It is started on 127.0.0.1 at a port
 // picked here (a free one the OS gave a listener, closed just before), waited for on /health, and
-// stopped by its pid (SIGTERM, then SIGKILL after 5 s). Its output is kept for the failure message.
+// stopped by its pid (SIGTERM, then SIGKILL after 5 s), and dies with the test process. Its output
+// is kept for the failure message.
 import net from "node:net";
 import {spawn} from "node:child_process";
 
@@ -9,6 +10,13 @@ export const serverBin = process.env.VQ_LLAMA_SERVER;
 if (!serverBin) throw new Error("VQ_LLAMA_SERVER is not set (run this script through ctest)");
 
 const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
+
+// spawn(), with the child tied to this process (util-linux's setpriv --pdeathsig, which then execs
+// the command: the pid is the command's): a test that fails, throws or is killed by ctest's timeout
+// leaves no server behind.
+export function spawnTied(command, args, options) {
+  return spawn("setpriv", ["--pdeathsig", "KILL", "--", command, ...args], options);
+}
 
 export function freePort() {
   return new Promise((resolve, reject) => {
@@ -24,7 +32,7 @@ export function freePort() {
 
 export async function startServer(args, {timeoutMs = 120000} = {}) {
   const port = await freePort();
-  const child = spawn(serverBin, [...args, "--host", "127.0.0.1", "--port", String(port)], {stdio: ["ignore", "pipe", "pipe"]});
+  const child = spawnTied(serverBin, [...args, "--host", "127.0.0.1", "--port", String(port)], {stdio: ["ignore", "pipe", "pipe"]});
   let log = "";
   child.stdout.on("data", (d) => (log += d));
   child.stderr.on("data", (d) => (log += d));
