@@ -32,6 +32,7 @@ constexpr const char* kMetaModel = "vqkv.store.model";
 constexpr const char* kMetaLevel = "vqkv.store.level";
 constexpr const char* kMetaIndex = "vqkv.store.chunk";
 constexpr const char* kMetaTokens = "vqkv.store.tokens";
+constexpr const char* kMetaChain = "vqkv.store.chain";  // the chunk's key hash: its whole prefix
 constexpr const char* kMetaFirst = "vqkv.store.first_position";  // live-coded vq chunks only
 
 std::string hex16(std::uint64_t v) { return fmt::format("{:016x}", v); }
@@ -67,10 +68,11 @@ std::vector<std::shared_ptr<KVCache>> fresh_caches(const std::string& level, con
 }
 // The blob of one chunk's caches (one per layer) with the metadata decode_chunk checks.
 Blob chunk_blob(const std::vector<std::shared_ptr<KVCache>>& caches, std::uint64_t fingerprint, const std::string& level, int index,
-                std::span<const int> tokens, std::optional<std::int64_t> first_position = std::nullopt) {
+                std::uint64_t chain, std::span<const int> tokens, std::optional<std::int64_t> first_position = std::nullopt) {
   PromptMetadata meta{{kMetaModel, hex16(fingerprint)},
                       {kMetaLevel, level},
                       {kMetaIndex, std::to_string(index)},
+                      {kMetaChain, hex16(chain)},
                       {kMetaTokens, tokens_text(tokens)}};
   if (first_position) meta[kMetaFirst] = std::to_string(*first_position);
   VqkvSaveOptions opts;
@@ -95,7 +97,7 @@ Tensor as_f32(const Tensor& t) { return t.dtype() == DType::F32 && t.is_contiguo
 // Chunk i of a live-coded vq level: the live caches' codes of tokens [t0, t0 + C) (every one
 // quantized: residual 0, calibrated within chunk 0), each restored into a cache of its own.
 Blob live_chunk_blob(const std::vector<std::shared_ptr<KVCache>>& live, std::uint64_t fingerprint, const std::string& level, int index,
-                     std::span<const int> tokens, std::int64_t t0, DType dtype) {
+                     std::uint64_t chain, std::span<const int> tokens, std::int64_t t0, DType dtype) {
   const auto C = static_cast<std::int64_t>(tokens.size());
   std::vector<std::shared_ptr<KVCache>> caches;
   for (const auto& c : live) {
@@ -103,7 +105,7 @@ Blob live_chunk_blob(const std::vector<std::shared_ptr<KVCache>>& live, std::uin
     const std::shared_ptr<const VqLayerModel> layer(c, v.layer_model());  // owned by the live cache
     caches.push_back(VqKVCache::restore(v.config(), layer, v.codes(t0, t0 + C), no_exact_rows(*layer, dtype)));
   }
-  return chunk_blob(caches, fingerprint, level, index, tokens, t0);
+  return chunk_blob(caches, fingerprint, level, index, chain, tokens, t0);
 }
 
 // A live-coded level's widths hint (ChunkDirectory::Entry::widths): its live caches' field widths now.
@@ -177,6 +179,16 @@ std::string chunk_key(const std::string& level, std::uint64_t hash) {
   return fmt::format("vq-{:08x}-{}", static_cast<std::uint32_t>(XXH64(level.data(), level.size(), 0)), hex16(hash));
 }
 
+std::optional<std::uint64_t> chunk_key_hash(std::string_view key) {
+  // "vq-" 8 hex "-" 16 hex
+  if (key.size() != 28 || key.substr(0, 3) != "vq-" || key[11] != '-') return std::nullopt;
+  std::uint64_t h = 0;
+  const auto hex = key.substr(12);
+  const auto [p, ec] = std::from_chars(hex.data(), hex.data() + hex.size(), h, 16);
+  if (ec != std::errc() || p != hex.data() + hex.size()) return std::nullopt;
+  return h;
+}
+
 std::uint64_t directory_hash(std::uint64_t prev, int chunk_tokens, std::span<const int> tokens) {
   return chain_hash(prev, 0, fmt::format("dir:{}", chunk_tokens), tokens);
 }
@@ -195,13 +207,13 @@ ChunkKV level_chunk_kv(const Transformer& model, const std::string& level, const
   return out;
 }
 
-Blob encode_chunk(const Transformer& model, std::uint64_t fingerprint, const std::string& level, int index, std::span<const int> tokens,
-                  const ChunkKV& exact) {
-  return encode_chunk(model_level_caches(model), fingerprint, level, index, tokens, exact);
+Blob encode_chunk(const Transformer& model, std::uint64_t fingerprint, const std::string& level, int index, std::uint64_t chain,
+                  std::span<const int> tokens, const ChunkKV& exact) {
+  return encode_chunk(model_level_caches(model), fingerprint, level, index, chain, tokens, exact);
 }
 
-Blob encode_chunk(const LevelCaches& fresh, std::uint64_t fingerprint, const std::string& level, int index, std::span<const int> tokens,
-                  const ChunkKV& exact) {
+Blob encode_chunk(const LevelCaches& fresh, std::uint64_t fingerprint, const std::string& level, int index, std::uint64_t chain,
+                  std::span<const int> tokens, const ChunkKV& exact) {
   auto caches = fresh(level);
   require(caches.size() == exact.size(), "encode_chunk: {} layers of K/V for a model of {} layers", exact.size(), caches.size());
   for (std::size_t l = 0; l < caches.size(); ++l) {
@@ -216,22 +228,24 @@ Blob encode_chunk(const LevelCaches& fresh, std::uint64_t fingerprint, const std
       caches[l] = plain;
     }
   }
-  return chunk_blob(caches, fingerprint, level, index, tokens);
+  return chunk_blob(caches, fingerprint, level, index, chain, tokens);
 }
 
 namespace {
 ChunkCodes decode_chunk_as(std::span<const std::uint8_t> blob, std::uint64_t fingerprint, const std::string& level, int index,
-                           std::span<const int> tokens, const VqLayerModelSource& vq_models, bool vq_codes, VqCodeBuffers* buffers = nullptr);
+                           std::uint64_t chain, std::span<const int> tokens, const VqLayerModelSource& vq_models, bool vq_codes,
+                           VqCodeBuffers* buffers = nullptr);
 }  // namespace
 
 ChunkKV decode_chunk(std::span<const std::uint8_t> blob, std::uint64_t fingerprint, const std::string& level, int index,
-                     std::span<const int> tokens, const VqLayerModelSource& vq_models) {
-  return decode_chunk_as(blob, fingerprint, level, index, tokens, vq_models, false).kv;
+                     std::uint64_t chain, std::span<const int> tokens, const VqLayerModelSource& vq_models) {
+  return decode_chunk_as(blob, fingerprint, level, index, chain, tokens, vq_models, false).kv;
 }
 
 ChunkCodes decode_chunk_codes(std::span<const std::uint8_t> blob, std::uint64_t fingerprint, const std::string& level, int index,
-                              std::span<const int> tokens, const VqLayerModelSource& vq_models, VqCodeBuffers* buffers) {
-  return decode_chunk_as(blob, fingerprint, level, index, tokens, vq_models, true, buffers);
+                              std::uint64_t chain, std::span<const int> tokens, const VqLayerModelSource& vq_models,
+                              VqCodeBuffers* buffers) {
+  return decode_chunk_as(blob, fingerprint, level, index, chain, tokens, vq_models, true, buffers);
 }
 
 ChunkLayer vq_chunk_rows(const VqStoredLayer& v, std::int64_t first_position) {
@@ -259,7 +273,8 @@ bool live_coded_level(const std::vector<std::shared_ptr<KVCache>>& caches, int c
 
 namespace {
 ChunkCodes decode_chunk_as(std::span<const std::uint8_t> blob, std::uint64_t fingerprint, const std::string& level, int index,
-                           std::span<const int> tokens, const VqLayerModelSource& vq_models, bool vq_codes, VqCodeBuffers* buffers) {
+                           std::uint64_t chain, std::span<const int> tokens, const VqLayerModelSource& vq_models, bool vq_codes,
+                           VqCodeBuffers* buffers) {
   VqkvLoadOptions lo;
   lo.vq_code_buffers = buffers;
   lo.vq_models = vq_models;
@@ -276,6 +291,10 @@ ChunkCodes decode_chunk_as(std::span<const std::uint8_t> blob, std::uint64_t fin
   if (meta(kMetaIndex) != std::to_string(index))
     throw FormatError(fmt::format("blob of another chunk index ({}, expected {})", meta(kMetaIndex), index));
   if (meta(kMetaTokens) != tokens_text(tokens)) throw FormatError("blob of another token sequence");
+  // After the tokens: a blob whose own tokens match but whose prefix differs is served nowhere else.
+  if (!pc.metadata.count(kMetaChain)) throw FormatError("blob without the hash of its prefix (written by an older veloxquant)");
+  if (meta(kMetaChain) != hex16(chain))
+    throw FormatError(fmt::format("blob of another prefix (its prefix hash {}, this prompt's {})", meta(kMetaChain).substr(0, 16), hex16(chain)));
   ChunkCodes out;
   if (const auto it = pc.metadata.find(kMetaFirst); it != pc.metadata.end()) {
     const std::string& v = it->second;
@@ -523,6 +542,19 @@ std::uint64_t add_chunk_size(KVStore& store, int chunk_tokens) {
 }
 }  // namespace
 
+void forget_chunk(KVStore& store, const std::string& directory, const std::string& key) {
+  store.remove(key);  // first: an entry left behind names a missing blob (a miss), never a bad one
+  merge_index_blob<ChunkDirectory>(
+      store, directory, [](std::span<const std::uint8_t> b) { return decode_directory(b); },
+      [&](const std::optional<ChunkDirectory>& now) -> std::optional<Blob> {
+        if (!now) return std::nullopt;  // nothing there, or a corrupt directory the next put replaces
+        ChunkDirectory d = *now;
+        std::erase_if(d.entries, [&](const ChunkDirectory::Entry& e) { return e.key == key; });
+        if (d.entries.size() == now->entries.size()) return std::nullopt;
+        return encode_directory(d);
+      });
+}
+
 PutReport put_context(KVStore& store, const Transformer& model, const ChunkScheme& scheme, std::span<const int> tokens,
                       const std::vector<KVState>& exact) {
   // Each level's caches of the first chunk serve as templates for the rest (fresh_caches).
@@ -586,8 +618,8 @@ PutReport put_context(KVStore& store, const LevelCaches& fresh, const ChunkSchem
           continue;
         }
       }
-      const Blob blob = live[l].empty() ? encode_chunk(fresh, scheme.model_fingerprint, scheme.levels[l], i, toks, chunk)
-                                        : live_chunk_blob(live[l], scheme.model_fingerprint, scheme.levels[l], i, toks,
+      const Blob blob = live[l].empty() ? encode_chunk(fresh, scheme.model_fingerprint, scheme.levels[l], i, prev[l], toks, chunk)
+                                        : live_chunk_blob(live[l], scheme.model_fingerprint, scheme.levels[l], i, prev[l], toks,
                                                           static_cast<std::int64_t>(i) * scheme.chunk_tokens, chunk[0].keys.dtype());
       store.put(key, blob);
       rep.bytes_written += blob.size();

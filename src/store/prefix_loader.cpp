@@ -86,6 +86,7 @@ struct InFlight {
   std::optional<ChunkCodes> kv;   // decoded and checked (vq layers as codes for a code-domain host)
   std::vector<std::optional<VqPackedCodes>> packed;  // per layer: its vq codes packed at the host's layout (their arrays given back)
   std::string error;              // the fault that stops the load at this chunk
+  bool rejected = false;          // the error is the blob's own (it does not decode, or is not this chunk's)
   std::uint64_t bytes = 0;
   double fetch_ms = 0, decode_ms = 0;
   bool ready = false;             // kv, error or a recompute choice is set
@@ -188,10 +189,14 @@ LoadReport load(KVStore& store, Transformer* model, const ChunkShape& shape, std
   // rows go through update().
   const std::unique_ptr<VqIntake> intake = model ? VqIntake::for_caches(caches) : nullptr;
   const bool code_host = intake != nullptr;
-  const auto decode = [&](const Blob& blob, const std::string& level, int i) -> ChunkCodes {
+  // `key`: the blob's key, which the lookup checked is this prompt's chain key for the level (so
+  // its hash is the chain hash the blob must carry).
+  const auto decode = [&](const Blob& blob, const std::string& level, const std::string& key, int i) -> ChunkCodes {
+    const auto chain = chunk_key_hash(key);
+    if (!chain) throw FormatError(fmt::format("'{}' is not a chunk key", key));
     if (intake && VqIntake::decodes(level))
-      return intake->decode(blob, scheme.model_fingerprint, level, i, chunk_tokens(i), vq_models);
-    return ChunkCodes{decode_chunk(blob, scheme.model_fingerprint, level, i, chunk_tokens(i), vq_models), {}};
+      return intake->decode(blob, scheme.model_fingerprint, level, i, *chain, chunk_tokens(i), vq_models);
+    return ChunkCodes{decode_chunk(blob, scheme.model_fingerprint, level, i, *chain, chunk_tokens(i), vq_models), {}};
   };
 
   // Probes: with a deadline, a level whose decode cost this process has not measured for this shape
@@ -207,7 +212,7 @@ LoadReport load(KVStore& store, Transformer* model, const ChunkShape& shape, std
         link.finish(blob ? blob->size() : 0, t);
         if (!blob) continue;
         const auto td = Clock::now();
-        const ChunkCodes kv = decode(*blob, e.level, 0);
+        const ChunkCodes kv = decode(*blob, e.level, e.key, 0);
         costs.record(e.level, shape_key, ms_since(td), 0.0);
       } catch (const std::exception&) {
       }
@@ -312,7 +317,8 @@ LoadReport load(KVStore& store, Transformer* model, const ChunkShape& shape, std
       const int i = decode_queue.front();
       decode_queue.pop_front();
       InFlight& f = flight[static_cast<std::size_t>(i)];
-      const std::string level = dirs[static_cast<std::size_t>(i)].entries[static_cast<std::size_t>(f.choice)].level;
+      const auto& entry = dirs[static_cast<std::size_t>(i)].entries[static_cast<std::size_t>(f.choice)];
+      const std::string level = entry.level, key = entry.key;
       const Blob blob = std::move(*f.blob);
       const int f_choice = f.choice;
       f.bytes = blob.size();
@@ -322,8 +328,9 @@ LoadReport load(KVStore& store, Transformer* model, const ChunkShape& shape, std
       ChunkCodes kv;
       std::vector<std::optional<VqPackedCodes>> packed;
       std::string error;
+      bool rejected = false;
       try {
-        kv = decode(blob, level, i);
+        kv = decode(blob, level, key, i);
         if (kv.kv.size() != caches.size()) throw FormatError(fmt::format("{} layers, the model has {}", kv.kv.size(), caches.size()));
         for (std::size_t l = 0; l < kv.kv.size(); ++l) {
           if (l < kv.vq.size() && kv.vq[l]) {
@@ -341,6 +348,7 @@ LoadReport load(KVStore& store, Transformer* model, const ChunkShape& shape, std
         if (intake) packed = intake->pack(kv, f_choice, dirs.back().entries[static_cast<std::size_t>(f_choice)].widths);
       } catch (const std::exception& e) {
         error = fmt::format("level {} blob rejected ({})", level, e.what());
+        rejected = true;
         kv = {};
         packed.clear();
       }
@@ -348,7 +356,7 @@ LoadReport load(KVStore& store, Transformer* model, const ChunkShape& shape, std
       lock.lock();
       f.decode_ms = decode_ms;
       if (error.empty()) f.kv = std::move(kv), f.packed = std::move(packed);
-      else f.error = std::move(error);
+      else f.error = std::move(error), f.rejected = rejected;
       f.ready = true;
       cv.notify_all();
     }
@@ -385,7 +393,21 @@ LoadReport load(KVStore& store, Transformer* model, const ChunkShape& shape, std
       f = std::move(flight[static_cast<std::size_t>(i)]);
     }
     if (!f.error.empty()) {
-      warn(fmt::format("chunk {}: {}; {}", i, f.error, rest));
+      std::string repair;
+      if (f.rejected && o.repair) {
+        // A blob that is not this chunk's leaves the store with its directory entry, so the next put
+        // of this prefix stores it again (without this, a put finds it listed and skips it forever).
+        const auto& key = dirs[static_cast<std::size_t>(i)].entries[static_cast<std::size_t>(f.choice)].key;
+        std::uint64_t dh = 0;
+        for (int k = 0; k <= i; ++k) dh = directory_hash(dh, found.chunk_tokens, chunk_tokens(k));
+        try {
+          forget_chunk(store, directory_key(dh), key);
+          repair = " (removed from the store: the next put stores it again)";
+        } catch (const std::exception& e) {
+          repair = fmt::format(" (could not remove it: {})", e.what());
+        }
+      }
+      warn(fmt::format("chunk {}: {}{}; {}", i, f.error, repair, rest));
       rep.end = PrefixEnd{i, "fault", found.stored_levels[static_cast<std::size_t>(i)], f.error, true};
       break;  // nothing of this chunk was fed; the joiner stops the threads
     }

@@ -33,8 +33,8 @@ std::unique_ptr<VqIntake> VqIntake::for_caches(const std::vector<std::shared_ptr
 bool VqIntake::decodes(const std::string& level) { return MethodSpec::parse(level).kind == MethodSpec::Kind::Vq; }
 
 ChunkCodes VqIntake::decode(std::span<const std::uint8_t> blob, std::uint64_t fingerprint, const std::string& level, int index,
-                            std::span<const int> tokens, const VqLayerModelSource& models) {
-  return decode_chunk_codes(blob, fingerprint, level, index, tokens, models, &buffers_);
+                            std::uint64_t chain, std::span<const int> tokens, const VqLayerModelSource& models) {
+  return decode_chunk_codes(blob, fingerprint, level, index, chain, tokens, models, &buffers_);
 }
 
 VqIntake::Layouts VqIntake::hinted(int entry, std::size_t l, const std::vector<std::uint8_t>& w) {

@@ -37,7 +37,7 @@ class VqIntake {
   static bool decodes(const std::string& level);
   // Chunk `index` at a vq level, as codes (decode_chunk_codes with this intake's arrays).
   ChunkCodes decode(std::span<const std::uint8_t> blob, std::uint64_t fingerprint, const std::string& level, int index,
-                    std::span<const int> tokens, const VqLayerModelSource& models);
+                    std::uint64_t chain, std::span<const int> tokens, const VqLayerModelSource& models);
   // Decoder thread: the chunk's layers packed at the host's layouts, those the host can take (the
   // codes of a packed layer go back to the arrays); `entry` and `hint_widths`: the directory entry
   // the chunk came from and the widths it recorded (ChunkDirectory::Entry::widths).

@@ -97,11 +97,12 @@ TEST(PrefixChunks, ChunksDecodeToWhatALiveCacheHeld) {
     for (int i = 0; i < 2; ++i) {
       const auto toks = std::span<const int>(c.tokens).subspan(static_cast<std::size_t>(i * C), C);
       const vq::ChunkKV exact = slice_chunk(c.exact, i, C);
-      const vq::Blob blob = vq::encode_chunk(*c.model, c.fp, canon, i, toks, exact);
+      const std::uint64_t chain = 1000 + static_cast<std::uint64_t>(i);
+      const vq::Blob blob = vq::encode_chunk(*c.model, c.fp, canon, i, chain, toks, exact);
       const vq::ChunkKV live = vq::level_chunk_kv(*c.model, canon, exact);
-      const vq::ChunkKV loaded = vq::decode_chunk(blob, c.fp, canon, i, toks, vq::chunk_vq_models(*c.model));
+      const vq::ChunkKV loaded = vq::decode_chunk(blob, c.fp, canon, i, chain, toks, vq::chunk_vq_models(*c.model));
       if (canon.rfind("vq", 0) == 0) {  // a vq chunk needs the model's layer models to load
-        EXPECT_THROW(vq::decode_chunk(blob, c.fp, canon, i, toks), vq::FormatError);
+        EXPECT_THROW(vq::decode_chunk(blob, c.fp, canon, i, chain, toks), vq::FormatError);
       }
       expect_bit_equal(loaded, live);
       if (canon == "fp32") expect_bit_equal(loaded, exact);
@@ -120,12 +121,13 @@ TEST(PrefixChunks, DecodeRefusesOtherModelMethodChunkTokensAndCorruption) {
   const Context& c = context();
   const int C = 8;
   const auto toks = std::span<const int>(c.tokens).subspan(0, C);
-  const vq::Blob blob = vq::encode_chunk(*c.model, c.fp, "fp16", 0, toks, slice_chunk(c.exact, 0, C));
-  EXPECT_NO_THROW(vq::decode_chunk(blob, c.fp, "fp16", 0, toks));
+  const std::uint64_t chain = vq::chain_hash(0, c.fp, "fp16", toks);
+  const vq::Blob blob = vq::encode_chunk(*c.model, c.fp, "fp16", 0, chain, toks, slice_chunk(c.exact, 0, C));
+  EXPECT_NO_THROW(vq::decode_chunk(blob, c.fp, "fp16", 0, chain, toks));
   const auto expect_format_error = [&](const vq::Blob& b, std::uint64_t fp, const std::string& level, int index,
-                                       std::span<const int> t, const char* words) {
+                                       std::span<const int> t, const char* words, std::uint64_t ch = 0) {
     try {
-      vq::decode_chunk(b, fp, level, index, t);
+      vq::decode_chunk(b, fp, level, index, ch ? ch : chain, t);
       ADD_FAILURE() << "expected FormatError: " << words;
     } catch (const vq::FormatError& e) {
       EXPECT_NE(std::string(e.what()).find(words), std::string::npos) << e.what();
@@ -136,13 +138,22 @@ TEST(PrefixChunks, DecodeRefusesOtherModelMethodChunkTokensAndCorruption) {
   expect_format_error(blob, c.fp, "fp16", 1, toks, "another chunk");
   const auto other = std::span<const int>(c.tokens).subspan(1, C);
   expect_format_error(blob, c.fp, "fp16", 0, other, "another token");
+  // The same tokens after another prefix (issue 36: chunks of prompt B served for prompt A).
+  expect_format_error(blob, c.fp, "fp16", 0, toks, "another prefix", chain + 1);
+  {  // a blob that carries no prefix hash (as written before blobs carried one) is refused too
+    vq::PromptCache pc = vq::deserialize_prompt_cache(blob);
+    ASSERT_EQ(pc.metadata.erase("vqkv.store.chain"), 1u);
+    vq::VqkvSaveOptions so;
+    so.chunk_tokens = C;
+    expect_format_error(vq::serialize_prompt_cache(pc.caches, pc.metadata, so), c.fp, "fp16", 0, toks, "without the hash of its prefix");
+  }
   for (const std::size_t at : {std::size_t{5}, blob.size() / 2, blob.size() - 3}) {
     vq::Blob bad = blob;
     bad[at] ^= 0x40;
-    EXPECT_THROW(vq::decode_chunk(bad, c.fp, "fp16", 0, toks), vq::FormatError) << at;
+    EXPECT_THROW(vq::decode_chunk(bad, c.fp, "fp16", 0, chain, toks), vq::FormatError) << at;
   }
   vq::Blob cut(blob.begin(), blob.begin() + static_cast<std::ptrdiff_t>(blob.size() / 3));
-  EXPECT_THROW(vq::decode_chunk(cut, c.fp, "fp16", 0, toks), vq::FormatError);
+  EXPECT_THROW(vq::decode_chunk(cut, c.fp, "fp16", 0, chain, toks), vq::FormatError);
   EXPECT_THROW(vq::decode_directory(cut), vq::FormatError);
 }
 
@@ -172,7 +183,7 @@ TEST(PrefixChunks, PutContextStoresEveryWholeChunkOnceAtEveryLevel) {
       const auto blob = store.get(d.entries[l].key);
       ASSERT_TRUE(blob.has_value());
       EXPECT_EQ(blob->size(), d.entries[l].bytes);
-      expect_bit_equal(vq::decode_chunk(*blob, c.fp, scheme.levels[l], i, toks, vq::chunk_vq_models(*c.model)),
+      expect_bit_equal(vq::decode_chunk(*blob, c.fp, scheme.levels[l], i, prev[l], toks, vq::chunk_vq_models(*c.model)),
                        vq::level_chunk_kv(*c.model, scheme.levels[l], slice_chunk(c.exact, i, 12)));
     }
   }

@@ -205,7 +205,7 @@ TEST(PrefixCodeLoad, ChunkOfAnotherFirstPositionIsRefused) {
   const auto blob = *s.store->get(vq::chunk_key(s.scheme.levels[0], h));
   const auto toks = std::span<const int>(c.tokens).subspan(kC, kC);
   const vq::VqLayerModelSource models = vq::chunk_vq_models(*c.model);
-  const auto good = vq::decode_chunk_codes(blob, c.fp, s.scheme.levels[0], 1, toks, models);
+  const auto good = vq::decode_chunk_codes(blob, c.fp, s.scheme.levels[0], 1, h, toks, models);
   EXPECT_EQ(good.first_position, kC);
   vq::VqkvLoadOptions lo;
   lo.vq_models = models;
@@ -217,8 +217,8 @@ TEST(PrefixCodeLoad, ChunkOfAnotherFirstPositionIsRefused) {
     SCOPED_TRACE(bad);
     pc.metadata["vqkv.store.first_position"] = bad;
     const auto tampered = vq::serialize_prompt_cache(pc.caches, pc.metadata, so);
-    EXPECT_THROW(vq::decode_chunk_codes(tampered, c.fp, s.scheme.levels[0], 1, toks, models), vq::FormatError);
-    EXPECT_THROW(vq::decode_chunk(tampered, c.fp, s.scheme.levels[0], 1, toks, models), vq::FormatError);
+    EXPECT_THROW(vq::decode_chunk_codes(tampered, c.fp, s.scheme.levels[0], 1, h, toks, models), vq::FormatError);
+    EXPECT_THROW(vq::decode_chunk(tampered, c.fp, s.scheme.levels[0], 1, h, toks, models), vq::FormatError);
   }
 }
 

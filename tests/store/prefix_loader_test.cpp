@@ -54,11 +54,12 @@ struct Loaded {
   std::vector<std::size_t> nbytes;  // per layer, after the load
 };
 
-Loaded load(const Stored& s, int threads) {
+Loaded load(const Stored& s, int threads, bool repair = true) {
   const Context& c = context();
   vq::LoaderOptions o;
   o.scheme = s.scheme;
   o.threads = threads;
+  o.repair = repair;
   o.allow_recompute = false;  // timing must not decide what is loaded here
   auto caches = vq::make_caches("fp32", *c.model);
   Loaded out;
@@ -134,7 +135,7 @@ TEST(PrefixLoader, FaultsStopAtTheFaultyChunkWithThreads) {
     }
     for (const int threads : {1, 4}) {
       SCOPED_TRACE(fault + " threads " + std::to_string(threads));
-      const Loaded r = load(s, threads);
+      const Loaded r = load(s, threads, /*repair=*/false);  // the same fault for every thread count
       ASSERT_EQ(r.report.warnings.size(), 1u);
       const std::string& w = r.report.warnings.front();
       EXPECT_EQ(w.rfind(fmt::format("chunk {}: ", bad), 0), 0u) << w;
@@ -150,6 +151,63 @@ TEST(PrefixLoader, FaultsStopAtTheFaultyChunkWithThreads) {
       }
     }
   }
+}
+
+// Issue 36's cache poisoning: prompt B differs from prompt A in its first chunk only, so B's later
+// chunks hold A's tokens but other K/V. B's blobs written under A's keys (as a writer of a shared
+// store could) are refused as "of another prefix" (each blob carries the hash of its whole prefix),
+// with one warning, and only A's own first chunk is used. The refused blob leaves the store, so the
+// next put of A stores it again and A loads whole, bit for bit as from a clean store.
+TEST(PrefixLoader, ABlobOfAnotherPrefixIsRefusedAndRepairedByTheNextPut) {
+  const Context& c = context();
+  const int n = whole_chunks();
+  ASSERT_GE(n, 3);
+  const std::string level = "fp16";
+  const Stored a({level});
+  std::vector<int> b_tokens = c.tokens;
+  for (int t = 1; t < kC; ++t) b_tokens[static_cast<std::size_t>(t)] = (b_tokens[static_cast<std::size_t>(t)] + 7) % 500 + 3;
+  auto b_caches = vq::make_caches("fp32", *c.model);
+  c.model->forward(std::span<const int>(b_tokens).first(b_tokens.size() - 1), b_caches);
+  std::vector<vq::KVState> b_exact;
+  for (const auto& k : b_caches) b_exact.push_back(k->state());
+  vq::FileStore b_store(a.dir / "b");
+  vq::put_context(b_store, *c.model, a.scheme, std::span<const int>(b_tokens).first(b_tokens.size() - 1), b_exact);
+  ASSERT_FALSE(b_exact.back().keys.slice(2, kC, 2 * kC).contiguous(true).bit_equal(c.exact.back().keys.slice(2, kC, 2 * kC).contiguous(true)));  // layer 0 holds the tokens alone
+  // B's chunk i blob under A's key of chunk i, for every chunk after the first.
+  for (int i = 1; i < n; ++i) {
+    std::uint64_t hb = 0;
+    for (int k = 0; k <= i; ++k) hb = vq::chain_hash(hb, c.fp, a.scheme.levels[0], std::span<const int>(b_tokens).subspan(k * kC, kC));
+    const auto blob = b_store.get(vq::chunk_key(a.scheme.levels[0], hb));
+    ASSERT_TRUE(blob.has_value());
+    a.store->replace(a.level_key(i, 0), *blob);
+  }
+  const Loaded poisoned = load(a, 2);
+  ASSERT_EQ(poisoned.report.warnings.size(), 1u);
+  const std::string& w = poisoned.report.warnings.front();
+  EXPECT_EQ(w.rfind("chunk 1: ", 0), 0u) << w;
+  EXPECT_NE(w.find("blob of another prefix"), std::string::npos) << w;
+  EXPECT_NE(w.find("removed from the store: the next put stores it again"), std::string::npos) << w;
+  EXPECT_EQ(poisoned.report.tokens_reused, kC);
+  EXPECT_FALSE(a.store->exists(a.level_key(1, 0)));
+  // The next put of A stores chunk 1 again (chunks 2.. are still B's: refused in turn, one per load
+  // and put, until A is whole again).
+  const Loaded clean = [&] {
+    const Stored fresh({level});
+    return load(fresh, 1);
+  }();
+  for (int round = 0; round < n; ++round) {
+    vq::put_context(*a.store, *c.model, a.scheme, std::span<const int>(c.tokens).first(c.tokens.size() - 1), c.exact);
+    const Loaded r = load(a, 2);
+    if (r.report.tokens_reused == n * kC) {
+      EXPECT_TRUE(r.report.warnings.empty()) << r.report.warnings.front();
+      expect_same_caches(r.state, clean.state);
+      return;
+    }
+    ASSERT_EQ(r.report.warnings.size(), 1u);
+    EXPECT_NE(r.report.warnings.front().find("blob of another prefix"), std::string::npos) << r.report.warnings.front();
+    EXPECT_EQ(r.report.tokens_reused, (round + 2) * kC) << "each put repairs the chunk the load before it refused";
+  }
+  ADD_FAILURE() << "A never loaded whole again";
 }
 
 }  // namespace

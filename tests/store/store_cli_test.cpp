@@ -225,10 +225,23 @@ TEST(StoreCli, FaultsWarnRecomputeAndExitZero) {
   auto r = gen(args);
   EXPECT_EQ(r.code, 0) << r.err;
   EXPECT_EQ(r.out, plain.out);
-  const std::regex rejected(R"(warning: chunk 0: level fp32 blob rejected \(vqkv: [^\n]*checksum mismatch[^\n]*\); recomputing)");
+  const std::regex rejected(
+      R"(warning: chunk 0: level fp32 blob rejected \(vqkv: [^\n]*checksum mismatch[^\n]*\) \(removed from the store: the next put stores it again\); recomputing)");
   EXPECT_TRUE(std::regex_search(r.err, rejected)) << r.err;
+  const auto level_blobs = [&] {
+    const auto all = fs_store.list();
+    return std::count_if(all.begin(), all.end(), [](const std::string& k) { return k.rfind("vq-dir-", 0) != 0; });
+  };
+  EXPECT_EQ(level_blobs(), static_cast<std::ptrdiff_t>(level_keys.size()) - 1);  // chunk 0's, where the load stopped
+  // The next put stores chunk 0 again, and it loads.
+  ASSERT_EQ(put(s, "fp32").code, 0);
+  r = gen(args);
+  EXPECT_EQ(r.code, 0) << r.err;
+  EXPECT_EQ(r.out, plain.out);
+  EXPECT_EQ(r.err.find("warning: chunk 0"), std::string::npos) << r.err;
   // A missing blob.
-  for (const auto& k : level_keys) fs_store.remove(k);
+  for (const auto& k : fs_store.list())
+    if (k.rfind("vq-dir-", 0) != 0) fs_store.remove(k);
   r = gen(args);
   EXPECT_EQ(r.code, 0) << r.err;
   EXPECT_EQ(r.out, plain.out);

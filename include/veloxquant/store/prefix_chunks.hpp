@@ -104,6 +104,8 @@ std::vector<std::string> parse_levels(const std::string& list);
 // The chain: key_i from key_{i-1} (0 for the first chunk).
 std::uint64_t chain_hash(std::uint64_t prev, std::uint64_t model_fingerprint, const std::string& level, std::span<const int> tokens);
 std::string chunk_key(const std::string& level, std::uint64_t hash);
+// The hash a chunk key was made from (chunk_key's inverse), or nullopt for a key chunk_key does not make.
+std::optional<std::uint64_t> chunk_key_hash(std::string_view key);
 // The directory chain of a chunk size (no model, no level: see above).
 std::uint64_t directory_hash(std::uint64_t prev, int chunk_tokens, std::span<const int> tokens);
 std::string directory_key(std::uint64_t hash);
@@ -116,16 +118,20 @@ std::vector<int> decode_chunk_sizes(std::span<const std::uint8_t> blob);
 // `exact` (the chunk's exact float32 K/V, one entry per layer).
 ChunkKV level_chunk_kv(const Transformer& model, const std::string& level, const ChunkKV& exact);
 
-// Encode chunk `index` (its token ids `tokens`) at `level` from the exact K/V: the blob.
-Blob encode_chunk(const Transformer& model, std::uint64_t model_fingerprint, const std::string& level, int index,
+// Encode chunk `index` (its token ids `tokens`) at `level` from the exact K/V: the blob. `chain` is
+// the chunk's key hash (chain_hash over every chunk up to and including this one, at this level and
+// model): the blob carries it, so it is bound to its whole prefix, not only to its own tokens.
+Blob encode_chunk(const Transformer& model, std::uint64_t model_fingerprint, const std::string& level, int index, std::uint64_t chain,
                   std::span<const int> tokens, const ChunkKV& exact);
-Blob encode_chunk(const LevelCaches& fresh, std::uint64_t model_fingerprint, const std::string& level, int index,
+Blob encode_chunk(const LevelCaches& fresh, std::uint64_t model_fingerprint, const std::string& level, int index, std::uint64_t chain,
                   std::span<const int> tokens, const ChunkKV& exact);
-// Decode a blob and check that it is chunk `index` of these tokens at this level for this model.
-// Throws FormatError (corrupt blob, or one of another model/level/index/tokens). `vq_models`
-// rebuilds the layer models of vq levels (chunk_vq_models(model)); without it a vq chunk is refused.
+// Decode a blob and check that it is chunk `index` of these tokens, after this prefix (`chain`, as
+// encode_chunk), at this level for this model. Throws FormatError (corrupt blob, or one of another
+// model/level/index/prefix/tokens; a blob written before blobs carried their prefix hash is refused
+// too). `vq_models` rebuilds the layer models of vq levels (chunk_vq_models(model)); without it a
+// vq chunk is refused.
 ChunkKV decode_chunk(std::span<const std::uint8_t> blob, std::uint64_t model_fingerprint, const std::string& level, int index,
-                     std::span<const int> tokens, const VqLayerModelSource& vq_models = {});
+                     std::uint64_t chain, std::span<const int> tokens, const VqLayerModelSource& vq_models = {});
 // The same for a host that takes vq codes as they are: layer l comes as codes (vq[l], kv[l] empty)
 // where the blob holds codes only (a vq level, every token quantized), as rows (kv[l]) otherwise.
 struct ChunkCodes {
@@ -139,7 +145,7 @@ ChunkLayer vq_chunk_rows(const VqStoredLayer& layer, std::int64_t first_position
 // `buffers`: where the vq layers' code arrays come from (VqkvLoadOptions::vq_code_buffers), e.g.
 // those of chunks already fed, given back by the loader.
 ChunkCodes decode_chunk_codes(std::span<const std::uint8_t> blob, std::uint64_t model_fingerprint, const std::string& level, int index,
-                              std::span<const int> tokens, const VqLayerModelSource& vq_models = {}, VqCodeBuffers* buffers = nullptr);
+                              std::uint64_t chain, std::span<const int> tokens, const VqLayerModelSource& vq_models = {}, VqCodeBuffers* buffers = nullptr);
 // Whether caches of a level are live-coded by put_context (see above).
 bool live_coded_level(const std::vector<std::shared_ptr<KVCache>>& fresh_caches, int chunk_tokens);
 // The layer models of `model` for decode_chunk, built once per (layer, basis) and shared by every
@@ -176,6 +182,11 @@ struct PutReport {
   std::uint64_t bytes_written = 0;  // level blobs written, and index blobs (each replace counted whole)
   std::vector<ChunkDirectory> directories;
 };
+// Drop a refused blob (corrupt, forged, of another prefix): its entry leaves chunk position's
+// directory `directory` (read-modify-replace) and the blob is removed, so the next put of the same
+// prefix stores it again. Throws IoError.
+void forget_chunk(KVStore& store, const std::string& directory, const std::string& key);
+
 PutReport put_context(KVStore& store, const Transformer& model, const ChunkScheme& scheme, std::span<const int> tokens,
                       const std::vector<KVState>& exact);
 // The same without a model (the C API): `fresh` makes each level's caches.

@@ -81,6 +81,10 @@ struct LoaderOptions {
   // (PlanCosts::guard_bytes_per_ms): the plan still meets the deadline if the link falls to this
   // fraction at any moment, whenever some plan can; 1: trust the measured link.
   double slo_guard = 0.1;
+  // A blob refused for what it holds (it does not decode, fails its checks, or belongs to another
+  // prefix) is removed from the store with its directory entry (forget_chunk), so the next put of
+  // the prefix stores it again; said in the warning. false: the store is only read.
+  bool repair = true;
 };
 
 struct LoadedChunk {
