@@ -8,6 +8,7 @@
 #include "veloxquant/core/error.hpp"
 #include "veloxquant/store/file_store.hpp"
 #include "veloxquant/store/redis_store.hpp"
+#include "veloxquant/store/sealed_store.hpp"
 
 namespace vq {
 
@@ -53,11 +54,20 @@ std::unique_ptr<KVStore> open_file_store(std::string_view rest) {
 }
 }  // namespace
 
-std::unique_ptr<KVStore> open_store(const std::string& url) {
-  const std::string u = url.empty() ? std::string(kDefaultStoreUrl) : url;
+namespace {
+std::unique_ptr<KVStore> open_backend(const std::string& u) {
   if (u.rfind("file:", 0) == 0) return open_file_store(std::string_view(u).substr(5));
   if (u.rfind("redis://", 0) == 0 || u.rfind("redis-cluster://", 0) == 0) return make_redis_store(parse_redis_url(u));
   throw InvalidArgument(fmt::format("store URL '{}' is not one of file:DIR, redis://host:port, redis-cluster://host:port[,...]", u));
+}
+}  // namespace
+
+std::unique_ptr<KVStore> open_store(const std::string& url) {
+  // The guards (secret=, namespace=, or their environment variables) first: the backend never sees
+  // the secret, so no message of its names it.
+  auto [base, guards] = split_store_guards(url.empty() ? std::string(kDefaultStoreUrl) : url);
+  // Without guards the wrapper only refuses sealed blobs with a message that says why.
+  return std::make_unique<SealedStore>(open_backend(base), guards);
 }
 
 }  // namespace vq

@@ -490,9 +490,9 @@ std::uint64_t merge_index_blob(KVStore& store, const std::string& key, const std
   for (int attempt = 0; attempt < 3; ++attempt) {
     std::optional<T> now;
     if (attempt == 0 && read) now = std::move(*read);
-    else if (const auto blob = store.get(key)) {
-      try {
-        now = decode(*blob);
+    else {
+      try {  // a FormatError from get (a blob that fails the store's own checks, e.g. its MAC) is corrupt too
+        if (const auto blob = store.get(key)) now = decode(*blob);
       } catch (const FormatError&) {  // corrupt or foreign: replaced by ours
       }
     }
@@ -599,11 +599,9 @@ PutReport put_context(KVStore& store, const LevelCaches& fresh, const ChunkSchem
     // The directory is written last: an entry it lists names a blob already there. A level it
     // lists for this model under this chunk's key is skipped.
     std::optional<ChunkDirectory> existing;
-    if (const auto b = store.get(dkey)) {
-      try {
-        existing = decode_directory(*b);
-      } catch (const FormatError&) {  // corrupt: rewritten below
-      }
+    try {
+      if (const auto b = store.get(dkey)) existing = decode_directory(*b);
+    } catch (const FormatError&) {  // corrupt (or unauthenticated): rewritten below
     }
     ChunkDirectory dir;  // the scheme's levels, in its order
     std::vector<ChunkDirectory::Entry> added;

@@ -72,6 +72,45 @@ TEST(StoreCli, PutLsStatsRm) {
   EXPECT_EQ(vqtest::run_cli("store ls --store '" + s.url() + "'").out, "");
 }
 
+// A sealed store end to end (issue 36): a put with a secret is reused by a generate with it, and a
+// generate without it (or with a namespace of its own) reuses nothing and prints the same text; the
+// secret is never printed. ls/rm of a namespace work on its own keys.
+TEST(StoreCli, ASecretAndANamespaceGuardTheStore) {
+  StoreDir s;
+  const std::string sealed = s.url() + "?secret=hunter2&namespace=team-a";
+  const auto p = vqtest::run_cli(fmt::format("store put --store '{}' {} --prompt '{}' --levels fp16 --chunk-tokens 8 --json", sealed,
+                                             model_args(), kPrompt));
+  ASSERT_EQ(p.code, 0) << p.err;
+  const auto plain = gen("");
+  const auto with = gen("--store '" + sealed + "' --chunk-tokens 8 --no-recompute --json");
+  ASSERT_EQ(with.code, 0) << with.err;
+  EXPECT_GT(nlohmann::json::parse(with.out).at("tokens_reused").get<int>(), 0);
+  for (const std::string other : {s.url(), s.url() + "?namespace=team-a", s.url() + "?secret=hunter2&namespace=team-b"}) {
+    SCOPED_TRACE(other);
+    const auto r = gen("--store '" + other + "' --chunk-tokens 8 --no-recompute");
+    EXPECT_EQ(r.code, 0) << r.err;
+    EXPECT_EQ(r.out, plain.out);
+    EXPECT_NE(r.err.find("0 of "), std::string::npos) << r.err;
+    EXPECT_EQ(r.err.find("hunter2"), std::string::npos) << r.err;
+  }
+  const auto ls = vqtest::run_cli("store ls --store '" + sealed + "' --json");
+  ASSERT_EQ(ls.code, 0) << ls.err;
+  const auto keys = nlohmann::json::parse(ls.out).at("keys");
+  ASSERT_FALSE(keys.empty());
+  for (const auto& k : keys) EXPECT_EQ(k.get<std::string>().rfind("vq-ns", 0), 0u) << k;
+  // team-b's generate above stored its prompt under its own names: none of them is team-a's.
+  const auto other_keys = nlohmann::json::parse(vqtest::run_cli("store ls --store '" + s.url() + "?namespace=team-b' --json").out).at("keys");
+  ASSERT_FALSE(other_keys.empty());
+  for (const auto& k : other_keys) EXPECT_EQ(std::find(keys.begin(), keys.end(), k), keys.end()) << k;
+  // rm --all of a namespace removes its keys only: the plain ones and team-b's stay.
+  const auto all_before = vqtest::run_cli("store ls --store '" + s.url() + "'").out;
+  EXPECT_EQ(vqtest::run_cli("store rm --store '" + sealed + "' --all").code, 0);
+  EXPECT_EQ(nlohmann::json::parse(vqtest::run_cli("store ls --store '" + sealed + "' --json").out).at("keys").size(), 0u);
+  const auto all_after = vqtest::run_cli("store ls --store '" + s.url() + "'").out;
+  EXPECT_EQ(std::count(all_after.begin(), all_after.end(), '\n') + static_cast<std::ptrdiff_t>(keys.size()),
+            std::count(all_before.begin(), all_before.end(), '\n'));
+}
+
 TEST(StoreCli, BadInputIsOneLineAndNonzero) {
   for (const std::string args : {"store put --prompt x --store s3://bucket", "store put --store file:/tmp/x", "store rm --store file:/tmp/x",
                                  "store put --prompt x --levels fp99", "store rm --all k1", "store ls --store redis://h",

@@ -1,0 +1,72 @@
+// SealedStore: a store shared by writers who may not all be trusted (issue 36). It wraps any
+// backend (KVStore) with two optional guards, chosen by the store URL or the environment:
+//
+// - A secret (`?secret=TEXT`, else the environment variable VQ_STORE_SECRET): every blob written
+//   carries a MAC, keyed BLAKE2b-256 from libsodium (crypto_generichash) over the blob's key and
+//   bytes, under a key derived from the secret. A reader checks it before anything decodes the blob:
+//   a blob written without the secret, forged, moved to another key or corrupted is a FormatError
+//   naming the key, so the loaders treat it as corrupt (one warning, recompute). A reader without
+//   a secret refuses sealed blobs the same way (it says the store has a secret), never decodes them.
+//   The secret is never printed: describe() drops it from the URL.
+// - A namespace (`?namespace=TEXT`, else VQ_STORE_NAMESPACE; vLLM's `cache_salt`): every key is
+//   replaced by "vq-ns<8 hex>-<32 hex>", a keyed BLAKE2b of the key under the namespace, so one
+//   tenant's prefixes are never another's (their chains never meet) and cannot be found by
+//   computing a prompt's keys without the namespace. A namespace meant to hide prefixes must be as
+//   hard to guess as a password. Keys of the namespace listed by list() are its stored names; they
+//   are taken back as they are (store ls / rm work on them).
+//
+// Blob layout with a secret: "VQMAC\0\1\0" (8 bytes), the 32-byte tag, then the blob. Costs one
+// BLAKE2b pass over each blob read or written (docs/benchmarks.md, "Sealed store").
+#pragma once
+#include <array>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "veloxquant/store/kv_store.hpp"
+
+namespace vq {
+
+struct StoreGuards {
+  std::optional<std::string> secret;     // unset: no MAC
+  std::optional<std::string> name_space; // unset: the store's plain keys
+};
+
+class SealedStore : public KVStore {
+ public:
+  // `inner`: the backend. No guard: blobs pass as they are, but a sealed one is refused with a
+  // message that says the store has a secret (open_store always wraps its backend so). An empty
+  // secret or namespace is InvalidArgument.
+  SealedStore(std::unique_ptr<KVStore> inner, const StoreGuards& guards);
+
+  void put(std::string_view key, std::span<const std::uint8_t> blob) override;
+  void replace(std::string_view key, std::span<const std::uint8_t> blob) override;
+  std::optional<Blob> get(std::string_view key) override;
+  std::vector<std::optional<Blob>> get_many(std::span<const std::string> keys) override;
+  bool exists(std::string_view key) override;
+  bool remove(std::string_view key) override;
+  std::vector<std::string> list() override;  // with a namespace: its keys only, as stored
+  StoreStats stats() override;
+  std::string describe() const override;
+
+  // The key a plain key is stored under (itself without a namespace).
+  std::string stored_key(std::string_view key) const;
+
+ private:
+  Blob seal(const std::string& stored, std::span<const std::uint8_t> blob) const;
+  Blob open(const std::string& stored, Blob sealed) const;
+
+  std::unique_ptr<KVStore> inner_;
+  bool mac_ = false;
+  std::array<unsigned char, 32> mac_key_{};
+  bool ns_ = false;
+  std::array<unsigned char, 32> ns_key_{};
+  std::string ns_prefix_;  // "vq-ns<8 hex>-"
+};
+
+// Splits the guard options (secret=, namespace=) off a store URL's query, falling back to the
+// environment (VQ_STORE_SECRET, VQ_STORE_NAMESPACE): the URL left for the backend, and the guards.
+std::pair<std::string, StoreGuards> split_store_guards(const std::string& url);
+
+}  // namespace vq
