@@ -3,7 +3,11 @@
 
 #include <sys/stat.h>
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
 #include <fcntl.h>
 #include <system_error>
 
@@ -82,16 +86,33 @@ void FileStore::write(std::string_view key, std::span<const std::uint8_t> blob, 
   if (capacity_) evict_to_capacity();
 }
 
-std::optional<Blob> FileStore::get(std::string_view key) {
+std::optional<Blob> FileStore::get(std::string_view key) { return get_at_most(key, UINT64_MAX); }
+
+std::optional<Blob> FileStore::get_at_most(std::string_view key, std::uint64_t max_bytes) {
   const fs::path p = blob_path(key);
-  std::error_code ec;
-  if (!fs::exists(p, ec)) return std::nullopt;
-  Blob bytes;
-  try {
-    bytes = read_file_bytes(p.string());
-  } catch (const IoError&) {
-    if (!fs::exists(p, ec)) return std::nullopt;  // evicted or removed by another process meanwhile
-    throw;
+  // One open, then its size from the open file (no race with a replace between a stat and the read).
+  const int fd = ::open(p.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
+    if (errno == ENOENT) return std::nullopt;  // missing, or evicted or removed by another process meanwhile
+    throw IoError(fmt::format("store {}: cannot open blob '{}': {}", describe(), std::string(key), std::strerror(errno)));
+  }
+  struct Closer {
+    int fd;
+    ~Closer() { ::close(fd); }
+  } closer{fd};
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) throw IoError(fmt::format("store {}: cannot stat blob '{}': {}", describe(), std::string(key), std::strerror(errno)));
+  if (!S_ISREG(st.st_mode)) throw FormatError(fmt::format("store {}: blob '{}' is not a regular file", describe(), std::string(key)));
+  const auto size = static_cast<std::uint64_t>(st.st_size);
+  if (size > max_bytes) throw_blob_too_large(describe(), key, size, max_bytes);
+  Blob bytes(size);
+  std::size_t got = 0;
+  while (got < bytes.size()) {
+    const ssize_t n = ::read(fd, bytes.data() + got, bytes.size() - got);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) throw IoError(fmt::format("store {}: cannot read blob '{}': {}", describe(), std::string(key), std::strerror(errno)));
+    if (n == 0) throw FormatError(fmt::format("store {}: blob '{}' ended after {} of its {} bytes", describe(), std::string(key), got, size));
+    got += static_cast<std::size_t>(n);
   }
   // Mark it used (LRU): the modification time is recency, visible to every process.
   if (capacity_) ::utimensat(AT_FDCWD, p.c_str(), nullptr, 0);

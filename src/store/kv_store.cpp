@@ -30,6 +30,27 @@ std::vector<std::optional<Blob>> KVStore::get_many(std::span<const std::string> 
   return out;
 }
 
+std::optional<Blob> KVStore::get_at_most(std::string_view key, std::uint64_t max_bytes) {
+  auto b = get(key);
+  if (b && b->size() > max_bytes) throw_blob_too_large(describe(), key, b->size(), max_bytes);
+  return b;
+}
+
+std::vector<std::optional<Blob>> KVStore::get_many_at_most(std::span<const std::string> keys, std::uint64_t max_bytes) {
+  std::vector<std::optional<Blob>> out;
+  out.reserve(keys.size());
+  for (const auto& k : keys) out.push_back(get_at_most(k, max_bytes));
+  return out;
+}
+
+void throw_blob_too_large(const std::string& store, std::string_view key, std::uint64_t bytes, std::uint64_t max_bytes) {
+  if (bytes)
+    throw FormatError(fmt::format("store {}: blob '{}' holds {} bytes, more than the {} expected; refused unread", store,
+                                  std::string(key.substr(0, 100)), bytes, max_bytes));
+  throw FormatError(fmt::format("store {}: blob '{}' holds more than the {} bytes expected; refused unread", store,
+                                std::string(key.substr(0, 100)), max_bytes));
+}
+
 namespace {
 std::uint64_t parse_u64(std::string_view text, const std::string& what) {
   std::uint64_t v = 0;

@@ -492,7 +492,7 @@ std::uint64_t merge_index_blob(KVStore& store, const std::string& key, const std
     if (attempt == 0 && read) now = std::move(*read);
     else {
       try {  // a FormatError from get (a blob that fails the store's own checks, e.g. its MAC) is corrupt too
-        if (const auto blob = store.get(key)) now = decode(*blob);
+        if (const auto blob = store.get_at_most(key, kMaxIndexBlobBytes)) now = decode(*blob);
       } catch (const FormatError&) {  // corrupt or foreign: replaced by ours
       }
     }
@@ -600,7 +600,7 @@ PutReport put_context(KVStore& store, const LevelCaches& fresh, const ChunkSchem
     // lists for this model under this chunk's key is skipped.
     std::optional<ChunkDirectory> existing;
     try {
-      if (const auto b = store.get(dkey)) existing = decode_directory(*b);
+      if (const auto b = store.get_at_most(dkey, kMaxIndexBlobBytes)) existing = decode_directory(*b);
     } catch (const FormatError&) {  // corrupt (or unauthenticated): rewritten below
     }
     ChunkDirectory dir;  // the scheme's levels, in its order

@@ -208,7 +208,7 @@ LoadReport load(KVStore& store, Transformer* model, const ChunkShape& shape, std
       if (costs.get(e.level, shape_key)) continue;
       try {
         const auto t = Clock::now();
-        const auto blob = store.get(e.key);
+        const auto blob = store.get_at_most(e.key, e.bytes);  // the size its directory records
         link.finish(blob ? blob->size() : 0, t);
         if (!blob) continue;
         const auto td = Clock::now();
@@ -282,14 +282,19 @@ LoadReport load(KVStore& store, Transformer* model, const ChunkShape& shape, std
         continue;
       }
       const std::string key = dirs[static_cast<std::size_t>(i)].entries[static_cast<std::size_t>(choice)].key;
+      const std::uint64_t recorded = dirs[static_cast<std::size_t>(i)].entries[static_cast<std::size_t>(choice)].bytes;
       lock.unlock();
       std::optional<Blob> blob;
       std::string error;
+      bool rejected = false;
       const auto t = Clock::now();
       try {
-        blob = store.get(key);
+        blob = store.get_at_most(key, recorded);  // never more than its directory says it holds
         if (!blob) error = fmt::format("blob '{}' missing", key);
-      } catch (const std::exception& e) {  // IoError, FormatError, or a forged size's bad_alloc
+      } catch (const FormatError& e) {  // the blob's own fault: too large, fails its MAC, not ours
+        error = fmt::format("blob rejected ({})", e.what());
+        rejected = true;
+      } catch (const std::exception& e) {  // IoError, or a forged size's bad_alloc
         error = fmt::format("store {} failed ({})", store.describe(), e.what());
       }
       const double fetch_ms = link.finish(blob ? blob->size() : 0, t);
@@ -297,6 +302,7 @@ LoadReport load(KVStore& store, Transformer* model, const ChunkShape& shape, std
       f.fetch_ms = fetch_ms;
       if (!blob) {
         f.error = std::move(error);
+        f.rejected = rejected;
         f.ready = true;
         cv.notify_all();
         return;

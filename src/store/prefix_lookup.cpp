@@ -156,7 +156,7 @@ PrefixLookup lookup_prefix(KVStore& store, std::uint64_t fp, int chunk_tokens, c
   } else {
     std::optional<Blob> blob;
     try {
-      blob = store.get(kChunkSizesKey);
+      blob = store.get_at_most(kChunkSizesKey, kMaxIndexBlobBytes);
     } catch (const std::exception& e) {
       return fault_end(fmt::format("store {} failed ({})", store.describe(), e.what()));
     }
@@ -193,7 +193,7 @@ PrefixLookup lookup_prefix(KVStore& store, std::uint64_t fp, int chunk_tokens, c
   std::vector<std::optional<Blob>> got;
   if (!all_keys.empty()) {
     try {
-      got = store.get_many(all_keys);
+      got = store.get_many_at_most(all_keys, kMaxIndexBlobBytes);
     } catch (const std::exception&) {
       batch_ok = false;
     }
@@ -208,7 +208,7 @@ PrefixLookup lookup_prefix(KVStore& store, std::uint64_t fp, int chunk_tokens, c
     }
     for (int i = 0; i < w.positions; ++i) {
       try {
-        auto b = store.get(w.keys[static_cast<std::size_t>(i)]);
+        auto b = store.get_at_most(w.keys[static_cast<std::size_t>(i)], kMaxIndexBlobBytes);
         if (!b) break;
         w.got.push_back(std::move(b));
       } catch (const std::exception& e) {

@@ -382,18 +382,27 @@ class RedisStore : public KVStore {
     if (r->type == REDIS_REPLY_ERROR) ok_or_throw(r, "SET", key);
   }
 
-  std::optional<Blob> get(std::string_view key) override {
+  std::optional<Blob> get(std::string_view key) override { return get_at_most(key, UINT64_MAX); }
+  std::vector<std::optional<Blob>> get_many(std::span<const std::string> keys) override { return get_many_at_most(keys, UINT64_MAX); }
+  std::optional<Blob> get_at_most(std::string_view key, std::uint64_t max_bytes) override {
     const std::string k(key);
-    return std::move(get_many(std::span<const std::string>(&k, 1))[0]);
+    return std::move(get_many_at_most(std::span<const std::string>(&k, 1), max_bytes)[0]);
   }
 
-  std::vector<std::optional<Blob>> get_many(std::span<const std::string> keys) override {
+  std::vector<std::optional<Blob>> get_many_at_most(std::span<const std::string> keys, std::uint64_t max_bytes) override {
     for (const auto& k : keys) check_store_key(k);
     std::lock_guard lock(mu_);
     std::vector<std::string> heads;
     for (const auto& k : keys) heads.push_back(head_key(k));
+    // Bounded: a head is read up to one byte past what an allowed blob's head can hold (its tag
+    // byte, then max_bytes, or a manifest), so a longer value is known to be too long unread.
+    const std::uint64_t head_max = std::max<std::uint64_t>(kManifestBytes, max_bytes >= UINT64_MAX - 2 ? max_bytes : max_bytes + 1);
+    const bool bounded = head_max < (std::uint64_t{1} << 40);
     std::vector<Cmd> cmds;
-    for (const auto& h : heads) cmds.push_back({h, {"GET", h}});
+    for (const auto& h : heads) {
+      if (bounded) cmds.push_back({h, {"GETRANGE", h, "0", std::to_string(head_max)}});
+      else cmds.push_back({h, {"GET", h}});
+    }
     auto replies = router_->exec(cmds);
     std::vector<std::optional<Blob>> out(keys.size());
     // Heads that are manifests: fetch all their parts in one more round.
@@ -404,14 +413,17 @@ class RedisStore : public KVStore {
       const Reply& r = replies[i];
       if (r->type == REDIS_REPLY_NIL) continue;
       if (r->type == REDIS_REPLY_ERROR) ok_or_throw(replies[i], "GET", keys[i]);
+      if (bounded && r->type == REDIS_REPLY_STRING && r->len == 0) continue;  // GETRANGE of a missing key is ""
       if (r->type != REDIS_REPLY_STRING || r->len < 1) throw not_ours(keys[i], "an empty or non-string value");
       if (r->str[0] == kTagBlob) {
+        if (static_cast<std::uint64_t>(r->len) - 1 > max_bytes) throw_blob_too_large(describe(), keys[i], 0, max_bytes);
         out[i] = Blob(reinterpret_cast<const std::uint8_t*>(r->str) + 1, reinterpret_cast<const std::uint8_t*>(r->str) + r->len);
       } else if (r->str[0] == kTagManifest && r->len == kManifestBytes) {
         const Manifest m{get_u64(r->str + 1), get_u64(r->str + 9), get_u64(r->str + 17)};
         // Bounds before anything is sized by them: a forged head must not make us allocate.
         if (m.parts == 0 || m.parts > kMaxParts || m.parts > m.size || m.size / m.parts > (std::uint64_t{512} << 20))
           throw not_ours(keys[i], "a manifest with impossible sizes");
+        if (m.size > max_bytes) throw_blob_too_large(describe(), keys[i], m.size, max_bytes);
         split.emplace_back(i, m);
         for (std::uint64_t p = 0; p < m.parts; ++p) part_names.push_back(part_key(heads[i], p));
       } else {
@@ -454,6 +466,8 @@ class RedisStore : public KVStore {
     if (r->type != REDIS_REPLY_STRING || r->len == 0) return false;
     std::uint64_t parts = 0;
     if (r->str[0] == kTagManifest && r->len == kManifestBytes) parts = get_u64(r->str + 1);
+    // A forged count costs no more than the most parts a put ever writes (a 2^40 count once took 18 GB).
+    parts = std::min(parts, kMaxParts);
     // Head first: once it is gone no reader looks for the parts.
     auto d = std::move(router_->exec({{head, {"DEL", head}}})[0]);
     if (d->type == REDIS_REPLY_ERROR) ok_or_throw(d, "DEL", key);

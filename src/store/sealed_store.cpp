@@ -119,20 +119,29 @@ void SealedStore::replace(std::string_view key, std::span<const std::uint8_t> bl
   inner_->replace(k, seal(k, blob));
 }
 
-std::optional<Blob> SealedStore::get(std::string_view key) {
-  const std::string k = stored_key(key);
-  auto b = inner_->get(k);
-  if (!b) return b;
-  return open(k, std::move(*b));
+std::optional<Blob> SealedStore::get(std::string_view key) { return get_at_most(key, UINT64_MAX); }
+
+std::vector<std::optional<Blob>> SealedStore::get_many(std::span<const std::string> keys) { return get_many_at_most(keys, UINT64_MAX); }
+
+std::optional<Blob> SealedStore::get_at_most(std::string_view key, std::uint64_t max_bytes) {
+  const std::string k(key);
+  return std::move(get_many_at_most(std::span<const std::string>(&k, 1), max_bytes)[0]);
 }
 
-std::vector<std::optional<Blob>> SealedStore::get_many(std::span<const std::string> keys) {
+std::vector<std::optional<Blob>> SealedStore::get_many_at_most(std::span<const std::string> keys, std::uint64_t max_bytes) {
   std::vector<std::string> stored;
   stored.reserve(keys.size());
   for (const auto& k : keys) stored.push_back(stored_key(k));
-  auto got = inner_->get_many(stored);
+  // The seal's header on top of the bound (a reader without the secret allows it too, to say why it
+  // refuses a sealed blob rather than that it is too large).
+  const std::uint64_t inner_max = max_bytes > UINT64_MAX - kHeader ? UINT64_MAX : max_bytes + kHeader;
+  auto got = stored.size() == 1 ? std::vector<std::optional<Blob>>{inner_->get_at_most(stored[0], inner_max)}
+                                 : inner_->get_many_at_most(stored, inner_max);
   for (std::size_t i = 0; i < got.size(); ++i)
-    if (got[i]) got[i] = open(stored[i], std::move(*got[i]));
+    if (got[i]) {
+      got[i] = open(stored[i], std::move(*got[i]));
+      if (got[i]->size() > max_bytes) throw_blob_too_large(describe(), keys[i], got[i]->size(), max_bytes);
+    }
   return got;
 }
 

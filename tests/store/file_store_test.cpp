@@ -181,4 +181,25 @@ TEST(StoreUrl, ClusterSlotsFollowRedis) {
   EXPECT_NE(vq::redis_cluster_slot("{}foo"), 12182);  // empty tag: the whole key
 }
 
+
+// Bounded reads (issue 36): an 8 GiB blob (sparse) is refused from its size, unread; a bound it
+// fits is read whole.
+TEST(FileStore, ReadsAreBoundedBeforeTheyAreMade) {
+  TempDir d;
+  vq::FileStore s(d.path);
+  s.put("small", vq::Blob(100, 7));
+  EXPECT_EQ(s.get_at_most("small", 100)->size(), 100u);
+  EXPECT_FALSE(s.get_at_most("absent", 10).has_value());
+  s.put("huge", vq::Blob(1, 1));
+  fs::resize_file(s.blob_path("huge"), std::uint64_t{8} << 30);
+  try {
+    s.get_at_most("huge", std::uint64_t{1} << 20);
+    ADD_FAILURE() << "an 8 GiB blob was read";
+  } catch (const vq::FormatError& e) {
+    EXPECT_NE(std::string(e.what()).find("holds 8589934592 bytes, more than the 1048576 expected; refused unread"), std::string::npos)
+        << e.what();
+  }
+  const std::vector<std::string> keys{"small", "huge"};
+  EXPECT_THROW(s.get_many_at_most(keys, 1000), vq::FormatError);
+}
 }  // namespace

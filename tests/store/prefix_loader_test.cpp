@@ -210,6 +210,34 @@ TEST(PrefixLoader, ABlobOfAnotherPrefixIsRefusedAndRepairedByTheNextPut) {
   ADD_FAILURE() << "A never loaded whole again";
 }
 
+// Bounded reads (issue 36): a level blob longer than its directory records, and a 1 GiB directory
+// (its JSON then zeros, sparse), are refused unread with one warning; the blob is repaired as any
+// refused blob.
+TEST(PrefixLoader, BlobsLargerThanRecordedAreRefusedUnread) {
+  const Context& c = context();
+  {
+    const Stored s({"fp16"});
+    auto blob = *s.store->get(s.level_key(1, 0));
+    blob.push_back(0);
+    s.store->replace(s.level_key(1, 0), blob);
+    const Loaded r = load(s, 2);
+    ASSERT_EQ(r.report.warnings.size(), 1u);
+    EXPECT_NE(r.report.warnings[0].find("refused unread"), std::string::npos) << r.report.warnings[0];
+    EXPECT_NE(r.report.warnings[0].find("removed from the store"), std::string::npos) << r.report.warnings[0];
+    EXPECT_EQ(r.report.tokens_reused, kC);
+  }
+  {
+    const Stored s({"fp16"});
+    const std::string dkey = vq::directory_key(vq::directory_hash(0, kC, std::span<const int>(c.tokens).first(kC)));
+    ASSERT_TRUE(s.store->exists(dkey));
+    fs::resize_file(s.store->blob_path(dkey), std::uint64_t{1} << 30);
+    const Loaded r = load(s, 2);
+    EXPECT_EQ(r.report.tokens_reused, 0);
+    ASSERT_EQ(r.report.warnings.size(), 1u);
+    EXPECT_NE(r.report.warnings[0].find("refused unread"), std::string::npos) << r.report.warnings[0];
+  }
+}
+
 }  // namespace
 
 // The level choice follows the cost table (store/load_plan.hpp): a level whose decode the table

@@ -132,6 +132,57 @@ TEST(RedisStore, ForeignValuesAreFormatErrors) {
   g_servers->cli(g_plain, "DEL 'foreign:{x}'");
 }
 
+// Bounded reads (issue 36): a value longer than the reader allows is refused from its first bytes
+// (GETRANGE), a split blob from its manifest, before any part is read; and remove of a forged
+// manifest's 2^40 parts deletes at most the most parts a put writes (it once took 18 GB of RSS).
+void bounded_reads(vq::KVStore& s, bool split) {
+  const auto blob = bytes_of(split ? 5000 : 300000, 5);
+  s.remove("bounded");
+  s.put("bounded", blob);
+  EXPECT_EQ(*s.get_at_most("bounded", blob.size()), blob);
+  try {
+    s.get_at_most("bounded", blob.size() - 1);
+    ADD_FAILURE() << "a blob over the bound was read";
+  } catch (const vq::FormatError& e) {
+    EXPECT_NE(std::string(e.what()).find("refused unread"), std::string::npos) << e.what();
+  }
+  const std::vector<std::string> keys{"bounded", "absent"};
+  const auto many = s.get_many_at_most(keys, blob.size());
+  EXPECT_EQ(*many[0], blob);
+  EXPECT_FALSE(many[1].has_value());
+  EXPECT_THROW(s.get_many_at_most(keys, 100), vq::FormatError);
+  EXPECT_TRUE(s.remove("bounded"));
+}
+
+TEST(RedisStore, ReadsAreBoundedAndRemoveCapsForgedParts) {
+  SKIP_WITHOUT_REDIS();
+  auto s = vq::open_store(plain_url("?prefix=bounded:"));
+  bounded_reads(*s, false);
+  auto split = vq::open_store(plain_url("?prefix=bounded:&part_bytes=1000"));
+  bounded_reads(*split, true);
+  // A manifest claiming 2^40 parts (of one byte each).
+  std::string m = "M";
+  const auto le = [](std::uint64_t v) {
+    std::string o;
+    for (int k = 0; k < 8; ++k) o += fmt::format("\\{:03o}", (v >> (8 * k)) & 0xff);
+    return o;
+  };
+  m += le(std::uint64_t{1} << 40) + le(std::uint64_t{1} << 40) + le(0);
+  ASSERT_EQ(std::system(fmt::format("printf '{}' | redis-cli -h 127.0.0.1 -p {} -x SET 'bounded:{{forged}}' >/dev/null", m,
+                                    g_servers->port(g_plain)).c_str()),
+            0);
+  EXPECT_EQ(g_servers->cli(g_plain, "STRLEN 'bounded:{forged}'"), "25\n");
+  EXPECT_THROW(s->get("forged"), vq::FormatError);
+  EXPECT_TRUE(s->remove("forged"));  // quick, and bounded in memory
+  EXPECT_FALSE(s->exists("forged"));
+}
+
+TEST(RedisCluster, ReadsAreBounded) {
+  SKIP_WITHOUT_REDIS();
+  auto s = vq::open_store(cluster_url("?prefix=bounded:"));
+  bounded_reads(*s, false);
+}
+
 TEST(RedisStore, GetManyPipelines) {
   SKIP_WITHOUT_REDIS();
   auto s = vq::open_store(plain_url("?prefix=many:&part_bytes=300"));

@@ -28,6 +28,7 @@ class FileStore : public KVStore {
   void put(std::string_view key, std::span<const std::uint8_t> blob) override;
   void replace(std::string_view key, std::span<const std::uint8_t> blob) override;
   std::optional<Blob> get(std::string_view key) override;
+  std::optional<Blob> get_at_most(std::string_view key, std::uint64_t max_bytes) override;
   bool exists(std::string_view key) override;
   bool remove(std::string_view key) override;
   std::vector<std::string> list() override;

@@ -54,6 +54,13 @@ class KVStore {
   virtual std::optional<Blob> get(std::string_view key) = 0;
   // Several blobs at once (pipelined where the backend can); result i is get(keys[i]).
   virtual std::vector<std::optional<Blob>> get_many(std::span<const std::string> keys);
+  // Bounded reads: get / get_many, but a blob of more than `max_bytes` is refused before it is read
+  // (FormatError naming the key, its size where known, and the bound), so a forged or runaway blob
+  // never costs its size in memory. The prefix store reads every level blob bounded by the size its
+  // directory records, and index blobs by kMaxIndexBlobBytes. The defaults read whole and then
+  // check; every backend here overrides them to bound the read itself.
+  virtual std::optional<Blob> get_at_most(std::string_view key, std::uint64_t max_bytes);
+  virtual std::vector<std::optional<Blob>> get_many_at_most(std::span<const std::string> keys, std::uint64_t max_bytes);
   virtual bool exists(std::string_view key) = 0;
   // Remove the blob; true when it was there.
   virtual bool remove(std::string_view key) = 0;
@@ -73,5 +80,7 @@ inline constexpr std::size_t kMaxStoreKeyBytes = 100;  // file: names a blob by 
 
 // Throws InvalidArgument unless `key` is a valid store key (see above).
 void check_store_key(std::string_view key);
+// The FormatError of a bounded read that found more than it allows (bytes 0: size unknown).
+[[noreturn]] void throw_blob_too_large(const std::string& store, std::string_view key, std::uint64_t bytes, std::uint64_t max_bytes);
 
 }  // namespace vq

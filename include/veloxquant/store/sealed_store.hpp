@@ -44,6 +44,8 @@ class SealedStore : public KVStore {
   void replace(std::string_view key, std::span<const std::uint8_t> blob) override;
   std::optional<Blob> get(std::string_view key) override;
   std::vector<std::optional<Blob>> get_many(std::span<const std::string> keys) override;
+  std::optional<Blob> get_at_most(std::string_view key, std::uint64_t max_bytes) override;
+  std::vector<std::optional<Blob>> get_many_at_most(std::span<const std::string> keys, std::uint64_t max_bytes) override;
   bool exists(std::string_view key) override;
   bool remove(std::string_view key) override;
   std::vector<std::string> list() override;  // with a namespace: its keys only, as stored
