@@ -83,7 +83,30 @@ void FileStore::write(std::string_view key, std::span<const std::uint8_t> blob, 
   std::error_code ec;
   if (keep_existing && fs::exists(p, ec)) return;  // immutable: the first complete writer wins, later ones are no-ops
   write_file_atomically(p.string(), blob);
-  if (capacity_) evict_to_capacity();
+  if (capacity_ && held_.load() == 0) evict_to_capacity();
+}
+
+void FileStore::mark_used(std::span<const std::string> keys) {
+  if (!capacity_ || keys.empty()) return;
+  // Explicit times, a microsecond apart, the first newest: the order survives coarse clocks.
+  struct timespec now {};
+  ::clock_gettime(CLOCK_REALTIME, &now);
+  const std::int64_t base = static_cast<std::int64_t>(now.tv_sec) * 1000000 + now.tv_nsec / 1000;
+  for (std::size_t j = 0; j < keys.size(); ++j) {
+    const std::int64_t us = base - static_cast<std::int64_t>(j);
+    struct timespec t[2];
+    t[0].tv_sec = t[1].tv_sec = static_cast<time_t>(us / 1000000);
+    t[0].tv_nsec = t[1].tv_nsec = static_cast<long>(us % 1000000) * 1000;
+    ::utimensat(AT_FDCWD, blob_path(keys[j]).c_str(), t, 0);  // a blob evicted meanwhile: nothing to mark
+  }
+}
+
+void FileStore::hold_eviction(bool hold) {
+  if (hold) {
+    ++held_;
+    return;
+  }
+  if (--held_ == 0 && capacity_) evict_to_capacity();
 }
 
 std::optional<Blob> FileStore::get(std::string_view key) { return get_at_most(key, UINT64_MAX); }

@@ -572,6 +572,23 @@ PutReport put_context(KVStore& store, const LevelCaches& fresh, const ChunkSchem
   require(scheme.chunk_tokens >= 1, "chunk tokens must be >= 1, got {}", scheme.chunk_tokens);
   require(!scheme.levels.empty(), "put_context: no levels");
   const std::size_t C = static_cast<std::size_t>(scheme.chunk_tokens);
+  // Eviction waits for the whole put, which then marks its chunks first-chunk-newest (a prefix is
+  // evicted from its end, never stranding what follows a gap).
+  struct Hold {
+    KVStore& store;
+    std::vector<std::string> used{kChunkSizesKey};  // the order mark_used takes: newest first
+    explicit Hold(KVStore& s) : store(s) { store.hold_eviction(true); }
+    ~Hold() {
+      try {
+        store.mark_used(used);
+      } catch (...) {  // recency is a hint; the release below must happen
+      }
+      try {
+        store.hold_eviction(false);
+      } catch (...) {  // an eviction that failed leaves the store above capacity until the next write
+      }
+    }
+  } hold(store);
   PutReport rep;
   rep.chunks = static_cast<int>(tokens.size() / C);
   std::vector<std::uint64_t> prev(scheme.levels.size(), 0);
@@ -625,6 +642,8 @@ PutReport put_context(KVStore& store, const LevelCaches& fresh, const ChunkSchem
       added.push_back(dir.entries.back());
     }
     dir.chunk_tokens = scheme.chunk_tokens;
+    for (const auto& e : dir.entries) hold.used.push_back(e.key);
+    hold.used.push_back(dkey);
     if (!added.empty()) {
       rep.bytes_written += add_to_directory(store, dkey, scheme.chunk_tokens, added, existing);
       ++rep.chunks_written;

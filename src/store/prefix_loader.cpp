@@ -290,7 +290,7 @@ LoadReport load(KVStore& store, Transformer* model, const ChunkShape& shape, std
       const auto t = Clock::now();
       try {
         blob = store.get_at_most(key, recorded);  // never more than its directory says it holds
-        if (!blob) error = fmt::format("blob '{}' missing", key);
+        if (!blob) error = fmt::format("blob '{}' missing", key), rejected = true;  // evicted or removed: its entry goes too
       } catch (const FormatError& e) {  // the blob's own fault: too large, fails its MAC, not ours
         error = fmt::format("blob rejected ({})", e.what());
         rejected = true;
@@ -457,6 +457,21 @@ LoadReport load(KVStore& store, Transformer* model, const ChunkShape& shape, std
     rep.chunks.push_back(rc);
     rep.tokens_filled += static_cast<int>(C);
     if (f.choice >= 0) rep.tokens_reused += static_cast<int>(C);
+  }
+  // Recency for stores that evict: the chunks used, first chunk newest (KVStore::mark_used).
+  if (!rep.chunks.empty()) {
+    std::vector<std::string> used;
+    std::uint64_t dh = 0;
+    for (const LoadedChunk& lc : rep.chunks) {
+      dh = directory_hash(dh, found.chunk_tokens, chunk_tokens(lc.index));
+      for (const auto& e : dirs[static_cast<std::size_t>(lc.index)].entries)
+        if (e.level == lc.level) used.push_back(e.key);
+      used.push_back(directory_key(dh));
+    }
+    try {
+      store.mark_used(used);
+    } catch (const std::exception&) {  // a hint only
+    }
   }
   if (!lookup_fault.empty() && rep.warnings.empty()) warn(lookup_fault);
   // A stored prefix that was not (all) used says why, in one line.

@@ -156,6 +156,13 @@ std::vector<std::string> SealedStore::list() {
 
 StoreStats SealedStore::stats() { return inner_->stats(); }
 
+void SealedStore::mark_used(std::span<const std::string> keys) {
+  std::vector<std::string> stored;
+  stored.reserve(keys.size());
+  for (const auto& k : keys) stored.push_back(stored_key(k));
+  inner_->mark_used(stored);
+}
+
 std::string SealedStore::describe() const {
   std::string d = inner_->describe();
   if (mac_) d += " (sealed)";

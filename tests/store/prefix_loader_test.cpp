@@ -238,6 +238,61 @@ TEST(PrefixLoader, BlobsLargerThanRecordedAreRefusedUnread) {
   }
 }
 
+// Eviction never strands reachable chunks (issue 36: `file:?capacity=` evicted chunk 0 first, so
+// every later chunk stayed stored and unreachable). A store holding about half of a put: what is
+// left is a prefix of whole chunks (blob and directory), and a load reuses all of it; a second put
+// after the load still keeps a prefix.
+TEST(PrefixLoader, EvictionTakesAPrefixFromItsEnd) {
+  const Context& c = context();
+  const int n = whole_chunks();
+  const std::span<const int> prefill = std::span<const int>(c.tokens).first(c.tokens.size() - 1);
+  vq::ChunkScheme scheme{c.fp, kC, {"fp16"}};
+  const fs::path big = fs::temp_directory_path() / fmt::format("vq-evict-full-{}", ::getpid());
+  fs::remove_all(big);
+  std::uint64_t total = 0;
+  {
+    vq::FileStore full(big);
+    vq::put_context(full, *c.model, scheme, prefill, c.exact);
+    total = full.stats().bytes;
+  }
+  fs::remove_all(big);
+  const fs::path dir = fs::temp_directory_path() / fmt::format("vq-evict-{}", ::getpid());
+  fs::remove_all(dir);
+  vq::FileStore store(dir, total / 2);
+  const auto present = [&] {  // chunks whose level blob and directory are both stored
+    std::vector<bool> p;
+    std::uint64_t h = 0, dh = 0;
+    for (int i = 0; i < n; ++i) {
+      const auto toks = prefill.subspan(static_cast<std::size_t>(i) * kC, kC);
+      h = vq::chain_hash(h, c.fp, scheme.levels[0], toks);
+      dh = vq::directory_hash(dh, kC, toks);
+      p.push_back(store.exists(vq::chunk_key(scheme.levels[0], h)) && store.exists(vq::directory_key(dh)));
+    }
+    return p;
+  };
+  const auto expect_prefix = [&](const char* when) -> int {
+    const auto p = present();
+    const int m = static_cast<int>(std::find(p.begin(), p.end(), false) - p.begin());
+    EXPECT_GE(m, 1) << when;
+    EXPECT_LT(m, n) << when << ": the capacity holds about half";
+    for (int i = m; i < n; ++i) EXPECT_FALSE(p[static_cast<std::size_t>(i)]) << when << ": chunk " << i << " stranded after a gap at " << m;
+    return m;
+  };
+  vq::put_context(store, *c.model, scheme, prefill, c.exact);
+  const int m = expect_prefix("after the put");
+  EXPECT_LE(store.stats().bytes, total / 2);
+  vq::LoaderOptions o;
+  o.scheme = scheme;
+  o.allow_recompute = false;
+  auto caches = vq::make_caches("fp32", *c.model);
+  const auto rep = vq::load_prefix(store, *c.model, caches, c.tokens, o);
+  EXPECT_EQ(rep.tokens_reused, m * kC);
+  EXPECT_TRUE(rep.warnings.empty()) << rep.warnings.front();
+  vq::put_context(store, *c.model, scheme, prefill, c.exact);
+  expect_prefix("after a second put");
+  fs::remove_all(dir);
+}
+
 }  // namespace
 
 // The level choice follows the cost table (store/load_plan.hpp): a level whose decode the table

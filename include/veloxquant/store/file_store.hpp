@@ -14,6 +14,7 @@
 #pragma once
 #include <cstdint>
 #include <filesystem>
+#include <atomic>
 #include <mutex>
 
 #include "veloxquant/store/kv_store.hpp"
@@ -34,6 +35,8 @@ class FileStore : public KVStore {
   std::vector<std::string> list() override;
   StoreStats stats() override;
   std::string describe() const override;
+  void mark_used(std::span<const std::string> keys) override;
+  void hold_eviction(bool hold) override;
 
   // Where a key's blob lives (for tests).
   std::filesystem::path blob_path(std::string_view key) const;
@@ -44,6 +47,7 @@ class FileStore : public KVStore {
   std::filesystem::path dir_, blobs_;
   std::uint64_t capacity_;
   std::mutex evict_mutex_;  // one evictor per process; other processes may evict concurrently
+  std::atomic<int> held_{0};  // hold_eviction depth
 };
 
 }  // namespace vq

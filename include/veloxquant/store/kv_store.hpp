@@ -69,6 +69,15 @@ class KVStore {
   virtual StoreStats stats() = 0;
   // The URL this store was opened with (password removed), for messages.
   virtual std::string describe() const = 0;
+  // Recency for backends that evict (file:?capacity=): `keys` were just used, the first most
+  // recently. The prefix store marks a prefix's chunks first-chunk-newest after a put or a load, so
+  // eviction takes a prefix's last chunks before its first: it never strands chunks that a walk
+  // from chunk 0 can no longer reach. Default: nothing.
+  virtual void mark_used(std::span<const std::string> keys) { (void)keys; }
+  // Writes between hold_eviction(true) and hold_eviction(false) (counted, any thread) evict nothing;
+  // the release evicts down to the capacity. put_context holds it around its writes and its
+  // mark_used, so its own first chunks are never the oldest while it writes the later ones.
+  virtual void hold_eviction(bool hold) { (void)hold; }
 };
 
 // The store a URL names (see the table above); "" is file:./.vqkv-store. Throws InvalidArgument on

@@ -51,6 +51,8 @@ class SealedStore : public KVStore {
   std::vector<std::string> list() override;  // with a namespace: its keys only, as stored
   StoreStats stats() override;
   std::string describe() const override;
+  void mark_used(std::span<const std::string> keys) override;
+  void hold_eviction(bool hold) override { inner_->hold_eviction(hold); }
 
   // The key a plain key is stored under (itself without a namespace).
   std::string stored_key(std::string_view key) const;
