@@ -284,7 +284,7 @@ TEST(StoreCli, FaultsWarnRecomputeAndExitZero) {
   r = gen(args);
   EXPECT_EQ(r.code, 0) << r.err;
   EXPECT_EQ(r.out, plain.out);
-  const std::regex missing(R"(warning: chunk 0: blob '[^']+' missing; recomputing)");
+  const std::regex missing(R"(warning: chunk 0: blob '[^']+' missing \(removed from the store: the next put stores it again\); recomputing)");
   EXPECT_TRUE(std::regex_search(r.err, missing)) << r.err;
   // A store that is down (nothing listens on a fresh free port).
   r = gen(fmt::format("--store redis://127.0.0.1:{}?timeout_ms=200 --chunk-tokens 8", vqtest::free_port()));
