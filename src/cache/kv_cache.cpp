@@ -1,5 +1,7 @@
 #include "veloxquant/cache/kv_cache.hpp"
 
+#include <cmath>
+
 #include <algorithm>
 #include <cstring>
 #include <typeinfo>
@@ -146,8 +148,13 @@ std::int64_t KVCache::trim(std::int64_t n) {
 Tensor KVCache::attend(const Tensor& queries, float scale) const {
   check_attention_queries(*this, queries, scale);
   Tensor out;
-  if (attend_own(queries, scale, out)) return out;
-  return detail::attend_tiled_checked(*this, queries, scale);
+  if (!attend_own(queries, scale, out)) out = detail::attend_tiled_checked(*this, queries, scale);
+  // Finite queries over finite K/V whose products overflow float32 (|x| near 1e19 and above, or a
+  // lossy method's scales that do) would give inf/NaN: an error, never a result (issue 36).
+  if (!out.all_finite())
+    throw InvalidArgument(fmt::format("attention over this {} cache is not finite: its keys, values or the queries are too large "
+                                      "for float32 arithmetic (scale them down)", kind()));
+  return out;
 }
 
 std::int64_t KVCache::attention_tile_tokens() const {

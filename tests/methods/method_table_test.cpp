@@ -139,6 +139,37 @@ TEST(MethodTable, AttendEqualsDenseAttentionOverWhatTheCacheReturns) {
   }
 }
 
+// Huge finite K/V (issue 36: at |x| near 3e38 vq, cachegen and fp8 attention was inf/NaN; fp16
+// stored inf above 65504): every row either refuses them at update with InvalidArgument, or its
+// attention refuses, or its attention is finite. Never a non-finite success.
+TEST(MethodTable, HugeFiniteKVGiveAFiniteResultOrAnError) {
+  constexpr std::int64_t T = 300, D = 8, Hkv = 4, Hq = 8;
+  for (const double magnitude : {7e4, 1e19, 3e38}) {
+    for (const auto& r : vq::method_table()) {
+      SCOPED_TRACE(std::string(r.name) + " at " + std::to_string(magnitude));
+      auto caches = vq::make_caches(MethodSpec::parse(r.name), model());
+      auto& cache = *caches[0];
+      std::vector<float> kv(static_cast<std::size_t>(Hkv * T * D));
+      for (std::size_t i = 0; i < kv.size(); ++i) kv[i] = static_cast<float>(magnitude * ((i * 37 % 101) / 50.0 - 1.0));
+      const Tensor k = Tensor::from_f32({1, Hkv, T, D}, kv), v = Tensor::from_f32({1, Hkv, T, D}, kv);
+      try {
+        cache.update_and_fetch(k, v);
+      } catch (const vq::InvalidArgument& e) {
+        if (std::string(r.name) == "fp16") EXPECT_NE(std::string(e.what()).find("outside float16's range"), std::string::npos) << e.what();
+        continue;
+      }
+      EXPECT_NE(std::string(r.name), "fp16") << "fp16 stored values beyond float16's range";
+      const Tensor q = vqtest::random_uniform({1, Hq, 1, D}, 33);
+      try {
+        const Tensor o = cache.attend(q, 0.35f);
+        EXPECT_TRUE(o.all_finite());
+      } catch (const vq::InvalidArgument& e) {
+        EXPECT_NE(std::string(e.what()).find("not finite"), std::string::npos) << e.what();
+      }
+    }
+  }
+}
+
 // The rows that save to .vqkv: every layer's K/V after a save and a load are the same bits.
 TEST(MethodTable, SavedRowsLoadBackExactly) {
   const auto ck = std::make_shared<const vq::Checkpoint>(vq::Checkpoint::load(vqtest::model_path()));
