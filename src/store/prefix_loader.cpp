@@ -138,6 +138,20 @@ LoadReport load(KVStore& store, Transformer* model, const ChunkShape& shape, std
     rep.warnings.push_back(std::move(msg));
   };
 
+  // With a deadline, no store call waits past it (the lookup's directory fetches included): a
+  // stalled store costs the deadline, then a recompute. Reset when the load ends, however it ends.
+  struct Deadline {
+    KVStore& store;
+    bool set = false;
+    ~Deadline() {
+      if (set) store.set_deadline(std::nullopt);
+    }
+  } deadline{store};
+  if (o.slo_ms) {
+    store.set_deadline(t0 + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double, std::milli>(*o.slo_ms)));
+    deadline.set = true;
+  }
+
   // The stored prefix, its chunk size and levels found in the store (store/prefix_lookup.hpp); a
   // forced level narrows the levels to itself.
   PrefixLookup found = lookup_prefix(store, scheme.model_fingerprint, scheme.chunk_tokens,

@@ -9,7 +9,10 @@
 
 #include <algorithm>
 #include <array>
+#include <cerrno>
 #include <charconv>
+#include <chrono>
+#include <optional>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -48,6 +51,7 @@ class Conn {
       return pipeline_once(cmds);
     } catch (const IoError&) {
       close();
+      if (deadline_passed()) throw;  // no retry past the deadline
       return pipeline_once(cmds);
     }
   }
@@ -58,7 +62,7 @@ class Conn {
     c_ = nullptr;
   }
   void connect() {
-    const timeval tv{o_.timeout_ms / 1000, (o_.timeout_ms % 1000) * 1000};
+    const timeval tv = wait();
     c_ = redisConnectWithTimeout(host_.c_str(), port_, tv);
     if (!c_ || c_->err) {
       const std::string why = c_ ? c_->errstr : "out of memory";
@@ -82,8 +86,27 @@ class Conn {
           throw IoError(fmt::format("redis {}: {} refused: {}", name(), setup.size() > 1 || !o_.password.empty() ? "AUTH/SELECT" : "SELECT", why));
         }
   }
+  // Nanoseconds left before the store's deadline (KVStore::set_deadline); nullopt: none set.
+  std::optional<std::int64_t> ns_left() const {
+    const std::int64_t d = o_.deadline_ns ? o_.deadline_ns->load() : 0;
+    if (d == 0) return std::nullopt;
+    return d - std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count();
+  }
+  bool deadline_passed() const {
+    const auto left = ns_left();
+    return left && *left <= 0;
+  }
+  // The wait for this batch: timeout_ms, or less when the deadline is nearer.
+  timeval wait() const {
+    std::int64_t us = static_cast<std::int64_t>(o_.timeout_ms) * 1000;
+    if (const auto left = ns_left()) us = std::max<std::int64_t>(1000, std::min(us, *left / 1000));
+    return timeval{static_cast<time_t>(us / 1000000), static_cast<suseconds_t>(us % 1000000)};
+  }
   std::vector<Reply> pipeline_once(const std::vector<Argv>& cmds) {
+    if (deadline_passed()) throw IoError(fmt::format("redis {}: the load's deadline passed before the store answered", name()));
     if (!c_) connect();
+    waited_ = wait();
+    redisSetTimeout(c_, waited_);
     return pipeline_raw(cmds);
   }
   std::vector<Reply> pipeline_raw(const std::vector<Argv>& cmds) {
@@ -108,7 +131,11 @@ class Conn {
     return replies;
   }
   [[noreturn]] void fail(const char* what) {
-    const std::string why = c_ && c_->err ? c_->errstr : "connection lost";
+    std::string why = c_ && c_->err ? c_->errstr : "connection lost";
+    // hiredis reports a read timeout as the socket's EAGAIN ("Resource temporarily unavailable").
+    if (c_ && c_->err == REDIS_ERR_IO && (errno == EAGAIN || errno == EWOULDBLOCK || why.find("temporarily unavailable") != std::string::npos))
+      why = fmt::format("no reply within {} ms ({})", waited_.tv_sec * 1000 + waited_.tv_usec / 1000,
+                        deadline_passed() ? "the load's deadline" : "timeout_ms");
     close();
     throw IoError(fmt::format("redis {}: {} failed: {}", name(), what, why));
   }
@@ -117,6 +144,7 @@ class Conn {
   int port_;
   const RedisOptions& o_;
   redisContext* c_ = nullptr;
+  timeval waited_{};  // the wait of the last batch (for a timeout's message)
   std::string db_text_;
 };
 
@@ -340,6 +368,11 @@ class RedisStore : public KVStore {
   explicit RedisStore(RedisOptions o) : o_(std::move(o)) {
     if (o_.cluster) router_ = std::make_unique<ClusterRouter>(o_);
     else router_ = std::make_unique<SingleRouter>(o_);
+  }
+
+  void set_deadline(std::optional<std::chrono::steady_clock::time_point> until) override {
+    o_.deadline_ns->store(until ? std::max<std::int64_t>(1, std::chrono::duration_cast<std::chrono::nanoseconds>(until->time_since_epoch()).count())
+                                : 0);
   }
 
   std::string describe() const override {

@@ -105,6 +105,11 @@ class RedisServers {
       s.pid = -1;
     }
   }
+  // A stalled server (SIGSTOP): connections stay open and nothing answers, until resumed (SIGCONT).
+  void pause(std::size_t i, bool paused) {
+    const auto& s = servers_.at(i);
+    if (s.pid > 0) ::kill(s.pid, paused ? SIGSTOP : SIGCONT);
+  }
   void stop_all() {
     for (std::size_t i = 0; i < servers_.size(); ++i) stop(i);
   }

@@ -4,6 +4,7 @@
 // Skipped, with a message saying why, when redis-server is not installed.
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <memory>
 #include <set>
 
@@ -181,6 +182,43 @@ TEST(RedisCluster, ReadsAreBounded) {
   SKIP_WITHOUT_REDIS();
   auto s = vq::open_store(cluster_url("?prefix=bounded:"));
   bounded_reads(*s, false);
+}
+
+// --slo-ms bounds the whole load, the directory's fetch included (issue 36: a stalled Redis made a
+// 50 ms deadline return after 4.8 s: a 2 s timeout and a retry). With the server stopped (SIGSTOP),
+// a load under a 200 ms deadline gives up within a fraction of one timeout, with one warning that
+// names the deadline, and the store serves normally once the server resumes.
+TEST(RedisStore, AStalledStoreCostsOnlyTheDeadline) {
+  SKIP_WITHOUT_REDIS();
+  auto s = vq::open_store(plain_url("?prefix=slo:&timeout_ms=2000"));
+  const auto c = vqtest::synth_context(64, 7);
+  const std::uint64_t fp = 0x5107;
+  vqtest::synth_put(*s, c, fp, 16, {"fp16"});
+  const int reused = vqtest::synth_get(*s, c.tokens, fp).report.tokens_reused;
+  ASSERT_GT(reused, 0);
+  vq::LoaderOptions o;
+  o.scheme.model_fingerprint = fp;
+  o.slo_ms = 200;
+  auto caches = vq::make_caches(vq::MethodSpec::parse("fp32"),
+                                vq::ModelDescription::uniform(vqtest::SynthContext::kLayers, vqtest::SynthContext::kDim));
+  g_servers->pause(g_plain, true);
+  const auto t = std::chrono::steady_clock::now();
+  vq::LoadReport rep;
+  try {
+    rep = vq::load_prefix(*s, vq::ChunkShape{vqtest::SynthContext::kHeads, vqtest::SynthContext::kDim}, caches, c.tokens, o);
+  } catch (...) {
+    g_servers->pause(g_plain, false);
+    throw;
+  }
+  const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t).count();
+  g_servers->pause(g_plain, false);
+  EXPECT_EQ(rep.tokens_reused, 0);
+  ASSERT_EQ(rep.warnings.size(), 1u);
+  EXPECT_NE(rep.warnings[0].find("deadline"), std::string::npos) << rep.warnings[0];
+  EXPECT_LT(ms, 1900.0) << "the load waited for the store's own timeout, not its deadline";
+  // The deadline ended with the load: the store answers as before.
+  EXPECT_EQ(vqtest::synth_get(*s, c.tokens, fp).report.tokens_reused, reused);
+  for (const auto& k : s->list()) s->remove(k);
 }
 
 TEST(RedisStore, GetManyPipelines) {

@@ -19,6 +19,7 @@
 //       ?prefix=P [vqkv:]  &timeout_ms=N [2000]  &part_bytes=N [64 MiB]
 //   redis-cluster://host:port[,host:port...]   a Redis Cluster, same options (store/redis_store.hpp)
 #pragma once
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -78,6 +79,11 @@ class KVStore {
   // the release evicts down to the capacity. put_context holds it around its writes and its
   // mark_used, so its own first chunks are never the oldest while it writes the later ones.
   virtual void hold_eviction(bool hold) { (void)hold; }
+  // A deadline for every call on this store from now on (any thread), until reset with nullopt: a
+  // networked backend waits no longer than it for a reply (nor retries past it) and fails with an
+  // IoError that says so. load_prefix sets it from slo_ms, so the whole load, directory included,
+  // ends by its deadline however the store stalls. Default (local backends): nothing.
+  virtual void set_deadline(std::optional<std::chrono::steady_clock::time_point> until) { (void)until; }
 };
 
 // The store a URL names (see the table above); "" is file:./.vqkv-store. Throws InvalidArgument on

@@ -23,6 +23,7 @@
 // - Thread-safe: one mutex serialises a store's connections (open one store per thread for
 //   parallel clients).
 #pragma once
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -40,6 +41,9 @@ struct RedisOptions {
   std::string prefix = "vqkv:";
   int timeout_ms = 2000;                           // connect and read/write timeout
   std::uint64_t part_bytes = std::uint64_t{64} << 20;  // blobs above it are split into parts of it
+  // Internal: the store's deadline (KVStore::set_deadline), steady-clock nanoseconds, 0: none;
+  // shared by its connections.
+  std::shared_ptr<std::atomic<std::int64_t>> deadline_ns = std::make_shared<std::atomic<std::int64_t>>(0);
 };
 
 // Parse a redis:// or redis-cluster:// URL. Throws InvalidArgument naming the bad part.

@@ -53,6 +53,7 @@ class SealedStore : public KVStore {
   std::string describe() const override;
   void mark_used(std::span<const std::string> keys) override;
   void hold_eviction(bool hold) override { inner_->hold_eviction(hold); }
+  void set_deadline(std::optional<std::chrono::steady_clock::time_point> until) override { inner_->set_deadline(until); }
 
   // The key a plain key is stored under (itself without a namespace).
   std::string stored_key(std::string_view key) const;
