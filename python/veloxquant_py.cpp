@@ -76,10 +76,28 @@ vq::Tensor to_tensor(const py::handle obj, const char* what, py::array& keep) {
                               py::str(static_cast<py::object>(dt)).cast<std::string>() +
                               "; convert it with .astype(np.float32) or .astype(np.float16)");
   }
+  // The element count before anything is copied: a broadcast (zero strides) may claim far more than
+  // memory holds, and its copy would fail deep inside numpy.
+  std::int64_t numel = 1;
+  for (py::ssize_t i = 0; i < 4; ++i) {
+    const auto d = static_cast<std::int64_t>(a.shape(i));
+    if (d == 0) {
+      numel = 0;
+      break;
+    }
+    if (numel > vq::kMaxElements / d) numel = vq::kMaxElements + 1;
+    else numel *= d;
+  }
+  if (numel > vq::kMaxElements)
+    throw vq::InvalidArgument(std::string(what) + " of shape " + shape_of(a) + " holds more than 2^40 elements");
   constexpr int kNeed = py::detail::npy_api::NPY_ARRAY_C_CONTIGUOUS_ | py::detail::npy_api::NPY_ARRAY_ALIGNED_;
   if ((a.flags() & kNeed) != kNeed) {
-    a = py::array::ensure(a, kNeed);  // a C-contiguous aligned copy
-    if (!a) throw py::error_already_set();
+    // ensure() clears numpy's error when the copy fails (no memory for it): say what was asked.
+    py::array copy = py::array::ensure(a, kNeed);  // a C-contiguous aligned copy
+    if (!copy)
+      throw vq::InvalidArgument(std::string(what) + " of shape " + shape_of(a) + " is not contiguous and could not be copied (" +
+                                std::to_string(numel * static_cast<std::int64_t>(dt.itemsize())) + " bytes; a broadcast? pass a real array)");
+    a = copy;
   }
   const vq::Shape4 shape{a.shape(0), a.shape(1), a.shape(2), a.shape(3)};
   keep = a;

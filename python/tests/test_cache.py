@@ -1,5 +1,7 @@
 """CacheGenKVCache through the Python API: the reference's tested behaviour, and veloxquant's
 group_aligned fix."""
+import pathlib
+
 import numpy as np
 import pytest
 import veloxquant as vq
@@ -257,6 +259,21 @@ def test_noncontiguous_input_is_copied_not_misread(dtype):
     b = np.broadcast_to(row, k.shape)
     c1, c2 = vq.CacheGenKVCache(cfg()), vq.CacheGenKVCache(cfg())
     assert c1.update_and_fetch(b, b)[0].tobytes() == c2.update_and_fetch(np.ascontiguousarray(b), np.ascontiguousarray(b))[0].tobytes()
+
+
+def test_huge_broadcasts_and_fp16_overflow_are_value_errors():
+    # Issue 36: a zero-stride array claiming terabytes raised a pybind11 internal error; an fp16
+    # cache stored values beyond float16's range as inf.
+    huge = np.broadcast_to(np.float32(1), (1, 1, 1 << 26, 1 << 12))  # 1 TiB as a copy
+    with pytest.raises(ValueError, match="could not be copied"):
+        vq.CacheGenKVCache(cfg()).update_and_fetch(huge, huge)
+    beyond = np.broadcast_to(np.float32(1), (1 << 20, 1 << 20, 1 << 10, 1 << 10))
+    with pytest.raises(ValueError, match="more than 2\\^40 elements"):
+        vq.CacheGenKVCache(cfg()).update_and_fetch(beyond, beyond)
+    model = pathlib.Path(__file__).resolve().parents[3] / "shared" / "models" / "stories260K.bin"
+    big = np.full((1, 8, 4, 8), 1e5, dtype=np.float32)
+    with pytest.raises(ValueError, match="outside float16's range"):
+        vq.make_caches("fp16", str(model))[0].update_and_fetch(big, big)
 
 
 def test_inputs_are_not_modified_and_copies_are_independent():

@@ -133,6 +133,9 @@ std::string default_store_levels() {
 }
 
 MethodSpec MethodSpec::parse(const std::string& spec) {
+  // Messages echo the spec: a runaway one (a file pasted by mistake) is named by its start only.
+  if (spec.size() > kMaxMethodSpecBytes)
+    throw InvalidArgument(fmt::format("method spec of {} bytes is longer than {} ('{}...')", spec.size(), kMaxMethodSpecBytes, spec.substr(0, 40)));
   const auto colon = spec.find(':');
   const bool has_colon = colon != std::string::npos;
   const std::string name = spec.substr(0, colon);

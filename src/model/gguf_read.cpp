@@ -2,6 +2,7 @@
 // untrusted bytes: every count and size is checked against the bytes left before it is used.
 #include <algorithm>
 #include <cstdio>
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <map>
@@ -204,6 +205,9 @@ class Parser {
 
   void read_kv() {
     std::string key = c_.str("a metadata key");
+    if (key.empty())
+      c_.fail(fmt::format("metadata pair {} has an empty key: the metadata before it is malformed (an array shorter than its count?)",
+                          kv_.size()));
     const auto type = c_.raw<std::uint32_t>("a value type");
     Value v;
     if (type == kArray) {
@@ -272,6 +276,9 @@ class Parser {
           out[static_cast<std::size_t>(blk * kQ8BlockValues + k)] = scale * static_cast<float>(static_cast<std::int8_t>(b[2 + k]));
       }
     }
+    // A NaN or infinite weight poisons every activation after it: refused here, by name.
+    for (std::size_t k = 0; k < out.size(); ++k)
+      if (!std::isfinite(out[k])) c_.fail(fmt::format("tensor {} holds {} weight at element {}", tname, std::isnan(out[k]) ? "a NaN" : "an infinite", k));
     return out;
   }
   void append(std::vector<float>& all, const std::vector<float>& part) { all.insert(all.end(), part.begin(), part.end()); }

@@ -55,6 +55,10 @@ std::optional<std::string> key_of_name(const std::string& name) {
 
 FileStore::FileStore(fs::path dir, std::uint64_t capacity) : dir_(std::move(dir)), blobs_(dir_ / "blobs"), capacity_(capacity) {
   std::error_code ec;
+  // A dangling symbolic link reads as "File exists" from create_directories: say what it is.
+  if (std::error_code lc; fs::is_symlink(dir_, lc) && !fs::exists(dir_, lc))
+    throw IoError(fmt::format("store file:{}: it is a symbolic link to {}, which does not exist", dir_.string(),
+                              fs::read_symlink(dir_, lc).string()));
   fs::create_directories(blobs_, ec);
   if (ec || !fs::is_directory(blobs_))
     throw IoError(fmt::format("store file:{}: cannot create directory {}: {}", dir_.string(), blobs_.string(),

@@ -100,6 +100,14 @@ TEST(LlamaStateCli, BadInputIsOneLineAndExitOne) {
   r = run("compress --llama-state " + p("six.bin") + " --model " + model + " -o " + p("x.vqkv"));
   EXPECT_EQ(r.code, 1);
   EXPECT_NE(r.err.find("the state has 6 layers"), std::string::npos) << r.err;
+  // A token id outside the model's vocabulary (issue 36: id 100000 with a vocabulary of 512 was taken).
+  vq::LlamaState far = stories_state(vq::DType::F16, false, 20);
+  far.tokens[7] = 100000;
+  vq::save_llama_state(p("far.bin"), far);
+  r = run("compress --llama-state " + p("far.bin") + " --model " + model + " -o " + p("x.vqkv"));
+  EXPECT_EQ(r.code, 1);
+  EXPECT_NE(r.err.find("token 7 is id 100000, outside the vocabulary of 512"), std::string::npos) << r.err;
+  EXPECT_FALSE(std::filesystem::exists(p("x.vqkv")));
   // Not a state at all: the model file itself.
   r = run("compress --llama-state " + model + " --model " + model + " -o " + p("x.vqkv"));
   EXPECT_EQ(r.code, 1);

@@ -192,6 +192,35 @@ TEST(Gguf, RefusesTruncatedAndCorruptFiles) {
   EXPECT_NE(patched(info - 8, &huge_dim, 8).find("cannot fit"), std::string::npos);
 }
 
+// Issue 36: a NaN or infinite weight is refused at load with the tensor's name (it loaded and
+// generated "Once<unk><unk>..."), and a shortened array, which makes the next key read as empty,
+// says so (it read "metadata key '' appears twice").
+TEST(Gguf, NonFiniteWeightsAndShortenedArraysAreNamed) {
+  const Source& s = source();
+  for (const float bad : {std::nanf(""), INFINITY}) {
+    vq::Checkpoint ck = s.ck;
+    ck.wk[ck.wk.size() / 2] = bad;
+    const std::string e = parse_error(vq::gguf_bytes(ck, s.tok));
+    EXPECT_NE(e.find("tensor blk."), std::string::npos) << e;
+    EXPECT_NE(e.find(std::isnan(bad) ? "holds a NaN weight" : "holds an infinite weight"), std::string::npos) << e;
+  }
+  auto b = s.gguf;
+  const std::size_t scores_len = find(b, "tokenizer.ggml.scores") + 21 + 8;
+  std::uint64_t n = 0;
+  std::memcpy(&n, b.data() + scores_len, 8);
+  --n;
+  std::memcpy(b.data() + scores_len, &n, 8);
+  const std::string e = parse_error(b);
+  EXPECT_EQ(e.find("appears twice"), std::string::npos) << e;
+  EXPECT_NE(e.find("truncated"), std::string::npos) << e;
+  // A key of length 0 (what a shortened array left where the issue met it).
+  auto z = s.gguf;
+  const std::uint64_t zero = 0;
+  std::memcpy(z.data() + find(z, "general.architecture") - 8, &zero, 8);
+  const std::string ez = parse_error(z);
+  EXPECT_NE(ez.find("has an empty key: the metadata before it is malformed"), std::string::npos) << ez;
+}
+
 TEST(Gguf, CliConvertsAndEveryModelCommandTakesTheGgufAlone) {
   const std::string dir = vqtest::temp_dir() + "/gguf_cli";
   std::filesystem::create_directories(dir);

@@ -92,3 +92,15 @@ TEST(ModelFiles, LooksInEnvironmentDirectoryAndExplainsFailure) {
 }
 
 }  // namespace
+
+// Issue 36's messages: a 100 KB spec is named by its start, not echoed whole.
+TEST(MethodSpec, ARunawaySpecIsNotEchoedWhole) {
+  const std::string spec = "vq:bits=2," + std::string(100000, 'x');
+  try {
+    vq::MethodSpec::parse(spec);
+    ADD_FAILURE() << "parsed";
+  } catch (const vq::InvalidArgument& e) {
+    EXPECT_LT(std::string(e.what()).size(), 200u) << e.what();
+    EXPECT_NE(std::string(e.what()).find("100010 bytes"), std::string::npos) << e.what();
+  }
+}

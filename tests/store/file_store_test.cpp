@@ -202,4 +202,19 @@ TEST(FileStore, ReadsAreBoundedBeforeTheyAreMade) {
   const std::vector<std::string> keys{"small", "huge"};
   EXPECT_THROW(s.get_many_at_most(keys, 1000), vq::FormatError);
 }
+
+// Issue 36's messages: a store folder that is a dangling symbolic link says so (it read "File exists").
+TEST(FileStore, ADanglingSymlinkIsNamed) {
+  TempDir d;
+  fs::create_directories(d.path);
+  const fs::path link = d.path / "store";
+  fs::create_symlink(d.path / "gone", link);
+  try {
+    vq::FileStore s(link);
+    ADD_FAILURE() << "opened a dangling link";
+  } catch (const vq::IoError& e) {
+    EXPECT_NE(std::string(e.what()).find("symbolic link to"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("does not exist"), std::string::npos) << e.what();
+  }
+}
 }  // namespace

@@ -107,6 +107,9 @@ std::vector<std::shared_ptr<vq::KVCache>> compress_llama_state(const CompressOpt
   vq::Transformer model(load_checkpoint(o.model));
   const auto& c = model.config();
   const vq::LlamaState st = vq::load_llama_state(o.llama_state, {c.n_layers, c.n_kv_heads, c.head_size(), c.head_size()});
+  for (std::size_t i = 0; i < st.tokens.size(); ++i)
+    vq::require(st.tokens[i] >= 0 && st.tokens[i] < c.vocab_size, "{}: token {} is id {}, outside the vocabulary of {} (another model's state?)",
+                o.llama_state, i, st.tokens[i], c.vocab_size);
   const bool fp16 = spec.kind == vq::MethodSpec::Kind::Fp16;
   if (fp16) spec = vq::MethodSpec::parse("fp32");
   auto caches = vq::make_caches(spec, model);

@@ -22,6 +22,9 @@ namespace vq {
 
 class Transformer;
 
+// The longest method spec parse() takes (the longest canonical spec is far shorter).
+inline constexpr std::size_t kMaxMethodSpecBytes = 512;
+
 struct MethodSpec {
   // One per row of the method table, in its order.
   enum class Kind { Fp32, Fp16, CacheGen, Kivi, Q8_0, Q4_0, Q4_1, Fp8, Lmcache, CachegenPaper, Vq };
