@@ -19,7 +19,10 @@
 #include "veloxquant/peers/cachegen_paper_cache.hpp"
 #include "veloxquant/peers/lmcache_cache.hpp"
 #include "veloxquant/vq/vq_cache.hpp"
+#include "veloxquant/methods/method_spec.hpp"
+#include "veloxquant/store/prefix_chunks.hpp"
 #include "cachegen_paper_fuzz_profile.hpp"
+#include "store_blob_fuzz_identity.hpp"
 #include "context_fuzz_layout.hpp"
 #include "order1_fuzz_shape.hpp"
 #include "../tests/format/vqkv_test_util.hpp"
@@ -73,8 +76,38 @@ void write_chunks(const std::filesystem::path& dir, const Cache& cache, std::uin
 
 }  // namespace
 
+// fuzz_store_blob: a chunk blob at each level of the target's identity, valid, cut and flipped.
+void store_blob_seeds(const std::filesystem::path& root) {
+  const auto dir = root / "fuzz_store_blob";
+  const auto model = vq::ModelDescription::uniform(vqfuzz::kBlobLayers, vqfuzz::kBlobDim);
+  const vq::LevelCaches fresh = [&](const std::string& level) { return vq::make_caches(vq::MethodSpec::parse(level), model); };
+  std::mt19937 rng(36);
+  std::normal_distribution<float> nd;
+  vq::ChunkKV exact;
+  const auto C = static_cast<std::int64_t>(vqfuzz::kBlobTokens.size());
+  for (int l = 0; l < vqfuzz::kBlobLayers; ++l) {
+    std::vector<float> k(static_cast<std::size_t>(vqfuzz::kBlobHeads * C * vqfuzz::kBlobDim)), v(k.size());
+    for (auto& x : k) x = nd(rng);
+    for (auto& x : v) x = nd(rng);
+    exact.push_back({vq::Tensor::from_f32({1, vqfuzz::kBlobHeads, C, vqfuzz::kBlobDim}, k),
+                     vq::Tensor::from_f32({1, vqfuzz::kBlobHeads, C, vqfuzz::kBlobDim}, v)});
+  }
+  int n = 0;
+  for (const auto& level : vqfuzz::kBlobLevels) {
+    const auto b = vq::encode_chunk(fresh, vqfuzz::kBlobModel, vq::MethodSpec::parse(level).to_string(), vqfuzz::kBlobIndex,
+                                    vqfuzz::kBlobChain, vqfuzz::kBlobTokens, exact);
+    write_seeds(dir, n++, b, b.size() * 2 / 3, b.size() / 2, 0x08);
+  }
+  write(dir, "empty", {});
+}
+
 int main(int argc, char** argv) {
   const std::filesystem::path root = argc > 1 ? argv[1] : "fuzz/corpus";
+  // One target's seeds alone: vq_fuzz_make_corpus fuzz/corpus fuzz_store_blob
+  if (argc > 2 && std::string(argv[2]) == "fuzz_store_blob") {
+    store_blob_seeds(root);
+    return 0;
+  }
   const auto rd = root / "fuzz_rans_decode", ft = root / "fuzz_frequency_table";
   int k = 0;
   for (auto [alphabet, n, scale] : {std::tuple{16, 100, 12}, {16, 40, 11}, {2, 70, 4}, {256, 300, 14},
@@ -364,6 +397,7 @@ int main(int argc, char** argv) {
     write_seeds(ls, n++, b, b.size() * 2 / 3, 12 + 8, 0x01);  // the flip lands in the packing's count
   }
   write(ls, "empty", {});
+  store_blob_seeds(root);
   std::printf("corpus written under %s\n", root.c_str());
   return 0;
 }

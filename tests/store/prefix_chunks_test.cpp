@@ -7,6 +7,7 @@
 #include <filesystem>
 
 #include "store_context.hpp"
+#include "../../fuzz/store_blob_fuzz_identity.hpp"
 #include "veloxquant/core/error.hpp"
 #include "veloxquant/model/checkpoint.hpp"
 #include "veloxquant/methods/method_spec.hpp"
@@ -233,3 +234,35 @@ TEST(PrefixChunks, ForcedLevelLoadsThatLevelWithAndWithoutAModel) {
 }
 
 }  // namespace
+
+// The fuzz_store_blob seeds (fuzz/corpus, written by vq_fuzz_make_corpus) are what the fuzzer needs
+// to start inside the decoders: each valid_i decodes at level i of the target's identity, and at
+// no other level; its cut and flipped copies do not decode.
+TEST(PrefixChunks, TheBlobFuzzSeedsDecodeOnlyAsTheirOwnChunk) {
+  const std::string dir = std::string(VQ_SOURCE_DIR) + "/fuzz/corpus/fuzz_store_blob/";
+  for (std::size_t i = 0; i < vqfuzz::kBlobLevels.size(); ++i) {
+    const std::string valid = vqtest::read_file(dir + "valid_" + std::to_string(i));
+    const vq::Blob b(valid.begin(), valid.end());
+    for (std::size_t j = 0; j < vqfuzz::kBlobLevels.size(); ++j) {
+      const std::string level = vq::MethodSpec::parse(vqfuzz::kBlobLevels[j]).to_string();
+      const auto decode = [&](const vq::Blob& x, std::uint64_t chain) {
+        return vq::decode_chunk_codes(x, vqfuzz::kBlobModel, level, vqfuzz::kBlobIndex, chain, vqfuzz::kBlobTokens);
+      };
+      if (i == j) {
+        EXPECT_NO_THROW(decode(b, vqfuzz::kBlobChain)) << level;
+        EXPECT_THROW(decode(b, vqfuzz::kBlobChain ^ 1), vq::FormatError) << level;
+      } else {
+        EXPECT_THROW(decode(b, vqfuzz::kBlobChain), vq::FormatError) << level;
+      }
+    }
+    for (const char* broken : {"truncated_", "flipped_"}) {
+      const std::string t = vqtest::read_file(dir + broken + std::to_string(i));
+      EXPECT_THROW(vq::decode_chunk_codes(vq::Blob(t.begin(), t.end()), vqfuzz::kBlobModel,
+                                          vq::MethodSpec::parse(vqfuzz::kBlobLevels[i]).to_string(), vqfuzz::kBlobIndex,
+                                          vqfuzz::kBlobChain, vqfuzz::kBlobTokens),
+                   vq::FormatError)
+          << broken << i;
+    }
+  }
+}
+
