@@ -1,9 +1,14 @@
 // SealedStore (store/sealed_store.hpp): a MAC per blob and a namespace per tenant, over any backend.
 #include "veloxquant/store/sealed_store.hpp"
 
-#include <sodium.h>
+#include <openssl/crypto.h>
+#include <openssl/core_names.h>
+#include <openssl/evp.h>
+#include <openssl/rand.h>
 
+#include <algorithm>
 #include <cstdlib>
+#include <initializer_list>
 #include <cstring>
 
 #include <fmt/core.h>
@@ -14,27 +19,33 @@ namespace vq {
 
 namespace {
 
-constexpr unsigned char kMagic[8] = {'V', 'Q', 'M', 'A', 'C', 0, 1, 0};
-constexpr std::size_t kTagBytes = 32;
-constexpr std::size_t kHeader = sizeof kMagic + kTagBytes;
+// Trailer of a sealed blob: the blob, then its nonce (16 random bytes), its tag (16), the magic (8).
+constexpr unsigned char kMagic[8] = {'V', 'Q', 'M', 'A', 'C', 0, 2, 0};
+constexpr std::size_t kNonceBytes = 16, kTagBytes = 16;
+constexpr std::size_t kTrailer = kNonceBytes + kTagBytes + sizeof kMagic;
 
-void init_sodium() {
-  static const int rc = sodium_init();  // thread-safe, once; < 0: the library cannot be used
-  if (rc < 0) throw IoError("libsodium could not be initialised");
-}
-
-// A 32-byte key derived from a domain and a text (BLAKE2b-256, unkeyed).
-std::array<unsigned char, 32> derive(std::string_view domain, std::string_view text) {
+// HMAC-SHA256(key, parts...): key derivation and the namespace's key names (small inputs).
+std::array<unsigned char, 32> hmac(std::span<const unsigned char> key, std::initializer_list<std::string_view> parts) {
   std::array<unsigned char, 32> out{};
-  crypto_generichash_state st;
-  crypto_generichash_init(&st, nullptr, 0, out.size());
-  crypto_generichash_update(&st, reinterpret_cast<const unsigned char*>(domain.data()), domain.size());
-  const unsigned char zero = 0;
-  crypto_generichash_update(&st, &zero, 1);
-  crypto_generichash_update(&st, reinterpret_cast<const unsigned char*>(text.data()), text.size());
-  crypto_generichash_final(&st, out.data(), out.size());
+  EVP_MAC* mac = EVP_MAC_fetch(nullptr, "HMAC", nullptr);
+  EVP_MAC_CTX* ctx = mac ? EVP_MAC_CTX_new(mac) : nullptr;
+  OSSL_PARAM params[] = {OSSL_PARAM_construct_utf8_string("digest", const_cast<char*>("SHA256"), 0), OSSL_PARAM_construct_end()};
+  std::size_t n = 0;
+  bool ok = ctx && EVP_MAC_init(ctx, key.data(), key.size(), params) == 1;
+  for (const auto& p : parts) {
+    const std::uint64_t len = p.size();  // lengths first: no two part lists share a byte string
+    ok = ok && EVP_MAC_update(ctx, reinterpret_cast<const unsigned char*>(&len), sizeof len) == 1 &&
+         EVP_MAC_update(ctx, reinterpret_cast<const unsigned char*>(p.data()), p.size()) == 1;
+  }
+  ok = ok && EVP_MAC_final(ctx, out.data(), &n, out.size()) == 1 && n == out.size();
+  EVP_MAC_CTX_free(ctx);
+  EVP_MAC_free(mac);
+  if (!ok) throw IoError("OpenSSL's HMAC-SHA256 failed");
   return out;
 }
+
+std::span<const unsigned char> bytes_of(std::string_view s) { return {reinterpret_cast<const unsigned char*>(s.data()), s.size()}; }
+std::string_view view_of(std::span<const unsigned char> b) { return {reinterpret_cast<const char*>(b.data()), b.size()}; }
 
 std::string hex(const unsigned char* p, std::size_t n) {
   std::string s;
@@ -43,35 +54,46 @@ std::string hex(const unsigned char* p, std::size_t n) {
   return s;
 }
 
-bool sealed(std::span<const std::uint8_t> b) { return b.size() >= sizeof kMagic && std::memcmp(b.data(), kMagic, sizeof kMagic) == 0; }
+bool sealed(std::span<const std::uint8_t> b) {
+  return b.size() >= kTrailer && std::memcmp(b.data() + b.size() - sizeof kMagic, kMagic, sizeof kMagic) == 0;
+}
 
-// The tag of (key, blob) under `key32`: the key's length and bytes first, so no two pairs share input.
-void tag(const std::array<unsigned char, 32>& key32, const std::string& stored, std::span<const std::uint8_t> blob,
-         unsigned char out[kTagBytes]) {
-  crypto_generichash_state st;
-  crypto_generichash_init(&st, key32.data(), key32.size(), kTagBytes);
+// The tag of (stored key, blob) under the blob's own key: GMAC (AES-256-GCM over additional data
+// only), keyed by HMAC(secret key, nonce), so no AES key ever tags two blobs (a fixed IV is safe).
+void tag(const std::array<unsigned char, 32>& mac_key, const unsigned char* nonce, const std::string& stored,
+         std::span<const std::uint8_t> blob, unsigned char out[kTagBytes]) {
+  const auto key = hmac(mac_key, {"blob", view_of({nonce, kNonceBytes})});
+  static constexpr unsigned char kIv[12] = {};
+  EVP_CIPHER_CTX* c = EVP_CIPHER_CTX_new();
+  int len = 0;
   const std::uint64_t n = stored.size();
-  crypto_generichash_update(&st, reinterpret_cast<const unsigned char*>(&n), sizeof n);
-  crypto_generichash_update(&st, reinterpret_cast<const unsigned char*>(stored.data()), stored.size());
-  crypto_generichash_update(&st, blob.data(), blob.size());
-  crypto_generichash_final(&st, out, kTagBytes);
+  bool ok = c && EVP_EncryptInit_ex(c, EVP_aes_256_gcm(), nullptr, key.data(), kIv) == 1 &&
+            EVP_EncryptUpdate(c, nullptr, &len, reinterpret_cast<const unsigned char*>(&n), sizeof n) == 1 &&
+            EVP_EncryptUpdate(c, nullptr, &len, reinterpret_cast<const unsigned char*>(stored.data()), static_cast<int>(stored.size())) == 1;
+  // In pieces under 2 GiB (EVP takes an int length).
+  for (std::size_t at = 0; ok && at < blob.size(); at += std::size_t{1} << 30) {
+    const std::size_t piece = std::min<std::size_t>(blob.size() - at, std::size_t{1} << 30);
+    ok = EVP_EncryptUpdate(c, nullptr, &len, blob.data() + at, static_cast<int>(piece)) == 1;
+  }
+  ok = ok && EVP_EncryptFinal_ex(c, nullptr, &len) == 1 && EVP_CIPHER_CTX_ctrl(c, EVP_CTRL_GCM_GET_TAG, kTagBytes, out) == 1;
+  EVP_CIPHER_CTX_free(c);
+  if (!ok) throw IoError("OpenSSL's AES-256-GCM failed");
 }
 
 }  // namespace
 
 SealedStore::SealedStore(std::unique_ptr<KVStore> inner, const StoreGuards& guards) : inner_(std::move(inner)) {
   require(inner_ != nullptr, "SealedStore: no backend");
-  init_sodium();
   if (guards.secret) {
     if (guards.secret->empty()) throw InvalidArgument("store secret is empty (unset it for a store without a MAC)");
     mac_ = true;
-    mac_key_ = derive("veloxquant store secret", *guards.secret);
+    mac_key_ = hmac(bytes_of("veloxquant store secret"), {*guards.secret});
   }
   if (guards.name_space) {
     if (guards.name_space->empty()) throw InvalidArgument("store namespace is empty (unset it for the plain keys)");
     ns_ = true;
-    ns_key_ = derive("veloxquant store namespace", *guards.name_space);
-    const auto id = derive("veloxquant namespace id", std::string_view(reinterpret_cast<const char*>(ns_key_.data()), ns_key_.size()));
+    ns_key_ = hmac(bytes_of("veloxquant store namespace"), {*guards.name_space});
+    const auto id = hmac(ns_key_, {"id"});
     ns_prefix_ = "vq-ns" + hex(id.data(), 4) + "-";
   }
 }
@@ -79,17 +101,18 @@ SealedStore::SealedStore(std::unique_ptr<KVStore> inner, const StoreGuards& guar
 std::string SealedStore::stored_key(std::string_view key) const {
   check_store_key(key);
   if (!ns_ || key.rfind(ns_prefix_, 0) == 0) return std::string(key);  // a name list() gave: taken as it is
-  unsigned char h[16];
-  crypto_generichash(h, sizeof h, reinterpret_cast<const unsigned char*>(key.data()), key.size(), ns_key_.data(), ns_key_.size());
-  return ns_prefix_ + hex(h, sizeof h);
+  const auto h = hmac(ns_key_, {key});
+  return ns_prefix_ + hex(h.data(), 16);
 }
 
 Blob SealedStore::seal(const std::string& stored, std::span<const std::uint8_t> blob) const {
   if (!mac_) return Blob(blob.begin(), blob.end());
-  Blob out(kHeader + blob.size());
-  std::memcpy(out.data(), kMagic, sizeof kMagic);
-  tag(mac_key_, stored, blob, out.data() + sizeof kMagic);
-  if (!blob.empty()) std::memcpy(out.data() + kHeader, blob.data(), blob.size());
+  Blob out(blob.size() + kTrailer);
+  if (!blob.empty()) std::memcpy(out.data(), blob.data(), blob.size());
+  unsigned char* nonce = out.data() + blob.size();
+  if (RAND_bytes(nonce, kNonceBytes) != 1) throw IoError("OpenSSL's RAND_bytes failed");
+  tag(mac_key_, nonce, stored, blob, nonce + kNonceBytes);
+  std::memcpy(nonce + kNonceBytes + kTagBytes, kMagic, sizeof kMagic);
   return out;
 }
 
@@ -99,13 +122,13 @@ Blob SealedStore::open(const std::string& stored, Blob b) const {
       throw FormatError(fmt::format("blob '{}' carries a MAC: the store has a secret (set VQ_STORE_SECRET or ?secret= to read it)", stored));
     return b;
   }
-  if (!sealed(b) || b.size() < kHeader)
-    throw FormatError(fmt::format("blob '{}' carries no MAC: it was not written with this store's secret", stored));
+  if (!sealed(b)) throw FormatError(fmt::format("blob '{}' carries no MAC: it was not written with this store's secret", stored));
+  const std::size_t n = b.size() - kTrailer;
   unsigned char want[kTagBytes];
-  tag(mac_key_, stored, std::span<const std::uint8_t>(b).subspan(kHeader), want);
-  if (crypto_verify_32(want, b.data() + sizeof kMagic) != 0)
+  tag(mac_key_, b.data() + n, stored, std::span<const std::uint8_t>(b).first(n), want);
+  if (CRYPTO_memcmp(want, b.data() + n + kNonceBytes, kTagBytes) != 0)
     throw FormatError(fmt::format("blob '{}' fails its MAC: forged, corrupt, moved from another key, or written with another secret", stored));
-  b.erase(b.begin(), b.begin() + static_cast<std::ptrdiff_t>(kHeader));
+  b.resize(n);  // the trailer goes: no copy
   return b;
 }
 
@@ -132,11 +155,12 @@ std::vector<std::optional<Blob>> SealedStore::get_many_at_most(std::span<const s
   std::vector<std::string> stored;
   stored.reserve(keys.size());
   for (const auto& k : keys) stored.push_back(stored_key(k));
-  // The seal's header on top of the bound (a reader without the secret allows it too, to say why it
+  // The seal's trailer on top of the bound (a reader without the secret allows it too, to say why it
   // refuses a sealed blob rather than that it is too large).
-  const std::uint64_t inner_max = max_bytes > UINT64_MAX - kHeader ? UINT64_MAX : max_bytes + kHeader;
-  auto got = stored.size() == 1 ? std::vector<std::optional<Blob>>{inner_->get_at_most(stored[0], inner_max)}
-                                 : inner_->get_many_at_most(stored, inner_max);
+  const std::uint64_t inner_max = max_bytes > UINT64_MAX - kTrailer ? UINT64_MAX : max_bytes + kTrailer;
+  std::vector<std::optional<Blob>> got;
+  if (stored.size() == 1) got.push_back(inner_->get_at_most(stored[0], inner_max));  // moved in (a braced list would copy the blob)
+  else got = inner_->get_many_at_most(stored, inner_max);
   for (std::size_t i = 0; i < got.size(); ++i)
     if (got[i]) {
       got[i] = open(stored[i], std::move(*got[i]));

@@ -52,19 +52,22 @@ TEST(SealedStore, AMacRefusesForgedMovedCorruptAndUnsealedBlobs) {
   s->put("vq-a", bytes("hello"));
   ASSERT_EQ(*s->get("vq-a"), bytes("hello"));
   const vq::Blob stored = *raw.get("vq-a");
-  ASSERT_EQ(stored.size(), 5u + 40u);
-  EXPECT_EQ(std::string(stored.begin(), stored.begin() + 5), "VQMAC");
+  ASSERT_EQ(stored.size(), 5u + 40u);  // the blob, then nonce, tag and magic
+  EXPECT_EQ(std::string(stored.begin(), stored.begin() + 5), "hello");
+  EXPECT_EQ(std::string(stored.end() - 8, stored.end() - 3), "VQMAC");
+  s->put("vq-a2", bytes("hello"));
+  EXPECT_NE(*raw.get("vq-a2"), stored);  // a fresh nonce per write
   // Moved to another key: the MAC covers the key.
   raw.put("vq-b", stored);
   EXPECT_NE(format_error([&] { s->get("vq-b"); }).find("fails its MAC"), std::string::npos);
   // Forged without the secret (a plain blob) and flipped bytes.
   raw.put("vq-c", bytes("forged"));
   EXPECT_NE(format_error([&] { s->get("vq-c"); }).find("carries no MAC"), std::string::npos);
-  for (const std::size_t at : {std::size_t{10}, stored.size() - 1}) {
+  for (const std::size_t at : {std::size_t{2}, std::size_t{10}, std::size_t{25}, stored.size() - 1}) {  // blob, nonce, tag, magic
     vq::Blob bad = stored;
     bad[at] ^= 1;
     raw.replace("vq-a", bad);
-    EXPECT_NE(format_error([&] { s->get("vq-a"); }).find("fails its MAC"), std::string::npos) << at;
+    EXPECT_NE(format_error([&] { s->get("vq-a"); }).find(at + 1 == stored.size() ? "carries no MAC" : "fails its MAC"), std::string::npos) << at;
   }
   raw.replace("vq-a", stored);
   // Another secret, and no secret: refused, never decoded.
