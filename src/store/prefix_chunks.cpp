@@ -22,6 +22,7 @@
 #include "veloxquant/model/vq_layer_models.hpp"
 #include "veloxquant/cache/fp16_cache.hpp"
 #include "veloxquant/model/transformer.hpp"
+#include "veloxquant/store/sealed_store.hpp"
 #include "veloxquant/vq/vq_cache.hpp"
 #include "veloxquant/vq/vq_reconstruct_at.hpp"
 
@@ -491,8 +492,10 @@ std::uint64_t merge_index_blob(KVStore& store, const std::string& key, const std
     std::optional<T> now;
     if (attempt == 0 && read) now = std::move(*read);
     else {
-      try {  // a FormatError from get (a blob that fails the store's own checks, e.g. its MAC) is corrupt too
+      try {
         if (const auto blob = store.get_at_most(key, kMaxIndexBlobBytes)) now = decode(*blob);
+      } catch (const StoreAuthError& e) {  // sealed under another secret: never overwritten (see sealed_store.hpp)
+        throw IoError(fmt::format("index blob '{}' not updated: {}", key, e.what()));
       } catch (const FormatError&) {  // corrupt or foreign: replaced by ours
       }
     }
@@ -618,7 +621,9 @@ PutReport put_context(KVStore& store, const LevelCaches& fresh, const ChunkSchem
     std::optional<ChunkDirectory> existing;
     try {
       if (const auto b = store.get_at_most(dkey, kMaxIndexBlobBytes)) existing = decode_directory(*b);
-    } catch (const FormatError&) {  // corrupt (or unauthenticated): rewritten below
+    } catch (const StoreAuthError& e) {  // sealed under another secret: this put stops here, nothing overwritten
+      throw IoError(fmt::format("chunk {} not stored: {}", i, e.what()));
+    } catch (const FormatError&) {  // corrupt or unsealed: rewritten below
     }
     ChunkDirectory dir;  // the scheme's levels, in its order
     std::vector<ChunkDirectory::Entry> added;

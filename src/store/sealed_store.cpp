@@ -119,7 +119,7 @@ Blob SealedStore::seal(const std::string& stored, std::span<const std::uint8_t> 
 Blob SealedStore::open(const std::string& stored, Blob b) const {
   if (!mac_) {
     if (sealed(b))
-      throw FormatError(fmt::format("blob '{}' carries a MAC: the store has a secret (set VQ_STORE_SECRET or ?secret= to read it)", stored));
+      throw StoreAuthError(fmt::format("blob '{}' carries a MAC: the store has a secret (set VQ_STORE_SECRET or ?secret= to read it)", stored));
     return b;
   }
   if (!sealed(b)) throw FormatError(fmt::format("blob '{}' carries no MAC: it was not written with this store's secret", stored));
@@ -127,7 +127,7 @@ Blob SealedStore::open(const std::string& stored, Blob b) const {
   unsigned char want[kTagBytes];
   tag(mac_key_, b.data() + n, stored, std::span<const std::uint8_t>(b).first(n), want);
   if (CRYPTO_memcmp(want, b.data() + n + kNonceBytes, kTagBytes) != 0)
-    throw FormatError(fmt::format("blob '{}' fails its MAC: forged, corrupt, moved from another key, or written with another secret", stored));
+    throw StoreAuthError(fmt::format("blob '{}' fails its MAC: forged, corrupt, moved from another key, or written with another secret", stored));
   b.resize(n);  // the trailer goes: no copy
   return b;
 }

@@ -1,5 +1,5 @@
 // Two llama-servers behind two `veloxquant prompt-cache` proxies sharing one Redis, then one Redis
-// Cluster (issue 30): a
+// Cluster (issue 30), then one Redis sealed with a secret and a namespace (issue 36): a
 // prefix computed through one is a hit for the other; a Redis that goes away and a llama-server
 // that is killed cost a recompute or one failed request, never a wrong answer, and the proxy keeps
 // serving.
@@ -138,6 +138,47 @@ try {
     await sa.stop();
     await sb.stop();
     await cluster.stop();
+  }
+}
+// A sealed store (issue 36): both proxies with one secret and one namespace share the prefix; a
+// proxy with another secret, or in another namespace, restores nothing and gives the same text.
+{
+  const sealedRedis = await startRedis();
+  const sa = await startServer(a.args), sb = await startServer(b.args);
+  const url = (q) => `${sealedRedis.url}?${q}`;
+  const pa = await startProxyOn(sa.url, a.slots, url("secret=s3cret&namespace=deploy-1"));
+  let pb = await startProxyOn(sb.url, b.slots, url("secret=s3cret&namespace=deploy-1"));
+  try {
+    const viaA = await pa.logged(() => post(pa.url, "/completion", request));
+    const viaB = await pb.logged(() => post(pb.url, "/completion", request));
+    console.log(`sealed: through A ${viaA.timings.prompt_n} evaluated, through B ${viaB.timings.prompt_n}; ${lastLine(pb.log())}`);
+    check(/ [1-9]\d* restored from the store/.test(lastLine(pb.log())), "sealed: B restored A's prefix with the same secret");
+    check(viaB.content === viaA.content, "sealed: the same text through both");
+    const keys = execFileSync("redis-cli", ["-p", String(sealedRedis.port), "--scan"], {encoding: "utf8"});
+    check(keys.includes("vq-ns") && !/\{vq-[0-9a-f]{8}-/.test(keys), "sealed: every key is the namespace's");
+    for (const [q, what] of [["secret=other&namespace=deploy-1", "MAC"], ["secret=s3cret&namespace=deploy-2", "not stored"]]) {
+      await pb.stop();
+      await post(sb.url, "/slots/0?action=erase", {});
+      pb = await startProxyOn(sb.url, b.slots, url(q));
+      const r = await pb.logged(() => post(pb.url, "/completion", request));
+      console.log(`sealed, ${q.replace(/secret=[^&]*/, "secret=...")}: ${r.timings.prompt_n} evaluated; ${pb.log().trim().split("\n").slice(-2).join(" | ")}`);
+      check(/ 0 restored from the store/.test(lastLine(pb.log())), `sealed, ${what}: nothing restored`);
+      check(r.content === viaA.content, `sealed, ${what}: the same text`);
+      check(!pb.log().includes("s3cret") && !pb.log().includes("other&"), "the secret is never logged");
+    }
+    // Nothing the wrong secret's proxy did cost deploy-1 its prefix (it may not overwrite the index).
+    await pb.stop();
+    await post(sb.url, "/slots/0?action=erase", {});
+    pb = await startProxyOn(sb.url, b.slots, url("secret=s3cret&namespace=deploy-1"));
+    const again = await pb.logged(() => post(pb.url, "/completion", request));
+    check(/ [1-9]\d* restored from the store/.test(lastLine(pb.log())), "sealed: deploy-1's prefix survived the wrong secret's proxy");
+    check(again.content === viaA.content, "sealed: the same text again");
+  } finally {
+    await pa.stop();
+    await pb.stop();
+    await sa.stop();
+    await sb.stop();
+    await sealedRedis.stop();
   }
 }
 if (failures) {

@@ -160,6 +160,17 @@ TEST(SealedStore, ThePrefixLoaderReadsOnlyWhatTheSecretSealed) {
     ASSERT_EQ(r.warnings.size(), 1u);
     EXPECT_NE(r.warnings[0].find("MAC"), std::string::npos) << r.warnings[0];
   }
+  // A writer with another secret, or none, cannot overwrite the index the others share: its put
+  // stops with an IoError and the sealed prefix still loads whole.
+  for (const auto& st : {vq::open_store("file:" + d.path.string()), sealed(d.path, "wrong")}) {
+    try {
+      vq::put_context(*st, *c.model, scheme, prefill, c.exact);
+      ADD_FAILURE() << "a put with the wrong secret went through";
+    } catch (const vq::IoError& e) {
+      EXPECT_NE(std::string(e.what()).find("not stored"), std::string::npos) << e.what();
+    }
+  }
+  EXPECT_EQ(load(*s).first.tokens_reused, whole);
   // A writer without the secret replaces chunk 1's blob with a well-formed plain one (the same
   // bytes a plain store holds): refused, only chunk 0 is used.
   std::uint64_t h = 0;

@@ -29,9 +29,19 @@
 #include <optional>
 #include <string>
 
+#include "veloxquant/core/error.hpp"
 #include "veloxquant/store/kv_store.hpp"
 
 namespace vq {
+
+// A sealed blob this store cannot vouch for: sealed under another secret (or its tag forged), or
+// sealed while this store has no secret. Index writers never overwrite such a blob (a writer with a
+// wrong secret would otherwise replace the index every other writer shares); corrupt and unsealed
+// blobs stay plain FormatErrors, which a put replaces.
+class StoreAuthError : public FormatError {
+ public:
+  using FormatError::FormatError;
+};
 
 struct StoreGuards {
   std::optional<std::string> secret;     // unset: no MAC
