@@ -52,11 +52,24 @@ void calibrate_side(const std::vector<double>& y, int n, double bits, float& ste
     }
   const double cnt = static_cast<double>(rows);
   std::vector<double> sigma(sz(n)), mean(sz(n));
+  double mean_max = 0;
   for (int c = 0; c < n; ++c) {
     mean[sz(c)] = sum[sz(c)] / cnt;
-    sigma[sz(c)] = std::sqrt(std::max(0.0, sum2[sz(c)] / cnt - mean[sz(c)] * mean[sz(c)]));
+    mean_max = std::max(mean_max, std::fabs(mean[sz(c)]));
   }
+  // Spread about the mean in a second pass: E[v^2] - mean^2 leaves rounding noise where the rows
+  // are (nearly) constant, and a step fitted to that noise put the data itself millions of steps
+  // away (issue 36: 64 identical rows refused that very row).
+  std::fill(sum2.begin(), sum2.end(), 0.0);
+  for (std::size_t r = 0; r < rows; ++r)
+    for (int c = 0; c < n; ++c) {
+      const double d = y[r * sz(n) + sz(c)] - mean[sz(c)];
+      sum2[sz(c)] += d * d;
+    }
+  for (int c = 0; c < n; ++c) sigma[sz(c)] = std::sqrt(sum2[sz(c)] / cnt);
   step = water_fill_step(sigma, bits);
+  // Every mean must sit on the offset grid (quarter steps, +-kVqMaxOffset): a step no finer than that.
+  step = std::max(step, static_cast<float>(4.0 * mean_max / static_cast<double>(kVqMaxOffset)));
   offset.resize(sz(n));
   mean_f.resize(sz(n));
   shift.assign(sz(n), 0);

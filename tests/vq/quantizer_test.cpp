@@ -67,6 +67,28 @@ TEST(VqQuantizer, CalibrationPlacesTheGridOnTheData) {
   EXPECT_LT(static_cast<double>(escapes) / (rows * n), 0.02);
 }
 
+// Issue 36: 64 identical rows (constant data whose E[v^2] - mean^2 is rounding noise) gave a step
+// fitted to that noise, and the rows themselves sat millions of steps from their grid. Now every
+// calibration row codes to 0 within the reach of its split, whatever the magnitude.
+TEST(VqQuantizer, IdenticalRowsCodeThemselves) {
+  const int n = 8, rows = 64;
+  for (const double scale : {1e-3, 1.0, 1e3, 1e7}) {
+    std::vector<double> y(static_cast<std::size_t>(rows * n));
+    for (int r = 0; r < rows; ++r)
+      for (int c = 0; c < n; ++c) y[static_cast<std::size_t>(r * n + c)] = scale * (0.1 + 1.7 * std::sin(3.0 * c + 0.3));
+    float step = 0;
+    std::vector<std::int32_t> offset;
+    std::vector<float> mean_f;
+    std::vector<std::uint8_t> shift, width;
+    calibrate_side(y, n, 2.0, step, offset, mean_f, shift, width);
+    ASSERT_GT(step, 0.0f) << scale;
+    for (int c = 0; c < n; ++c) {
+      const double q = std::fabs(std::nearbyint((y[static_cast<std::size_t>(c)] - mean_f[static_cast<std::size_t>(c)]) / step));
+      EXPECT_LE(q, vq::vq_max_code(shift[static_cast<std::size_t>(c)])) << "scale " << scale << " coefficient " << c;
+    }
+  }
+}
+
 TEST(VqQuantizer, WidthsFromCodesMinimiseRowsTimesWidthPlusEscapes) {
   const int n = 7;
   for (const std::int64_t rows : {std::int64_t{1}, std::int64_t{300}, std::int64_t{70000}}) {
