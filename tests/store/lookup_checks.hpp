@@ -197,4 +197,46 @@ inline void check_lookup_discovers(vq::KVStore& store) {
   for (const auto& k : store.list()) store.remove(k);
 }
 
+// Issue 36's poisoning, on any backend: prompt B differs from A in its first chunk only; B's chunk
+// blobs written under A's keys are refused ("blob of another prefix"), only A's own chunk 0 is
+// used, and the refused blob leaves the store so the next put of A stores it again. Then A loads
+// whole, each chunk exactly what its level holds for A.
+inline void check_refuses_another_prefix(vq::KVStore& store) {
+  for (const auto& k : store.list()) store.remove(k);
+  const std::uint64_t fp = 0x36;
+  const int C = 8;
+  const SynthContext a = synth_context(41, 11);
+  SynthContext b = synth_context(41, 12);  // other K/V everywhere (another prefix changes every later row)
+  for (std::size_t t = static_cast<std::size_t>(C); t < a.tokens.size(); ++t) b.tokens[t] = a.tokens[t];
+  synth_put(store, a, fp, C, {"fp16"});
+  synth_put(store, b, fp, C, {"fp16"});
+  const std::string level = vq::MethodSpec::parse("fp16").to_string();
+  const int n = static_cast<int>(a.tokens.size() - 1) / C;  // whole chunks a load may use (the last token stays)
+  std::uint64_t ha = 0, hb = 0;
+  for (int i = 0; i < n; ++i) {
+    ha = vq::chain_hash(ha, fp, level, std::span<const int>(a.tokens).subspan(static_cast<std::size_t>(i * C), C));
+    hb = vq::chain_hash(hb, fp, level, std::span<const int>(b.tokens).subspan(static_cast<std::size_t>(i * C), C));
+    if (i == 0) continue;
+    const auto blob = store.get(vq::chunk_key(level, hb));
+    ASSERT_TRUE(blob.has_value()) << i;
+    store.replace(vq::chunk_key(level, ha), *blob);  // B's chunk i under A's key
+  }
+  auto r = synth_get(store, a.tokens, fp);
+  EXPECT_EQ(r.report.tokens_reused, C);
+  ASSERT_EQ(r.report.warnings.size(), 1u);
+  EXPECT_TRUE(contains(r.report.warnings[0], "chunk 1: ") && contains(r.report.warnings[0], "blob of another prefix") &&
+              contains(r.report.warnings[0], "removed from the store"))
+      << r.report.warnings[0];
+  expect_chunks_at(r, a, C, "fp16");
+  // Each put of A repairs the chunk the load before it refused, until A loads whole.
+  for (int round = 0; round < n && r.report.tokens_reused < n * C; ++round) {
+    synth_put(store, a, fp, C, {"fp16"});
+    r = synth_get(store, a.tokens, fp);
+  }
+  EXPECT_EQ(r.report.tokens_reused, n * C);
+  EXPECT_TRUE(r.report.warnings.empty()) << r.report.warnings.front();
+  expect_chunks_at(r, a, C, "fp16");
+  for (const auto& k : store.list()) store.remove(k);
+}
+
 }  // namespace vqtest

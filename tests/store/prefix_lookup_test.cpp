@@ -32,6 +32,11 @@ TEST(PrefixLookup, DiscoversSizesLevelsAndModelsOnAFileStore) {
   vqtest::check_lookup_discovers(*t.store);
 }
 
+TEST(PrefixLookup, ABlobOfAnotherPrefixIsRefusedOnAFileStore) {
+  TempStore t("poison");
+  vqtest::check_refuses_another_prefix(*t.store);
+}
+
 // The chunk-sizes list and a directory, corrupted: one warning, nothing loaded (the host
 // recomputes); the next put of the prompt rewrites them and the prefix is found again.
 TEST(PrefixLookup, ACorruptIndexIsAFaultThatTheNextPutRepairs) {

@@ -282,6 +282,18 @@ TEST(RedisCluster, LookupFindsWhatTheStoreHolds) {
   vqtest::check_lookup_discovers(*s);
 }
 
+TEST(RedisStore, ABlobOfAnotherPrefixIsRefused) {
+  SKIP_WITHOUT_REDIS();
+  auto s = vq::open_store(plain_url("?prefix=poison:"));
+  vqtest::check_refuses_another_prefix(*s);
+}
+
+TEST(RedisCluster, ABlobOfAnotherPrefixIsRefused) {
+  SKIP_WITHOUT_REDIS();
+  auto s = vq::open_store(cluster_url("?prefix=poison:"));
+  vqtest::check_refuses_another_prefix(*s);
+}
+
 // replace() overwrites, put() does not; a replaced multi-part blob reads back whole.
 TEST(RedisStore, ReplaceOverwrites) {
   SKIP_WITHOUT_REDIS();
