@@ -222,7 +222,7 @@ LoadReport load(KVStore& store, Transformer* model, const ChunkShape& shape, std
       if (costs.get(e.level, shape_key)) continue;
       try {
         const auto t = Clock::now();
-        const auto blob = store.get_at_most(e.key, e.bytes);  // the size its directory records
+        const auto blob = store.get_immutable_at_most(e.key, e.bytes);  // the size its directory records
         link.finish(blob ? blob->size() : 0, t);
         if (!blob) continue;
         const auto td = Clock::now();
@@ -303,7 +303,7 @@ LoadReport load(KVStore& store, Transformer* model, const ChunkShape& shape, std
       bool rejected = false;
       const auto t = Clock::now();
       try {
-        blob = store.get_at_most(key, recorded);  // never more than its directory says it holds
+        blob = store.get_immutable_at_most(key, recorded);  // never more than its directory says it holds (a tier may serve it)
         if (!blob) error = fmt::format("blob '{}' missing", key), rejected = true;  // evicted or removed: its entry goes too
       } catch (const FormatError& e) {  // the blob's own fault: too large, fails its MAC, not ours
         error = fmt::format("blob rejected ({})", e.what());

@@ -169,6 +169,15 @@ std::vector<std::optional<Blob>> SealedStore::get_many_at_most(std::span<const s
   return got;
 }
 
+std::optional<Blob> SealedStore::get_immutable_at_most(std::string_view key, std::uint64_t max_bytes) {
+  const std::string k = stored_key(key);
+  auto b = inner_->get_immutable_at_most(k, max_bytes > UINT64_MAX - kTrailer ? UINT64_MAX : max_bytes + kTrailer);
+  if (!b) return b;
+  b = open(k, std::move(*b));
+  if (b->size() > max_bytes) throw_blob_too_large(describe(), key, b->size(), max_bytes);
+  return b;
+}
+
 bool SealedStore::exists(std::string_view key) { return inner_->exists(stored_key(key)); }
 bool SealedStore::remove(std::string_view key) { return inner_->remove(stored_key(key)); }
 

@@ -18,6 +18,8 @@
 //   redis://[:password@]host:port[/db]     Redis through hiredis (store/redis_store.hpp)
 //       ?prefix=P [vqkv:]  &timeout_ms=N [2000]  &part_bytes=N [64 MiB]
 //   redis-cluster://host:port[,host:port...]   a Redis Cluster, same options (store/redis_store.hpp)
+// and on any of them: ?secret=S&namespace=N (store/sealed_store.hpp), ?ram=BYTES&disk=DIR&disk_bytes=BYTES
+// (store/tiered_store.hpp).
 #pragma once
 #include <chrono>
 #include <cstdint>
@@ -62,6 +64,10 @@ class KVStore {
   // check; every backend here overrides them to bound the read itself.
   virtual std::optional<Blob> get_at_most(std::string_view key, std::uint64_t max_bytes);
   virtual std::vector<std::optional<Blob>> get_many_at_most(std::span<const std::string> keys, std::uint64_t max_bytes);
+  // get_at_most of a blob the caller knows is immutable (put once, never replaced: the prefix
+  // store's level blobs), which a store may then serve from a cache of its own (store/tiered_store.hpp:
+  // RAM and local disk tiers). Default: get_at_most.
+  virtual std::optional<Blob> get_immutable_at_most(std::string_view key, std::uint64_t max_bytes) { return get_at_most(key, max_bytes); }
   virtual bool exists(std::string_view key) = 0;
   // Remove the blob; true when it was there.
   virtual bool remove(std::string_view key) = 0;

@@ -61,6 +61,7 @@ class SealedStore : public KVStore {
   std::vector<std::optional<Blob>> get_many(std::span<const std::string> keys) override;
   std::optional<Blob> get_at_most(std::string_view key, std::uint64_t max_bytes) override;
   std::vector<std::optional<Blob>> get_many_at_most(std::span<const std::string> keys, std::uint64_t max_bytes) override;
+  std::optional<Blob> get_immutable_at_most(std::string_view key, std::uint64_t max_bytes) override;
   bool exists(std::string_view key) override;
   bool remove(std::string_view key) override;
   std::vector<std::string> list() override;  // with a namespace: its keys only, as stored
