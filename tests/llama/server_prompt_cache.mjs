@@ -129,6 +129,30 @@ try {
   await proxy.stop();
   await server.stop();
 }
+// 8. The RAM tier (`?ram=BYTES` on the store URL): what a request stored stays in the proxy's RAM
+// within its bound. With room for every chunk, a hit comes from RAM even after the level blobs left
+// the disk store (the index is still read from it); with room for one chunk, the earlier chunks
+// were evicted from RAM, so the same loss costs the prefix (a recompute, the same text).
+const levelBlobs = (dir) => fs.readdirSync(path.join(dir, "blobs")).filter((n) => n.startsWith("76712d") && !n.startsWith("76712d6469722d"));
+for (const [ram, restores] of [[400000, true], [30000, false]]) {
+  const dir = path.join(scratch, `store-ram-${ram}`);
+  server = await startServer(serverArgs);
+  proxy = await startProxy(["--upstream", server.url, "--model", gguf, "--slot-dir", slots, "--store", `file:${dir}?ram=${ram}`,
+                            "--levels", "fp16", "--chunk-tokens", String(C)]);
+  try {
+    await proxy.logged(() => post(proxy.url, "/completion", request(words)));
+    for (const n of levelBlobs(dir)) fs.rmSync(path.join(dir, "blobs", n));
+    await post(server.url, "/slots/0?action=erase", {});
+    const r = await proxy.logged(() => post(proxy.url, "/completion", request(words)));
+    console.log(`RAM tier of ${ram} bytes, the disk's level blobs gone: ${r.timings.prompt_n} evaluated; ${lastLine(proxy.log())}`);
+    if (restores) check(new RegExp(`${whole} restored from the store`).test(lastLine(proxy.log())), "a RAM tier that holds the prefix serves it");
+    else check(/ 0 restored from the store/.test(lastLine(proxy.log())), "a RAM tier of one chunk kept only the last: the prefix is lost with the disk's");
+    check(r.content === first.content, `RAM tier of ${ram} bytes: the same text`);
+  } finally {
+    await proxy.stop();
+    await server.stop();
+  }
+}
 if (failures) {
   console.error(`${failures} check(s) failed`);
   process.exit(1);

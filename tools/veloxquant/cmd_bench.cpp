@@ -547,7 +547,7 @@ Runner add_bench(CLI::App& app) {
   prompt_cache->add_option("--tokens", pc->tokens, "prompt tokens after BOS")->capture_default_str()->transform(integer_in(1, 1 << 20));
   prompt_cache->add_option("--chunk-tokens", pc->chunk_tokens, "tokens per stored chunk")->capture_default_str()->transform(integer_in(1, 1 << 20));
   prompt_cache->add_option("--levels", pc->levels, "what the proxy stores: method specs, ';'-separated")->delimiter(';')->capture_default_str();
-  prompt_cache->add_option("--stores", pc->stores, "stores to time, ';'-separated: file:auto, redis:auto (servers of the bench's own) or URLs")
+  prompt_cache->add_option("--stores", pc->stores, "stores to time, ;-separated: file:auto, redis:auto (servers of the bench's own; options may follow, e.g. redis:auto?ram=512M for the RAM tier in front of it) or URLs")
       ->delimiter(';')
       ->capture_default_str();
   prompt_cache->add_option("--rounds", pc->rounds, "rounds (each a hit and a recompute)")->capture_default_str()->transform(integer_in(1, 1000));

@@ -132,9 +132,17 @@ int run_bench_prompt_cache(const BenchPromptCacheOptions& o) {
                         {"logit_bias", json::array({json::array({300, 100.0})})}};
   const auto erase = [&] { post_ms(sport, "/slots/0?action=erase", json::object()); };
 
+  std::string redis_url;
+  int file_stores = 0;
   for (std::string store : o.stores) {
-    if (store == "file:auto") store = "file:" + (work / "store-file").string();
-    if (store == "redis:auto") {
+    // "file:auto" / "redis:auto", with any options after them (e.g. `redis:auto?ram=512M`: the RAM
+    // tier in front of the bench's Redis, docs/store.md).
+    const auto q = store.find('?');
+    const std::string base = store.substr(0, q), query = q == std::string::npos ? "" : store.substr(q);
+    const std::string label = base == "file:auto" ? "file" : base == "redis:auto" ? "redis" : store;
+    const bool ram = query.find("ram=") != std::string::npos;
+    if (base == "file:auto") store = "file:" + (work / fmt::format("store-file-{}", file_stores++)).string() + query;
+    if (base == "redis:auto") {
       if (!redis) {
         const int rport = vq::free_local_port();
         redis = std::make_unique<vq::LocalProcess>(
@@ -148,8 +156,9 @@ int run_bench_prompt_cache(const BenchPromptCacheOptions& o) {
                 return false;
               }
             });
-        store = fmt::format("redis://127.0.0.1:{}", rport);
+        redis_url = fmt::format("redis://127.0.0.1:{}", rport);
       }
+      store = redis_url + query;
     }
     vq::PromptCacheOptions po;
     po.upstream = fmt::format("http://127.0.0.1:{}", sport);
@@ -191,9 +200,9 @@ int run_bench_prompt_cache(const BenchPromptCacheOptions& o) {
     }
     const int cached = (o.tokens + 1 - 1) / o.chunk_tokens * o.chunk_tokens;
     std::uint64_t bytes = 0;
-    if (store.rfind("file:", 0) == 0) bytes = dir_bytes(store.substr(5));
+    if (store.rfind("file:", 0) == 0) bytes = dir_bytes(store.substr(5, store.find('?') == std::string::npos ? std::string::npos : store.find('?') - 5));
     const double per_token = cached > 0 && bytes > 0 ? static_cast<double>(bytes) / cached : 0.0;
-    rows.push_back({{"store", store.rfind("redis", 0) == 0 ? "redis" : store.rfind("file", 0) == 0 ? "file" : store},
+    rows.push_back({{"store", ram ? "ram+" + label : label},
                     {"ttft_hit_ms", median(hit)},
                     {"ttft_recompute_ms", median(recompute)},
                     {"speedup", median(recompute) / median(hit)},
@@ -211,10 +220,10 @@ int run_bench_prompt_cache(const BenchPromptCacheOptions& o) {
   }
   fmt::print("{}: {} prompt tokens (BOS + {} random), chunks of {}, levels {}, {} rounds, llama-server -t {}\n", model_name, o.tokens + 1, o.tokens,
              o.chunk_tokens, fmt::join(o.levels, ";"), o.rounds, o.threads);
-  fmt::print("{:<8} {:>14} {:>18} {:>9} {:>12} {:>16} {:>12} {:>12}\n", "store", "TTFT hit ms", "TTFT recompute ms", "speedup", "tail tokens",
+  fmt::print("{:<10} {:>14} {:>18} {:>9} {:>12} {:>16} {:>12} {:>12}\n", "store", "TTFT hit ms", "TTFT recompute ms", "speedup", "tail tokens",
              "store B/token", "f16 B/token", "q8_0 B/token");
   for (const auto& r : rows)
-    fmt::print("{:<8} {:>14.1f} {:>18.1f} {:>8.1f}x {:>12} {:>16.0f} {:>12.0f} {:>12.0f}\n", r["store"].get<std::string>(), r["ttft_hit_ms"].get<double>(),
+    fmt::print("{:<10} {:>14.1f} {:>18.1f} {:>8.1f}x {:>12} {:>16.0f} {:>12.0f} {:>12.0f}\n", r["store"].get<std::string>(), r["ttft_hit_ms"].get<double>(),
                r["ttft_recompute_ms"].get<double>(), r["speedup"].get<double>(), r["tail_tokens_evaluated"].get<int>(),
                r["store_bytes_per_token"].get<double>(), r["llama_f16_bytes_per_token"].get<double>(), r["llama_q8_0_bytes_per_token"].get<double>());
   fmt::print("(medians; a hit: the slot erased, the request through the proxy: lookup, fetch, decode, restore, the tail evaluated; a recompute: the\n"
