@@ -419,6 +419,30 @@ static void test_store(const char* scratch) {
   CHECK(reused == 0);
   EXPECT_OK(vq_caches_free(dst));
 
+  /* a sealed store (issue 36): a secret and a namespace in the URL; the same handle kind reads what it
+     sealed, a handle without the secret reuses nothing and says why */
+  {
+    char surl[4400], purl[4400];
+    snprintf(surl, sizeof surl, "file:%s/sealed?secret=capi-secret&namespace=capi", scratch);
+    snprintf(purl, sizeof purl, "file:%s/sealed?namespace=capi", scratch);
+    vq_store *sealed = NULL, *plain = NULL;
+    EXPECT_OK(vq_store_open(surl, &sealed));
+    EXPECT_OK(vq_store_clear(sealed));
+    EXPECT_OK(vq_store_put(sealed, model, CT, levels, ids, NT, src, &stored));
+    CHECK(stored == 2 * CT);
+    CHECK(get_into(sealed, model, CT, levels, NULL, ids, NT, &dst) == 2 * CT);
+    CHECK(holds_prefix(dst, pk, pv, 2 * CT));
+    EXPECT_OK(vq_caches_free(dst));
+    EXPECT_OK(vq_store_open(purl, &plain));
+    CHECK(get_into(plain, model, CT, levels, NULL, ids, NT, &dst) == 0);
+    EXPECT_OK(vq_store_warnings(plain, &warnings));
+    CHECK(strstr(warnings, "the store has a secret") != NULL && strstr(warnings, "capi-secret") == NULL);
+    EXPECT_OK(vq_caches_free(dst));
+    EXPECT_OK(vq_store_clear(sealed));
+    EXPECT_OK(vq_store_close(plain));
+    EXPECT_OK(vq_store_close(sealed));
+  }
+
   /* clear */
   EXPECT_OK(vq_store_clear(st));
   EXPECT_OK(vq_store_stats(st, &blobs, &bytes));

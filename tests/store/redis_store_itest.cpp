@@ -211,7 +211,16 @@ TEST(RedisStore, AStalledStoreCostsOnlyTheDeadline) {
     throw;
   }
   const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t).count();
+  // Without a deadline, a stalled server is a timeout that says so (it read "Resource temporarily
+  // unavailable"), after timeout_ms and one retry.
+  std::string timeout_message;
+  try {
+    vq::open_store(plain_url("?prefix=slo:&timeout_ms=150"))->get("anything");
+  } catch (const vq::IoError& e) {
+    timeout_message = e.what();
+  }
   g_servers->pause(g_plain, false);
+  EXPECT_NE(timeout_message.find("no reply within 150 ms (timeout_ms)"), std::string::npos) << timeout_message;
   EXPECT_EQ(rep.tokens_reused, 0);
   ASSERT_EQ(rep.warnings.size(), 1u);
   EXPECT_NE(rep.warnings[0].find("deadline"), std::string::npos) << rep.warnings[0];
