@@ -1,5 +1,5 @@
 // libFuzzer target: the GGUF model reader (model/gguf.hpp) on arbitrary bytes.
-// Checks: only vq::FormatError escapes (never a crash, an out-of-bounds read under ASan, or an
+// parse_gguf_shape (the attention shape, any tensor type) too. Checks: only vq::FormatError escapes (never a crash, an out-of-bounds read under ASan, or an
 // allocation the input's size does not justify); a file that loads writes back (float32) to a file
 // that loads to the same configuration, the same weights and the same vocabulary.
 // The seed corpus (fuzz/corpus/fuzz_gguf_read) holds a tiny valid llama model (dim 8, one layer,
@@ -15,6 +15,12 @@
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   const std::span<const std::byte> in(reinterpret_cast<const std::byte*>(data), size);
+  // The shape alone (any tensor type): only FormatError escapes; a shape it reads has positive sizes.
+  try {
+    const vq::GgufShape g = vq::parse_gguf_shape(in, "fuzz");
+    if (g.n_layers < 1 || g.n_kv_heads < 1 || g.key_length < 1 || g.value_length < 1) std::abort();
+  } catch (const vq::FormatError&) {
+  }
   vq::GgufModel m;
   try {
     m = vq::parse_gguf(in, "fuzz");

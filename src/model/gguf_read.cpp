@@ -1,6 +1,12 @@
 // GGUF reader: a llama-architecture GGUF file into a Checkpoint and a Tokenizer. A decoder of
 // untrusted bytes: every count and size is checked against the bytes left before it is used.
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+#include <xxhash.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <cstdio>
 #include <cmath>
 #include <cstring>
@@ -138,9 +144,34 @@ struct TensorInfo {
 
 class Parser {
  public:
-  Parser(std::span<const std::byte> bytes, const std::string& name) : bytes_(bytes), name_(name), c_(bytes, name) {}
+  Parser(std::span<const std::byte> bytes, const std::string& name, bool shape_only = false)
+      : bytes_(bytes), name_(name), c_(bytes, name), shape_only_(shape_only) {}
+
+  // The header, the metadata and the tensor infos only: any architecture and tensor type.
+  GgufShape shape() {
+    read_header();
+    GgufShape g;
+    g.architecture = string_of("general.architecture");
+    const std::string a = g.architecture;
+    g.n_layers = int_of(a + ".block_count", 1, 1 << 12);
+    const int dim = int_of(a + ".embedding_length", 1, 1 << 20);
+    const int heads = int_of(a + ".attention.head_count", 1, 1 << 16);
+    g.n_kv_heads = int_of(a + ".attention.head_count_kv", 1, heads, heads);
+    const int default_hs = dim % heads == 0 ? dim / heads : 0;
+    g.key_length = int_of(a + ".attention.key_length", 1, 1 << 16, default_hs);
+    g.value_length = int_of(a + ".attention.value_length", 1, 1 << 16, g.key_length);
+    if (g.key_length == 0) c_.fail("embedding_length is not a multiple of head_count and key_length is missing");
+    for (const auto& [tname, t] : tensors_) g.tensor_types.insert(t.type);
+    return g;
+  }
 
   GgufModel parse() {
+    read_header();
+    return build();
+  }
+
+ private:
+  void read_header() {
     if (bytes_.size() < 4 || std::memcmp(bytes_.data(), kMagic, 4) != 0) c_.fail("not a GGUF file (no 'GGUF' magic)");
     c_.skip(4, "the magic");
     const auto version = c_.raw<std::uint32_t>("the version");
@@ -166,10 +197,8 @@ class Parser {
       if (t.offset > bytes_.size() - data_ || t.bytes > bytes_.size() - data_ - t.offset)
         c_.fail(fmt::format("truncated: tensor {} ({} bytes at data offset {}) runs past the end of the file", tname, t.bytes, t.offset));
     }
-    return build();
   }
 
- private:
   std::int64_t integer(const Value& v, const std::string& key) const {
     if (v.type == kF32 || v.type == kF64 || v.type == kString || v.type == kArray || v.type == kBool)
       c_.fail(fmt::format("metadata key '{}' must be an integer", key));
@@ -245,7 +274,11 @@ class Parser {
         t.bytes = t.elems / kQ8BlockValues * kQ8BlockBytes;
         break;
       default:
-        c_.fail(fmt::format("tensor {} has ggml type {}, which is not supported (only F32 = 0, F16 = 1 and Q8_0 = 8)", tname, t.type));
+        // The shape alone needs no weights: a type this reader cannot dequantize (Q4_K, ...) is taken
+        // with its size unknown (0: only its offset is checked).
+        if (!shape_only_)
+          c_.fail(fmt::format("tensor {} has ggml type {}, which is not supported (only F32 = 0, F16 = 1 and Q8_0 = 8)", tname, t.type));
+        t.bytes = 0;
     }
     if (!tensors_.emplace(tname, std::move(t)).second) c_.fail(fmt::format("tensor {} appears twice", tname));
   }
@@ -385,6 +418,7 @@ class Parser {
   std::map<std::string, Value> kv_;
   std::map<std::string, TensorInfo> tensors_;
   std::size_t data_ = 0;
+  bool shape_only_ = false;
 };
 
 }  // namespace
@@ -401,6 +435,31 @@ bool is_gguf_file(const std::string& path) {
   const bool ok = std::fread(magic, 1, 4, f) == 4 && std::memcmp(magic, kMagic, 4) == 0;
   std::fclose(f);
   return ok;
+}
+
+GgufShape parse_gguf_shape(std::span<const std::byte> bytes, const std::string& name) {
+  GgufShape g = Parser(bytes, name, true).shape();
+  g.fingerprint = XXH64(bytes.data(), bytes.size(), 0);
+  return g;
+}
+
+GgufShape load_gguf_shape(const std::string& path) {
+  // Mapped, not read: a model of many GB is hashed where it lies.
+  InputFile in(path, "model");
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) throw IoError(fmt::format("cannot open model {}: {}", path, std::strerror(errno)));
+  const auto size = static_cast<std::size_t>(in.size());
+  void* p = size ? ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0) : nullptr;
+  ::close(fd);
+  if (size && p == MAP_FAILED) throw IoError(fmt::format("cannot map model {}: {}", path, std::strerror(errno)));
+  struct Unmap {
+    void* p;
+    std::size_t n;
+    ~Unmap() {
+      if (p) ::munmap(p, n);
+    }
+  } unmap{size ? p : nullptr, size};
+  return parse_gguf_shape(std::span<const std::byte>(static_cast<const std::byte*>(unmap.p), size), path);
 }
 
 GgufModel load_gguf(const std::string& path) {

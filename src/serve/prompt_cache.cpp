@@ -58,7 +58,13 @@ struct PromptCacheProxy::Impl {
   PromptCacheOptions o;
   std::string host;
   int port = 0;
-  Transformer model;
+  // The model, when our GGUF reader loads its weights (llama2.c-shaped llama with F32/F16/Q8_0
+  // tensors): `vq` levels then take their transforms from them. Otherwise (K-quant weights, other
+  // RoPE bases, tokenizers or architectures) only its shape is read (GgufShape) and `vq` levels take
+  // their transforms from the data; the fingerprint is then the whole file's.
+  std::unique_ptr<Transformer> model;
+  ModelDescription description;  // per layer: the head size (the shape-only caches)
+  int kv_heads = 0, head_size = 0;
   std::uint64_t fingerprint = 0;
   std::unique_ptr<KVStore> store;
   LlamaStateModel shape;
@@ -91,7 +97,8 @@ struct PromptCacheProxy::Impl {
   int bound_port = 0;
 
   explicit Impl(PromptCacheOptions options)
-      : o(std::move(options)), model(load_gguf(require_file(o.model)).checkpoint) {
+      : o(std::move(options)) {
+    require_file(o.model);
     std::tie(host, port) = parse_upstream(o.upstream);
     require(!o.slot_dir.empty() && std::filesystem::is_directory(o.slot_dir),
             "--slot-dir {}: not a directory (give the llama-server's --slot-save-path)", o.slot_dir);
@@ -100,9 +107,25 @@ struct PromptCacheProxy::Impl {
     require(!o.levels.empty(), "--levels: give at least one method spec");
     for (auto& l : o.levels) l = MethodSpec::parse(l).to_string();
     if (!o.log) o.log = [](const std::string& line) { fmt::print(stderr, "veloxquant prompt-cache: {}\n", line); };
-    const ModelConfig& c = model.config();
-    shape = {c.n_layers, c.n_kv_heads, c.head_size(), c.head_size()};
-    fingerprint = model_fingerprint(model);
+    try {
+      model = std::make_unique<Transformer>(load_gguf(o.model).checkpoint);
+    } catch (const FormatError& e) {
+      const GgufShape g = load_gguf_shape(o.model);  // a malformed file fails here, with its own message
+      require(g.key_length == g.value_length, "{}: key length {} and value length {} differ, which the prompt cache does not support",
+              o.model, g.key_length, g.value_length);
+      o.log(fmt::format("{}: its weights are not ours to read ({}); its shape is ({} layers, {} KV heads of {}): vq levels take their "
+                        "transforms from the data, not the weights", o.model, e.what(), g.n_layers, g.n_kv_heads, g.key_length));
+      shape = {g.n_layers, g.n_kv_heads, g.key_length, g.value_length};
+      fingerprint = g.fingerprint;
+    }
+    if (model) {
+      const ModelConfig& c = model->config();
+      shape = {c.n_layers, c.n_kv_heads, c.head_size(), c.head_size()};
+      fingerprint = model_fingerprint(*model);
+    }
+    kv_heads = shape.kv_heads;
+    head_size = shape.key_dim;
+    description = ModelDescription::uniform(shape.layers, head_size);
     store = open_store(o.store);
     probe_layout();
     warm_layer_models();
@@ -115,6 +138,7 @@ struct PromptCacheProxy::Impl {
   // meanwhile.
   void warm_layer_models() {
     std::vector<std::string> vq_levels;
+    if (!model) return;  // transforms from the data: nothing to build ahead
     for (const auto& l : o.levels)
       if (MethodSpec::parse(l).kind == MethodSpec::Kind::Vq) vq_levels.push_back(l);
     if (vq_levels.empty()) return;
@@ -122,7 +146,7 @@ struct PromptCacheProxy::Impl {
         [this, vq_levels] {
           const auto t = std::chrono::steady_clock::now();
           try {
-            for (const auto& l : vq_levels) (void)make_caches(l, model);
+            for (const auto& l : vq_levels) (void)make_caches(l, *model);
             o.log(fmt::format("vq layer models of {} built in {:.0f} ms (once per start)", fmt::join(vq_levels, "; "),
                               std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t).count()));
           } catch (const std::exception& e) {
@@ -228,9 +252,11 @@ struct PromptCacheProxy::Impl {
     LoaderOptions lo;
     lo.scheme = {.model_fingerprint = fingerprint, .chunk_tokens = o.chunk_tokens, .levels = {}};
     lo.allow_recompute = false;
-    auto caches = make_caches("fp32", model);
+    auto caches = model ? make_caches("fp32", *model) : make_caches(MethodSpec::parse("fp32"), description);
     std::vector<std::string> warnings;
-    const LoadReport rep = load_prefix(*store, model, caches, tokens, lo, [&](const std::string& w) { warnings.push_back(w); });
+    const auto warn = [&](const std::string& w) { warnings.push_back(w); };
+    const LoadReport rep = model ? load_prefix(*store, *model, caches, tokens, lo, warn)
+                                 : load_prefix(*store, ChunkShape{kv_heads, head_size}, caches, tokens, lo, warn);
     ev.load_ms = rep.load_ms;
     for (const auto& w : warnings) o.log(w);
     const auto t_write = std::chrono::steady_clock::now();
@@ -296,7 +322,9 @@ struct PromptCacheProxy::Impl {
       exact.push_back({l.keys.slice(2, 0, static_cast<std::int64_t>(n)).to(DType::F32), l.values.slice(2, 0, static_cast<std::int64_t>(n)).to(DType::F32)});
     const ChunkScheme scheme{.model_fingerprint = fingerprint, .chunk_tokens = o.chunk_tokens, .levels = o.levels};
     const std::vector<int> toks(st.tokens.begin(), st.tokens.begin() + static_cast<std::ptrdiff_t>(n));
-    const PutReport put = put_context(*store, model, scheme, toks, exact);
+    const PutReport put = model ? put_context(*store, *model, scheme, toks, exact)
+                                : put_context(*store, [this](const std::string& level) { return make_caches(MethodSpec::parse(level), description); },
+                                              scheme, toks, exact);
     ev.stored_tokens = put.chunks_written * o.chunk_tokens;
     ev.stored_bytes = put.bytes_written;
   }

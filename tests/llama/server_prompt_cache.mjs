@@ -153,6 +153,45 @@ for (const [ram, restores] of [[400000, true], [30000, false]]) {
     await server.stop();
   }
 }
+// 9. A GGUF whose weights our reader does not load (here: rope.freq_base 20000, which llama.cpp runs
+// and our engine refuses; K-quant weights take the same path): the proxy reads only its shape and
+// names it by a hash of the file, vq transforms come from the data. A miss, then a hit after the
+// proxy restarts: the same text as the server alone.
+{
+  const foreign = path.join(scratch, "stories260K-rope20k.gguf");
+  const b = fs.readFileSync(gguf);
+  const key = Buffer.from("llama.rope.freq_base");
+  const at = b.indexOf(key) + key.length + 4;  // after the key: its type (u32), then the f32 value
+  check(b.readFloatLE(at) === 10000, "the converted GGUF holds rope.freq_base 10000");
+  b.writeFloatLE(20000, at);
+  fs.writeFileSync(foreign, b);
+  const foreignArgs = serverArgs.map((a) => (a === gguf ? foreign : a));
+  const dir = path.join(scratch, "store-foreign");
+  const startOn = (url) => startProxy(["--upstream", url, "--model", foreign, "--slot-dir", slots, "--store", `file:${dir}`,
+                                       "--levels", "fp16;vq:bits=2", "--chunk-tokens", String(C)]);
+  server = await startServer(foreignArgs);
+  let plain;
+  try {
+    plain = await post(server.url, "/completion", request(words));
+    await post(server.url, "/slots/0?action=erase", {});
+    for (let round = 0; round < 2; ++round) {
+      proxy = await startOn(server.url);
+      try {
+        const r = await proxy.logged(() => post(proxy.url, "/completion", request(words)));
+        console.log(`foreign GGUF, proxy ${round + 1}: ${r.timings.prompt_n} evaluated; ${lastLine(proxy.log())}`);
+        check(proxy.log().includes("its weights are not ours to read") && proxy.log().includes("rope.freq_base"),
+              "the proxy says it reads only the shape, and why");
+        if (round === 1) check(new RegExp(`${whole} restored from the store`).test(lastLine(proxy.log())), "foreign GGUF: a hit after a restart");
+        check(r.content === plain.content, `foreign GGUF, proxy ${round + 1}: the same text as the server alone`);
+      } finally {
+        await proxy.stop();
+      }
+      await post(server.url, "/slots/0?action=erase", {});
+    }
+  } finally {
+    await server.stop();
+  }
+}
 if (failures) {
   console.error(`${failures} check(s) failed`);
   process.exit(1);

@@ -221,6 +221,33 @@ TEST(Gguf, NonFiniteWeightsAndShortenedArraysAreNamed) {
   EXPECT_NE(ez.find("has an empty key: the metadata before it is malformed"), std::string::npos) << ez;
 }
 
+// The shape alone (issue 30: the prompt cache on any GGUF llama.cpp runs): a tensor type this
+// reader cannot dequantize (Q4_K = 12), refused by parse_gguf, is taken by parse_gguf_shape, which
+// reads the attention shape from the metadata and names the file by a hash of all of it.
+TEST(Gguf, TheShapeAloneReadsAnyTensorType) {
+  const auto& good = source().gguf;
+  const vq::GgufShape g = vq::parse_gguf_shape(good);
+  EXPECT_EQ(g.architecture, "llama");
+  EXPECT_EQ(g.n_layers, source().ck.config.n_layers);
+  EXPECT_EQ(g.n_kv_heads, source().ck.config.n_kv_heads);
+  EXPECT_EQ(g.key_length, source().ck.config.head_size());
+  EXPECT_EQ(g.value_length, g.key_length);
+  EXPECT_EQ(g.tensor_types, std::set<std::uint32_t>{0});  // float32 throughout
+  auto k = good;
+  const std::uint32_t q4_k = 12;
+  std::memcpy(k.data() + find(k, "token_embd.weight") + 17 + 4 + 16, &q4_k, 4);
+  EXPECT_NE(parse_error(k).find("ggml type 12, which is not supported"), std::string::npos);
+  const vq::GgufShape gk = vq::parse_gguf_shape(k);
+  EXPECT_EQ(gk.n_layers, g.n_layers);
+  EXPECT_EQ(gk.tensor_types, (std::set<std::uint32_t>{0, 12}));
+  EXPECT_NE(gk.fingerprint, g.fingerprint);
+  EXPECT_THROW(vq::parse_gguf_shape(std::vector<std::byte>(good.begin(), good.begin() + 1000)), vq::FormatError);
+  const std::string path = vqtest::temp_dir() + "/shape_only.gguf";
+  vqtest::spit(path, std::string(reinterpret_cast<const char*>(k.data()), k.size()));
+  EXPECT_EQ(vq::load_gguf_shape(path).fingerprint, gk.fingerprint);
+  EXPECT_THROW(vq::load_gguf_shape(path + ".missing"), vq::IoError);
+}
+
 TEST(Gguf, CliConvertsAndEveryModelCommandTakesTheGgufAlone) {
   const std::string dir = vqtest::temp_dir() + "/gguf_cli";
   std::filesystem::create_directories(dir);

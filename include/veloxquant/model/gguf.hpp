@@ -20,6 +20,8 @@
 // metadata, truncation or trailing garbage throw FormatError with one line saying what is wrong.
 #pragma once
 #include <cstddef>
+#include <cstdint>
+#include <set>
 #include <span>
 #include <string>
 #include <vector>
@@ -60,5 +62,20 @@ bool is_gguf_file(const std::string& path);
 GgufModel parse_gguf(std::span<const std::byte> bytes, const std::string& name = "gguf");
 // Read a GGUF file: IoError when unreadable, FormatError when malformed.
 GgufModel load_gguf(const std::string& path);
+
+// What a KV cache of a model needs without its weights (the prompt cache on any GGUF llama.cpp
+// runs: K-quant weights, other architectures, RoPE bases and tokenizers this reader does not
+// load): the attention shape from `<arch>.block_count`, `.attention.head_count[_kv]`,
+// `.embedding_length` and `.attention.key_length` / `.value_length`, and a fingerprint of the whole
+// file (xxHash64), which names it in a store. The tensor infos are checked (names, dims, offsets),
+// not their data.
+struct GgufShape {
+  std::string architecture;
+  int n_layers = 0, n_kv_heads = 0, key_length = 0, value_length = 0;
+  std::set<std::uint32_t> tensor_types;  // ggml type ids present
+  std::uint64_t fingerprint = 0;
+};
+GgufShape parse_gguf_shape(std::span<const std::byte> bytes, const std::string& name = "gguf");
+GgufShape load_gguf_shape(const std::string& path);  // the file mapped, not read into memory
 
 }  // namespace vq
