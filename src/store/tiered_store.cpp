@@ -68,27 +68,22 @@ void TieredStore::put(std::string_view key, std::span<const std::uint8_t> blob) 
   ram_insert(k, b);
 }
 
-void TieredStore::replace(std::string_view key, std::span<const std::uint8_t> blob) {
-  const std::string k(key);
-  ram_erase(k);
-  if (disk_) {
-    try {
-      disk_->remove(k);
-    } catch (const std::exception&) {
-    }
+void TieredStore::drop_tiers(const std::string& key) {
+  ram_erase(key);
+  if (!disk_) return;
+  try {
+    disk_->remove(key);
+  } catch (const std::exception&) {  // a copy the disk would not drop is checked like any blob when read
   }
+}
+
+void TieredStore::replace(std::string_view key, std::span<const std::uint8_t> blob) {
+  drop_tiers(std::string(key));
   backend_->replace(key, blob);
 }
 
 bool TieredStore::remove(std::string_view key) {
-  const std::string k(key);
-  ram_erase(k);
-  if (disk_) {
-    try {
-      disk_->remove(k);
-    } catch (const std::exception&) {
-    }
-  }
+  drop_tiers(std::string(key));
   return backend_->remove(key);
 }
 

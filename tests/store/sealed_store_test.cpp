@@ -19,14 +19,8 @@ namespace fs = std::filesystem;
 
 namespace {
 
-struct Dir {
-  fs::path path;
-  Dir() {
-    static int n = 0;
-    path = fs::temp_directory_path() / fmt::format("vq-sealed-test-{}-{}", ::getpid(), n++);
-    fs::remove_all(path);
-  }
-  ~Dir() { fs::remove_all(path); }
+struct Dir : vqtest::ScratchDir {
+  Dir() : ScratchDir("sealed-test") {}
 };
 
 std::unique_ptr<vq::KVStore> sealed(const fs::path& dir, std::optional<std::string> secret, std::optional<std::string> ns = {}) {

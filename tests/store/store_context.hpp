@@ -48,6 +48,19 @@ inline StoreContext make_store_context(int chunk) {
   return c;
 }
 
+// A fresh temporary folder (missing until used), removed at the end.
+struct ScratchDir {
+  std::filesystem::path path;
+  explicit ScratchDir(const char* tag = "scratch") {
+    static int counter = 0;
+    path = std::filesystem::temp_directory_path() / ("vq-" + std::string(tag) + "-" + std::to_string(::getpid()) + "-" + std::to_string(counter++));
+    std::filesystem::remove_all(path);
+  }
+  ScratchDir(const ScratchDir&) = delete;
+  ScratchDir& operator=(const ScratchDir&) = delete;
+  ~ScratchDir() { std::filesystem::remove_all(path); }
+};
+
 // A fresh file store (a temporary folder, removed at the end) holding c's prefilled tokens in chunks
 // of chunk_tokens at exactly `levels` (no fp32 added: a loader then has one choice per chunk).
 struct StoredContext {

@@ -19,14 +19,8 @@ namespace fs = std::filesystem;
 
 namespace {
 
-struct Dir {
-  fs::path path;
-  Dir() {
-    static int n = 0;
-    path = fs::temp_directory_path() / fmt::format("vq-tiered-test-{}-{}", ::getpid(), n++);
-    fs::remove_all(path);
-  }
-  ~Dir() { fs::remove_all(path); }
+struct Dir : vqtest::ScratchDir {
+  Dir() : ScratchDir("tiered-test") {}
 };
 
 vq::Blob blob(std::size_t n, std::uint8_t seed) {

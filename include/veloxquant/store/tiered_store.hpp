@@ -60,6 +60,7 @@ class TieredStore : public KVStore {
  private:
   void ram_insert(const std::string& key, const Blob& blob);
   void ram_erase(const std::string& key);
+  void drop_tiers(const std::string& key);  // RAM and disk forget the key (replace, remove)
   void disk_keep(const std::string& key, const Blob& blob);
 
   std::unique_ptr<KVStore> backend_, disk_;
