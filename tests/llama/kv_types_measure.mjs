@@ -4,13 +4,13 @@
 // stories260K with its heads padded to 64, beside our fp16 / q8_0 / q4_0 / q4_1 (and :rotate=1) on
 // the same windows (protocol: lib/kv_types.mjs). Not a ctest (minutes of CPU); run it as
 //   VQ_NODE_LLAMA_DIR=/path/to/prefix VQ_CLI=build/veloxquant VQ_MODELS=../shared/models \
-//   VQ_SCRATCH=/tmp/kv_types node tests/llama/kv_types_measure.mjs [--windows 16] [--json]
+//   VQ_SCRATCH=/tmp/kv_types node tests/llama/kv_types_measure.mjs [--windows 16] [--bin stories3M-h64.bin] [--json]
 // llama.cpp reads LLAMA_ATTN_ROT_DISABLE when it builds a context, from the environment it was
 // started with, so each rotation setting runs in a child process of its own (--pass on|off).
-import {spawnSync} from "node:child_process";
+import {execFileSync, spawnSync} from "node:child_process";
 import {fileURLToPath} from "node:url";
 import path from "node:path";
-import {scratch} from "./lib/env.mjs";
+import {cli, models, scratch} from "./lib/env.mjs";
 import {paddedModel, loadModel, textWindows, scoreLlama, meanKl, ourEval, typeBits, WINDOW} from "./lib/kv_types.mjs";
 
 const args = process.argv.slice(2);
@@ -48,7 +48,21 @@ if (opt("--pass")) {
   process.exit(0);
 }
 
-const modelFile = paddedModel(64);
+// --bin NAME: a llama2.c model of ../shared/models converted as it is (e.g. stories3M-h64.bin, whose
+// heads are 64 wide already); default stories260K padded to head 64.
+const bin = opt("--bin");
+let modelFile;
+if (bin) {
+  if (!/^[\w.-]+\.bin$/.test(bin)) {
+    console.error(`kv_types_measure: --bin takes a model file name in the models folder, got '${bin}'`);
+    process.exit(2);
+  }
+  modelFile = path.join(scratch, bin.replace(/\.bin$/, ".gguf"));
+  execFileSync(cli, ["convert", path.join(models, bin), "--tokenizer", path.join(models, "tok512.bin"), "-o", modelFile],
+               {stdio: ["ignore", "ignore", "inherit"]});
+} else {
+  modelFile = paddedModel(64);
+}
 const self = fileURLToPath(import.meta.url);
 const llamaRows = {};
 for (const rot of ["on", "off"]) {
@@ -69,7 +83,7 @@ const fmt = (x, d) => (x === undefined ? "-" : x.toFixed(d));
 if (args.includes("--json")) {
   console.log(JSON.stringify({windows: nWindows, window: WINDOW, llama: llamaRows, ours}, null, 1));
 } else {
-  console.log(`stories260K padded to head 64, ${nWindows} windows x ${WINDOW} tokens from BOS, K and V of one type`);
+  console.log(`${bin ?? "stories260K padded to head 64"}, ${nWindows} windows x ${WINDOW} tokens from BOS, K and V of one type`);
   console.log("| who | cache | rotation | flash attn | bits | ppl | ΔPPL % vs f16 | KL vs exact |");
   console.log("|---|---|---|---|---|---|---|---|");
   for (const rot of ["off", "on"])
