@@ -431,9 +431,10 @@ class RedisStore : public KVStore {
     // byte, then max_bytes, or a manifest), so a longer value is known to be too long unread.
     const std::uint64_t head_max = std::max<std::uint64_t>(kManifestBytes, max_bytes >= UINT64_MAX - 2 ? max_bytes : max_bytes + 1);
     const bool bounded = head_max < (std::uint64_t{1} << 40);
+    const std::string last = std::to_string(head_max);  // outlives the commands: Argv holds views
     std::vector<Cmd> cmds;
     for (const auto& h : heads) {
-      if (bounded) cmds.push_back({h, {"GETRANGE", h, "0", std::to_string(head_max)}});
+      if (bounded) cmds.push_back({h, {"GETRANGE", h, "0", last}});
       else cmds.push_back({h, {"GET", h}});
     }
     auto replies = router_->exec(cmds);
