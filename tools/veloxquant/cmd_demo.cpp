@@ -121,9 +121,11 @@ int run_demo(const DemoOptions& o) {
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   const std::int64_t n_windows = results.empty() ? 0 : results[0].tokens / (eval.window - eval.ctx);
 
-  fmt::print("veloxquant demo: {} (stories260K-sized llama2.c), {} windows of TinyStories text: a {}-token context is compressed,\n"
+  const vq::ModelConfig& mc = model.config();
+  fmt::print("veloxquant demo: {} ({} layers, {} KV heads of {}), {} windows of {}: a {}-token context is compressed,\n"
              "the next {} tokens are scored with it against the exact fp32 cache ({:.0f} s)\n\n",
-             files.model.filename().string(), n_windows, eval.ctx, eval.window - eval.ctx, seconds);
+             files.model.filename().string(), mc.n_layers, mc.n_kv_heads, mc.head_size(), n_windows,
+             std::filesystem::path(text_path).filename().string(), eval.ctx, eval.window - eval.ctx, seconds);
   fmt::print("{:<44} {:>7} {:>9} {:>7} {:>8} {:>10} {:>7}  {}\n", "method", "coded", "resident", "x fp16", "dPPL %", "KL", "top-1",
              "what");
   std::vector<rd::Point> points;

@@ -25,11 +25,13 @@ export function paddedModel(padHead = 64) {
 }
 
 export const textPath = path.join(models, "tinystories_val.txt");
+// The text stories3M-h64 never saw (its training took the first 90 % of tinystories_val.txt).
+export const tailTextPath = path.join(models, "tinystories_val_tail.txt");
 
 // The first `n` windows of the validation text as llama.cpp tokenizes it (no BOS): window w holds
 // the text tokens [w*256, w*256 + 256). Our eval cuts its own tokenization the same way.
-export function textWindows(model, n) {
-  const tokens = model.tokenize(fs.readFileSync(textPath, "utf8"));
+export function textWindows(model, n, text = textPath) {
+  const tokens = model.tokenize(fs.readFileSync(text, "utf8"));
   if (tokens.length < n * WINDOW) throw new Error(`the text holds ${tokens.length} tokens, fewer than ${n} windows`);
   const windows = [];
   for (let w = 0; w < n; ++w) windows.push(tokens.slice(w * WINDOW, (w + 1) * WINDOW));
@@ -96,8 +98,8 @@ export function meanKl(ref, run) {
 }
 
 // Our eval over the same windows (see the header): {method: {ppl, kl, bits}} from its JSON.
-export function ourEval(modelFile, methods, nWindows) {
-  const out = execFileSync(cli, ["eval", "--model", modelFile, "--text", textPath, "--methods", methods.join(";"),
+export function ourEval(modelFile, methods, nWindows, text = textPath) {
+  const out = execFileSync(cli, ["eval", "--model", modelFile, "--text", text, "--methods", methods.join(";"),
                                  "--protocol", "stream", "--ctx", String(WINDOW), "--window", String(WINDOW + 1),
                                  "--chunk", String(WINDOW), "--max-tokens", String(nWindows * WINDOW), "--json"],
                            {encoding: "utf8", stdio: ["ignore", "pipe", "inherit"], maxBuffer: 1 << 24});
