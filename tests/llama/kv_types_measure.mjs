@@ -71,7 +71,7 @@ for (const rot of ["on", "off"]) {
   // env.mjs empties VQ_SCRATCH when it loads: the child gets a folder of its own.
   const env = {...process.env, VQ_SCRATCH: path.join(scratch, `pass-${rot}`)};
   if (rot === "off") env.LLAMA_ATTN_ROT_DISABLE = "1"; else delete env.LLAMA_ATTN_ROT_DISABLE;
-  const r = spawnSync(process.execPath, [self, "--pass", rot, "--model", modelFile, "--windows", String(nWindows)],
+  const r = spawnSync(process.execPath, [self, "--pass", rot, "--model", modelFile, "--windows", String(nWindows), ...(bin ? ["--bin", bin] : [])],
                       {env, encoding: "utf8", stdio: ["ignore", "pipe", "inherit"], maxBuffer: 1 << 24});
   const line = (r.stdout ?? "").split("\n").find(l => l.startsWith("KV_TYPES_JSON "));
   if (r.status !== 0 || !line) throw new Error(`the rotation=${rot} pass failed (exit ${r.status})`);
