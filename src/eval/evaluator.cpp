@@ -38,6 +38,7 @@ void EvalOptions::validate(int seq_len) const {
     require(ctx >= 1 && ctx < window, "reuse needs 1 <= --ctx < --window, got ctx {} and window {}", ctx, window);
   else
     require(ctx >= 0, "--ctx must be >= 0, got {}", ctx);
+  require(!exact_prefill || protocol == EvalProtocol::Reuse, "--prefill exact needs --protocol reuse (a stream's context is its own cache)");
 }
 
 void CacheBits::add(const CacheBits& o) {
@@ -142,6 +143,36 @@ WindowRun run_window(Transformer& model, const std::string& method, std::span<co
       out.logits.insert(out.logits.end(), logits.begin(), logits.end());
     }
     out.bits = cache_bits(caches);
+    return out;
+  }
+  if (o.exact_prefill) {
+    // reuse, CacheGen's storage setting: the context prefilled exactly, its K/V then fed to the
+    // method's caches in chunks (compressed after the fact); the context's last token recomputed
+    // from the compressed ones before it (its logits: the first prediction), then the rest scored
+    // after the whole compressed context. serve/llama_engine.hpp does the same in llama.cpp.
+    auto exact_ctx = make_caches("fp32", model);
+    (void)model.forward(seq.subspan(0, static_cast<std::size_t>(o.ctx)), exact_ctx, o.ctx);  // no logits kept
+    for (std::size_t l = 0; l < caches.size(); ++l) {
+      const KVState kv = exact_ctx[l]->state();
+      for (std::int64_t s = 0; s < o.ctx; s += o.chunk) {
+        const std::int64_t e = std::min<std::int64_t>(o.ctx, s + o.chunk);
+        caches[l]->update(kv.keys.slice(2, s, e).contiguous(), kv.values.slice(2, s, e).contiguous());
+      }
+    }
+    out.bits = cache_bits(caches);
+    std::vector<KVState> compressed;
+    for (const auto& c : caches) {
+      const KVState kv = c->state();
+      compressed.push_back({kv.keys.contiguous(true), kv.values.contiguous(true)});
+    }
+    auto first = make_caches("fp32", model);
+    for (std::size_t l = 0; l < caches.size(); ++l)
+      first[l]->from_state({compressed[l].keys.slice(2, 0, o.ctx - 1), compressed[l].values.slice(2, 0, o.ctx - 1)});
+    out.logits = model.forward(seq.subspan(static_cast<std::size_t>(o.ctx - 1), 1), first);
+    auto exact = make_caches("fp32", model);
+    for (std::size_t l = 0; l < caches.size(); ++l) exact[l]->from_state(compressed[l]);
+    auto logits = model.forward(seq.subspan(static_cast<std::size_t>(o.ctx), static_cast<std::size_t>(n - 1 - o.ctx)), exact);
+    out.logits.insert(out.logits.end(), logits.begin(), logits.end());
     return out;
   }
   // reuse: compress the context, hand its dense contents to exact caches, score the rest.

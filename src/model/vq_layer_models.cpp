@@ -14,16 +14,18 @@ namespace vq::detail {
 
 VqLayerModel vq_checkpoint_layer(const Checkpoint& ck, std::size_t l, const VqBasisOptions& basis, std::uint64_t fingerprint) {
   const ModelConfig& c = ck.config;
-  const std::size_t dim = static_cast<std::size_t>(c.dim), kv = static_cast<std::size_t>(c.kv_dim());
+  // Query and output projections are q_dim x dim (q_dim = heads x head size: dim itself unless the
+  // heads were widened, as a --pad-head GGUF's are).
+  const std::size_t dim = static_cast<std::size_t>(c.dim), kv = static_cast<std::size_t>(c.kv_dim()), qd = static_cast<std::size_t>(c.q_dim());
   VqLayerWeights w;
   w.dim = c.dim;
   w.n_heads = c.n_heads;
   w.n_kv_heads = c.n_kv_heads;
   w.head_dim = c.head_size();
-  w.wq = std::span<const float>(ck.wq).subspan(l * dim * dim, dim * dim);
+  w.wq = std::span<const float>(ck.wq).subspan(l * qd * dim, qd * dim);
   w.wk = std::span<const float>(ck.wk).subspan(l * kv * dim, kv * dim);
   w.wv = std::span<const float>(ck.wv).subspan(l * kv * dim, kv * dim);
-  w.wo = std::span<const float>(ck.wo).subspan(l * dim * dim, dim * dim);
+  w.wo = std::span<const float>(ck.wo).subspan(l * dim * qd, dim * qd);
   w.rms_att = std::span<const float>(ck.rms_att).subspan(l * dim, dim);
   VqLayerModel lm = make_vq_layer_model(w, basis);
   lm.source = VqModelSource{fingerprint, static_cast<int>(l), basis};

@@ -241,9 +241,13 @@ VqLayerModel make_vq_layer_model(const VqLayerWeights& w, const VqBasisOptions& 
     }
     std::vector<double> root, inv_root;
     sym_sqrt(m_o, D, root, inv_root);
+    // Floored relative to the head's largest, as sym_sqrt floors V's: channels no query reads (a
+    // --pad-head GGUF's zero channels) would otherwise get a shaping of ~1e-15 and an inverse of
+    // ~1e15 that turns rounding noise into coefficients far outside any calibrated range.
+    const double qe_floor = std::max(*std::max_element(qe.begin(), qe.end()), 1e-30) * 1e-6;
     for (int d = 0; d < D; ++d) {
       const double pair = 0.5 * (qe[sz(d & ~1)] + qe[sz(d | 1)]);
-      const double s = o.shape ? std::sqrt(std::max(pair, 1e-30)) : 1.0;
+      const double s = o.shape ? std::sqrt(std::max(pair, qe_floor)) : 1.0;
       sk[sz(h * D + d) * sz(n) + sz(h * D + d)] = s;
       sk_inv[sz(h * D + d) * sz(n) + sz(h * D + d)] = 1.0 / s;
       for (int e = 0; e < D; ++e) {

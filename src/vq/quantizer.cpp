@@ -24,11 +24,16 @@ float water_fill_step(const std::vector<double>& sigma, double bits) {
   double smax = 0;
   for (double s : sigma) smax = std::max(smax, s);
   if (!(smax > 0)) return 1.0f;  // constant data: any step; every code is 0
+  // The mean is over the coefficients that vary: a constant one codes to nothing whatever the
+  // step. Counting them would hand their share of `bits` to the others (a --pad-head 64 GGUF's
+  // heads of 8 real channels in 64 got 16 bits per real coefficient at bits=2, and codes beyond
+  // reach).
+  const double live = static_cast<double>(std::count_if(sigma.begin(), sigma.end(), [&](double s) { return s > 1e-7 * smax; }));
   auto rate = [&](double log_step) {
     double r = 0;
     for (double s : sigma)
-      if (s > 0) r += std::max(0.0, std::log2(kSqrt2PiE * s) - log_step);
-    return r / static_cast<double>(sigma.size());
+      if (s > 1e-7 * smax) r += std::max(0.0, std::log2(kSqrt2PiE * s) - log_step);
+    return r / live;
   };
   double lo = std::log2(kSqrt2PiE * smax) - 64, hi = std::log2(kSqrt2PiE * smax);  // rate(hi) = 0 <= bits
   for (int i = 0; i < 100; ++i) {

@@ -15,11 +15,13 @@ namespace {
 
 using namespace vq::vq_quant;
 
+// The mean rate over the coefficients that vary (a constant one codes to nothing at any step).
 double rate_at(const std::vector<double>& sigma, double step) {
   double r = 0;
+  int live = 0;
   for (double s : sigma)
-    if (s > 0) r += std::max(0.0, std::log2(4.132731354122493 * s / step));
-  return r / static_cast<double>(sigma.size());
+    if (s > 0) r += std::max(0.0, std::log2(4.132731354122493 * s / step)), ++live;
+  return r / live;
 }
 
 TEST(VqQuantizer, WaterFilledStepMeetsTheRate) {
@@ -29,6 +31,11 @@ TEST(VqQuantizer, WaterFilledStepMeetsTheRate) {
   for (auto& s : sigma) s = ln(g);
   sigma[3] = 0;  // a constant coefficient costs nothing
   for (const double bits : {0.25, 1.0, 2.0, 4.5, 8.0}) EXPECT_NEAR(rate_at(sigma, water_fill_step(sigma, bits)), bits, 1e-6) << bits;
+  // Constant coefficients leave the step as it is: a --pad-head GGUF's 56 zero channels beside 8
+  // real ones get the real ones' step, not 8x their share of the bits.
+  std::vector<double> padded = sigma;
+  padded.resize(8 * sigma.size(), 0.0);
+  for (const double bits : {0.5, 2.0}) EXPECT_FLOAT_EQ(water_fill_step(padded, bits), water_fill_step(sigma, bits)) << bits;
   EXPECT_EQ(water_fill_step(std::vector<double>(8, 0.0), 2.0), 1.0f);  // constant data: every code is 0
 }
 

@@ -27,14 +27,17 @@
 #include "veloxquant/model/model_files.hpp"
 #include "veloxquant/model/tokenizer.hpp"
 #include "veloxquant/model/transformer.hpp"
+#ifdef VQ_HAVE_PROMPT_CACHE
+#include "veloxquant/serve/llama_engine.hpp"
+#endif
 
 namespace vqcli {
 
 namespace {
 
 struct RdOptions {
-  std::string model, tokenizer, text, methods, protocol = "reuse", plot;
-  int ctx = 256, window = 512, chunk = 64, windows = 40, threads = 0;
+  std::string model, tokenizer, text, methods, protocol = "reuse", plot, engine = "ours", llama_server, prefill;
+  int ctx = 256, window = 512, chunk = 64, windows = 40, threads = 0, server_threads = 2;
   bool json = false;
 };
 
@@ -45,8 +48,10 @@ std::string join(const std::vector<std::string>& v, const char* sep) {
 }
 
 int run_rd(RdOptions o) {
+  vq::require(o.engine == "ours" || o.engine == "llama", "--engine {}: give ours or llama", o.engine);
   vq::EvalOptions eval;
   eval.protocol = vq::eval_protocol_from_name(o.protocol);
+  eval.exact_prefill = prefill_is_exact(o.prefill, o.engine, eval.protocol);
   eval.ctx = o.ctx;
   eval.window = o.window;
   eval.chunk = o.chunk;
@@ -69,39 +74,66 @@ int run_rd(RdOptions o) {
   }
   if (!o.model.empty() && !std::filesystem::is_regular_file(o.model))
     throw vq::IoError(fmt::format("{}: cannot open model (no such file)", o.model));
+  vq::require(o.engine == "ours" || !o.model.empty(), "--engine llama: give the GGUF file llama-server runs (--model X.gguf)");
   // As `eval`: a tokenizer or text not given is looked for beside an explicit model first.
   if (o.tokenizer.empty()) o.tokenizer = beside_model(o.model, "tok512.bin");
   if (o.text.empty()) o.text = beside_model(o.model, "tinystories_val.txt");
-  const vq::ModelFiles files = vq::resolve_model_files(optional_path(o.model), optional_path(o.tokenizer));
-  vq::LoadedModel loaded = vq::load_model(files);
-  vq::Transformer model(std::move(loaded.checkpoint));
-  const vq::Tokenizer tok = std::move(loaded.tokenizer);
-  eval.validate(model.config().seq_len);
-  const std::int64_t scored = eval.protocol == vq::EvalProtocol::Stream ? eval.window - 1 : eval.window - eval.ctx;
-  eval.max_tokens = scored * o.windows;
-
   const std::string text_path = text_path_or_default(o.text);
   // Tokenize only what the windows need (with a wide margin, at a paragraph boundary).
   const std::string text = read_text(text_path, static_cast<std::size_t>(o.windows) * static_cast<std::size_t>(eval.window) * 16);
-  const std::vector<int> tokens = tok.encode(text, /*bos=*/false);
-  const std::int64_t available = static_cast<std::int64_t>(tokens.size()) / (eval.window - 1);
-  vq::require(available >= 1, "{}: the text holds {} tokens, fewer than one window of {}", text_path, tokens.size(), eval.window);
-  const std::int64_t n_windows = std::min<std::int64_t>(available, o.windows);
-  if (n_windows < o.windows)
-    fmt::print(stderr, "rd: warning: the text holds only {} windows of {} tokens; scoring {} instead of {}\n", available, eval.window,
-               n_windows, o.windows);
+  // The options checked against the engine's context, then the tokens the windows score.
+  const auto settle = [&](int seq_len) {
+    eval.validate(seq_len);
+    const std::int64_t scored = eval.protocol == vq::EvalProtocol::Stream ? eval.window - 1 : eval.window - eval.ctx;
+    eval.max_tokens = scored * o.windows;
+  };
+  // The windows the text holds (a warning when fewer than asked).
+  const auto windows_of = [&](std::size_t n_tokens) {
+    const std::int64_t available = static_cast<std::int64_t>(n_tokens) / (eval.window - 1);
+    vq::require(available >= 1, "{}: the text holds {} tokens, fewer than one window of {}", text_path, n_tokens, eval.window);
+    const std::int64_t n = std::min<std::int64_t>(available, o.windows);
+    if (n < o.windows)
+      fmt::print(stderr, "rd: warning: the text holds only {} windows of {} tokens; scoring {} instead of {}\n", available, eval.window, n,
+                 o.windows);
+    return n;
+  };
 
   std::vector<rd::Point> points;
+  std::vector<vq::MethodResult> results;
+  std::string model_name;
+  std::int64_t n_windows = 0;
   double seconds = 0;
-  {
+  if (o.engine == "llama") {
+#ifdef VQ_HAVE_PROMPT_CACHE
+    settle(eval.window);
+    vq::LlamaEngine engine({.server = o.llama_server, .model = o.model, .context = eval.window, .threads = o.server_threads, .log = {}});
+    const std::vector<int> tokens = engine.tokenize(text);
+    n_windows = windows_of(tokens.size());
+    Progress progress(fmt::format("rd (llama.cpp): {} settings x {} windows", methods.size(), n_windows), 2.0, 10.0);
+    eval.progress = [&](double f) { progress(f); };
+    results = engine.evaluate(tokens, methods, eval);
+    seconds = progress.elapsed();
+    model_name = std::filesystem::path(o.model).filename().string() + " (llama.cpp)";
+#else
+    throw vq::InvalidArgument("--engine llama: this veloxquant was built without cpp-httplib (libcpp-httplib-dev), which it needs to drive llama-server");
+#endif
+  } else {
+    const vq::ModelFiles files = vq::resolve_model_files(optional_path(o.model), optional_path(o.tokenizer));
+    vq::LoadedModel loaded = vq::load_model(files);
+    vq::Transformer model(std::move(loaded.checkpoint));
+    const vq::Tokenizer tok = std::move(loaded.tokenizer);
+    settle(model.config().seq_len);
+    const std::vector<int> tokens = tok.encode(text, /*bos=*/false);
+    n_windows = windows_of(tokens.size());
     Progress progress(fmt::format("rd: {} settings x {} windows", methods.size(), n_windows), 2.0, 10.0);
     eval.progress = [&](double f) { progress(f); };
-    const auto results = vq::evaluate(model, tokens, methods, eval);
+    results = vq::evaluate(model, tokens, methods, eval);
     seconds = progress.elapsed();
-    for (const auto& r : results)
-      points.push_back({.method = r.method, .bits = r.bits_per_element_coded, .resident_bits = r.resident_bits_per_element,
-                        .delta_ppl_pct = r.delta_ppl_pct, .kl = r.kl, .top1 = r.top1});
+    model_name = files.model.filename().string();
   }
+  for (const auto& r : results)
+    points.push_back({.method = r.method, .bits = r.bits_per_element_coded, .resident_bits = r.resident_bits_per_element,
+                      .delta_ppl_pct = r.delta_ppl_pct, .kl = r.kl, .top1 = r.top1});
   // reuse measures what a context costs to store or send (coded bits); stream what a live cache
   // holds while it decodes (resident bits).
   const rd::Rate rate = eval.protocol == vq::EvalProtocol::Stream ? rd::Rate::Resident : rd::Rate::Coded;
@@ -112,7 +144,6 @@ int run_rd(RdOptions o) {
   });
   fmt::print(stderr, "rd: {} settings scored on {} windows in {:.0f}s\n", methods.size(), n_windows, seconds);
 
-  const std::string model_name = files.model.filename().string();
   if (!o.plot.empty()) {
     const std::string title = fmt::format("{}: KL vs {} per element ({}, ctx {}, window {}, {} windows)", model_name,
                                           rate == rd::Rate::Coded ? "bits" : "resident bits", o.protocol, eval.ctx, eval.window, n_windows);
@@ -155,6 +186,13 @@ Runner add_rd(CLI::App& app) {
                  "families (expanded to their usual settings: " + join(rd::default_families(), ", ") +
                      ") and/or full specs run as given, e.g. 'kivi,vq:bits=2;cachegen:bits=4,schedule=off' (default: every family)");
   app.add_option("--protocol", o->protocol, "reuse or stream (see `eval`)")->capture_default_str();
+  app.add_option("--engine", o->engine, "who computes the logits: ours or llama (a llama-server running --model X.gguf; reuse only: see `eval`)")
+      ->capture_default_str();
+  app.add_option("--prefill", o->prefill,
+                 "reuse: method (the context prefilled through the method's cache; ours' default) or exact (prefilled exactly, then "
+                 "compressed: what a prompt cache stores; --engine llama's only setting)");
+  app.add_option("--llama-server", o->llama_server, "--engine llama: the llama-server binary (default .llama/bin/llama-server, else on PATH)");
+  app.add_option("--server-threads", o->server_threads, "--engine llama: llama-server's -t")->capture_default_str()->transform(integer_in(1, 1024));
   app.add_option("--ctx", o->ctx, "reuse: context tokens; stream: tokens prefilled per window")
       ->capture_default_str()
       ->transform(integer_in(0, std::numeric_limits<int>::max()));

@@ -10,6 +10,7 @@
 
 #include "veloxquant/core/error.hpp"
 #include "veloxquant/core/input_file.hpp"
+#include "veloxquant/eval/evaluator.hpp"
 #include "veloxquant/model/model_files.hpp"
 
 namespace vqcli {
@@ -49,6 +50,17 @@ inline std::string read_text(const std::string& path, std::size_t max_bytes = 0)
     text.resize(cut == std::string::npos ? max_bytes : cut);
   }
   return text;
+}
+
+// `eval`/`rd --prefill` (reuse): "" is the engine's own (method for ours; exact for llama, which
+// computes the context itself and has no other).
+inline bool prefill_is_exact(const std::string& prefill, const std::string& engine, vq::EvalProtocol protocol) {
+  vq::require(prefill.empty() || prefill == "exact" || prefill == "method", "--prefill {}: give exact or method", prefill);
+  if (engine == "llama") {
+    vq::require(prefill != "method", "--prefill method: --engine llama prefills the context exactly (llama.cpp computes it); give --prefill exact or leave it out");
+    return protocol == vq::EvalProtocol::Reuse;
+  }
+  return prefill == "exact";
 }
 
 }  // namespace vqcli

@@ -9,6 +9,7 @@
 //           method's cache in chunks of `chunk`, "compressed"; its dense contents are then handed
 //           to exact caches, and the following `window - ctx` tokens are scored with that context
 //           (predictions from position ctx - 1 on). Bits describe the compressed context.
+//           With exact_prefill (below), the context is prefilled exactly and compressed afterwards.
 // Per method: perplexity, its change vs fp32 in %, mean KL(fp32 || method) of the next-token
 // distribution, top-1 agreement with fp32, and the cache's bits per element: fixed-width and
 // entropy-estimated (every byte of metadata counted), and resident (the bytes the caches really
@@ -37,6 +38,13 @@ struct EvalOptions {
   int window = 256;
   int ctx = 128;
   int chunk = 64;
+  // reuse only: the context prefilled with the exact cache and its K/V then fed to the method's
+  // caches in chunks of `chunk` (CacheGen's storage setting: what a prompt cache stores and what
+  // `--engine llama` measures), instead of prefilled through the method's cache (where each layer's
+  // K/V already see the lower layers' compressed attention). The context's last token is then
+  // recomputed from the compressed tokens before it (the first prediction), and the rest is
+  // scored after the whole compressed context.
+  bool exact_prefill = false;
   std::int64_t max_tokens = 4096;  // scored tokens per method (0 = the whole text)
   // Called after each run (one window of the reference or of one method) with the fraction done
   // (for progress display); one call at a time, from whichever thread finished the run.

@@ -1,0 +1,305 @@
+// Methods scored with llama.cpp's own logits through a llama-server this object starts
+// (serve/llama_engine.hpp).
+#include "veloxquant/serve/llama_engine.hpp"
+
+#include <httplib.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <limits>
+#include <optional>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "veloxquant/core/error.hpp"
+#include "veloxquant/format/llama_state.hpp"
+#include "veloxquant/methods/method_spec.hpp"
+#include "veloxquant/model/gguf.hpp"
+#include "veloxquant/model/transformer.hpp"
+#include "veloxquant/serve/local_process.hpp"
+
+namespace vq {
+
+namespace {
+
+using json = nlohmann::json;
+namespace fs = std::filesystem;
+
+// The largest reply read: a distribution over a 256k vocabulary with its pieces is ~25 MB.
+constexpr std::size_t kMaxReplyBytes = std::size_t{64} << 20;
+// n_probs asking for every token: the server gives min(this, vocabulary).
+constexpr int kAllTokens = 1 << 24;
+
+struct Accum {
+  double nll = 0, kl = 0;
+  std::int64_t agree = 0, tokens = 0;
+  CacheBits bits;
+};
+
+}  // namespace
+
+struct LlamaEngine::Impl {
+  LlamaEngineOptions o;
+  fs::path work;
+  int port = 0;
+  std::unique_ptr<LocalProcess> server;
+  std::unique_ptr<httplib::Client> http;
+  LlamaStateModel shape;
+  // The model, when our GGUF reader loads its weights (vq then takes its transforms from them);
+  // otherwise its shape only (vq takes them from the data), as the prompt cache does.
+  std::unique_ptr<Transformer> model;
+  ModelDescription description;
+  int bos_id = 1;
+
+  explicit Impl(LlamaEngineOptions options) : o(std::move(options)) {
+    if (!o.log) o.log = [](const std::string& line) { fmt::print(stderr, "{}\n", line); };
+    require(!o.model.empty(), "--engine llama: give the GGUF file llama-server runs (--model X.gguf)");
+    if (!fs::is_regular_file(o.model)) throw IoError(fmt::format("{}: cannot open model (no such file)", o.model));
+    const GgufShape g = load_gguf_shape(o.model);  // a file that is not GGUF fails here, with its own message
+    require(g.key_length == g.value_length, "{}: key length {} and value length {} differ, which --engine llama does not support", o.model,
+            g.key_length, g.value_length);
+    shape = {g.n_layers, g.n_kv_heads, g.key_length, g.value_length};
+    description = ModelDescription::uniform(g.n_layers, g.key_length);
+    try {
+      model = std::make_unique<Transformer>(load_gguf(o.model).checkpoint);
+    } catch (const FormatError& e) {
+      o.log(fmt::format("{}: its weights are not ours to read ({}): vq takes its transforms from the data", o.model, e.what()));
+    }
+    if (o.server.empty()) o.server = fs::exists(".llama/bin/llama-server") ? ".llama/bin/llama-server" : "llama-server";
+    work = fs::temp_directory_path() / fmt::format("vq-llama-engine-{}-{}", ::getpid(), reinterpret_cast<std::uintptr_t>(this));
+    fs::create_directories(work / "slots");
+    port = free_local_port();
+    // F32 K and V: the saved state is the exact cache, and a method's reconstruction is restored as
+    // it is. Flash attention off (V transposed in the state; either layout reads). No host prompt
+    // cache (--cache-ram 0): the slot holds exactly what was evaluated or restored.
+    const int p = port;
+    try {
+      server = std::make_unique<LocalProcess>(
+          std::vector<std::string>{o.server, "-m", o.model, "-c", std::to_string(o.context), "-np", "1", "-t", std::to_string(o.threads),
+                                   "-ctk", "f32", "-ctv", "f32", "-fa", "off", "--cache-ram", "0", "--slot-save-path",
+                                   (work / "slots").string(), "--host", "127.0.0.1", "--port", std::to_string(p)},
+          (work / "server.log").string(), [p] { return http_health_ok(p); });
+    } catch (...) {
+      std::error_code ec;
+      fs::remove_all(work, ec);
+      throw;
+    }
+    http = std::make_unique<httplib::Client>("127.0.0.1", port);
+    http->set_keep_alive(true);
+    http->set_tcp_nodelay(true);  // one small request after another: no Nagle wait for the delayed ACK (40 ms each)
+    http->set_connection_timeout(5, 0);
+    http->set_read_timeout(600, 0);
+    http->set_write_timeout(60, 0);
+    const auto b = post("/tokenize", {{"content", ""}, {"add_special", true}}).at("tokens");
+    bos_id = b.is_array() && b.size() == 1 && b[0].is_number_integer() ? b[0].get<int>() : -1;
+    require(bos_id >= 0, "{}: llama-server adds no single BOS token to a prompt; --engine llama needs one", o.model);
+  }
+
+  ~Impl() {
+    http.reset();
+    server.reset();
+    std::error_code ec;
+    fs::remove_all(work, ec);
+  }
+
+  json post(const std::string& route, const json& body) const {
+    const auto r = http->Post(route, body.dump(), "application/json");
+    if (!r) throw IoError(fmt::format("llama-server 127.0.0.1:{}: POST {} failed ({})", port, route, httplib::to_string(r.error())));
+    if (r->status != 200)
+      throw IoError(fmt::format("llama-server 127.0.0.1:{}: POST {} answered {}: {}", port, route, r->status, r->body.substr(0, 300)));
+    if (r->body.size() > kMaxReplyBytes) throw IoError(fmt::format("llama-server: POST {}: reply over 64 MiB", route));
+    try {
+      return json::parse(r->body);
+    } catch (const json::exception&) {
+      throw FormatError(fmt::format("llama-server: POST {}: the reply is not JSON", route));
+    }
+  }
+
+  std::vector<std::shared_ptr<KVCache>> caches_of(const std::string& method) const {
+    return model ? make_caches(method, *model) : make_caches(MethodSpec::parse(method), description);
+  }
+
+  // Log-probabilities over the vocabulary of the token after `prompt`, from the slot (the server
+  // reuses what the slot holds and evaluates the rest, at least one token).
+  std::vector<double> next_logprobs(std::span<const int> prompt, std::size_t vocab_hint) const {
+    const json r = post("/completion", {{"prompt", std::vector<int>(prompt.begin(), prompt.end())},
+                                        {"n_predict", 1},
+                                        {"n_probs", kAllTokens},
+                                        {"id_slot", 0},
+                                        {"cache_prompt", true},
+                                        {"temperature", 0}});
+    const json* probs = nullptr;
+    if (r.contains("completion_probabilities") && r["completion_probabilities"].is_array() && !r["completion_probabilities"].empty())
+      probs = &r["completion_probabilities"][0]["top_logprobs"];
+    if (!probs || !probs->is_array() || probs->empty())
+      throw FormatError("llama-server: /completion gave no next-token distribution (completion_probabilities[0].top_logprobs)");
+    const std::size_t V = vocab_hint > 0 ? vocab_hint : probs->size();
+    if (probs->size() != V)
+      throw FormatError(fmt::format("llama-server: /completion gave {} token probabilities, expected the whole vocabulary ({})", probs->size(), V));
+    std::vector<double> lp(V, std::numeric_limits<double>::quiet_NaN());
+    for (const auto& e : *probs) {
+      const long id = e.value("id", -1L);
+      if (id < 0 || static_cast<std::size_t>(id) >= V || !e.contains("logprob") || !e["logprob"].is_number())
+        throw FormatError(fmt::format("llama-server: /completion gave a token probability out of place (id {})", id));
+      lp[static_cast<std::size_t>(id)] = e["logprob"].get<double>();
+    }
+    for (double x : lp)
+      if (std::isnan(x)) throw FormatError("llama-server: /completion's distribution misses a token");
+    return lp;
+  }
+
+  // Scored positions of one window, [S][V] log-probabilities, from the context saved in slot file
+  // `file` (n tokens). llama-server evaluates at least one token of every prompt, so the first
+  // prediction (after the context's last token) recomputes that token from the restored cache;
+  // the slot is then restored again, and the continuation is evaluated after the whole restored
+  // context, every context token's K/V as the file holds them (the reuse protocol).
+  std::vector<std::vector<double>> score(std::span<const int> seq, int ctx, const char* file, std::size_t& vocab) const {
+    std::vector<std::vector<double>> out;
+    for (std::size_t i = static_cast<std::size_t>(ctx); i < seq.size(); ++i) {
+      if (i <= static_cast<std::size_t>(ctx) + 1) restore(file, ctx);
+      out.push_back(next_logprobs(seq.subspan(0, i), vocab));
+      vocab = out.back().size();
+    }
+    return out;
+  }
+
+  void restore(const char* file, std::int64_t n) const {
+    const json r = post("/slots/0?action=restore", {{"filename", slot_file(file)}});
+    require(r.value("n_restored", -1L) == n, "llama-server restored {} tokens of {}", r.value("n_restored", -1L), n);
+  }
+
+  std::string slot_file(const char* what) const { return fmt::format("vq-engine-{}.bin", what); }
+  std::string slot_path(const char* what) const { return (work / "slots" / slot_file(what)).string(); }
+
+  // The method's reconstruction of the saved context, as slot file "method"; its caches' bits.
+  CacheBits write_method(const LlamaState& saved, const std::string& method, int chunk) {
+    auto caches = caches_of(method);
+    require(caches.size() == saved.layers.size(), "{}: {} caches for {} layers", method, caches.size(), saved.layers.size());
+    LlamaState st = saved;
+    const std::int64_t n = saved.cells();
+    for (std::size_t l = 0; l < caches.size(); ++l) {
+      const Tensor k = saved.layers[l].keys.to(DType::F32), v = saved.layers[l].values.to(DType::F32);
+      caches[l]->expect_tokens(n);
+      for (std::int64_t s = 0; s < n; s += chunk) {
+        const std::int64_t e = std::min<std::int64_t>(n, s + chunk);
+        caches[l]->update(k.slice(2, s, e).contiguous(), v.slice(2, s, e).contiguous());
+      }
+    }
+    const CacheBits bits = cache_bits(caches);
+    for (std::size_t l = 0; l < caches.size(); ++l) {
+      const KVState kv = caches[l]->state();
+      st.layers[l] = {kv.keys.contiguous(true), kv.values.contiguous(true)};
+      for (const Tensor* t : {&st.layers[l].keys, &st.layers[l].values})
+        for (float x : t->to_f32_vector())
+          if (!std::isfinite(x)) throw InvalidArgument(fmt::format("{}: layer {} reconstructs a non-finite K/V value", method, l));
+    }
+    save_llama_state(slot_path("method"), st);
+    return bits;
+  }
+};
+
+LlamaEngine::LlamaEngine(LlamaEngineOptions options) : impl_(std::make_unique<Impl>(std::move(options))) {}
+LlamaEngine::~LlamaEngine() = default;
+
+std::vector<int> LlamaEngine::tokenize(const std::string& text) const {
+  const json r = impl_->post("/tokenize", {{"content", text}, {"add_special", false}, {"parse_special", false}});
+  const json& t = r.at("tokens");
+  require(t.is_array(), "llama-server: /tokenize gave no token list");
+  return t.get<std::vector<int>>();
+}
+
+int LlamaEngine::bos() const { return impl_->bos_id; }
+
+std::vector<MethodResult> LlamaEngine::evaluate(const std::vector<int>& tokens, const std::vector<std::string>& methods,
+                                                const EvalOptions& options) {
+  Impl& m = *impl_;
+  require(options.protocol == EvalProtocol::Reuse,
+          "--engine llama scores the reuse protocol only (a context compressed, restored into llama-server, the rest scored): give "
+          "--protocol reuse");
+  require(options.exact_prefill,
+          "--engine llama prefills the context exactly (llama.cpp computes it) and compresses it afterwards: --prefill method is ours only");
+  options.validate(m.o.context);
+  require(!methods.empty(), "no methods to evaluate");
+  for (const auto& s : methods) (void)MethodSpec::parse(s);
+  require(!tokens.empty(), "the text holds no tokens");
+  EvalOptions o = options;
+  if (static_cast<std::int64_t>(tokens.size()) < o.window - 1) o.window = static_cast<int>(tokens.size()) + 1;
+  require(o.ctx >= 1 && o.ctx < o.window, "the text holds {} tokens: nothing is left to score after a --ctx of {}", tokens.size(), o.ctx);
+  const int per_window = o.window - 1;
+  const std::int64_t S = o.window - o.ctx;
+  std::int64_t n_windows = static_cast<std::int64_t>(tokens.size()) / per_window;
+  if (o.max_tokens > 0) n_windows = std::min<std::int64_t>(n_windows, o.max_tokens / S + (o.max_tokens % S != 0));
+  const std::size_t M = methods.size();
+  const std::size_t n_runs = static_cast<std::size_t>(n_windows) * (M + 1);
+  std::size_t done = 0;
+  std::vector<Accum> acc(M);
+  double ref_nll = 0;
+  std::int64_t ref_tokens = 0;
+  std::size_t vocab = 0;
+
+  for (std::int64_t w = 0; w < n_windows; ++w) {
+    std::vector<int> seq{m.bos_id};
+    seq.insert(seq.end(), tokens.begin() + w * per_window, tokens.begin() + (w + 1) * per_window);
+    const std::span<const int> s(seq);
+    // 1: the context into the slot (nothing predicted), saved exact.
+    m.post("/slots/0?action=erase", json::object());
+    m.post("/completion", {{"prompt", std::vector<int>(seq.begin(), seq.begin() + o.ctx)},
+                           {"n_predict", 0},
+                           {"id_slot", 0},
+                           {"cache_prompt", true},
+                           {"temperature", 0}});
+    m.post("/slots/0?action=save", {{"filename", m.slot_file("context")}});
+    const LlamaState saved = load_llama_state(m.slot_path("context"), m.shape);
+    require(saved.cells() == o.ctx, "llama-server saved {} cells of a {}-token context", saved.cells(), o.ctx);
+    // 2: the reference, from the exact slot.
+    const auto ref = m.score(s, o.ctx, "context", vocab);
+    std::vector<std::vector<double>> ref_p(ref.size());
+    std::vector<std::size_t> ref_top(ref.size());
+    for (std::size_t i = 0; i < ref.size(); ++i) {
+      ref_p[i].resize(vocab);
+      for (std::size_t v = 0; v < vocab; ++v) ref_p[i][v] = std::exp(ref[i][v]);
+      ref_top[i] = static_cast<std::size_t>(std::max_element(ref[i].begin(), ref[i].end()) - ref[i].begin());
+      ref_nll -= ref[i][static_cast<std::size_t>(seq[static_cast<std::size_t>(o.ctx) + i])];
+      ++ref_tokens;
+    }
+    if (o.progress) o.progress(static_cast<double>(++done) / static_cast<double>(n_runs));
+    // 3: each method's context restored, the same positions scored.
+    for (std::size_t j = 0; j < M; ++j) {
+      acc[j].bits.add(m.write_method(saved, methods[j], o.chunk));
+      const auto got = m.score(s, o.ctx, "method", vocab);
+      for (std::size_t i = 0; i < got.size(); ++i) {
+        double kl = 0;
+        for (std::size_t v = 0; v < vocab; ++v) kl += ref_p[i][v] * (ref[i][v] - got[i][v]);
+        acc[j].kl += std::max(0.0, kl);
+        acc[j].nll -= got[i][static_cast<std::size_t>(seq[static_cast<std::size_t>(o.ctx) + i])];
+        acc[j].agree += static_cast<std::size_t>(std::max_element(got[i].begin(), got[i].end()) - got[i].begin()) == ref_top[i];
+        ++acc[j].tokens;
+      }
+      if (o.progress) o.progress(static_cast<double>(++done) / static_cast<double>(n_runs));
+    }
+  }
+  const double ppl_ref = std::exp(ref_nll / static_cast<double>(ref_tokens));
+  std::vector<MethodResult> out;
+  for (std::size_t j = 0; j < M; ++j) {
+    MethodResult r;
+    r.method = methods[j];
+    r.tokens = acc[j].tokens;
+    r.ppl = std::exp(acc[j].nll / static_cast<double>(acc[j].tokens));
+    r.delta_ppl_pct = 100.0 * (r.ppl / ppl_ref - 1.0);
+    r.kl = acc[j].kl / static_cast<double>(acc[j].tokens);
+    r.top1 = static_cast<double>(acc[j].agree) / static_cast<double>(acc[j].tokens);
+    r.bits_per_element_fixed = acc[j].bits.fixed_bits();
+    r.bits_per_element_estimated = acc[j].bits.estimated_bits();
+    r.bits_per_element_coded = acc[j].bits.coded_bits();
+    r.resident_bits_per_element = acc[j].bits.resident_bits();
+    require(std::isfinite(r.ppl) && std::isfinite(r.kl) && std::isfinite(ppl_ref), "{}: the scores are not finite (ppl {}, reference ppl {}, KL {})",
+            r.method, r.ppl, ppl_ref, r.kl);
+    out.push_back(r);
+  }
+  return out;
+}
+
+}  // namespace vq
