@@ -18,6 +18,7 @@
 #include "veloxquant/format/vqkv.hpp"
 #include "veloxquant/peers/cachegen_paper_cache.hpp"
 #include "veloxquant/peers/lmcache_cache.hpp"
+#include "veloxquant/vq/profile.hpp"
 #include "veloxquant/vq/vq_cache.hpp"
 #include "veloxquant/methods/method_spec.hpp"
 #include "veloxquant/store/prefix_chunks.hpp"
@@ -101,11 +102,43 @@ void store_blob_seeds(const std::filesystem::path& root) {
   write(dir, "empty", {});
 }
 
+// vq profiles (fuzz_vq_profile): fitted on random K/V at three shapes (per-head blocks, whole-row
+// blocks, RoPE on and off), each whole, cut, with a flipped axis value, and a forged shape.
+void vq_profile_seeds(const std::filesystem::path& root) {
+  const auto dir = root / "fuzz_vq_profile";
+  std::mt19937 rng(11);
+  std::normal_distribution<float> nd;
+  int n = 0;
+  for (auto [layers, heads, dim, rope] : {std::tuple{1, 1, 4, true}, {2, 2, 8, false}, {1, 3, 128, true}}) {
+    vq::VqProfileBuilder b(layers, heads, dim, rope, 10000.0);
+    for (int l = 0; l < layers; ++l) {
+      std::vector<float> k(static_cast<std::size_t>(heads * 40 * dim)), v(k.size());
+      for (auto& x : k) x = nd(rng);
+      for (auto& x : v) x = nd(rng);
+      b.add(l, vq::Tensor::from_f32({1, heads, 40, dim}, k), vq::Tensor::from_f32({1, heads, 40, dim}, v), 3);
+    }
+    vq::VqProfile p = b.finish(0x1234u + static_cast<unsigned>(n));
+    const auto bytes = vq::write_vq_profile(p);
+    write_seeds(dir, n++, bytes, bytes.size() - 9, 64, 0x40);
+  }
+  std::vector<std::uint8_t> forged(64, 0);
+  const char magic[8] = {'V', 'Q', 'P', 'R', 'O', 'F', 0, 0};
+  std::copy_n(magic, 8, forged.begin());
+  forged[8] = 1;                                // version 1
+  forged[24] = forged[28] = forged[32] = 0xff;  // huge layers, heads, dim
+  write(dir, "forged_shape", forged);
+  write(dir, "empty", {});
+}
+
 int main(int argc, char** argv) {
   const std::filesystem::path root = argc > 1 ? argv[1] : "fuzz/corpus";
   // One target's seeds alone: vq_fuzz_make_corpus fuzz/corpus fuzz_store_blob
   if (argc > 2 && std::string(argv[2]) == "fuzz_store_blob") {
     store_blob_seeds(root);
+    return 0;
+  }
+  if (argc > 2 && std::string(argv[2]) == "fuzz_vq_profile") {
+    vq_profile_seeds(root);
     return 0;
   }
   const auto rd = root / "fuzz_rans_decode", ft = root / "fuzz_frequency_table";
@@ -398,6 +431,7 @@ int main(int argc, char** argv) {
   }
   write(ls, "empty", {});
   store_blob_seeds(root);
+  vq_profile_seeds(root);
   std::printf("corpus written under %s\n", root.c_str());
   return 0;
 }

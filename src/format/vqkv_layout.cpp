@@ -67,6 +67,7 @@ std::uint8_t basis_number(VqBasis b) {
   switch (b) {
     case VqBasis::Identity: return kVqBasisIdentity;
     case VqBasis::Hadamard: return kVqBasisHadamard;
+    case VqBasis::Profile: return kVqBasisProfile;
     case VqBasis::Weights: break;
   }
   return kVqBasisWeights;
@@ -107,8 +108,11 @@ void read_vq(ByteReader& r, LayerEntry& e, std::uint64_t layer) {
     VqModelSource m;
     m.fingerprint = r.u64("vq model fingerprint");
     m.layer = static_cast<int>(r.ranged(r.u32("vq model layer"), 0, kMaxLayers - 1, "vq model layer"));
-    const auto basis = r.ranged(r.u8("vq basis"), 0, 2, "vq basis");
-    m.basis.basis = basis == kVqBasisIdentity ? VqBasis::Identity : basis == kVqBasisHadamard ? VqBasis::Hadamard : VqBasis::Weights;
+    const auto basis = r.ranged(r.u8("vq basis"), 0, 3, "vq basis");
+    m.basis.basis = basis == kVqBasisIdentity   ? VqBasis::Identity
+                    : basis == kVqBasisHadamard ? VqBasis::Hadamard
+                    : basis == kVqBasisProfile  ? VqBasis::Profile
+                                                : VqBasis::Weights;
     m.basis.shape = flag(r, "vq shape flag");
     m.basis.rope = flag(r, "vq rope flag");
     m.basis.rope_theta = f64(r, "vq rope theta");

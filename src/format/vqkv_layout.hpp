@@ -47,7 +47,7 @@ inline constexpr std::uint32_t kMaxMetadataEntries = 1u << 16;
 enum class BlockType : std::uint8_t { Tables = 1, Codes = 2, Rows = 3, End = 4 };
 enum class CacheClass : std::uint8_t { Plain = 0, CacheGen = 1, Vq = 2 };
 // A vq layer's basis (vq/basis.hpp's VqBasis, numbered for files).
-inline constexpr std::uint8_t kVqBasisIdentity = 0, kVqBasisHadamard = 1, kVqBasisWeights = 2;
+inline constexpr std::uint8_t kVqBasisIdentity = 0, kVqBasisHadamard = 1, kVqBasisWeights = 2, kVqBasisProfile = 3;
 // A vq CODES block may claim at most this many codes per byte of its body (0.002 bits per code),
 // so that a file of n bytes never makes a reader allocate more than 4096 n codes: the vq coder
 // spends no bytes on a coefficient whose codes are all 0, so nothing else bounds a block's rows.

@@ -3,7 +3,9 @@
 
 #include <memory>
 
+#include "veloxquant/core/error.hpp"
 #include "veloxquant/model/transformer.hpp"
+#include "veloxquant/vq/profile.hpp"
 
 namespace vq::detail {
 
@@ -51,6 +53,9 @@ void set_vq(MethodSpec& m, const std::string& key, const std::string& value, con
     m.vq_alloc = value;
   } else if (key == "basis") {
     naming_spec(spec, [&] { m.vq_basis.basis = vq_basis_from_name(value); });
+  } else if (key == "profile") {
+    if (value.empty()) throw InvalidArgument(fmt::format("method '{}': profile= needs a path (a file written by `veloxquant calibrate`)", spec));
+    m.vq_profile = value;
   } else if (key == "shape") {
     m.vq_basis.shape = parse_bool(key, value, spec, "on", "off");
   } else {
@@ -59,11 +64,11 @@ void set_vq(MethodSpec& m, const std::string& key, const std::string& value, con
 }
 
 std::string vq_spec_string(const MethodSpec& m) {
-  // sinks and resident only when set, so the canonical text of every earlier spec is unchanged.
-  return fmt::format("vq:bits={},calib={},residual={},{}{}alloc={},basis={},shape={},rope={}", m.vq.bits, m.vq.calib, m.vq.residual,
+  // sinks, resident and profile only when set, so the canonical text of every earlier spec is unchanged.
+  return fmt::format("vq:bits={},calib={},residual={},{}{}alloc={},basis={},shape={},rope={}{}", m.vq.bits, m.vq.calib, m.vq.residual,
                      m.vq.sinks > 0 ? fmt::format("sinks={},", m.vq.sinks) : std::string(), m.vq.coded ? "resident=coded," : "", m.vq_alloc,
-                     vq_basis_name(m.vq_basis.basis),
-                     m.vq_basis.shape ? "on" : "off", m.vq_basis.rope ? "on" : "off");
+                     vq_basis_name(m.vq_basis.basis), m.vq_basis.shape ? "on" : "off", m.vq_basis.rope ? "on" : "off",
+                     m.vq_profile.empty() ? std::string() : ",profile=" + m.vq_profile);
 }
 
 LayerCaches make_vq_caches(const MethodSpec& m, const ModelDescription& model, const Transformer* weights) {
@@ -71,6 +76,18 @@ LayerCaches make_vq_caches(const MethodSpec& m, const ModelDescription& model, c
   for (const auto& d : model.layer_head_dims) n_attention += d.has_value();
   const auto alloc = allocation(vq_spec_string(m), m.vq_alloc, n_attention);
   std::vector<std::shared_ptr<KVCache>> caches;
+  // A profile's axes replace the basis (with or without a model): its shape must be the model's.
+  std::shared_ptr<const VqProfile> profile;
+  if (!m.vq_profile.empty()) {
+    profile = load_vq_profile(m.vq_profile);
+    if (weights && weights->checkpoint().file_fingerprint != 0)
+      check_vq_profile_model(*profile, m.vq_profile, weights->checkpoint().file_fingerprint, "this model");
+    require(profile->layers == static_cast<int>(model.layer_head_dims.size()), "{} is a profile of {} layers; this model has {}", m.vq_profile,
+            profile->layers, model.layer_head_dims.size());
+    for (std::size_t l = 0; l < model.layer_head_dims.size(); ++l)
+      require(!model.layer_head_dims[l] || *model.layer_head_dims[l] == profile->head_dim, "{} is a profile of heads of {}; layer {} has {}",
+              m.vq_profile, profile->head_dim, l, model.layer_head_dims[l].value_or(0));
+  }
   int a = 0;
   for (std::size_t l = 0; l < model.layer_head_dims.size(); ++l) {
     if (!model.layer_head_dims[l]) {
@@ -82,7 +99,8 @@ LayerCaches make_vq_caches(const MethodSpec& m, const ModelDescription& model, c
     cfg.v_offset = alloc[static_cast<std::size_t>(a)].second;
     ++a;
     std::shared_ptr<const VqLayerModel> layer;
-    if (weights) layer = weights->vq_layer_model(static_cast<int>(l), m.vq_basis);
+    if (profile) layer = vq_profile_layer(*profile, static_cast<int>(l));
+    else if (weights) layer = weights->vq_layer_model(static_cast<int>(l), m.vq_basis);
     caches.push_back(std::make_shared<VqKVCache>(cfg, layer));
   }
   return caches;
@@ -104,7 +122,8 @@ MethodRow vq_row() {
                    {"alloc", "flat", "flat|K0/V0/K1/V1/...", "bits added per attention layer to K and V (flat = all 0, the measured best)"},
                    {"basis", "weights", "weights|hadamard|identity", "the transform (vq/basis.hpp); without a model, identity"},
                    {"shape", "on", "on|off", "shape the transform by the layer's downstream weights"},
-                   {"rope", "on", "on|off", "undo RoPE before the transform, redo it after"}},
+                   {"rope", "on", "on|off", "undo RoPE before the transform, redo it after"},
+                   {"profile", "", "PATH", "axes fitted on the model's own K/V (`veloxquant calibrate -o PATH`): a basis without weights"}},
           .set = set_vq,
           .validate = [](const MethodSpec& m) { m.vq.validate(); },
           .canonical = vq_spec_string,

@@ -173,4 +173,17 @@ std::vector<std::shared_ptr<KVCache>> make_caches(const std::string& spec, const
   return make_caches(MethodSpec::parse(spec), model);
 }
 
+std::vector<std::shared_ptr<const VqProfile>> check_method_profiles(const std::vector<std::string>& specs, std::uint64_t model_fingerprint,
+                                                                    const std::string& model_name) {
+  std::vector<std::shared_ptr<const VqProfile>> out;
+  for (const auto& s : specs) {
+    const MethodSpec m = MethodSpec::parse(s);
+    if (m.kind != MethodSpec::Kind::Vq || m.vq_profile.empty()) continue;
+    auto p = load_vq_profile(m.vq_profile);
+    check_vq_profile_model(*p, m.vq_profile, model_fingerprint, model_name);
+    out.push_back(std::move(p));
+  }
+  return out;
+}
+
 }  // namespace vq

@@ -6,6 +6,8 @@
 #include <cstring>
 #include <fstream>
 
+#include <xxhash.h>
+
 #include <fmt/core.h>
 
 #include "veloxquant/core/error.hpp"
@@ -199,7 +201,9 @@ Checkpoint Checkpoint::load(const std::string& path) {
   InputFile in(path, "checkpoint");
   std::vector<std::byte> bytes(static_cast<std::size_t>(in.size()));
   if (!in.read(bytes.data(), bytes.size())) throw IoError(fmt::format("cannot read checkpoint {}: it shrank while being read", path));
-  return parse(bytes, path);
+  Checkpoint ck = parse(bytes, path);
+  ck.file_fingerprint = XXH64(bytes.data(), bytes.size(), 0);
+  return ck;
 }
 
 }  // namespace vq

@@ -161,6 +161,10 @@ class Parser {
     g.key_length = int_of(a + ".attention.key_length", 1, 1 << 16, default_hs);
     g.value_length = int_of(a + ".attention.value_length", 1, 1 << 16, g.key_length);
     if (g.key_length == 0) c_.fail("embedding_length is not a multiple of head_count and key_length is missing");
+    if (const auto base = float_of(a + ".rope.freq_base")) {
+      if (!(*base > 0) || !std::isfinite(*base)) c_.fail(fmt::format("{}.rope.freq_base {} is not a positive number", a, *base));
+      g.rope_freq_base = *base;
+    }
     for (const auto& [tname, t] : tensors_) g.tensor_types.insert(t.type);
     return g;
   }
@@ -443,8 +447,10 @@ GgufShape parse_gguf_shape(std::span<const std::byte> bytes, const std::string& 
   return g;
 }
 
-GgufShape load_gguf_shape(const std::string& path) {
-  // Mapped, not read: a model of many GB is hashed where it lies.
+namespace {
+// fn over the file's bytes, mapped, not read: a model of many GB is hashed where it lies.
+template <class Fn>
+auto with_mapped_model(const std::string& path, Fn fn) {
   InputFile in(path, "model");
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) throw IoError(fmt::format("cannot open model {}: {}", path, std::strerror(errno)));
@@ -459,14 +465,25 @@ GgufShape load_gguf_shape(const std::string& path) {
       if (p) ::munmap(p, n);
     }
   } unmap{size ? p : nullptr, size};
-  return parse_gguf_shape(std::span<const std::byte>(static_cast<const std::byte*>(unmap.p), size), path);
+  return fn(std::span<const std::byte>(static_cast<const std::byte*>(unmap.p), size));
+}
+}  // namespace
+
+GgufShape load_gguf_shape(const std::string& path) {
+  return with_mapped_model(path, [&](std::span<const std::byte> bytes) { return parse_gguf_shape(bytes, path); });
+}
+
+std::uint64_t model_file_fingerprint(const std::string& path) {
+  return with_mapped_model(path, [](std::span<const std::byte> bytes) { return XXH64(bytes.data(), bytes.size(), 0); });
 }
 
 GgufModel load_gguf(const std::string& path) {
   InputFile in(path, "model");
   std::vector<std::byte> bytes(static_cast<std::size_t>(in.size()));
   if (!in.read(bytes.data(), bytes.size())) throw IoError(fmt::format("cannot read model {}: it shrank while being read", path));
-  return parse_gguf(bytes, path);
+  GgufModel m = parse_gguf(bytes, path);
+  m.checkpoint.file_fingerprint = XXH64(bytes.data(), bytes.size(), 0);
+  return m;
 }
 
 }  // namespace vq

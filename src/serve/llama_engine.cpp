@@ -53,6 +53,7 @@ struct LlamaEngine::Impl {
   std::unique_ptr<Transformer> model;
   ModelDescription description;
   int bos_id = 1;
+  std::uint64_t fingerprint = 0;  // of the GGUF file (GgufShape::fingerprint): what a vq profile names
 
   explicit Impl(LlamaEngineOptions options) : o(std::move(options)) {
     if (!o.log) o.log = [](const std::string& line) { fmt::print(stderr, "{}\n", line); };
@@ -62,6 +63,7 @@ struct LlamaEngine::Impl {
     require(g.key_length == g.value_length, "{}: key length {} and value length {} differ, which --engine llama does not support", o.model,
             g.key_length, g.value_length);
     shape = {g.n_layers, g.n_kv_heads, g.key_length, g.value_length};
+    fingerprint = g.fingerprint;
     description = ModelDescription::uniform(g.n_layers, g.key_length);
     try {
       model = std::make_unique<Transformer>(load_gguf(o.model).checkpoint);
@@ -171,6 +173,22 @@ struct LlamaEngine::Impl {
     require(r.value("n_restored", -1L) == n, "llama-server restored {} tokens of {}", r.value("n_restored", -1L), n);
   }
 
+  // The context evaluated into the empty slot (nothing predicted) and saved: slot file "context",
+  // and its state.
+  LlamaState context_state(std::span<const int> context) const {
+    post("/slots/0?action=erase", json::object());
+    post("/completion", {{"prompt", std::vector<int>(context.begin(), context.end())},
+                         {"n_predict", 0},
+                         {"id_slot", 0},
+                         {"cache_prompt", true},
+                         {"temperature", 0}});
+    post("/slots/0?action=save", {{"filename", slot_file("context")}});
+    LlamaState st = load_llama_state(slot_path("context"), shape);
+    require(st.cells() == static_cast<std::int64_t>(context.size()), "llama-server saved {} cells of a {}-token context", st.cells(),
+            context.size());
+    return st;
+  }
+
   std::string slot_file(const char* what) const { return fmt::format("vq-engine-{}.bin", what); }
   std::string slot_path(const char* what) const { return (work / "slots" / slot_file(what)).string(); }
 
@@ -213,6 +231,10 @@ std::vector<int> LlamaEngine::tokenize(const std::string& text) const {
 
 int LlamaEngine::bos() const { return impl_->bos_id; }
 
+std::uint64_t LlamaEngine::model_fingerprint() const { return impl_->fingerprint; }
+
+LlamaState LlamaEngine::context_state(std::span<const int> context) { return impl_->context_state(context); }
+
 std::vector<MethodResult> LlamaEngine::evaluate(const std::vector<int>& tokens, const std::vector<std::string>& methods,
                                                 const EvalOptions& options) {
   Impl& m = *impl_;
@@ -223,7 +245,7 @@ std::vector<MethodResult> LlamaEngine::evaluate(const std::vector<int>& tokens, 
           "--engine llama prefills the context exactly (llama.cpp computes it) and compresses it afterwards: --prefill method is ours only");
   options.validate(m.o.context);
   require(!methods.empty(), "no methods to evaluate");
-  for (const auto& s : methods) (void)MethodSpec::parse(s);
+  (void)check_method_profiles(methods, m.fingerprint, m.o.model);
   require(!tokens.empty(), "the text holds no tokens");
   EvalOptions o = options;
   if (static_cast<std::int64_t>(tokens.size()) < o.window - 1) o.window = static_cast<int>(tokens.size()) + 1;
@@ -245,15 +267,7 @@ std::vector<MethodResult> LlamaEngine::evaluate(const std::vector<int>& tokens, 
     seq.insert(seq.end(), tokens.begin() + w * per_window, tokens.begin() + (w + 1) * per_window);
     const std::span<const int> s(seq);
     // 1: the context into the slot (nothing predicted), saved exact.
-    m.post("/slots/0?action=erase", json::object());
-    m.post("/completion", {{"prompt", std::vector<int>(seq.begin(), seq.begin() + o.ctx)},
-                           {"n_predict", 0},
-                           {"id_slot", 0},
-                           {"cache_prompt", true},
-                           {"temperature", 0}});
-    m.post("/slots/0?action=save", {{"filename", m.slot_file("context")}});
-    const LlamaState saved = load_llama_state(m.slot_path("context"), m.shape);
-    require(saved.cells() == o.ctx, "llama-server saved {} cells of a {}-token context", saved.cells(), o.ctx);
+    const LlamaState saved = m.context_state(s.subspan(0, static_cast<std::size_t>(o.ctx)));
     // 2: the reference, from the exact slot.
     const auto ref = m.score(s, o.ctx, "context", vocab);
     std::vector<std::vector<double>> ref_p(ref.size());

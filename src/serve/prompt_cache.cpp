@@ -66,6 +66,7 @@ struct PromptCacheProxy::Impl {
   ModelDescription description;  // per layer: the head size (the shape-only caches)
   int kv_heads = 0, head_size = 0;
   std::uint64_t fingerprint = 0;
+  std::vector<std::shared_ptr<const VqProfile>> profiles;  // of the vq levels that name one (profile=PATH)
   std::unique_ptr<KVStore> store;
   LlamaStateModel shape;
   LlamaState layout;                // the server's slot files: type, V layout, streams (no layers)
@@ -125,6 +126,10 @@ struct PromptCacheProxy::Impl {
     }
     kv_heads = shape.kv_heads;
     head_size = shape.key_dim;
+    // vq levels with a profile: fitted on this very file (its bytes' hash), else refused now.
+    bool any_profile = false;
+    for (const auto& l : o.levels) any_profile = any_profile || !MethodSpec::parse(l).vq_profile.empty();
+    if (any_profile) profiles = check_method_profiles(o.levels, model_file_fingerprint(o.model), o.model);
     description = ModelDescription::uniform(shape.layers, head_size);
     store = open_store(o.store);
     probe_layout();
@@ -252,6 +257,7 @@ struct PromptCacheProxy::Impl {
     LoaderOptions lo;
     lo.scheme = {.model_fingerprint = fingerprint, .chunk_tokens = o.chunk_tokens, .levels = {}};
     lo.allow_recompute = false;
+    if (!profiles.empty()) lo.vq_models = vq_profile_models(profiles, model ? chunk_vq_models(*model) : VqLayerModelSource{});
     auto caches = model ? make_caches("fp32", *model) : make_caches(MethodSpec::parse("fp32"), description);
     std::vector<std::string> warnings;
     const auto warn = [&](const std::string& w) { warnings.push_back(w); };

@@ -137,6 +137,7 @@ const char* vq_basis_name(VqBasis b) {
   switch (b) {
     case VqBasis::Identity: return "identity";
     case VqBasis::Hadamard: return "hadamard";
+    case VqBasis::Profile: return "profile";
     case VqBasis::Weights: break;
   }
   return "weights";

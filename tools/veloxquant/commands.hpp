@@ -16,6 +16,7 @@ Runner add_eval(CLI::App& app);
 Runner add_rd(CLI::App& app);
 Runner add_bench(CLI::App& app);
 Runner add_profile(CLI::App& app);
+Runner add_calibrate(CLI::App& app);
 Runner add_compress(CLI::App& app);
 Runner add_decompress(CLI::App& app);
 Runner add_inspect(CLI::App& app);

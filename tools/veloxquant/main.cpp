@@ -43,6 +43,8 @@ int main(int argc, char** argv) {
   add("inspect", "show a .vqkv file's shape, configuration and where its bytes go", vqcli::add_inspect);
   add("profile", "profile the CacheGen paper codec's tables (per layer and channel) of a model over text, for cachegen_paper:profile=PATH",
       vqcli::add_profile);
+  add("calibrate", "fit a vq profile on a model's own K/V over text (through llama.cpp for a GGUF), for vq:...,profile=PATH",
+      vqcli::add_calibrate);
   add("store", "prefix KV store: put a text's KV in chunks at several levels, ls, stats, rm (file:, redis://, redis-cluster://)",
       vqcli::add_store);
   add("bench", "benchmarks: 'bench codec' compares veloxquant's rANS with htscodecs, zstd and lz4 on KV codes", vqcli::add_bench);

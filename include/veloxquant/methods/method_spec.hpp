@@ -6,6 +6,7 @@
 // e.g. `vq:bits=2`, `cachegen:bits=4,schedule=off`, `q4_0:rotate=1`. Unknown methods, keys or values
 // throw InvalidArgument naming the bad part and the valid choices.
 #pragma once
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
@@ -16,6 +17,7 @@
 #include "veloxquant/peers/cachegen_paper_profile.hpp"
 #include "veloxquant/peers/kivi_cache.hpp"
 #include "veloxquant/peers/lmcache_cache.hpp"
+#include "veloxquant/vq/profile.hpp"
 #include "veloxquant/vq/vq_cache.hpp"
 
 namespace vq {
@@ -38,6 +40,7 @@ struct MethodSpec {
   VqConfig vq;              // used when kind == Vq (k_offset/v_offset set per layer from vq_alloc)
   VqBasisOptions vq_basis;  // used when kind == Vq and a model is known
   std::string vq_alloc = "flat";  // "flat" or the '/'-separated K/V offsets per attention layer
+  std::string vq_profile;         // used when kind == Vq: a profile file (vq/profile.hpp) whose axes replace the basis
 
   // Parse a spec string (see above); throws InvalidArgument.
   static MethodSpec parse(const std::string& spec);
@@ -52,5 +55,11 @@ struct MethodSpec {
 std::vector<std::shared_ptr<KVCache>> make_caches(const MethodSpec& spec, const ModelDescription& model);
 std::vector<std::shared_ptr<KVCache>> make_caches(const MethodSpec& spec, const Transformer& model);
 std::vector<std::shared_ptr<KVCache>> make_caches(const std::string& spec, const Transformer& model);
+
+// The vq profiles the specs name (profile=PATH), each loaded and checked against the model they
+// will run on (its file's fingerprint: xxHash64 of the GGUF or llama2.c file). Throws
+// InvalidArgument (a bad spec, a profile of another model), FormatError / IoError (the file).
+std::vector<std::shared_ptr<const VqProfile>> check_method_profiles(const std::vector<std::string>& specs, std::uint64_t model_fingerprint,
+                                                                    const std::string& model_name);
 
 }  // namespace vq

@@ -28,6 +28,7 @@
 // dimensions) throws FormatError before any weight is read.
 #pragma once
 #include <cstddef>
+#include <cstdint>
 #include <span>
 #include <string>
 #include <vector>
@@ -71,6 +72,9 @@ struct Checkpoint {
   std::vector<float> w3;               // [L, hidden, dim]
   std::vector<float> rms_final;        // [dim]
   std::vector<float> wcls;             // [vocab, dim]; empty when shared_classifier
+  // xxHash64 of the file it was read from (model/gguf.hpp's model_file_fingerprint); 0 when it was
+  // not read from a file. What a vq profile names (vq/profile.hpp): make_caches checks it.
+  std::uint64_t file_fingerprint = 0;
 
   // The classifier matrix [vocab, dim] (the embedding when shared).
   const float* classifier() const { return config.shared_classifier ? token_embedding.data() : wcls.data(); }

@@ -72,10 +72,14 @@ GgufModel load_gguf(const std::string& path);
 struct GgufShape {
   std::string architecture;
   int n_layers = 0, n_kv_heads = 0, key_length = 0, value_length = 0;
+  double rope_freq_base = 10000.0;  // <arch>.rope.freq_base (llama.cpp's default when absent)
   std::set<std::uint32_t> tensor_types;  // ggml type ids present
   std::uint64_t fingerprint = 0;
 };
 GgufShape parse_gguf_shape(std::span<const std::byte> bytes, const std::string& name = "gguf");
 GgufShape load_gguf_shape(const std::string& path);  // the file mapped, not read into memory
+// xxHash64 (seed 0) of any model file's bytes, GGUF or llama2.c (for GGUF, GgufShape::fingerprint):
+// the model a vq profile names (vq/profile.hpp).
+std::uint64_t model_file_fingerprint(const std::string& path);
 
 }  // namespace vq

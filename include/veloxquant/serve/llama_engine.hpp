@@ -20,11 +20,14 @@
 // - Bits are those of the method's caches holding the context (eval's CacheBits), as in `eval`.
 #pragma once
 #include <functional>
+#include <cstdint>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
 #include "veloxquant/eval/evaluator.hpp"
+#include "veloxquant/format/llama_state.hpp"
 
 namespace vq {
 
@@ -48,6 +51,10 @@ class LlamaEngine {
   // The text's tokens as llama.cpp cuts them (no BOS), and its BOS id.
   std::vector<int> tokenize(const std::string& text) const;
   int bos() const;
+  // xxHash64 of the GGUF file (model/gguf.hpp's GgufShape::fingerprint): what vq profiles name.
+  std::uint64_t model_fingerprint() const;
+  // The exact K/V llama.cpp computes for `context` (BOS first): the slot's saved state (F32).
+  LlamaState context_state(std::span<const int> context);
   // eval::evaluate's contract in the reuse protocol, with llama.cpp computing every logit; the
   // windows are cut as evaluate cuts them (BOS, then window - 1 text tokens). `threads` is ignored
   // (one slot, one request at a time). Throws InvalidArgument for the stream protocol, and without

@@ -29,7 +29,8 @@
 
 namespace vq {
 
-enum class VqBasis { Identity, Hadamard, Weights };
+// Profile: axes fitted on the model's own K/V (vq/profile.hpp; set by `profile=PATH`, not by `basis=`).
+enum class VqBasis { Identity, Hadamard, Weights, Profile };
 VqBasis vq_basis_from_name(const std::string& name);  // "identity" | "hadamard" | "weights"; throws InvalidArgument
 const char* vq_basis_name(VqBasis b);
 
