@@ -56,6 +56,7 @@ void set_vq(MethodSpec& m, const std::string& key, const std::string& value, con
   } else if (key == "profile") {
     if (value.empty()) throw InvalidArgument(fmt::format("method '{}': profile= needs a path (a file written by `veloxquant calibrate`)", spec));
     m.vq_profile = value;
+    m.vq_basis.basis = VqBasis::Profile;
   } else if (key == "shape") {
     m.vq_basis.shape = parse_bool(key, value, spec, "on", "off");
   } else {
@@ -120,12 +121,18 @@ MethodRow vq_row() {
                    {"sinks", "0", "N", "first tokens also kept exact"},
                    {"resident", "packed", "packed|coded", "coded: full 64-token tiles held Rice-coded (about half the memory, slower attention)"},
                    {"alloc", "flat", "flat|K0/V0/K1/V1/...", "bits added per attention layer to K and V (flat = all 0, the measured best)"},
-                   {"basis", "weights", "weights|hadamard|identity", "the transform (vq/basis.hpp); without a model, identity"},
+                   {"basis", "weights", "weights|hadamard|identity", "the transform (vq/basis.hpp); without a model, identity; profile= sets it to profile"},
                    {"shape", "on", "on|off", "shape the transform by the layer's downstream weights"},
                    {"rope", "on", "on|off", "undo RoPE before the transform, redo it after"},
                    {"profile", "", "PATH", "axes fitted on the model's own K/V (`veloxquant calibrate -o PATH`): a basis without weights"}},
           .set = set_vq,
-          .validate = [](const MethodSpec& m) { m.vq.validate(); },
+          .validate =
+              [](const MethodSpec& m) {
+                m.vq.validate();
+                require((m.vq_basis.basis == VqBasis::Profile) == !m.vq_profile.empty(),
+                        m.vq_profile.empty() ? "vq: basis=profile needs profile=PATH (a file written by `veloxquant calibrate`)"
+                                             : "vq: profile=PATH replaces the basis: leave basis= out (or write basis=profile)");
+              },
           .canonical = vq_spec_string,
           .make = make_vq_caches,
           .saves_vqkv = true,

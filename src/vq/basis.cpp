@@ -130,6 +130,7 @@ VqBasis vq_basis_from_name(const std::string& name) {
   if (name == "identity") return VqBasis::Identity;
   if (name == "hadamard") return VqBasis::Hadamard;
   if (name == "weights") return VqBasis::Weights;
+  if (name == "profile") return VqBasis::Profile;  // with profile=PATH only (the method row checks)
   throw InvalidArgument(fmt::format("vq: basis={} is not valid; use basis=weights, basis=hadamard or basis=identity", name));
 }
 

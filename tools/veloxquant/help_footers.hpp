@@ -26,10 +26,12 @@ inline const std::map<std::string, HelpText>& help_texts() {
       {"demo", {"veloxquant demo [--model M] [--tokenizer T] [--text F] [--windows N] [--plot OUT.svg]",
                 "veloxquant demo --windows 8 --plot /tmp/rd.svg"}},
       {"eval", {"veloxquant eval [--model M] [--tokenizer T] [--text F] [--methods LIST] [--protocol stream|reuse] [--ctx N] "
-                "[--window N] [--chunk S] [--max-tokens N] [--json]",
+                "[--window N] [--chunk S] [--max-tokens N] [--prefill method|exact] [--json] [--engine ours|llama [--llama-server PATH] "
+                "[--server-threads N]]",
                 "veloxquant eval --methods 'fp16;vq:bits=2;cachegen:flush=per_call' --protocol reuse --ctx 256 --window 512"}},
       {"rd", {"veloxquant rd [--model M] [--tokenizer T] [--text F] [--methods LIST] [--protocol reuse|stream] [--ctx N] "
-              "[--window N] [--chunk S] [--windows N] [--threads N] [--json] [--plot OUT.svg]",
+              "[--window N] [--chunk S] [--windows N] [--threads N] [--prefill method|exact] [--json] [--plot OUT.svg] [--engine ours|llama "
+              "[--llama-server PATH] [--server-threads N]]",
               "veloxquant rd --methods 'vq,cachegen,q4_0' --windows 10 --plot rd.svg"}},
       {"generate", {"veloxquant generate [--model M] [--tokenizer T] [--prompt TEXT] [--steps N] [--temperature 0] [--topp P] "
                     "[--seed S] [--method SPEC] [--store URL] [--slo-ms N] [--bandwidth MBPS] [--threads N] [--no-recompute] [--json]",
@@ -50,6 +52,9 @@ inline const std::map<std::string, HelpText>& help_texts() {
       {"inspect", {"veloxquant inspect IN.vqkv [--json]", "veloxquant inspect kv.vqkv"}},
       {"profile", {"veloxquant profile [--model M] [--tokenizer T] [--text F] [-o OUT] [--tokens N] [--skip N]",
                    "veloxquant profile -o stories260K.cgprof && veloxquant eval --methods cachegen_paper:profile=stories260K.cgprof"}},
+      {"calibrate", {"veloxquant calibrate [--model M] [--tokenizer T] [--text F] [-o OUT.vqprof] [--engine llama|ours] [--tokens N] [--skip N] "
+                     "[--window N] [--llama-server PATH] [--server-threads N]",
+                     "veloxquant calibrate --model m.gguf -o m.vqprof && veloxquant eval --engine llama --model m.gguf --methods 'vq:bits=2,profile=m.vqprof'"}},
       {"store", {"veloxquant store (put | ls | stats | rm) [OPTIONS]", "veloxquant store put --text story.txt --levels 'vq:bits=2;fp16'"}},
       {"store put", {"veloxquant store put [--store URL] [--model M] [--tokenizer T] (--text F | --prompt TEXT) [--levels LIST] "
                      "[--chunk-tokens C] [--json]",
