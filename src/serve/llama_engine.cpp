@@ -53,6 +53,11 @@ struct LlamaEngine::Impl {
   std::unique_ptr<Transformer> model;
   ModelDescription description;
   int bos_id = 1;
+  // A token whose piece is plain text ("a"): the one token each scoring request samples, so the
+  // server never holds back its reply's probabilities (it does for a partial UTF-8 byte or an
+  // end-of-generation token). The bias acts in the sampler; the distribution reported is the raw
+  // logits' softmax, which no bias touches.
+  int plain_token = -1;
   std::uint64_t fingerprint = 0;  // of the GGUF file (GgufShape::fingerprint): what a vq profile names
 
   explicit Impl(LlamaEngineOptions options) : o(std::move(options)) {
@@ -68,7 +73,8 @@ struct LlamaEngine::Impl {
     try {
       model = std::make_unique<Transformer>(load_gguf(o.model).checkpoint);
     } catch (const FormatError& e) {
-      o.log(fmt::format("{}: its weights are not ours to read ({}): vq takes its transforms from the data", o.model, e.what()));
+      o.log(fmt::format("{}: its weights are not ours to read ({}): vq has no transform from the weights (vq:...,profile=PATH from "
+                        "`veloxquant calibrate` gives it one)", o.model, e.what()));
     }
     if (o.server.empty()) o.server = fs::exists(".llama/bin/llama-server") ? ".llama/bin/llama-server" : "llama-server";
     work = fs::temp_directory_path() / fmt::format("vq-llama-engine-{}-{}", ::getpid(), reinterpret_cast<std::uintptr_t>(this));
@@ -98,6 +104,8 @@ struct LlamaEngine::Impl {
     const auto b = post("/tokenize", {{"content", ""}, {"add_special", true}}).at("tokens");
     bos_id = b.is_array() && b.size() == 1 && b[0].is_number_integer() ? b[0].get<int>() : -1;
     require(bos_id >= 0, "{}: llama-server adds no single BOS token to a prompt; --engine llama needs one", o.model);
+    const auto a = post("/tokenize", {{"content", "a"}, {"add_special", false}}).at("tokens");
+    plain_token = a.is_array() && !a.empty() && a[0].is_number_integer() ? a[0].get<int>() : -1;
   }
 
   ~Impl() {
@@ -132,7 +140,8 @@ struct LlamaEngine::Impl {
                                         {"n_probs", kAllTokens},
                                         {"id_slot", 0},
                                         {"cache_prompt", true},
-                                        {"temperature", 0}});
+                                        {"temperature", 0},
+                                        {"logit_bias", plain_token >= 0 ? json::array({json::array({plain_token, 1e4})}) : json::array()}});
     const json* probs = nullptr;
     if (r.contains("completion_probabilities") && r["completion_probabilities"].is_array() && !r["completion_probabilities"].empty())
       probs = &r["completion_probabilities"][0]["top_logprobs"];

@@ -60,8 +60,9 @@ struct PromptCacheProxy::Impl {
   int port = 0;
   // The model, when our GGUF reader loads its weights (llama2.c-shaped llama with F32/F16/Q8_0
   // tensors): `vq` levels then take their transforms from them. Otherwise (K-quant weights, other
-  // RoPE bases, tokenizers or architectures) only its shape is read (GgufShape) and `vq` levels take
-  // their transforms from the data; the fingerprint is then the whole file's.
+  // RoPE bases, tokenizers or architectures) only its shape is read (GgufShape) and `vq` levels code
+  // K/V without a transform unless they name a profile (vq/profile.hpp; `veloxquant calibrate`);
+  // the fingerprint is then the whole file's.
   std::unique_ptr<Transformer> model;
   ModelDescription description;  // per layer: the head size (the shape-only caches)
   int kv_heads = 0, head_size = 0;
@@ -114,8 +115,9 @@ struct PromptCacheProxy::Impl {
       const GgufShape g = load_gguf_shape(o.model);  // a malformed file fails here, with its own message
       require(g.key_length == g.value_length, "{}: key length {} and value length {} differ, which the prompt cache does not support",
               o.model, g.key_length, g.value_length);
-      o.log(fmt::format("{}: its weights are not ours to read ({}); its shape is ({} layers, {} KV heads of {}): vq levels take their "
-                        "transforms from the data, not the weights", o.model, e.what(), g.n_layers, g.n_kv_heads, g.key_length));
+      o.log(fmt::format("{}: its weights are not ours to read ({}); its shape is ({} layers, {} KV heads of {}): vq levels have no "
+                        "transform from the weights (a level with profile=PATH from `veloxquant calibrate` gets one)",
+                        o.model, e.what(), g.n_layers, g.n_kv_heads, g.key_length));
       shape = {g.n_layers, g.n_kv_heads, g.key_length, g.value_length};
       fingerprint = g.fingerprint;
     }
@@ -143,7 +145,7 @@ struct PromptCacheProxy::Impl {
   // meanwhile.
   void warm_layer_models() {
     std::vector<std::string> vq_levels;
-    if (!model) return;  // transforms from the data: nothing to build ahead
+    if (!model) return;  // no weights: nothing to build ahead (a profile's layers are cheap)
     for (const auto& l : o.levels)
       if (MethodSpec::parse(l).kind == MethodSpec::Kind::Vq) vq_levels.push_back(l);
     if (vq_levels.empty()) return;

@@ -81,7 +81,8 @@ int run_calibrate(CalibrateOptions o) {
       fmt::print(stderr, "calibrate: {} is a '{}' model: its keys are profiled as llama.cpp holds them (RoPE not undone)\n", o.model,
                  g.architecture);
     // A prompt must be shorter than the server's context: one position more than a window.
-    vq::LlamaEngine engine({.server = o.llama_server, .model = o.model, .context = o.window + 1, .threads = o.server_threads, .log = {}});
+    vq::LlamaEngine engine({.server = o.llama_server, .model = o.model, .context = o.window + 1, .threads = o.server_threads,
+                             .log = [](const std::string&) {}});  // whether our reader loads its weights does not matter here
     fingerprint = engine.model_fingerprint();
     const auto windows = windows_of(engine.tokenize(text), engine.bos(), o.window, o.skip, o.tokens, text_path);
     builder = std::make_unique<vq::VqProfileBuilder>(g.n_layers, g.n_kv_heads, g.key_length, rope, g.rope_freq_base);
