@@ -110,11 +110,6 @@ void log_softmax(std::span<const float> logits, std::vector<double>& out) {
   for (std::size_t i = 0; i < logits.size(); ++i) out[i] = static_cast<double>(logits[i]) - lse;
 }
 
-struct Accum {
-  double nll = 0, kl = 0;
-  std::int64_t agree = 0, tokens = 0;
-  CacheBits bits;
-};
 
 // Logits of the scored positions of one window, [n_scored, vocab], and the caches' bits.
 struct WindowRun {
@@ -259,8 +254,8 @@ std::vector<MethodResult> evaluate(Transformer& model, const std::vector<int>& t
   };
   std::vector<Window> win(W);
   std::vector<Terms> terms(W * M);
-  Accum ref;
-  std::vector<Accum> acc(M);
+  ScoreSums ref;
+  std::vector<ScoreSums> acc(M);
   std::vector<std::size_t> folded(M, 0);  // per method: the windows summed so far
   // Under mu: adds method m's terms of the windows now complete in order, and frees them.
   auto fold = [&](std::size_t m) {
@@ -388,25 +383,27 @@ std::vector<MethodResult> evaluate(Transformer& model, const std::vector<int>& t
     }
   const double ppl_ref = std::exp(ref.nll / static_cast<double>(ref.tokens));
   std::vector<MethodResult> out;
-  for (std::size_t m = 0; m < methods.size(); ++m) {
-    MethodResult r;
-    r.method = methods[m];
-    r.tokens = acc[m].tokens;
-    r.ppl = std::exp(acc[m].nll / static_cast<double>(acc[m].tokens));
-    r.delta_ppl_pct = 100.0 * (r.ppl / ppl_ref - 1.0);
-    r.kl = acc[m].kl / static_cast<double>(acc[m].tokens);
-    r.top1 = static_cast<double>(acc[m].agree) / static_cast<double>(acc[m].tokens);
-    r.bits_per_element_fixed = acc[m].bits.fixed_bits();
-    r.bits_per_element_estimated = acc[m].bits.estimated_bits();
-    r.bits_per_element_coded = acc[m].bits.coded_bits();
-    r.resident_bits_per_element = acc[m].bits.resident_bits();
-    // A score that is not a number is a failed run, never a result.
-    require(std::isfinite(r.ppl) && std::isfinite(r.kl) && std::isfinite(r.top1) && std::isfinite(ppl_ref),
-            "{}: the scores are not finite (ppl {}, reference ppl {}, KL {}, top-1 {} over {} tokens)", r.method, r.ppl, ppl_ref, r.kl,
-            r.top1, r.tokens);
-    out.push_back(r);
-  }
+  for (std::size_t m = 0; m < methods.size(); ++m) out.push_back(acc[m].result(methods[m], ppl_ref));
   return out;
+}
+
+MethodResult ScoreSums::result(const std::string& method, double reference_ppl) const {
+  MethodResult r;
+  r.method = method;
+  r.tokens = tokens;
+  r.ppl = std::exp(nll / static_cast<double>(tokens));
+  r.delta_ppl_pct = 100.0 * (r.ppl / reference_ppl - 1.0);
+  r.kl = kl / static_cast<double>(tokens);
+  r.top1 = static_cast<double>(agree) / static_cast<double>(tokens);
+  r.bits_per_element_fixed = bits.fixed_bits();
+  r.bits_per_element_estimated = bits.estimated_bits();
+  r.bits_per_element_coded = bits.coded_bits();
+  r.resident_bits_per_element = bits.resident_bits();
+  // A score that is not a number is a failed run, never a result.
+  require(std::isfinite(r.ppl) && std::isfinite(r.kl) && std::isfinite(r.top1) && std::isfinite(reference_ppl),
+          "{}: the scores are not finite (ppl {}, reference ppl {}, KL {}, top-1 {} over {} tokens)", r.method, r.ppl, reference_ppl, r.kl,
+          r.top1, r.tokens);
+  return r;
 }
 
 std::vector<SyntheticResult> evaluate_synthetic(const std::vector<std::string>& methods, std::int64_t tokens) {

@@ -33,11 +33,6 @@ constexpr std::size_t kMaxReplyBytes = std::size_t{64} << 20;
 // n_probs asking for every token: the server gives min(this, vocabulary).
 constexpr int kAllTokens = 1 << 24;
 
-struct Accum {
-  double nll = 0, kl = 0;
-  std::int64_t agree = 0, tokens = 0;
-  CacheBits bits;
-};
 
 }  // namespace
 
@@ -266,7 +261,7 @@ std::vector<MethodResult> LlamaEngine::evaluate(const std::vector<int>& tokens, 
   const std::size_t M = methods.size();
   const std::size_t n_runs = static_cast<std::size_t>(n_windows) * (M + 1);
   std::size_t done = 0;
-  std::vector<Accum> acc(M);
+  std::vector<ScoreSums> acc(M);
   double ref_nll = 0;
   std::int64_t ref_tokens = 0;
   std::size_t vocab = 0;
@@ -306,22 +301,7 @@ std::vector<MethodResult> LlamaEngine::evaluate(const std::vector<int>& tokens, 
   }
   const double ppl_ref = std::exp(ref_nll / static_cast<double>(ref_tokens));
   std::vector<MethodResult> out;
-  for (std::size_t j = 0; j < M; ++j) {
-    MethodResult r;
-    r.method = methods[j];
-    r.tokens = acc[j].tokens;
-    r.ppl = std::exp(acc[j].nll / static_cast<double>(acc[j].tokens));
-    r.delta_ppl_pct = 100.0 * (r.ppl / ppl_ref - 1.0);
-    r.kl = acc[j].kl / static_cast<double>(acc[j].tokens);
-    r.top1 = static_cast<double>(acc[j].agree) / static_cast<double>(acc[j].tokens);
-    r.bits_per_element_fixed = acc[j].bits.fixed_bits();
-    r.bits_per_element_estimated = acc[j].bits.estimated_bits();
-    r.bits_per_element_coded = acc[j].bits.coded_bits();
-    r.resident_bits_per_element = acc[j].bits.resident_bits();
-    require(std::isfinite(r.ppl) && std::isfinite(r.kl) && std::isfinite(ppl_ref), "{}: the scores are not finite (ppl {}, reference ppl {}, KL {})",
-            r.method, r.ppl, ppl_ref, r.kl);
-    out.push_back(r);
-  }
+  for (std::size_t j = 0; j < M; ++j) out.push_back(acc[j].result(methods[j], ppl_ref));
   return out;
 }
 

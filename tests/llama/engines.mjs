@@ -19,6 +19,7 @@ import fs from "node:fs";
 import path from "node:path";
 import {execFileSync, spawnSync} from "node:child_process";
 import {cli, models, scratch} from "./lib/env.mjs";
+import {writeRopePatched} from "./lib/gguf.mjs";
 
 const server = process.env.VQ_LLAMA_SERVER;
 if (!server) throw new Error("VQ_LLAMA_SERVER is not set (run this script through ctest)");
@@ -78,14 +79,7 @@ for (const [name, gguf] of [["stories260K", plain], ["stories260K --pad-head 64"
 // at that base): without it vq has no transform (identity); with it, KL falls by more than 2x
 // (measured 26x at bits=2, 37x at bits=1: without a transform its keys are coded as RoPE left them). The calibration text is after the windows eval scores (--skip).
 const foreign = path.join(scratch, "stories260K-rope20k.gguf");
-{
-  const b = fs.readFileSync(plain);
-  const key = Buffer.from("llama.rope.freq_base");
-  const at = b.indexOf(key) + key.length + 4;  // after the key: its type (u32), then the f32 value
-  check(b.readFloatLE(at) === 10000, "the converted GGUF holds rope.freq_base 10000");
-  b.writeFloatLE(20000, at);
-  fs.writeFileSync(foreign, b);
-}
+check(writeRopePatched(plain, foreign, 20000) === 10000, "the converted GGUF held rope.freq_base 10000");
 const prof = path.join(scratch, "rope20k.vqprof");
 const cal = execFileSync(cli, ["calibrate", "--engine", "llama", "--llama-server", server, "--model", foreign, "--skip", "30000",
                                "--tokens", "4096", "-o", prof, "--text", path.join(models, "tinystories_val.txt")],

@@ -12,6 +12,7 @@ import {execFileSync} from "node:child_process";
 import {cli, models, scratch} from "./lib/env.mjs";
 import {startServer, post} from "./lib/server.mjs";
 import {startProxy, lastLine} from "./lib/proxy.mjs";
+import {writeRopePatched} from "./lib/gguf.mjs";
 
 let failures = 0;
 function check(ok, what) {
@@ -159,12 +160,7 @@ for (const [ram, restores] of [[400000, true], [30000, false]]) {
 // proxy restarts: the same text as the server alone.
 {
   const foreign = path.join(scratch, "stories260K-rope20k.gguf");
-  const b = fs.readFileSync(gguf);
-  const key = Buffer.from("llama.rope.freq_base");
-  const at = b.indexOf(key) + key.length + 4;  // after the key: its type (u32), then the f32 value
-  check(b.readFloatLE(at) === 10000, "the converted GGUF holds rope.freq_base 10000");
-  b.writeFloatLE(20000, at);
-  fs.writeFileSync(foreign, b);
+  check(writeRopePatched(gguf, foreign, 20000) === 10000, "the converted GGUF held rope.freq_base 10000");
   const foreignArgs = serverArgs.map((a) => (a === gguf ? foreign : a));
   const dir = path.join(scratch, "store-foreign");
   const startOn = (url) => startProxy(["--upstream", url, "--model", foreign, "--slot-dir", slots, "--store", `file:${dir}`,

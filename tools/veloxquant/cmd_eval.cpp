@@ -39,8 +39,8 @@ std::string default_methods() {
 }
 
 struct EvalCliOptions {
-  std::string model, tokenizer, text, methods = default_methods(), protocol, engine = "ours", llama_server, prefill;
-  int server_threads = 2;
+  std::string model, tokenizer, text, methods = default_methods(), protocol;
+  EngineOptions eng;
   vq::EvalOptions eval;
   bool json = false;
 };
@@ -48,7 +48,7 @@ struct EvalCliOptions {
 void print_results(const EvalCliOptions& o, const std::string& model_name, const std::string& text_path,
                    const std::vector<vq::MethodResult>& results) {
   if (o.json) {
-    nlohmann::json j{{"model", model_name}, {"protocol", o.protocol}, {"engine", o.engine}, {"results", nlohmann::json::array()}};
+    nlohmann::json j{{"model", model_name}, {"protocol", o.protocol}, {"engine", o.eng.engine}, {"results", nlohmann::json::array()}};
     for (const auto& r : results)
       j["results"].push_back({{"method", r.method}, {"tokens", r.tokens}, {"ppl", r.ppl}, {"delta_ppl_pct", r.delta_ppl_pct},
                               {"kl", r.kl}, {"top1", r.top1}, {"bits_per_element_fixed", r.bits_per_element_fixed},
@@ -59,7 +59,7 @@ void print_results(const EvalCliOptions& o, const std::string& model_name, const
     return;
   }
   fmt::print("model {}  engine {}  protocol {}  window {}  ctx {}  chunk {}  text {}\n", model_name,
-             o.engine == "llama" ? "llama.cpp (llama-server)" : "veloxquant", o.protocol, o.eval.window, o.eval.ctx, o.eval.chunk, text_path);
+             o.eng.engine == "llama" ? "llama.cpp (llama-server)" : "veloxquant", o.protocol, o.eval.window, o.eval.ctx, o.eval.chunk, text_path);
   fmt::print("{:<44} {:>7} {:>9} {:>8} {:>10} {:>7} {:>10} {:>10} {:>10}\n", "method", "tokens", "ppl", "dPPL %", "KL", "top-1",
              "bits fixed", "bits est.", "bits res.");
   for (const auto& r : results)
@@ -84,7 +84,7 @@ int run_eval_llama(EvalCliOptions& o, const std::vector<std::string>& methods) {
                                                                              static_cast<std::size_t>(o.eval.window) * 64
                                                                        : 0);
   o.eval.validate(o.eval.window);
-  vq::LlamaEngine engine({.server = o.llama_server, .model = o.model, .context = o.eval.window, .threads = o.server_threads, .log = {}});
+  vq::LlamaEngine engine({.server = o.eng.llama_server, .model = o.model, .context = o.eval.window, .threads = o.eng.server_threads, .log = {}});
   const std::vector<int> tokens = engine.tokenize(text);
   Progress progress("eval (llama.cpp):", 1.0, 5.0);
   o.eval.progress = [&](double f) { progress(f); };
@@ -93,7 +93,7 @@ int run_eval_llama(EvalCliOptions& o, const std::vector<std::string>& methods) {
   return 0;
 #else
   (void)methods;
-  throw vq::InvalidArgument(fmt::format("--engine {}: this veloxquant was built without cpp-httplib (libcpp-httplib-dev), which it needs to drive llama-server", o.engine));
+  throw vq::InvalidArgument(fmt::format("--engine {}: this veloxquant was built without cpp-httplib (libcpp-httplib-dev), which it needs to drive llama-server", o.eng.engine));
 #endif
 }
 int run_synthetic(const EvalCliOptions& o, const std::string& why) {
@@ -119,13 +119,13 @@ int run_synthetic(const EvalCliOptions& o, const std::string& why) {
 }
 
 int run_eval(EvalCliOptions o) {
-  vq::require(o.engine == "ours" || o.engine == "llama", "--engine {}: give ours or llama", o.engine);
-  if (o.protocol.empty()) o.protocol = o.engine == "llama" ? "reuse" : "stream";
+  vq::require(o.eng.engine == "ours" || o.eng.engine == "llama", "--engine {}: give ours or llama", o.eng.engine);
+  if (o.protocol.empty()) o.protocol = o.eng.engine == "llama" ? "reuse" : "stream";
   o.eval.protocol = vq::eval_protocol_from_name(o.protocol);
-  o.eval.exact_prefill = prefill_is_exact(o.prefill, o.engine, o.eval.protocol);
+  o.eval.exact_prefill = prefill_is_exact(o.eng.prefill, o.eng.engine, o.eval.protocol);
   const auto methods = vq::split_method_list(o.methods);
   for (const auto& m : methods) (void)vq::MethodSpec::parse(m);  // a bad spec fails before any loading
-  if (o.engine == "llama") return run_eval_llama(o, methods);
+  if (o.eng.engine == "llama") return run_eval_llama(o, methods);
   if (!o.model.empty() && !std::filesystem::is_regular_file(o.model))
     throw vq::IoError(fmt::format("{}: cannot open model (no such file)", o.model));
   // A tokenizer or text not given explicitly is looked for beside an explicit model first.
@@ -167,15 +167,7 @@ Runner add_eval(CLI::App& app) {
   app.add_option("--methods", o->methods, "methods to score, e.g. 'fp16,cachegen:bits=4,group=32;cachegen:flush=per_call'")
       ->capture_default_str();
   app.add_option("--protocol", o->protocol, "stream or reuse (default: stream; reuse with --engine llama)");
-  app.add_option("--engine", o->engine,
-                 "who computes the logits: ours (veloxquant's engine) or llama (a llama-server started on 127.0.0.1 running --model X.gguf; "
-                 "reuse protocol: the context's state taken from llama.cpp, compressed, restored, the rest scored)")
-      ->capture_default_str();
-  app.add_option("--prefill", o->prefill,
-                 "reuse: method (the context prefilled through the method's cache; ours' default) or exact (prefilled exactly, then "
-                 "compressed: what a prompt cache stores; --engine llama's only setting)");
-  app.add_option("--llama-server", o->llama_server, "--engine llama: the llama-server binary (default .llama/bin/llama-server, else on PATH)");
-  app.add_option("--server-threads", o->server_threads, "--engine llama: llama-server's -t")->capture_default_str()->transform(integer_in(1, 1024));
+  add_engine_options(app, o->eng);
   app.add_option("--ctx", o->eval.ctx, "stream: tokens prefilled per window; reuse: context tokens")
       ->capture_default_str()
       ->transform(integer_in(0, std::numeric_limits<int>::max()));

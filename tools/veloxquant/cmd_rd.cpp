@@ -36,8 +36,9 @@ namespace vqcli {
 namespace {
 
 struct RdOptions {
-  std::string model, tokenizer, text, methods, protocol = "reuse", plot, engine = "ours", llama_server, prefill;
-  int ctx = 256, window = 512, chunk = 64, windows = 40, threads = 0, server_threads = 2;
+  std::string model, tokenizer, text, methods, protocol = "reuse", plot;
+  int ctx = 256, window = 512, chunk = 64, windows = 40, threads = 0;
+  EngineOptions eng;
   bool json = false;
 };
 
@@ -48,10 +49,10 @@ std::string join(const std::vector<std::string>& v, const char* sep) {
 }
 
 int run_rd(RdOptions o) {
-  vq::require(o.engine == "ours" || o.engine == "llama", "--engine {}: give ours or llama", o.engine);
+  vq::require(o.eng.engine == "ours" || o.eng.engine == "llama", "--engine {}: give ours or llama", o.eng.engine);
   vq::EvalOptions eval;
   eval.protocol = vq::eval_protocol_from_name(o.protocol);
-  eval.exact_prefill = prefill_is_exact(o.prefill, o.engine, eval.protocol);
+  eval.exact_prefill = prefill_is_exact(o.eng.prefill, o.eng.engine, eval.protocol);
   eval.ctx = o.ctx;
   eval.window = o.window;
   eval.chunk = o.chunk;
@@ -74,7 +75,7 @@ int run_rd(RdOptions o) {
   }
   if (!o.model.empty() && !std::filesystem::is_regular_file(o.model))
     throw vq::IoError(fmt::format("{}: cannot open model (no such file)", o.model));
-  vq::require(o.engine == "ours" || !o.model.empty(), "--engine llama: give the GGUF file llama-server runs (--model X.gguf)");
+  vq::require(o.eng.engine == "ours" || !o.model.empty(), "--engine llama: give the GGUF file llama-server runs (--model X.gguf)");
   // As `eval`: a tokenizer or text not given is looked for beside an explicit model first.
   if (o.tokenizer.empty()) o.tokenizer = beside_model(o.model, "tok512.bin");
   if (o.text.empty()) o.text = beside_model(o.model, "tinystories_val.txt");
@@ -103,10 +104,10 @@ int run_rd(RdOptions o) {
   std::string model_name;
   std::int64_t n_windows = 0;
   double seconds = 0;
-  if (o.engine == "llama") {
+  if (o.eng.engine == "llama") {
 #ifdef VQ_HAVE_PROMPT_CACHE
     settle(eval.window);
-    vq::LlamaEngine engine({.server = o.llama_server, .model = o.model, .context = eval.window, .threads = o.server_threads, .log = {}});
+    vq::LlamaEngine engine({.server = o.eng.llama_server, .model = o.model, .context = eval.window, .threads = o.eng.server_threads, .log = {}});
     const std::vector<int> tokens = engine.tokenize(text);
     n_windows = windows_of(tokens.size());
     Progress progress(fmt::format("rd (llama.cpp): {} settings x {} windows", methods.size(), n_windows), 2.0, 10.0);
@@ -186,13 +187,7 @@ Runner add_rd(CLI::App& app) {
                  "families (expanded to their usual settings: " + join(rd::default_families(), ", ") +
                      ") and/or full specs run as given, e.g. 'kivi,vq:bits=2;cachegen:bits=4,schedule=off' (default: every family)");
   app.add_option("--protocol", o->protocol, "reuse or stream (see `eval`)")->capture_default_str();
-  app.add_option("--engine", o->engine, "who computes the logits: ours or llama (a llama-server running --model X.gguf; reuse only: see `eval`)")
-      ->capture_default_str();
-  app.add_option("--prefill", o->prefill,
-                 "reuse: method (the context prefilled through the method's cache; ours' default) or exact (prefilled exactly, then "
-                 "compressed: what a prompt cache stores; --engine llama's only setting)");
-  app.add_option("--llama-server", o->llama_server, "--engine llama: the llama-server binary (default .llama/bin/llama-server, else on PATH)");
-  app.add_option("--server-threads", o->server_threads, "--engine llama: llama-server's -t")->capture_default_str()->transform(integer_in(1, 1024));
+  add_engine_options(app, o->eng);
   app.add_option("--ctx", o->ctx, "reuse: context tokens; stream: tokens prefilled per window")
       ->capture_default_str()
       ->transform(integer_in(0, std::numeric_limits<int>::max()));

@@ -10,6 +10,7 @@
 
 #include "veloxquant/core/error.hpp"
 #include "veloxquant/core/input_file.hpp"
+#include "numeric_options.hpp"
 #include "veloxquant/eval/evaluator.hpp"
 #include "veloxquant/model/model_files.hpp"
 
@@ -50,6 +51,25 @@ inline std::string read_text(const std::string& path, std::size_t max_bytes = 0)
     text.resize(cut == std::string::npos ? max_bytes : cut);
   }
   return text;
+}
+
+// `eval`/`rd`: --engine, --prefill, --llama-server, --server-threads.
+struct EngineOptions {
+  std::string engine = "ours", prefill, llama_server;
+  int server_threads = 2;
+};
+inline void add_engine_options(CLI::App& app, EngineOptions& o) {
+  app.add_option("--engine", o.engine,
+                 "who computes the logits: ours (veloxquant's engine) or llama (a llama-server started on 127.0.0.1 running --model X.gguf; "
+                 "reuse protocol: the context's state taken from llama.cpp, compressed, restored, the rest scored)")
+      ->capture_default_str();
+  app.add_option("--prefill", o.prefill,
+                 "reuse: method (the context prefilled through the method's cache; ours' default) or exact (prefilled exactly, then "
+                 "compressed: what a prompt cache stores; --engine llama's only setting)");
+  app.add_option("--llama-server", o.llama_server, "--engine llama: the llama-server binary (default .llama/bin/llama-server, else on PATH)");
+  app.add_option("--server-threads", o.server_threads, "--engine llama: llama-server's -t")
+      ->capture_default_str()
+      ->transform(integer_in(1, 1024));
 }
 
 // `eval`/`rd --prefill` (reuse): "" is the engine's own (method for ours; exact for llama, which

@@ -67,6 +67,11 @@ struct MethodResult {
   double resident_bits_per_element = 0;  // memory the caches hold (see CacheBits::resident_bytes)
 };
 
+// One method's sums over its scored positions (against the reference's distributions): the
+// negative log-likelihood of the targets, KL(reference || method), top-1 agreements, tokens and the
+// caches' bits; result() turns them into a row (InvalidArgument when a score is not finite).
+struct ScoreSums;
+
 // Bits per element a set of per-layer caches costs now: fixed-width and entropy-estimated.
 struct CacheBits {
   double fixed_bytes = 0, estimated_bytes = 0, elements = 0;
@@ -85,6 +90,13 @@ struct CacheBits {
   double fixed_bits() const { return elements > 0 ? 8.0 * fixed_bytes / elements : 0.0; }
   double estimated_bits() const { return elements > 0 ? 8.0 * estimated_bytes / elements : 0.0; }
 };
+struct ScoreSums {
+  double nll = 0, kl = 0;
+  std::int64_t agree = 0, tokens = 0;
+  CacheBits bits;
+  MethodResult result(const std::string& method, double reference_ppl) const;
+};
+
 // Elements are the K and V values held (B * H * offset * (D_k + D_v) per cache, from the cache's
 // layout: nothing is materialised, so a resident cache is measured as it stands).
 CacheBits cache_bits(const std::vector<std::shared_ptr<KVCache>>& caches);
