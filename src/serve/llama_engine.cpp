@@ -65,7 +65,11 @@ struct LlamaEngine::Impl {
     shape = {g.n_layers, g.n_kv_heads, g.key_length, g.value_length};
     fingerprint = g.fingerprint;
     description = ModelDescription::uniform(g.n_layers, g.key_length);
+    // Our reader takes F32, F16 and Q8_0 tensors (ggml types 0, 1, 8): a file with others (K-quants)
+    // is not read into memory only to be refused.
+    const bool ours = std::all_of(g.tensor_types.begin(), g.tensor_types.end(), [](std::uint32_t t) { return t == 0 || t == 1 || t == 8; });
     try {
+      if (!ours) throw FormatError("tensor types other than F32, F16 and Q8_0");
       model = std::make_unique<Transformer>(load_gguf(o.model).checkpoint);
     } catch (const FormatError& e) {
       o.log(fmt::format("{}: its weights are not ours to read ({}): vq has no transform from the weights (vq:...,profile=PATH from "
