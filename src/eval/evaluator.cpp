@@ -257,10 +257,12 @@ std::vector<MethodResult> evaluate(Transformer& model, const std::vector<int>& t
   ScoreSums ref;
   std::vector<ScoreSums> acc(M);
   std::vector<std::size_t> folded(M, 0);  // per method: the windows summed so far
+  std::vector<std::string> errors(M);       // per method: the first error it raised (then its row reports it)
   // Under mu: adds method m's terms of the windows now complete in order, and frees them.
   auto fold = [&](std::size_t m) {
     for (; folded[m] < W && terms[folded[m] * M + m].ready; ++folded[m]) {
       Terms& t = terms[folded[m] * M + m];
+      if (t.kl.size() != S) continue;  // the method failed on this window (errors[m] says why)
       for (std::size_t i = 0; i < S; ++i) {
         acc[m].kl += t.kl[i];
         acc[m].nll -= t.lp[i];
@@ -341,7 +343,15 @@ std::vector<MethodResult> evaluate(Transformer& model, const std::vector<int>& t
     }
     const std::size_t m = run - 1;
     const std::vector<int> seq = window_seq(w);
-    const WindowRun r = run_window(*models[wk], methods[m], seq, o);
+    // A method that fails (a spec this model cannot take, data it cannot represent) becomes a row
+    // with its error; the other methods' rows go on.
+    WindowRun r;
+    std::string error;
+    try {
+      r = run_window(*models[wk], methods[m], seq, o);
+    } catch (const Error& e) {
+      error = e.what();
+    }
     {
       // The reference task of this window was handed out before this one and waits on nothing.
       std::unique_lock<std::mutex> lock(mu);
@@ -349,23 +359,26 @@ std::vector<MethodResult> evaluate(Transformer& model, const std::vector<int>& t
       if (!ww.ready) return;  // parallel_tasks rethrows the reference's error
     }
     Terms& t = terms[w * M + m];
-    t.kl.resize(S);
-    t.lp.resize(S);
-    t.bits = r.bits;
     std::vector<double> lp;
-    for (std::size_t i = 0; i < S; ++i) {
-      const int target = seq[static_cast<std::size_t>(first_target) + i];
-      const double* lr = ww.lp.data() + i * V;
-      const double* pr = ww.p.data() + i * V;
-      std::span<const float> ml(r.logits.data() + i * V, V);
-      log_softmax(ml, lp);
-      double kl = 0;
-      for (std::size_t v = 0; v < V; ++v) kl += pr[v] * (lr[v] - lp[v]);
-      t.kl[i] = std::max(0.0, kl);
-      t.lp[i] = lp[static_cast<std::size_t>(target)];
-      t.agree += (std::max_element(ml.begin(), ml.end()) - ml.begin()) == ww.top[i];
+    if (error.empty()) {
+      t.kl.resize(S);
+      t.lp.resize(S);
+      t.bits = r.bits;
+      for (std::size_t i = 0; i < S; ++i) {
+        const int target = seq[static_cast<std::size_t>(first_target) + i];
+        const double* lr = ww.lp.data() + i * V;
+        const double* pr = ww.p.data() + i * V;
+        std::span<const float> ml(r.logits.data() + i * V, V);
+        log_softmax(ml, lp);
+        double kl = 0;
+        for (std::size_t v = 0; v < V; ++v) kl += pr[v] * (lr[v] - lp[v]);
+        t.kl[i] = std::max(0.0, kl);
+        t.lp[i] = lp[static_cast<std::size_t>(target)];
+        t.agree += (std::max_element(ml.begin(), ml.end()) - ml.begin()) == ww.top[i];
+      }
     }
     const std::lock_guard<std::mutex> lock(mu);
+    if (!error.empty() && errors[m].empty()) errors[m] = error;
     t.ready = true;
     fold(m);
     if (--ww.pending == 0) {  // the last reader: free the window's reference
@@ -383,7 +396,23 @@ std::vector<MethodResult> evaluate(Transformer& model, const std::vector<int>& t
     }
   const double ppl_ref = std::exp(ref.nll / static_cast<double>(ref.tokens));
   std::vector<MethodResult> out;
-  for (std::size_t m = 0; m < methods.size(); ++m) out.push_back(acc[m].result(methods[m], ppl_ref));
+  for (std::size_t m = 0; m < methods.size(); ++m) {
+    if (!errors[m].empty()) {
+      MethodResult failed_row;
+      failed_row.method = methods[m];
+      failed_row.error = errors[m];
+      out.push_back(failed_row);
+    } else {
+      try {
+        out.push_back(acc[m].result(methods[m], ppl_ref));
+      } catch (const InvalidArgument& e) {  // scores that are not finite
+        MethodResult failed_row;
+        failed_row.method = methods[m];
+        failed_row.error = e.what();
+        out.push_back(failed_row);
+      }
+    }
+  }
   return out;
 }
 

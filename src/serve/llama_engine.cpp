@@ -266,6 +266,7 @@ std::vector<MethodResult> LlamaEngine::evaluate(const std::vector<int>& tokens, 
   const std::size_t n_runs = static_cast<std::size_t>(n_windows) * (M + 1);
   std::size_t done = 0;
   std::vector<ScoreSums> acc(M);
+  std::vector<std::string> errors(M);
   double ref_nll = 0;
   std::int64_t ref_tokens = 0;
   std::size_t vocab = 0;
@@ -290,7 +291,23 @@ std::vector<MethodResult> LlamaEngine::evaluate(const std::vector<int>& tokens, 
     if (o.progress) o.progress(static_cast<double>(++done) / static_cast<double>(n_runs));
     // 3: each method's context restored, the same positions scored.
     for (std::size_t j = 0; j < M; ++j) {
-      acc[j].bits.add(m.write_method(saved, methods[j], o.chunk));
+      // A method that cannot code this context (its own error, not the server's) becomes a row with
+      // that error; the others go on.
+      if (!errors[j].empty()) {
+        if (o.progress) o.progress(static_cast<double>(++done) / static_cast<double>(n_runs));
+        continue;
+      }
+      try {
+        acc[j].bits.add(m.write_method(saved, methods[j], o.chunk));
+      } catch (const InvalidArgument& e) {
+        errors[j] = e.what();
+      } catch (const FormatError& e) {
+        errors[j] = e.what();
+      }
+      if (!errors[j].empty()) {
+        if (o.progress) o.progress(static_cast<double>(++done) / static_cast<double>(n_runs));
+        continue;
+      }
       const auto got = m.score(s, o.ctx, "method", vocab);
       for (std::size_t i = 0; i < got.size(); ++i) {
         double kl = 0;
@@ -305,7 +322,12 @@ std::vector<MethodResult> LlamaEngine::evaluate(const std::vector<int>& tokens, 
   }
   const double ppl_ref = std::exp(ref_nll / static_cast<double>(ref_tokens));
   std::vector<MethodResult> out;
-  for (std::size_t j = 0; j < M; ++j) out.push_back(acc[j].result(methods[j], ppl_ref));
+  for (std::size_t j = 0; j < M; ++j) {
+    MethodResult failed_row;
+    failed_row.method = methods[j];
+    failed_row.error = errors[j];
+    out.push_back(errors[j].empty() ? acc[j].result(methods[j], ppl_ref) : failed_row);
+  }
   return out;
 }
 

@@ -166,6 +166,37 @@ TEST(RdCli, FamiliesExpandAndStreamWorks) {
   EXPECT_EQ(j["results"][1]["method"], "kivi:bits=4");
 }
 
+// A setting that fails while it runs (here: a profile file that is not there) is a row with its
+// error, last, off the frontier; every other row is scored as without it. eval does the same.
+TEST(RdCli, AFailingSettingIsARowNotAnAbort) {
+  const std::string methods = "--methods 'fp16;cachegen_paper:profile=/nonexistent/x.prof;vq:bits=2'";
+  const auto r = rd("--windows 2 --json " + methods);
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.err.find("rd: warning: 1 of 3 settings failed"), std::string::npos) << r.err;
+  const auto j = nlohmann::json::parse(r.out);
+  ASSERT_EQ(j["results"].size(), 3u);
+  const auto& failed = j["results"][2];
+  EXPECT_EQ(failed["method"], "cachegen_paper:profile=/nonexistent/x.prof");
+  EXPECT_NE(failed["error"].get<std::string>().find("/nonexistent/x.prof"), std::string::npos);
+  EXPECT_TRUE(failed["kl"].is_null());
+  EXPECT_FALSE(failed["pareto"].get<bool>());
+  const auto alone = nlohmann::json::parse(rd("--windows 2 --json --methods 'fp16;vq:bits=2'").out);
+  for (int i = 0; i < 2; ++i) {
+    EXPECT_FALSE(j["results"][i].contains("error"));
+    EXPECT_EQ(j["results"][i]["method"], alone["results"][i]["method"]);
+    EXPECT_EQ(j["results"][i]["kl"], alone["results"][i]["kl"]);
+    EXPECT_TRUE(j["results"][i]["pareto"].get<bool>());
+  }
+  const auto e = vqtest::run_cli("eval " + model_args() + " --protocol reuse --max-tokens 256 --json " + methods);
+  ASSERT_EQ(e.code, 0) << e.err;
+  EXPECT_NE(e.err.find("eval: warning: 1 of 3 methods failed"), std::string::npos) << e.err;
+  const auto ej = nlohmann::json::parse(e.out);
+  ASSERT_EQ(ej["results"].size(), 3u);
+  EXPECT_TRUE(ej["results"][1]["ppl"].is_null());
+  EXPECT_NE(ej["results"][1]["error"].get<std::string>().find("/nonexistent/x.prof"), std::string::npos);
+  EXPECT_GT(ej["results"][2]["kl"].get<double>(), 0.0);
+}
+
 TEST(RdCli, BadInputIsOneClearLineAndANonzeroExit) {
   struct Case {
     std::string args, says;

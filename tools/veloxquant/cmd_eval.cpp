@@ -1,4 +1,5 @@
 // veloxquant eval: score KV cache methods against the exact fp32 cache on a real model.
+#include <algorithm>
 #include <chrono>
 #include <filesystem>
 #include <cstdio>
@@ -19,6 +20,7 @@
 #include "veloxquant/core/error.hpp"
 #include "veloxquant/eval/evaluator.hpp"
 #include "veloxquant/model/checkpoint.hpp"
+#include "veloxquant/methods/method_spec.hpp"
 #include "veloxquant/methods/method_table.hpp"
 #include "veloxquant/model/model_files.hpp"
 #include "veloxquant/model/tokenizer.hpp"
@@ -47,14 +49,22 @@ struct EvalCliOptions {
 
 void print_results(const EvalCliOptions& o, const std::string& model_name, const std::string& text_path,
                    const std::vector<vq::MethodResult>& results) {
+  const auto n_failed = std::count_if(results.begin(), results.end(), [](const vq::MethodResult& r) { return !r.error.empty(); });
+  if (n_failed > 0)
+    fmt::print(stderr, "eval: warning: {} of {} methods failed; their rows say why, the others are scored as usual\n", n_failed, results.size());
   if (o.json) {
     nlohmann::json j{{"model", model_name}, {"protocol", o.protocol}, {"engine", o.eng.engine}, {"results", nlohmann::json::array()}};
     for (const auto& r : results)
-      j["results"].push_back({{"method", r.method}, {"tokens", r.tokens}, {"ppl", r.ppl}, {"delta_ppl_pct", r.delta_ppl_pct},
-                              {"kl", r.kl}, {"top1", r.top1}, {"bits_per_element_fixed", r.bits_per_element_fixed},
-                              {"bits_per_element_estimated", r.bits_per_element_estimated},
-                              {"bits_per_element_coded", r.bits_per_element_coded},
-                              {"resident_bits_per_element", r.resident_bits_per_element}});
+      if (r.error.empty())
+        j["results"].push_back({{"method", r.method}, {"tokens", r.tokens}, {"ppl", r.ppl}, {"delta_ppl_pct", r.delta_ppl_pct},
+                                {"kl", r.kl}, {"top1", r.top1}, {"bits_per_element_fixed", r.bits_per_element_fixed},
+                                {"bits_per_element_estimated", r.bits_per_element_estimated},
+                                {"bits_per_element_coded", r.bits_per_element_coded},
+                                {"resident_bits_per_element", r.resident_bits_per_element}});
+      else
+        j["results"].push_back({{"method", r.method}, {"tokens", 0}, {"ppl", nullptr}, {"delta_ppl_pct", nullptr}, {"kl", nullptr},
+                                {"top1", nullptr}, {"bits_per_element_fixed", nullptr}, {"bits_per_element_estimated", nullptr},
+                                {"bits_per_element_coded", nullptr}, {"resident_bits_per_element", nullptr}, {"error", r.error}});
     fmt::print("{}\n", json_text(j));
     return;
   }
@@ -63,8 +73,11 @@ void print_results(const EvalCliOptions& o, const std::string& model_name, const
   fmt::print("{:<44} {:>7} {:>9} {:>8} {:>10} {:>7} {:>10} {:>10} {:>10}\n", "method", "tokens", "ppl", "dPPL %", "KL", "top-1",
              "bits fixed", "bits est.", "bits res.");
   for (const auto& r : results)
-    fmt::print("{:<44} {:>7} {:>9.4f} {:>8.3f} {:>10.3e} {:>7.4f} {:>10.3f} {:>10.3f} {:>10.3f}\n", r.method, r.tokens, r.ppl,
-               r.delta_ppl_pct, r.kl, r.top1, r.bits_per_element_fixed, r.bits_per_element_estimated, r.resident_bits_per_element);
+    if (r.error.empty())
+      fmt::print("{:<44} {:>7} {:>9.4f} {:>8.3f} {:>10.3e} {:>7.4f} {:>10.3f} {:>10.3f} {:>10.3f}\n", r.method, r.tokens, r.ppl,
+                 r.delta_ppl_pct, r.kl, r.top1, r.bits_per_element_fixed, r.bits_per_element_estimated, r.resident_bits_per_element);
+    else
+      fmt::print("{:<44} failed: {}\n", r.method, r.error);
   fmt::print(
       "(dPPL, KL and top-1 against the exact fp32 cache on the same tokens; bits per element of K and V, metadata included; "
       "bits res.: the memory the caches hold, nbytes)\n");
@@ -142,6 +155,8 @@ int run_eval(EvalCliOptions o) {
   vq::Transformer model(std::move(loaded.checkpoint));
   const vq::Tokenizer tok = std::move(loaded.tokenizer);
   o.eval.validate(model.config().seq_len);
+  // A profile of another model is the user's to fix: one line now, not a failed row per method.
+  (void)vq::check_method_profiles(methods, model.checkpoint().file_fingerprint, files.model.string());
 
   const std::string text_path = text_path_or_default(o.text);
   // Tokenize only as much text as the run can score (2x margin), so a short run stays short.

@@ -124,6 +124,7 @@ int run_rd(RdOptions o) {
     vq::Transformer model(std::move(loaded.checkpoint));
     const vq::Tokenizer tok = std::move(loaded.tokenizer);
     settle(model.config().seq_len);
+    (void)vq::check_method_profiles(methods, model.checkpoint().file_fingerprint, files.model.string());  // one line now, not failed rows
     const std::vector<int> tokens = tok.encode(text, /*bos=*/false);
     n_windows = windows_of(tokens.size());
     Progress progress(fmt::format("rd: {} settings x {} windows", methods.size(), n_windows), 2.0, 10.0);
@@ -134,16 +135,20 @@ int run_rd(RdOptions o) {
   }
   for (const auto& r : results)
     points.push_back({.method = r.method, .bits = r.bits_per_element_coded, .resident_bits = r.resident_bits_per_element,
-                      .delta_ppl_pct = r.delta_ppl_pct, .kl = r.kl, .top1 = r.top1});
+                      .delta_ppl_pct = r.delta_ppl_pct, .kl = r.kl, .top1 = r.top1, .pareto = false, .error = r.error});
   // reuse measures what a context costs to store or send (coded bits); stream what a live cache
   // holds while it decodes (resident bits).
   const rd::Rate rate = eval.protocol == vq::EvalProtocol::Stream ? rd::Rate::Resident : rd::Rate::Coded;
   rd::mark_pareto(points, rate);
   std::stable_sort(points.begin(), points.end(), [rate](const rd::Point& a, const rd::Point& b) {
+    if (a.error.empty() != b.error.empty()) return a.error.empty();  // failed settings last
     const double ra = rd::rate_of(a, rate), rb = rd::rate_of(b, rate);
     return ra != rb ? ra < rb : a.kl < b.kl;
   });
   fmt::print(stderr, "rd: {} settings scored on {} windows in {:.0f}s\n", methods.size(), n_windows, seconds);
+  const auto n_failed = std::count_if(points.begin(), points.end(), [](const rd::Point& p) { return !p.error.empty(); });
+  if (n_failed > 0)
+    fmt::print(stderr, "rd: warning: {} of {} settings failed; their rows say why, the others are scored as usual\n", n_failed, points.size());
 
   if (!o.plot.empty()) {
     const std::string title = fmt::format("{}: KL vs {} per element ({}, ctx {}, window {}, {} windows)", model_name,
@@ -153,8 +158,11 @@ int run_rd(RdOptions o) {
   if (o.json) {
     nlohmann::json j{{"model", model_name}, {"protocol", o.protocol}, {"results", nlohmann::json::array()}};
     for (const auto& p : points)
-      j["results"].push_back({{"method", p.method}, {"bits_per_element", p.bits}, {"resident_bits_per_element", p.resident_bits},
-                              {"delta_ppl_pct", p.delta_ppl_pct}, {"kl", p.kl}, {"top1", p.top1}, {"pareto", p.pareto}});
+      j["results"].push_back(p.error.empty() ? nlohmann::json{{"method", p.method}, {"bits_per_element", p.bits}, {"resident_bits_per_element", p.resident_bits},
+                                                              {"delta_ppl_pct", p.delta_ppl_pct}, {"kl", p.kl}, {"top1", p.top1}, {"pareto", p.pareto}}
+                                             : nlohmann::json{{"method", p.method}, {"bits_per_element", nullptr}, {"resident_bits_per_element", nullptr},
+                                                              {"delta_ppl_pct", nullptr}, {"kl", nullptr}, {"top1", nullptr}, {"pareto", false},
+                                                              {"error", p.error}});
     fmt::print("{}\n", json_text(j));
     return 0;
   }
@@ -162,8 +170,11 @@ int run_rd(RdOptions o) {
              text_path);
   fmt::print("{:<50} {:>9} {:>9} {:>8} {:>10} {:>7}  {}\n", "method", "bits/elem", "res. bits", "dPPL %", "KL", "top-1", "pareto");
   for (const auto& p : points)
-    fmt::print("{:<50} {:>9.3f} {:>9.3f} {:>8.3f} {:>10.3e} {:>7.4f}  {}\n", p.method, p.bits, p.resident_bits, p.delta_ppl_pct, p.kl,
-               p.top1, p.pareto ? "*" : "");
+    if (p.error.empty())
+      fmt::print("{:<50} {:>9.3f} {:>9.3f} {:>8.3f} {:>10.3e} {:>7.4f}  {}\n", p.method, p.bits, p.resident_bits, p.delta_ppl_pct, p.kl,
+                 p.top1, p.pareto ? "*" : "");
+    else
+      fmt::print("{:<50} failed: {}\n", p.method, p.error);
   if (rate == rd::Rate::Coded)
     fmt::print(
         "(sorted by bits per element: the actual coded size of K and V, metadata included; res. bits: the memory the caches hold "

@@ -78,9 +78,9 @@ std::string series_of(const std::string& spec) {
 void mark_pareto(std::vector<Point>& points, Rate rate) {
   for (auto& p : points) {
     const double pb = rate_of(p, rate);
-    p.pareto = std::none_of(points.begin(), points.end(), [&](const Point& q) {
+    p.pareto = p.error.empty() && std::none_of(points.begin(), points.end(), [&](const Point& q) {
       const double qb = rate_of(q, rate);
-      return qb <= pb && q.kl <= p.kl && (qb < pb || q.kl < p.kl);
+      return q.error.empty() && qb <= pb && q.kl <= p.kl && (qb < pb || q.kl < p.kl);
     });
   }
 }
@@ -90,7 +90,7 @@ std::string plot_svg(const std::vector<Point>& points, const std::string& title,
   constexpr double W = 960, H = 600, L = 90, R = 300, T = 50, B = 70;  // size and margins
   std::vector<const Point*> shown;
   for (const auto& p : points)
-    if (p.kl > 0 && rate_of(p, rate) > 0 && std::isfinite(p.kl)) shown.push_back(&p);
+    if (p.error.empty() && p.kl > 0 && rate_of(p, rate) > 0 && std::isfinite(p.kl)) shown.push_back(&p);
   double bmin = 1, bmax = 16, kmin = 1e-6, kmax = 1e-1;
   if (!shown.empty()) {
     bmin = bmax = bits_of(shown[0]);

@@ -13,6 +13,7 @@ struct Point {
   double resident_bits = 0;  // bits per element the caches hold in memory (nbytes)
   double delta_ppl_pct = 0, kl = 0, top1 = 0;
   bool pareto = false;
+  std::string error = {};  // the setting failed (its numbers are 0): never on the frontier or the plot
 };
 
 // Which bits the frontier, the sort and the plot use: the coded size (reuse: what is stored or

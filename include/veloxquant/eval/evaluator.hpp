@@ -65,6 +65,9 @@ struct MethodResult {
   double bits_per_element_fixed = 0, bits_per_element_estimated = 0;
   double bits_per_element_coded = 0;  // the actual coded size (see CacheBits::coded_bytes)
   double resident_bits_per_element = 0;  // memory the caches hold (see CacheBits::resident_bytes)
+  // Set when the method failed (its first error; the numbers above are then 0): evaluate reports a
+  // failing method as a row instead of failing every other row.
+  std::string error;
 };
 
 // One method's sums over its scored positions (against the reference's distributions): the
