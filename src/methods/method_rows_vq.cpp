@@ -139,6 +139,7 @@ MethodRow vq_row() {
           .rd = {"vq:bits=0.5", "vq:bits=0.75", "vq:bits=1", "vq:bits=1.5", "vq:bits=2", "vq:bits=3", "vq:bits=4", "vq:bits=6", "vq:bits=8",
                  "vq:bits=10"},
           .demo = {{"vq:bits=1", "ours"}, {"vq:bits=2", "ours"}, {"vq:bits=4", "ours"}},
+          .bench_attention = {"vq:bits=2"},
           .store = {"vq:bits=1", "vq:bits=2", "vq:bits=4"}};
 }
 
