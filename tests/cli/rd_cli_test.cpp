@@ -164,6 +164,20 @@ TEST(RdCli, FamiliesExpandAndStreamWorks) {
   ASSERT_EQ(j["results"].size(), 2u);
   EXPECT_EQ(j["results"][0]["method"], "kivi:bits=2");
   EXPECT_EQ(j["results"][1]["method"], "kivi:bits=4");
+  // In a stream table the vq family brings its live (resident=coded) settings; in reuse it does not.
+  const auto count_coded = [](const vqtest::CliRun& run) {
+    int n = 0;
+    const auto j = nlohmann::json::parse(run.out);  // named: a range-for over a temporary's member dangles
+    for (const auto& row : j["results"])
+      n += row["method"].get<std::string>().find("resident=coded") != std::string::npos;
+    return n;
+  };
+  const auto stream = rd("--methods vq --protocol stream --window 64 --ctx 16 --windows 1 --json");
+  ASSERT_EQ(stream.code, 0) << stream.err;
+  EXPECT_EQ(count_coded(stream), 5);
+  const auto reuse = rd("--methods vq --window 64 --ctx 16 --windows 1 --json");
+  ASSERT_EQ(reuse.code, 0) << reuse.err;
+  EXPECT_EQ(count_coded(reuse), 0);
 }
 
 // A setting that fails while it runs (here: a profile file that is not there) is a row with its

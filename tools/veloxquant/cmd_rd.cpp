@@ -59,7 +59,7 @@ int run_rd(RdOptions o) {
   eval.threads = o.threads;
   const std::vector<std::string> items =
       o.methods.empty() ? rd::default_families() : vq::split_method_list(o.methods);
-  const std::vector<std::string> methods = rd::expand_methods(items);
+  const std::vector<std::string> methods = rd::expand_methods(items, eval.protocol == vq::EvalProtocol::Stream);
   for (const auto& m : methods) {
     try {
       (void)vq::MethodSpec::parse(m);  // a bad spec fails before any loading

@@ -43,14 +43,19 @@ std::vector<std::string> default_families() {
   return out;
 }
 
-std::vector<std::string> expand_methods(const std::vector<std::string>& items) {
+std::vector<std::string> expand_methods(const std::vector<std::string>& items, bool stream) {
+  static const std::vector<std::string> vq_live = {"vq:bits=2,resident=coded", "vq:bits=2.5,residual=5,resident=coded",
+                                                   "vq:bits=3,residual=4,resident=coded", "vq:bits=4,resident=coded",
+                                                   "vq:bits=6,resident=coded"};
   std::vector<std::string> out;
   for (const auto& item : items) {
     const vq::MethodRow* row = vq::find_method(item);
-    if (!row || row->rd.empty())
+    if (!row || row->rd.empty()) {
       out.push_back(item);
-    else
-      out.insert(out.end(), row->rd.begin(), row->rd.end());
+      continue;
+    }
+    out.insert(out.end(), row->rd.begin(), row->rd.end());
+    if (stream && row->name == std::string("vq")) out.insert(out.end(), vq_live.begin(), vq_live.end());
   }
   // A spec named twice (e.g. "vq,vq:bits=2") runs once.
   std::vector<std::string> unique;

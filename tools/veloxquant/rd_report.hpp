@@ -24,7 +24,10 @@ inline double rate_of(const Point& p, Rate r) { return r == Rate::Coded ? p.bits
 // The family names --methods accepts and what each expands to ("fp16,kivi,vq:bits=2" -> fp16,
 // kivi:bits=2, kivi:bits=4, vq:bits=2). A name with ':' is a full spec and runs as given; a bare
 // name that is not a family is returned as is (MethodSpec::parse then judges it).
-std::vector<std::string> expand_methods(const std::vector<std::string>& items);
+// With `stream`, the vq family also brings its live settings (resident=coded: the sealed form whose
+// resident bits meet issue 14's goal; docs/quality.md, "Every token sealed"), which a stream table
+// is about and the reuse protocol does not need.
+std::vector<std::string> expand_methods(const std::vector<std::string>& items, bool stream = false);
 // Every family, in table order: the default method list.
 std::vector<std::string> default_families();
 // The plot's series of a spec: its name and options without the rate options (bits, bin1..3), so
