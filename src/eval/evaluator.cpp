@@ -110,7 +110,6 @@ void log_softmax(std::span<const float> logits, std::vector<double>& out) {
   for (std::size_t i = 0; i < logits.size(); ++i) out[i] = static_cast<double>(logits[i]) - lse;
 }
 
-
 // Logits of the scored positions of one window, [n_scored, vocab], and the caches' bits.
 struct WindowRun {
   std::vector<float> logits;
@@ -149,10 +148,7 @@ WindowRun run_window(Transformer& model, const std::string& method, std::span<co
     (void)model.forward(seq.subspan(0, static_cast<std::size_t>(o.ctx)), exact_ctx, o.ctx);  // no logits kept
     for (std::size_t l = 0; l < caches.size(); ++l) {
       const KVState kv = exact_ctx[l]->state();
-      for (std::int64_t s = 0; s < o.ctx; s += o.chunk) {
-        const std::int64_t e = std::min<std::int64_t>(o.ctx, s + o.chunk);
-        caches[l]->update(kv.keys.slice(2, s, e).contiguous(), kv.values.slice(2, s, e).contiguous());
-      }
+      feed_in_chunks(*caches[l], kv.keys, kv.values, o.chunk);
     }
     out.bits = cache_bits(caches);
     std::vector<KVState> compressed;
@@ -370,9 +366,7 @@ std::vector<MethodResult> evaluate(Transformer& model, const std::vector<int>& t
         const double* pr = ww.p.data() + i * V;
         std::span<const float> ml(r.logits.data() + i * V, V);
         log_softmax(ml, lp);
-        double kl = 0;
-        for (std::size_t v = 0; v < V; ++v) kl += pr[v] * (lr[v] - lp[v]);
-        t.kl[i] = std::max(0.0, kl);
+        t.kl[i] = next_token_kl({lr, V}, {pr, V}, lp);
         t.lp[i] = lp[static_cast<std::size_t>(target)];
         t.agree += (std::max_element(ml.begin(), ml.end()) - ml.begin()) == ww.top[i];
       }
@@ -398,22 +392,37 @@ std::vector<MethodResult> evaluate(Transformer& model, const std::vector<int>& t
   std::vector<MethodResult> out;
   for (std::size_t m = 0; m < methods.size(); ++m) {
     if (!errors[m].empty()) {
-      MethodResult failed_row;
-      failed_row.method = methods[m];
-      failed_row.error = errors[m];
-      out.push_back(failed_row);
+      out.push_back(MethodResult::failed(methods[m], errors[m]));
     } else {
       try {
         out.push_back(acc[m].result(methods[m], ppl_ref));
       } catch (const InvalidArgument& e) {  // scores that are not finite
-        MethodResult failed_row;
-        failed_row.method = methods[m];
-        failed_row.error = e.what();
-        out.push_back(failed_row);
+        out.push_back(MethodResult::failed(methods[m], e.what()));
       }
     }
   }
   return out;
+}
+
+MethodResult MethodResult::failed(const std::string& method, const std::string& error) {
+  MethodResult r;
+  r.method = method;
+  r.error = error;
+  return r;
+}
+
+void feed_in_chunks(KVCache& cache, const Tensor& keys, const Tensor& values, int chunk) {
+  const std::int64_t n = keys.dim(2);
+  for (std::int64_t s = 0; s < n; s += chunk) {
+    const std::int64_t e = std::min<std::int64_t>(n, s + chunk);
+    cache.update(keys.slice(2, s, e).contiguous(), values.slice(2, s, e).contiguous());
+  }
+}
+
+double next_token_kl(std::span<const double> ref_lp, std::span<const double> ref_p, std::span<const double> lp) {
+  double kl = 0;
+  for (std::size_t v = 0; v < lp.size(); ++v) kl += ref_p[v] * (ref_lp[v] - lp[v]);
+  return std::max(0.0, kl);
 }
 
 MethodResult ScoreSums::result(const std::string& method, double reference_ppl) const {

@@ -473,6 +473,20 @@ GgufShape load_gguf_shape(const std::string& path) {
   return with_mapped_model(path, [&](std::span<const std::byte> bytes) { return parse_gguf_shape(bytes, path); });
 }
 
+std::optional<GgufModel> load_gguf_if_ours(const std::string& path, const GgufShape& shape, std::string& why) {
+  for (const std::uint32_t t : shape.tensor_types)
+    if (t != kTensorF32 && t != kTensorF16 && t != kTensorQ8_0) {
+      why = fmt::format("{}: tensor type {} (only F32, F16 and Q8_0 are read)", path, t);
+      return std::nullopt;
+    }
+  try {
+    return load_gguf(path);
+  } catch (const FormatError& e) {
+    why = e.what();
+    return std::nullopt;
+  }
+}
+
 std::uint64_t model_file_fingerprint(const std::string& path) {
   return with_mapped_model(path, [](std::span<const std::byte> bytes) { return XXH64(bytes.data(), bytes.size(), 0); });
 }

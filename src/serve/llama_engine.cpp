@@ -33,7 +33,6 @@ constexpr std::size_t kMaxReplyBytes = std::size_t{64} << 20;
 // n_probs asking for every token: the server gives min(this, vocabulary).
 constexpr int kAllTokens = 1 << 24;
 
-
 }  // namespace
 
 struct LlamaEngine::Impl {
@@ -42,10 +41,13 @@ struct LlamaEngine::Impl {
   int port = 0;
   std::unique_ptr<LocalProcess> server;
   std::unique_ptr<httplib::Client> http;
+  GgufShape gguf;  // its fingerprint is what a vq profile names
   LlamaStateModel shape;
   // The model, when our GGUF reader loads its weights (vq then takes its transforms from them);
-  // otherwise its shape only (vq takes them from the data), as the prompt cache does.
+  // otherwise vq has no transform unless a spec names a profile, as in the prompt cache. Read by
+  // the first evaluate (calibrate, which only takes states, never reads the weights).
   std::unique_ptr<Transformer> model;
+  bool weights_tried = false;
   ModelDescription description;
   int bos_id = 1;
   // A token whose piece is plain text ("a"): the one token each scoring request samples, so the
@@ -53,28 +55,16 @@ struct LlamaEngine::Impl {
   // end-of-generation token). The bias acts in the sampler; the distribution reported is the raw
   // logits' softmax, which no bias touches.
   int plain_token = -1;
-  std::uint64_t fingerprint = 0;  // of the GGUF file (GgufShape::fingerprint): what a vq profile names
 
   explicit Impl(LlamaEngineOptions options) : o(std::move(options)) {
     if (!o.log) o.log = [](const std::string& line) { fmt::print(stderr, "{}\n", line); };
     require(!o.model.empty(), "--engine llama: give the GGUF file llama-server runs (--model X.gguf)");
     if (!fs::is_regular_file(o.model)) throw IoError(fmt::format("{}: cannot open model (no such file)", o.model));
-    const GgufShape g = load_gguf_shape(o.model);  // a file that is not GGUF fails here, with its own message
-    require(g.key_length == g.value_length, "{}: key length {} and value length {} differ, which --engine llama does not support", o.model,
-            g.key_length, g.value_length);
-    shape = {g.n_layers, g.n_kv_heads, g.key_length, g.value_length};
-    fingerprint = g.fingerprint;
-    description = ModelDescription::uniform(g.n_layers, g.key_length);
-    // Our reader takes F32, F16 and Q8_0 tensors (ggml types 0, 1, 8): a file with others (K-quants)
-    // is not read into memory only to be refused.
-    const bool ours = std::all_of(g.tensor_types.begin(), g.tensor_types.end(), [](std::uint32_t t) { return t == 0 || t == 1 || t == 8; });
-    try {
-      if (!ours) throw FormatError("tensor types other than F32, F16 and Q8_0");
-      model = std::make_unique<Transformer>(load_gguf(o.model).checkpoint);
-    } catch (const FormatError& e) {
-      o.log(fmt::format("{}: its weights are not ours to read ({}): vq has no transform from the weights (vq:...,profile=PATH from "
-                        "`veloxquant calibrate` gives it one)", o.model, e.what()));
-    }
+    gguf = load_gguf_shape(o.model);  // a file that is not GGUF fails here, with its own message
+    require(gguf.key_length == gguf.value_length, "{}: key length {} and value length {} differ, which --engine llama does not support",
+            o.model, gguf.key_length, gguf.value_length);
+    shape = {gguf.n_layers, gguf.n_kv_heads, gguf.key_length, gguf.value_length};
+    description = ModelDescription::uniform(gguf.n_layers, gguf.key_length);
     if (o.server.empty()) o.server = fs::exists(".llama/bin/llama-server") ? ".llama/bin/llama-server" : "llama-server";
     work = fs::temp_directory_path() / fmt::format("vq-llama-engine-{}-{}", ::getpid(), reinterpret_cast<std::uintptr_t>(this));
     fs::create_directories(work / "slots");
@@ -125,6 +115,17 @@ struct LlamaEngine::Impl {
     } catch (const json::exception&) {
       throw FormatError(fmt::format("llama-server: POST {}: the reply is not JSON", route));
     }
+  }
+
+  void load_weights() {
+    if (weights_tried) return;
+    weights_tried = true;
+    std::string why;
+    if (auto m = load_gguf_if_ours(o.model, gguf, why))
+      model = std::make_unique<Transformer>(std::move(m->checkpoint));
+    else
+      o.log(fmt::format("{}: its weights are not ours to read ({}): vq has no transform from the weights (vq:...,profile=PATH from "
+                        "`veloxquant calibrate` gives it one)", o.model, why));
   }
 
   std::vector<std::shared_ptr<KVCache>> caches_of(const std::string& method) const {
@@ -207,12 +208,8 @@ struct LlamaEngine::Impl {
     LlamaState st = saved;
     const std::int64_t n = saved.cells();
     for (std::size_t l = 0; l < caches.size(); ++l) {
-      const Tensor k = saved.layers[l].keys.to(DType::F32), v = saved.layers[l].values.to(DType::F32);
       caches[l]->expect_tokens(n);
-      for (std::int64_t s = 0; s < n; s += chunk) {
-        const std::int64_t e = std::min<std::int64_t>(n, s + chunk);
-        caches[l]->update(k.slice(2, s, e).contiguous(), v.slice(2, s, e).contiguous());
-      }
+      feed_in_chunks(*caches[l], saved.layers[l].keys.to(DType::F32), saved.layers[l].values.to(DType::F32), chunk);
     }
     const CacheBits bits = cache_bits(caches);
     for (std::size_t l = 0; l < caches.size(); ++l) {
@@ -239,7 +236,7 @@ std::vector<int> LlamaEngine::tokenize(const std::string& text) const {
 
 int LlamaEngine::bos() const { return impl_->bos_id; }
 
-std::uint64_t LlamaEngine::model_fingerprint() const { return impl_->fingerprint; }
+const GgufShape& LlamaEngine::gguf_shape() const { return impl_->gguf; }
 
 LlamaState LlamaEngine::context_state(std::span<const int> context) { return impl_->context_state(context); }
 
@@ -253,7 +250,8 @@ std::vector<MethodResult> LlamaEngine::evaluate(const std::vector<int>& tokens, 
           "--engine llama prefills the context exactly (llama.cpp computes it) and compresses it afterwards: --prefill method is ours only");
   options.validate(m.o.context);
   require(!methods.empty(), "no methods to evaluate");
-  (void)check_method_profiles(methods, m.fingerprint, m.o.model);
+  (void)check_method_profiles(methods, m.gguf.fingerprint, m.o.model);
+  m.load_weights();
   require(!tokens.empty(), "the text holds no tokens");
   EvalOptions o = options;
   if (static_cast<std::int64_t>(tokens.size()) < o.window - 1) o.window = static_cast<int>(tokens.size()) + 1;
@@ -293,41 +291,31 @@ std::vector<MethodResult> LlamaEngine::evaluate(const std::vector<int>& tokens, 
     for (std::size_t j = 0; j < M; ++j) {
       // A method that cannot code this context (its own error, not the server's) becomes a row with
       // that error; the others go on.
-      if (!errors[j].empty()) {
-        if (o.progress) o.progress(static_cast<double>(++done) / static_cast<double>(n_runs));
-        continue;
+      if (errors[j].empty()) {
+        try {
+          acc[j].bits.add(m.write_method(saved, methods[j], o.chunk));
+        } catch (const InvalidArgument& e) {
+          errors[j] = e.what();
+        } catch (const FormatError& e) {
+          errors[j] = e.what();
+        }
       }
-      try {
-        acc[j].bits.add(m.write_method(saved, methods[j], o.chunk));
-      } catch (const InvalidArgument& e) {
-        errors[j] = e.what();
-      } catch (const FormatError& e) {
-        errors[j] = e.what();
-      }
-      if (!errors[j].empty()) {
-        if (o.progress) o.progress(static_cast<double>(++done) / static_cast<double>(n_runs));
-        continue;
-      }
-      const auto got = m.score(s, o.ctx, "method", vocab);
-      for (std::size_t i = 0; i < got.size(); ++i) {
-        double kl = 0;
-        for (std::size_t v = 0; v < vocab; ++v) kl += ref_p[i][v] * (ref[i][v] - got[i][v]);
-        acc[j].kl += std::max(0.0, kl);
-        acc[j].nll -= got[i][static_cast<std::size_t>(seq[static_cast<std::size_t>(o.ctx) + i])];
-        acc[j].agree += static_cast<std::size_t>(std::max_element(got[i].begin(), got[i].end()) - got[i].begin()) == ref_top[i];
-        ++acc[j].tokens;
+      if (errors[j].empty()) {
+        const auto got = m.score(s, o.ctx, "method", vocab);
+        for (std::size_t i = 0; i < got.size(); ++i) {
+          acc[j].kl += next_token_kl(ref[i], ref_p[i], got[i]);
+          acc[j].nll -= got[i][static_cast<std::size_t>(seq[static_cast<std::size_t>(o.ctx) + i])];
+          acc[j].agree += static_cast<std::size_t>(std::max_element(got[i].begin(), got[i].end()) - got[i].begin()) == ref_top[i];
+          ++acc[j].tokens;
+        }
       }
       if (o.progress) o.progress(static_cast<double>(++done) / static_cast<double>(n_runs));
     }
   }
   const double ppl_ref = std::exp(ref_nll / static_cast<double>(ref_tokens));
   std::vector<MethodResult> out;
-  for (std::size_t j = 0; j < M; ++j) {
-    MethodResult failed_row;
-    failed_row.method = methods[j];
-    failed_row.error = errors[j];
-    out.push_back(errors[j].empty() ? acc[j].result(methods[j], ppl_ref) : failed_row);
-  }
+  for (std::size_t j = 0; j < M; ++j)
+    out.push_back(errors[j].empty() ? acc[j].result(methods[j], ppl_ref) : MethodResult::failed(methods[j], errors[j]));
   return out;
 }
 

@@ -109,15 +109,16 @@ struct PromptCacheProxy::Impl {
     require(!o.levels.empty(), "--levels: give at least one method spec");
     for (auto& l : o.levels) l = MethodSpec::parse(l).to_string();
     if (!o.log) o.log = [](const std::string& line) { fmt::print(stderr, "veloxquant prompt-cache: {}\n", line); };
-    try {
-      model = std::make_unique<Transformer>(load_gguf(o.model).checkpoint);
-    } catch (const FormatError& e) {
-      const GgufShape g = load_gguf_shape(o.model);  // a malformed file fails here, with its own message
+    const GgufShape g = load_gguf_shape(o.model);  // a malformed file fails here, with its own message
+    std::string why;
+    if (auto m = load_gguf_if_ours(o.model, g, why)) {
+      model = std::make_unique<Transformer>(std::move(m->checkpoint));
+    } else {
       require(g.key_length == g.value_length, "{}: key length {} and value length {} differ, which the prompt cache does not support",
               o.model, g.key_length, g.value_length);
       o.log(fmt::format("{}: its weights are not ours to read ({}); its shape is ({} layers, {} KV heads of {}): vq levels have no "
                         "transform from the weights (a level with profile=PATH from `veloxquant calibrate` gets one)",
-                        o.model, e.what(), g.n_layers, g.n_kv_heads, g.key_length));
+                        o.model, why, g.n_layers, g.n_kv_heads, g.key_length));
       shape = {g.n_layers, g.n_kv_heads, g.key_length, g.value_length};
       fingerprint = g.fingerprint;
     }
@@ -129,9 +130,7 @@ struct PromptCacheProxy::Impl {
     kv_heads = shape.kv_heads;
     head_size = shape.key_dim;
     // vq levels with a profile: fitted on this very file (its bytes' hash), else refused now.
-    bool any_profile = false;
-    for (const auto& l : o.levels) any_profile = any_profile || !MethodSpec::parse(l).vq_profile.empty();
-    if (any_profile) profiles = check_method_profiles(o.levels, model_file_fingerprint(o.model), o.model);
+    profiles = check_method_profiles(o.levels, g.fingerprint, o.model);
     description = ModelDescription::uniform(shape.layers, head_size);
     store = open_store(o.store);
     probe_layout();

@@ -7,7 +7,9 @@
 #include <bit>
 #include <cmath>
 #include <cstring>
+#include <filesystem>
 #include <map>
+#include <tuple>
 #include <mutex>
 
 #include <fmt/format.h>
@@ -146,19 +148,24 @@ VqProfile read_vq_profile(std::span<const std::uint8_t> bytes, const std::string
 }
 
 std::shared_ptr<const VqProfile> load_vq_profile(const std::string& path) {
+  // Every cache a spec makes loads its profile (per window in eval, per put in the prompt cache):
+  // a file unchanged since it was read (same size and modification time) is not read again.
   static std::mutex mu;
-  static std::map<std::pair<std::string, std::uint64_t>, std::weak_ptr<const VqProfile>> loaded;
+  using Key = std::tuple<std::string, std::uint64_t, std::filesystem::file_time_type>;
+  static std::map<Key, std::weak_ptr<const VqProfile>> loaded;
   InputFile f(path, "vq profile");
-  if (f.size() > kMaxProfileBytes)
-    throw FormatError(fmt::format("{}: vq profile: {} bytes is more than a profile may hold", path, f.size()));
-  const std::vector<std::uint8_t> bytes = f.read_all();
-  const std::pair<std::string, std::uint64_t> key{path, XXH64(bytes.data(), bytes.size(), 0)};
-  {
+  std::error_code ec;
+  const Key key{path, f.size(), std::filesystem::last_write_time(path, ec)};
+  if (!ec) {
     const std::lock_guard<std::mutex> lock(mu);
     if (auto it = loaded.find(key); it != loaded.end())
       if (auto p = it->second.lock()) return p;
   }
+  if (f.size() > kMaxProfileBytes)
+    throw FormatError(fmt::format("{}: vq profile: {} bytes is more than a profile may hold", path, f.size()));
+  const std::vector<std::uint8_t> bytes = f.read_all();
   auto p = std::make_shared<const VqProfile>(read_vq_profile(bytes, path));
+  if (ec) return p;
   const std::lock_guard<std::mutex> lock(mu);
   std::erase_if(loaded, [](const auto& e) { return e.second.expired(); });
   loaded[key] = p;

@@ -71,19 +71,16 @@ int run_calibrate(CalibrateOptions o) {
   if (o.engine == "llama") {
 #ifdef VQ_HAVE_PROMPT_CACHE
     model_path = o.model;
-    const vq::GgufShape g = vq::load_gguf_shape(o.model);
-    vq::require(g.key_length == g.value_length, "{}: key length {} and value length {} differ, which vq does not support", o.model, g.key_length,
-                g.value_length);
+    // A prompt must be shorter than the server's context: one position more than a window.
+    vq::LlamaEngine engine({.server = o.llama_server, .model = o.model, .context = o.window + 1, .threads = o.server_threads, .log = {}});
+    const vq::GgufShape& g = engine.gguf_shape();
     // llama.cpp's llama architecture rotates adjacent pairs, as vq undoes them; other
     // architectures (NeoX-style halves) are profiled on their keys as held.
     const bool rope = g.architecture == "llama" && g.key_length % 2 == 0;
     if (!rope)
       fmt::print(stderr, "calibrate: {} is a '{}' model: its keys are profiled as llama.cpp holds them (RoPE not undone)\n", o.model,
                  g.architecture);
-    // A prompt must be shorter than the server's context: one position more than a window.
-    vq::LlamaEngine engine({.server = o.llama_server, .model = o.model, .context = o.window + 1, .threads = o.server_threads,
-                             .log = [](const std::string&) {}});  // whether our reader loads its weights does not matter here
-    fingerprint = engine.model_fingerprint();
+    fingerprint = g.fingerprint;
     const auto windows = windows_of(engine.tokenize(text), engine.bos(), o.window, o.skip, o.tokens, text_path);
     builder = std::make_unique<vq::VqProfileBuilder>(g.n_layers, g.n_kv_heads, g.key_length, rope, g.rope_freq_base);
     for (const auto& w : windows) {
@@ -92,7 +89,7 @@ int run_calibrate(CalibrateOptions o) {
       progress(static_cast<double>(++n_windows) / static_cast<double>(windows.size()));
     }
 #else
-    throw vq::InvalidArgument("--engine llama: this veloxquant was built without cpp-httplib (libcpp-httplib-dev), which it needs to drive llama-server");
+    no_llama_engine();
 #endif
   } else {
     const vq::ModelFiles files = vq::resolve_model_files(optional_path(o.model), optional_path(o.tokenizer));

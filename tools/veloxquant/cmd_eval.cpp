@@ -105,8 +105,9 @@ int run_eval_llama(EvalCliOptions& o, const std::vector<std::string>& methods) {
   print_results(o, std::filesystem::path(o.model).filename().string(), text_path, results);
   return 0;
 #else
+  (void)o;
   (void)methods;
-  throw vq::InvalidArgument(fmt::format("--engine {}: this veloxquant was built without cpp-httplib (libcpp-httplib-dev), which it needs to drive llama-server", o.eng.engine));
+  no_llama_engine();
 #endif
 }
 int run_synthetic(const EvalCliOptions& o, const std::string& why) {
@@ -132,7 +133,6 @@ int run_synthetic(const EvalCliOptions& o, const std::string& why) {
 }
 
 int run_eval(EvalCliOptions o) {
-  vq::require(o.eng.engine == "ours" || o.eng.engine == "llama", "--engine {}: give ours or llama", o.eng.engine);
   if (o.protocol.empty()) o.protocol = o.eng.engine == "llama" ? "reuse" : "stream";
   o.eval.protocol = vq::eval_protocol_from_name(o.protocol);
   o.eval.exact_prefill = prefill_is_exact(o.eng.prefill, o.eng.engine, o.eval.protocol);

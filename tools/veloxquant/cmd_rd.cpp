@@ -49,7 +49,6 @@ std::string join(const std::vector<std::string>& v, const char* sep) {
 }
 
 int run_rd(RdOptions o) {
-  vq::require(o.eng.engine == "ours" || o.eng.engine == "llama", "--engine {}: give ours or llama", o.eng.engine);
   vq::EvalOptions eval;
   eval.protocol = vq::eval_protocol_from_name(o.protocol);
   eval.exact_prefill = prefill_is_exact(o.eng.prefill, o.eng.engine, eval.protocol);
@@ -116,7 +115,7 @@ int run_rd(RdOptions o) {
     seconds = progress.elapsed();
     model_name = std::filesystem::path(o.model).filename().string() + " (llama.cpp)";
 #else
-    throw vq::InvalidArgument("--engine llama: this veloxquant was built without cpp-httplib (libcpp-httplib-dev), which it needs to drive llama-server");
+    no_llama_engine();
 #endif
   } else {
     const vq::ModelFiles files = vq::resolve_model_files(optional_path(o.model), optional_path(o.tokenizer));

@@ -72,9 +72,15 @@ inline void add_engine_options(CLI::App& app, EngineOptions& o) {
       ->transform(integer_in(1, 1024));
 }
 
-// `eval`/`rd --prefill` (reuse): "" is the engine's own (method for ours; exact for llama, which
-// computes the context itself and has no other).
+// `--engine llama` in a veloxquant built without cpp-httplib: one line.
+[[noreturn]] inline void no_llama_engine() {
+  throw vq::InvalidArgument("--engine llama: this veloxquant was built without cpp-httplib (libcpp-httplib-dev), which it needs to drive llama-server");
+}
+
+// `eval`/`rd --engine` checked, and `--prefill` (reuse): "" is the engine's own (method for ours;
+// exact for llama, which computes the context itself and has no other).
 inline bool prefill_is_exact(const std::string& prefill, const std::string& engine, vq::EvalProtocol protocol) {
+  vq::require(engine == "ours" || engine == "llama", "--engine {}: give ours or llama", engine);
   vq::require(prefill.empty() || prefill == "exact" || prefill == "method", "--prefill {}: give exact or method", prefill);
   if (engine == "llama") {
     vq::require(prefill != "method", "--prefill method: --engine llama prefills the context exactly (llama.cpp computes it); give --prefill exact or leave it out");

@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -68,6 +69,7 @@ struct MethodResult {
   // Set when the method failed (its first error; the numbers above are then 0): evaluate reports a
   // failing method as a row instead of failing every other row.
   std::string error;
+  static MethodResult failed(const std::string& method, const std::string& error);
 };
 
 // One method's sums over its scored positions (against the reference's distributions): the
@@ -99,6 +101,13 @@ struct ScoreSums {
   CacheBits bits;
   MethodResult result(const std::string& method, double reference_ppl) const;
 };
+
+// What both engines (this one, serve/llama_engine.hpp) do the same way:
+// one layer's K and V ([1, H, T, D]) fed to `cache` in chunks of `chunk` tokens, as a prefill feeds them;
+void feed_in_chunks(KVCache& cache, const Tensor& keys, const Tensor& values, int chunk);
+// KL(reference || method) of one next-token distribution, from log-probabilities over the
+// vocabulary (ref_p = exp(ref_lp), computed once per reference), clipped at 0 (rounding).
+double next_token_kl(std::span<const double> ref_lp, std::span<const double> ref_p, std::span<const double> lp);
 
 // Elements are the K and V values held (B * H * offset * (D_k + D_v) per cache, from the cache's
 // layout: nothing is materialised, so a resident cache is measured as it stands).

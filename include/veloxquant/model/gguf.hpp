@@ -21,6 +21,7 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <set>
 #include <span>
 #include <string>
@@ -81,5 +82,10 @@ GgufShape load_gguf_shape(const std::string& path);  // the file mapped, not rea
 // xxHash64 (seed 0) of any model file's bytes, GGUF or llama2.c (for GGUF, GgufShape::fingerprint):
 // the model a vq profile names (vq/profile.hpp).
 std::uint64_t model_file_fingerprint(const std::string& path);
+// The model of a GGUF whose weights our reader takes, or nullopt with the reason in `why` (the
+// reader's FormatError). A file with tensor types other than F32, F16 and Q8_0 (K-quants) is
+// refused from its shape alone, never read into memory only to be refused. `shape`: the file's
+// load_gguf_shape.
+std::optional<GgufModel> load_gguf_if_ours(const std::string& path, const GgufShape& shape, std::string& why);
 
 }  // namespace vq

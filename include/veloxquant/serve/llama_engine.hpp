@@ -28,6 +28,7 @@
 
 #include "veloxquant/eval/evaluator.hpp"
 #include "veloxquant/format/llama_state.hpp"
+#include "veloxquant/model/gguf.hpp"
 
 namespace vq {
 
@@ -51,8 +52,9 @@ class LlamaEngine {
   // The text's tokens as llama.cpp cuts them (no BOS), and its BOS id.
   std::vector<int> tokenize(const std::string& text) const;
   int bos() const;
-  // xxHash64 of the GGUF file (model/gguf.hpp's GgufShape::fingerprint): what vq profiles name.
-  std::uint64_t model_fingerprint() const;
+  // The GGUF's shape (model/gguf.hpp), read once at start; its fingerprint (xxHash64 of the file)
+  // is what vq profiles name.
+  const GgufShape& gguf_shape() const;
   // The exact K/V llama.cpp computes for `context` (BOS first): the slot's saved state (F32).
   LlamaState context_state(std::span<const int> context);
   // eval::evaluate's contract in the reuse protocol, with llama.cpp computing every logit; the
