@@ -20,6 +20,7 @@
 #include "veloxquant/model/gguf.hpp"
 #include "veloxquant/model/transformer.hpp"
 #include "veloxquant/serve/local_process.hpp"
+#include "llama_http.hpp"
 
 namespace vq {
 
@@ -28,8 +29,6 @@ namespace {
 using json = nlohmann::json;
 namespace fs = std::filesystem;
 
-// The largest reply read: a distribution over a 256k vocabulary with its pieces is ~25 MB.
-constexpr std::size_t kMaxReplyBytes = std::size_t{64} << 20;
 // n_probs asking for every token: the server gives min(this, vocabulary).
 constexpr int kAllTokens = 1 << 24;
 
@@ -105,16 +104,7 @@ struct LlamaEngine::Impl {
   }
 
   json post(const std::string& route, const json& body) const {
-    const auto r = http->Post(route, body.dump(), "application/json");
-    if (!r) throw IoError(fmt::format("llama-server 127.0.0.1:{}: POST {} failed ({})", port, route, httplib::to_string(r.error())));
-    if (r->status != 200)
-      throw IoError(fmt::format("llama-server 127.0.0.1:{}: POST {} answered {}: {}", port, route, r->status, r->body.substr(0, 300)));
-    if (r->body.size() > kMaxReplyBytes) throw IoError(fmt::format("llama-server: POST {}: reply over 64 MiB", route));
-    try {
-      return json::parse(r->body);
-    } catch (const json::exception&) {
-      throw FormatError(fmt::format("llama-server: POST {}: the reply is not JSON", route));
-    }
+    return serve_detail::post_json(*http, fmt::format("http://127.0.0.1:{}", port), route, body);
   }
 
   void load_weights() {

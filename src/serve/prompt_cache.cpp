@@ -22,6 +22,7 @@
 #include "veloxquant/store/kv_store.hpp"
 #include "veloxquant/store/prefix_chunks.hpp"
 #include "veloxquant/store/prefix_loader.hpp"
+#include "llama_http.hpp"
 
 namespace vq {
 
@@ -30,7 +31,7 @@ namespace {
 using json = nlohmann::json;
 
 // Bodies a proxy buffers (a request, a non-streaming reply); larger ones are refused, not read.
-constexpr std::size_t kMaxBodyBytes = std::size_t{64} << 20;
+constexpr std::size_t kMaxBodyBytes = serve_detail::kMaxLlamaBodyBytes;
 
 // host and port of http://HOST:PORT[/]; InvalidArgument otherwise (no TLS: the server is local).
 std::pair<std::string, int> parse_upstream(const std::string& url) {
@@ -178,16 +179,7 @@ struct PromptCacheProxy::Impl {
 
   json post(const std::string& route, const json& body) const {
     auto c = client();
-    const auto r = c.Post(route, body.dump(), "application/json");
-    if (!r) throw IoError(fmt::format("llama-server {}: POST {} failed ({})", o.upstream, route, httplib::to_string(r.error())));
-    if (r->status != 200)
-      throw IoError(fmt::format("llama-server {}: POST {} answered {}: {}", o.upstream, route, r->status, r->body.substr(0, 300)));
-    if (r->body.size() > kMaxBodyBytes) throw IoError(fmt::format("llama-server {}: POST {}: reply over 64 MiB", o.upstream, route));
-    try {
-      return json::parse(r->body);
-    } catch (const json::exception&) {
-      throw FormatError(fmt::format("llama-server {}: POST {}: the reply is not JSON", o.upstream, route));
-    }
+    return serve_detail::post_json(c, o.upstream, route, body);
   }
 
   std::string slot_route(const char* action) const { return fmt::format("/slots/{}?action={}", o.slot, action); }
