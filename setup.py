@@ -1,6 +1,7 @@
-"""Builds the `veloxquant` extension module for `pip install .` (pyproject.toml) with CMake.
+"""Builds the `veloxquant` package for `pip install .` (pyproject.toml) with CMake.
 
-The module is CMake's target vq_python (python/CMakeLists.txt), built for the Python running pip.
+The package is python/veloxquant (its Python files) plus the extension `veloxquant._core`, CMake's
+target vq_python (python/CMakeLists.txt), built for the Python running pip.
 Build folder: $VQ_BUILD_DIR if set; else ./build when it is already configured (README's set-up
 command made it, so nothing is compiled twice); else ./build-python, configured without tests and
 benchmarks. The version is project(... VERSION x.y.z) of CMakeLists.txt, the one source of truth.
@@ -12,7 +13,7 @@ import shutil
 import subprocess
 import sys
 
-from setuptools import Extension, setup
+from setuptools import Extension, find_packages, setup
 from setuptools.command.build_ext import build_ext
 
 ROOT = pathlib.Path(__file__).resolve().parent
@@ -43,9 +44,9 @@ class CMakeBuild(build_ext):
                         "-DVQ_BUILD_PYTHON=ON"] + configure, check=True)
         jobs = os.environ.get("CMAKE_BUILD_PARALLEL_LEVEL", "2")
         subprocess.run(["cmake", "--build", str(build), "--target", "vq_python", "-j", jobs], check=True)
-        built = sorted((build / "python").glob("veloxquant*.so"), key=os.path.getmtime)
+        built = sorted((build / "python" / "veloxquant").glob("_core*.so"), key=os.path.getmtime)
         if not built:
-            raise RuntimeError(f"CMake built no veloxquant*.so in {build / 'python'}")
+            raise RuntimeError(f"CMake built no _core*.so in {build / 'python' / 'veloxquant'}")
         dest = pathlib.Path(self.get_ext_fullpath(ext.name))
         dest.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(built[-1], dest)
@@ -53,7 +54,9 @@ class CMakeBuild(build_ext):
 
 setup(
     version=project_version(),
-    ext_modules=[Extension("veloxquant", sources=[])],
+    packages=find_packages(where="python", include=["veloxquant", "veloxquant.*"]),
+    package_dir={"": "python"},
+    ext_modules=[Extension("veloxquant._core", sources=[])],
     cmdclass={"build_ext": CMakeBuild},
     zip_safe=False,
     # setuptools' own scratch (build/lib.*, build/temp.*) stays out of CMake's build folder.

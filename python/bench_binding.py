@@ -21,9 +21,9 @@ here = os.path.dirname(os.path.abspath(__file__))
 if os.environ.get("VQ_PYTHON_PATH"):
     sys.path[:0] = os.environ["VQ_PYTHON_PATH"].split(os.pathsep)
 else:
-    found = sorted(glob.glob(os.path.join(here, "..", "build*", "python", "veloxquant*.so")), key=os.path.getmtime)
+    found = sorted(glob.glob(os.path.join(here, "..", "build*", "python", "veloxquant", "_core*.so")), key=os.path.getmtime)
     if found:
-        sys.path.insert(0, os.path.dirname(found[-1]))
+        sys.path.insert(0, os.path.dirname(os.path.dirname(found[-1])))
 
 import numpy as np  # noqa: E402
 import veloxquant as vq  # noqa: E402

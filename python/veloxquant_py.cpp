@@ -1,5 +1,9 @@
-// The `veloxquant` Python module: the reference's Python API (VeloxQuant-MLX's
-// veloxquant_mlx.cache) over the C++ caches, with numpy arrays in place of mlx arrays.
+// `veloxquant._core`, the extension inside the `veloxquant` Python package (python/veloxquant):
+// the reference's Python API (VeloxQuant-MLX's veloxquant_mlx.cache) over the C++ caches, with
+// numpy arrays in place of mlx arrays. The package re-exports everything public here under its
+// flat names (veloxquant.CacheGenKVCache, ...) and adds, in Python, the reference's module paths
+// (veloxquant.cache.base, veloxquant.quantizers.cachegen, ...) and mlx_lm's cache protocol; the
+// underscore functions here are the C++ numerics and copies those modules are built on.
 //
 // Contracts a reader must know first:
 // - Inputs: numpy arrays [B, H, S, D] of float16 or float32 in native byte order. Anything that is
@@ -16,6 +20,8 @@
 //   message.
 // - The GIL is held during calls: a cache is not thread-safe, and a decode step is microseconds.
 #include <bit>
+#include <limits>
+#include <string_view>
 #include <chrono>
 #include <cstring>
 #include <memory>
@@ -41,7 +47,10 @@
 #include "veloxquant/cache/kv_cache.hpp"
 #include "veloxquant/core/error.hpp"
 #include "veloxquant/core/tensor.hpp"
+#include "veloxquant/entropy/entropy_estimate.hpp"
+#include "veloxquant/quant/group_quant.hpp"
 #include "veloxquant/quant/layer_schedule.hpp"
+#include "veloxquant/transform/token_delta.hpp"
 
 namespace py = pybind11;
 using namespace pybind11::literals;
@@ -227,6 +236,161 @@ vq::ModelDescription to_model(const py::object& model) {
   return m;
 }
 
+// ---- the reference's numerics (veloxquant.quantizers.cachegen / _quant_utils) on numpy arrays ----
+// The Python wrappers check dtypes, ranks and values and reshape; these take exactly the dtype and
+// layout named (C-contiguous), so nothing is ever converted silently here.
+
+template <class T>
+using CArray = py::array_t<T, py::array::c_style>;
+
+int checked_int(std::int64_t v, const char* what) {
+  if (v < 0 || v > std::numeric_limits<int>::max())
+    throw vq::InvalidArgument(std::string(what) + " is out of range: " + std::to_string(v));
+  return static_cast<int>(v);
+}
+
+void require_2d(const py::array& a, const char* what) {
+  if (a.ndim() != 2) throw vq::InvalidArgument(std::string(what) + " must be a 2-D array [N, D], got shape " + shape_of(a));
+}
+
+// x float32 [N, D] -> (codes uint8 [N, D], scale float32 [G, D], minimum float32 [G, D]).
+py::tuple quantize_codes_py(const CArray<float>& x, int bits, int group_size) {
+  require_2d(x, "x");
+  const int n = checked_int(x.shape(0), "the token count"), d = checked_int(x.shape(1), "the channel count");
+  if (d < 1) throw vq::InvalidArgument("x must have at least one channel (D >= 1), got shape " + shape_of(x));
+  const vq::GroupQuantized q =
+      vq::quantize_to_codes(std::span<const float>(x.data(), static_cast<std::size_t>(n) * static_cast<std::size_t>(d)), n, d, bits, group_size);
+  const py::ssize_t g = q.n_groups();
+  CArray<std::uint8_t> codes({static_cast<py::ssize_t>(n), static_cast<py::ssize_t>(d)});
+  CArray<float> scale({g, static_cast<py::ssize_t>(d)}), minv({g, static_cast<py::ssize_t>(d)});
+  if (!q.codes.empty()) std::memcpy(codes.mutable_data(), q.codes.data(), q.codes.size());
+  if (!q.scale.empty()) std::memcpy(scale.mutable_data(), q.scale.data(), q.scale.size() * sizeof(float));
+  if (!q.minv.empty()) std::memcpy(minv.mutable_data(), q.minv.data(), q.minv.size() * sizeof(float));
+  return py::make_tuple(codes, scale, minv);
+}
+
+// codes uint8 [N, D], scale and minimum float32 [ceil(N / group_size), D] -> float32 [N, D].
+CArray<float> dequant_codes_py(const CArray<std::uint8_t>& codes, const CArray<float>& scale, const CArray<float>& minv, int group_size) {
+  require_2d(codes, "codes");
+  require_2d(scale, "scale");
+  require_2d(minv, "zero");
+  if (group_size < 1) throw vq::InvalidArgument("group_size must be >= 1, got " + std::to_string(group_size));
+  vq::GroupQuantized q;
+  q.n_tokens = checked_int(codes.shape(0), "the token count");
+  q.dim = checked_int(codes.shape(1), "the channel count");
+  q.bits = 8;  // dequantization does not depend on it
+  q.group_size = group_size;
+  const py::ssize_t g = q.n_groups();
+  if (scale.shape(0) != g || scale.shape(1) != q.dim || minv.shape(0) != g || minv.shape(1) != q.dim)
+    throw vq::InvalidArgument("scale and zero must be [" + std::to_string(g) + ", " + std::to_string(q.dim) + "] for " +
+                              std::to_string(q.n_tokens) + " tokens in groups of " + std::to_string(group_size) + ", got " +
+                              shape_of(scale) + " and " + shape_of(minv));
+  q.codes.assign(codes.data(), codes.data() + codes.size());
+  q.scale.assign(scale.data(), scale.data() + scale.size());
+  q.minv.assign(minv.data(), minv.data() + minv.size());
+  CArray<float> out({codes.shape(0), codes.shape(1)});
+  vq::dequant_codes(q, std::span<float>(out.mutable_data(), static_cast<std::size_t>(out.size())));
+  return out;
+}
+
+// codes uint8 [N, D] -> int16 [N, D]: row 0 kept, row i = codes[i] - codes[i - 1].
+CArray<std::int16_t> token_delta_py(const CArray<std::uint8_t>& codes) {
+  require_2d(codes, "codes");
+  const int n = checked_int(codes.shape(0), "the token count"), d = checked_int(codes.shape(1), "the channel count");
+  CArray<std::int16_t> out({codes.shape(0), codes.shape(1)});
+  if (n == 0 || d == 0) return out;
+  const auto delta = vq::token_delta(std::span<const std::uint8_t>(codes.data(), static_cast<std::size_t>(codes.size())), n, d);
+  std::memcpy(out.mutable_data(), delta.data(), delta.size() * sizeof(std::int16_t));
+  return out;
+}
+
+double symbol_entropy_bits_py(const CArray<std::int16_t>& symbols) {
+  return vq::symbol_entropy_bits(std::span<const std::int16_t>(symbols.data(), static_cast<std::size_t>(symbols.size())));
+}
+
+// symbols int16 [N, D] (token deltas or codes) -> the estimate of entropy_estimate.hpp.
+std::uint64_t entropy_coded_bytes_py(const CArray<std::int16_t>& symbols, int bits, std::int64_t n_groups, bool per_channel) {
+  require_2d(symbols, "symbols");
+  const int n = checked_int(symbols.shape(0), "the token count"), d = checked_int(symbols.shape(1), "the channel count");
+  if (d < 1) throw vq::InvalidArgument("symbols must have at least one channel");
+  return vq::entropy_coded_bytes(std::span<const std::int16_t>(symbols.data(), static_cast<std::size_t>(symbols.size())), n, d, bits,
+                                 checked_int(n_groups, "n_groups"), per_channel);
+}
+
+// ---- configurations given as any object (the reference reads its config with getattr) ----
+
+int int_field(const py::object& o, const char* name, int fallback) {
+  const py::object v = py::getattr(o, name, py::int_(fallback));
+  if (py::isinstance<py::bool_>(v) || !py::hasattr(v, "__index__"))
+    throw vq::InvalidArgument(std::string("config.") + name + " must be an int, got " + py::repr(v).cast<std::string>());
+  const auto x = py::int_(v).cast<long long>();
+  if (x < std::numeric_limits<int>::min() || x > std::numeric_limits<int>::max())
+    throw vq::InvalidArgument(std::string("config.") + name + " is out of range: " + std::to_string(x));
+  return static_cast<int>(x);
+}
+
+// A KVCacheConfig from a KVCacheConfig, or from any object with the reference's cachegen_* fields
+// (veloxquant.cache.base.KVCacheConfig, a dataclass of the reference's shape), missing ones taking
+// the reference's defaults, as the reference's CacheGenKVCache reads them. Validated.
+vq::KVCacheConfig config_from_object(const py::object& o) {
+  if (py::isinstance<vq::KVCacheConfig>(o)) {
+    vq::KVCacheConfig c = o.cast<vq::KVCacheConfig>();
+    c.validate();
+    return c;
+  }
+  vq::KVCacheConfig c;
+  c.cachegen_bits = int_field(o, "cachegen_bits", 4);
+  c.cachegen_group_size = int_field(o, "cachegen_group_size", 32);
+  c.cachegen_use_delta = py::bool_(py::getattr(o, "cachegen_use_delta", py::bool_(true))).cast<bool>();
+  c.cachegen_per_channel = py::bool_(py::getattr(o, "cachegen_per_channel", py::bool_(true))).cast<bool>();
+  c.cachegen_layer_groups = int_field(o, "cachegen_layer_groups", 3);
+  if (!py::getattr(o, "cachegen_resolved_bits", py::none()).is_none()) c.cachegen_resolved_bits = int_field(o, "cachegen_resolved_bits", 0);
+  const py::object flush = py::getattr(o, "cachegen_flush", py::str("group_aligned"));
+  if (!py::isinstance<py::str>(flush))
+    throw vq::InvalidArgument("config.cachegen_flush must be 'group_aligned' or 'per_call', got " + py::repr(flush).cast<std::string>());
+  c.cachegen_flush = vq::flush_mode_from_name(flush.cast<std::string>());
+  c.validate();
+  return c;
+}
+
+// ---- copies: exact, for copy.deepcopy, the state snapshot and pickle ----
+
+std::shared_ptr<vq::KVCache> clone_cache(const vq::KVCache& c) {
+  if (const auto* cg = dynamic_cast<const vq::CacheGenKVCache*>(&c)) {
+    auto out = std::make_shared<vq::CacheGenKVCache>(cg->config());
+    out->from_full_state(cg->full_state());  // deep copies of the codes, scales, minima and residual
+    return out;
+  }
+  if (c.kind() != "KVCache")
+    throw vq::InvalidArgument("a " + c.kind() + " cannot be copied here (only KVCache and CacheGenKVCache can); save it with save_prompt_cache");
+  auto out = std::make_shared<vq::KVCache>();
+  if (c.offset() > 0) out->from_state(c.state());  // from_state copies
+  return out;
+}
+
+py::bytes serialize_caches(const std::vector<std::shared_ptr<vq::KVCache>>& caches) {
+  const std::vector<std::uint8_t> bytes = vq::serialize_prompt_cache(caches);
+  return py::bytes(reinterpret_cast<const char*>(bytes.data()), bytes.size());
+}
+
+py::list caches_to_python(std::vector<std::shared_ptr<vq::KVCache>>& caches) {
+  py::list out;
+  for (auto& c : caches) {
+    if (auto cg = std::dynamic_pointer_cast<vq::CacheGenKVCache>(c))
+      out.append(py::cast(cg));
+    else
+      out.append(py::cast(c));
+  }
+  return out;
+}
+
+py::list deserialize_caches(const py::bytes& data) {
+  const std::string_view view = data;  // no copy
+  vq::PromptCache pc =
+      vq::deserialize_prompt_cache(std::span<const std::uint8_t>(reinterpret_cast<const std::uint8_t*>(view.data()), view.size()));
+  return caches_to_python(pc.caches);
+}
+
 struct KVCacheBuilderTag {};
 
 // Seconds per call of n C++ update_and_fetch calls on `cache` with the same chunk, as the binding's
@@ -247,7 +411,7 @@ double bench_cpp_update(vq::KVCache& cache, const py::handle keys, const py::han
 
 }  // namespace
 
-PYBIND11_MODULE(veloxquant, m) {
+PYBIND11_MODULE(_core, m) {
   m.doc() =
       "veloxquant: CacheGen-style KV cache compression (the C++ library), with the API of VeloxQuant-MLX's "
       "veloxquant_mlx.cache over numpy arrays [B, H, S, D] of float16 or float32.";
@@ -303,6 +467,10 @@ PYBIND11_MODULE(veloxquant, m) {
       .def("is_trimmable", &vq::KVCache::is_trimmable)
       .def("trim", &vq::KVCache::trim, "n"_a, "Drop the last min(n, offset) tokens; returns how many were dropped.")
       .def_property_readonly("nbytes", &vq::KVCache::nbytes, "Bytes of memory the cache holds (allocated buffers).")
+      .def("size", &vq::KVCache::offset, "mlx_lm's size(): the tokens held (offset).")
+      .def("empty", [](const vq::KVCache& c) { return c.offset() == 0; }, "mlx_lm's empty(): True when no token is held.")
+      .def_property_readonly("_kind", &vq::KVCache::kind, "The C++ class ('KVCache', 'CacheGenKVCache', 'VqKVCache', ...).")
+      .def("_clone", &clone_cache, "An exact, independent copy (KVCache and CacheGenKVCache only).")
       .def("__repr__", [](const vq::KVCache& c) { return "<" + c.kind() + " offset=" + std::to_string(c.offset()) + ">"; });
 
   py::class_<vq::CacheGenKVCache, vq::KVCache, std::shared_ptr<vq::CacheGenKVCache>>(
@@ -310,6 +478,25 @@ PYBIND11_MODULE(veloxquant, m) {
       "A KVCache that group-quantizes what it stores and accounts its bytes as CacheGen does (entropy of the token-delta "
       "code stream). Fetch returns dense arrays; like the reference, it has no `bits` attribute.")
       .def(py::init<vq::KVCacheConfig>(), "config"_a = vq::KVCacheConfig{})
+      .def(py::init([](const py::object& config) { return std::make_shared<vq::CacheGenKVCache>(config_from_object(config)); }),
+           "config"_a,
+           "From any configuration object with the reference's cachegen_* fields (veloxquant.cache.base.KVCacheConfig), "
+           "missing fields taking their defaults.")
+      .def_property_readonly(
+          "_bits", [](const vq::CacheGenKVCache& c) { return c.config().effective_bits(); },
+          "The layer's bit width, as the reference names it: cachegen_resolved_bits if set, else cachegen_bits.")
+      .def(
+          "_assign", [](vq::CacheGenKVCache& c, const vq::CacheGenKVCache& other) { c.from_full_state(other.full_state()); },
+          "other"_a, "Become an exact copy of `other` (configuration, codes, scales, residual, counters).")
+      .def(
+          "_reset_config",
+          [](vq::CacheGenKVCache& c, const py::object& config) {
+            if (c.offset() != 0) throw vq::InvalidArgument("the configuration of a cache that holds tokens cannot change");
+            vq::CacheGenState st;
+            st.config = config_from_object(config);
+            c.from_full_state(std::move(st));
+          },
+          "config"_a, "Replace the configuration of an empty cache.")
       // Returned by value: binding the member function (a const reference) would hand Python a live
       // handle whose field edits reach the cache unvalidated, mid-stream.
       .def_property_readonly(
@@ -379,13 +566,7 @@ PYBIND11_MODULE(veloxquant, m) {
         vq::VqkvLoadOptions o;
         if (model) o.vq_models = vq::vq_layer_models(std::make_shared<const vq::Checkpoint>(vq::Checkpoint::load(*model)));
         vq::PromptCache pc = vq::load_prompt_cache(file, o);
-        py::list caches;
-        for (auto& c : pc.caches) {
-          if (auto cg = std::dynamic_pointer_cast<vq::CacheGenKVCache>(c))
-            caches.append(py::cast(cg));
-          else
-            caches.append(py::cast(c));
-        }
+        py::list caches = caches_to_python(pc.caches);
         if (return_metadata) return py::make_tuple(caches, py::cast(pc.metadata));
         return caches;
       },
@@ -424,6 +605,24 @@ PYBIND11_MODULE(veloxquant, m) {
 
   m.def("layer_group_bits", &vq::layer_group_bits, "n_layers"_a, "base_bits"_a, "n_groups"_a = 3,
         "CacheGen's layer-wise bit schedule: deeper layers get fewer bits (never below 2).");
+
+  // Private: what veloxquant.quantizers.cachegen / _quant_utils and the cache protocol are built on.
+  m.def("_quantize_to_codes", &quantize_codes_py, "x"_a, "bits"_a, "group_size"_a,
+        "float32 [N, D] -> (codes uint8 [N, D], scale float32 [G, D], minimum float32 [G, D]), G = ceil(N / group_size).");
+  m.def("_dequant_codes", &dequant_codes_py, "codes"_a, "scale"_a, "zero"_a, "group_size"_a,
+        "codes * scale + minimum per group: float32 [N, D].");
+  m.def("_token_delta", &token_delta_py, "codes"_a, "uint8 [N, D] codes -> int16 [N, D] token deltas.");
+  m.def("_symbol_entropy_bits", &symbol_entropy_bits_py, "symbols"_a, "Empirical Shannon entropy (bits per symbol) of int16 symbols.");
+  m.def("_entropy_coded_bytes", &entropy_coded_bytes_py, "symbols"_a, "bits"_a, "n_groups"_a, "per_channel"_a,
+        "The reference's entropy-coded byte estimate of one slice's int16 symbols [N, D].");
+  m.def(
+      "_fixed_width_bytes",
+      [](std::int64_t n_tokens, int dim, int bits, std::int64_t n_groups) { return vq::fixed_width_bytes(n_tokens, dim, bits, n_groups); },
+      "n_tokens"_a, "dim"_a, "bits"_a, "n_groups"_a, "ceil(N * D * bits / 8) + n_groups * D * 4.");
+  m.def("_config_from_object", &config_from_object, "config"_a,
+        "A validated KVCacheConfig from a KVCacheConfig or any object with the reference's cachegen_* fields.");
+  m.def("_serialize_caches", &serialize_caches, "caches"_a, "The .vqkv bytes of the caches (save_prompt_cache, in memory).");
+  m.def("_deserialize_caches", &deserialize_caches, "data"_a, "The caches of .vqkv bytes (load_prompt_cache, from memory).");
 
   m.def("_bench_cpp_update", &bench_cpp_update, "cache"_a, "keys"_a, "values"_a, "n"_a,
         "Seconds per call of n C++ update_and_fetch calls with one chunk (the binding benchmark's baseline).");

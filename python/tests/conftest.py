@@ -1,11 +1,12 @@
-"""Finds the built `veloxquant` module and CLI for the tests.
+"""Finds the built `veloxquant` package and CLI for the tests.
 
-Module: the directories in $VQ_PYTHON_PATH (os.pathsep-separated; ctest sets it), else the newest
-build*/python/veloxquant*.so under the repository root. With VQ_PYTHON_INSTALLED=1 (CI, after
+Package: the directories in $VQ_PYTHON_PATH (os.pathsep-separated; ctest sets it), else the build
+folder holding the newest build*/python/veloxquant/_core*.so under the repository root (CMake puts
+the package's Python files beside the extension there). With VQ_PYTHON_INSTALLED=1 (CI, after
 `pip install .`) nothing is added to sys.path: the suite runs against the INSTALLED module, and
 fails if that module comes from the repository. CLI: $VQ_CLI (ctest sets it), else the
-`veloxquant` binary one level above the module's directory (build/python/.. = build/), else the
-one on PATH.
+`veloxquant` binary two levels above the package's directory (build/python/veloxquant/../.. =
+build/), else the one on PATH.
 """
 import glob
 import os
@@ -27,9 +28,9 @@ def _module_dirs():
     env = os.environ.get("VQ_PYTHON_PATH")
     if env:
         return [d for d in env.split(os.pathsep) if d]
-    found = glob.glob(str(REPO / "build*" / "python" / "veloxquant*.so"))
+    found = glob.glob(str(REPO / "build*" / "python" / "veloxquant" / "_core*.so"))
     found.sort(key=os.path.getmtime, reverse=True)
-    return [os.path.dirname(found[0])] if found else []
+    return [os.path.dirname(os.path.dirname(found[0]))] if found else []
 
 
 for _d in reversed(_module_dirs()):
@@ -40,8 +41,8 @@ try:
     import veloxquant  # noqa: F401
 except ImportError as e:  # pragma: no cover - a setup problem, said plainly
     raise ImportError(
-        f"cannot import the veloxquant module ({e}); build it (cmake --build build) and set "
-        f"VQ_PYTHON_PATH to the directory holding veloxquant*.so (build/python)"
+        f"cannot import the veloxquant package ({e}); build it (cmake --build build) and set "
+        f"VQ_PYTHON_PATH to the directory holding the package veloxquant/ (build/python)"
     ) from e
 
 
@@ -52,7 +53,7 @@ if INSTALLED and pathlib.Path(veloxquant.__file__).resolve().is_relative_to(REPO
 @pytest.fixture(scope="session")
 def cli():
     env = os.environ.get("VQ_CLI")
-    path = pathlib.Path(env) if env else pathlib.Path(veloxquant.__file__).resolve().parent.parent / "veloxquant"
+    path = pathlib.Path(env) if env else pathlib.Path(veloxquant.__file__).resolve().parents[2] / "veloxquant"
     if not env and not path.is_file() and shutil.which("veloxquant"):
         path = pathlib.Path(shutil.which("veloxquant"))
     if not path.is_file():

@@ -21,5 +21,8 @@ def test_installed_with_metadata():
     assert dist.version == veloxquant.__version__
     assert "numpy" in " ".join(dist.requires or [])
     files = [str(f) for f in dist.files or []]
-    assert any(re.match(r"veloxquant[.].*so$", f) for f in files), files
+    # The package: the extension inside it and its Python modules (the reference's paths among them).
+    assert any(re.match(r"veloxquant/_core[.].*so$", f) for f in files), files
+    for module in ("veloxquant/__init__.py", "veloxquant/cache/base.py", "veloxquant/quantizers/cachegen.py"):
+        assert module in files, (module, files)
     assert not pathlib.Path(veloxquant.__file__).resolve().is_relative_to(REPO)
