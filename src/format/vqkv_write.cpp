@@ -62,7 +62,8 @@ vqkv::Header make_header(const std::vector<std::shared_ptr<KVCache>>& caches, co
       src.cachegen = cg;
       e.cls = CacheClass::CacheGen;
       e.config = cg->config();
-      const int bits = cg->key_stream().bits();
+      // The configured width: an empty cache's streams are not made yet (their bits() is a placeholder).
+      const int bits = cg->config().effective_bits();
       const SymbolTransform tr = options.transform.value_or(default_transform(bits));
       require(tr == SymbolTransform::Codes || (tr == SymbolTransform::Context && bits <= kContextMaxBits),
               "save_prompt_cache: layer {}: a .vqkv file holds the codes or (up to 4 bits) the context coder, not transform {}", i,
