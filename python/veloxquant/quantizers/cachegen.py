@@ -173,7 +173,7 @@ def symbol_entropy_bits(symbols: Any) -> float:
         if not np.all(np.isfinite(a)):
             raise ValueError("symbols must be finite, got NaN or Inf")
         a = np.trunc(a)
-    a = _integers(a, "symbols", -32768, 32767)
+    a = _integers(a, "symbols (int16 values)", -32768, 32767)
     return float(_core._symbol_entropy_bits(np.ascontiguousarray(a, dtype=np.int16).reshape(-1)))
 
 
