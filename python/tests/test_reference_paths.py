@@ -3,6 +3,7 @@ factory and builder of veloxquant.cache.base, the CacheGen cache of veloxquant.c
 and the numerics of veloxquant.quantizers.cachegen / _quant_utils, checked for the behaviours the
 original's own CacheGen tests check, against vq_reference.py (an independent numpy statement of
 the original's numerics) wherever a number can be compared exactly."""
+import copy
 import math
 import pickle
 import typing
@@ -61,7 +62,7 @@ def test_config_takes_the_originals_fields_and_reads_them_back():
     assert KVCacheConfig().method == "cachegen" and KVCacheConfig().head_dim == 128 and KVCacheConfig().observers == []
     assert "method='cachegen'" in repr(c) and "cachegen_bits=5" in repr(c) and "kivi_group_size=16" in repr(c)
     assert c != KVCacheConfig(method="cachegen", head_dim=64, cachegen_bits=5, cachegen_layer_groups=2)  # seed differs
-    for copied in (pickle.loads(pickle.dumps(c)), __import__("copy").deepcopy(c)):
+    for copied in (pickle.loads(pickle.dumps(c)), copy.deepcopy(c)):
         assert copied == c and copied is not c and copied.kivi_group_size == 16
     with pytest.raises(AttributeError, match="svdq_rank"):
         KVCacheConfig().svdq_rank  # another method's field, never set

@@ -9,7 +9,7 @@ and, for code written against VeloxQuant-MLX, its module paths for what veloxqua
 ``veloxquant._core``; the classes here are its classes.
 """
 from veloxquant import _core
-from veloxquant._core import (
+from veloxquant._core import (  # noqa: F401  (re-exported: the flat API)
     CacheGenKVCache,
     KVCache,
     layer_group_bits,
