@@ -413,8 +413,9 @@ double bench_cpp_update(vq::KVCache& cache, const py::handle keys, const py::han
 
 PYBIND11_MODULE(_core, m) {
   m.doc() =
-      "veloxquant: CacheGen-style KV cache compression (the C++ library), with the API of VeloxQuant-MLX's "
-      "veloxquant_mlx.cache over numpy arrays [B, H, S, D] of float16 or float32.";
+      "veloxquant._core: the compiled core of the veloxquant package (CacheGen-style KV cache compression, the C++ "
+      "library), with the API of VeloxQuant-MLX's veloxquant_mlx.cache over numpy arrays [B, H, S, D] of float16 or "
+      "float32. Import the package: `import veloxquant`.";
   m.attr("__version__") = VQ_VERSION;  // the CMake project's version (python/CMakeLists.txt)
 
   // Most derived first: pybind11 tries translators in reverse order of registration.
