@@ -85,44 +85,50 @@ bool have_avx2() { return false; }
 constexpr int kTile = 6;  // tokens per pass (12 accumulators + 2 columns + 1 broadcast of 16 ymm registers)
 
 #if defined(__x86_64__)
-// The all-heads product (vq_all_head_rows) on AVX-512: TT tokens x NB blocks of 16 outputs per
-// pass, each of w's rows loaded once for the TT tokens; y and acc have row stride n. Product then
-// add (_mm512_mul_ps, _mm512_add_ps), j ascending from 0: the scalar path's roundings.
+// TT tokens x NB blocks of 16 outputs per pass on AVX-512, each of w's rows loaded once for the TT
+// tokens: acc[t * a_stride + i] = sum_j w[j * w_stride + i] * y[t * y_stride + j], i in [i0, i0 + 16 NB),
+// j ascending from 0 below span. Product then add (_mm512_mul_ps, _mm512_add_ps): the scalar path's
+// roundings. The all-heads product (vq_all_head_rows: w_stride = y_stride = a_stride = span = n) and
+// one head's (vq_head_rows: w = the head's columns [span][d], strides d).
 template <int TT, int NB>
-__attribute__((target("avx512f"))) inline void tile_avx512(const float* __restrict w, int n, const float* __restrict y, int i0,
-                                                          float* __restrict acc) {
+__attribute__((target("avx512f"))) inline void tile_avx512(const float* __restrict w, int span, std::size_t w_stride,
+                                                          const float* __restrict y, std::size_t y_stride, int i0,
+                                                          float* __restrict acc, std::size_t a_stride) {
   __m512 a[TT][NB];
   for (int t = 0; t < TT; ++t)
     for (int k = 0; k < NB; ++k) a[t][k] = _mm512_setzero_ps();
-  for (int j = 0; j < n; ++j) {
+  for (int j = 0; j < span; ++j) {
     __m512 c[NB];
-    for (int k = 0; k < NB; ++k) c[k] = _mm512_loadu_ps(w + sz(j) * sz(n) + sz(i0 + 16 * k));
+    for (int k = 0; k < NB; ++k) c[k] = _mm512_loadu_ps(w + sz(j) * w_stride + sz(i0 + 16 * k));
     for (int t = 0; t < TT; ++t) {
-      const __m512 yb = _mm512_set1_ps(y[sz(t) * sz(n) + sz(j)]);
+      const __m512 yb = _mm512_set1_ps(y[sz(t) * y_stride + sz(j)]);
       for (int k = 0; k < NB; ++k) a[t][k] = _mm512_add_ps(a[t][k], _mm512_mul_ps(c[k], yb));
     }
   }
   for (int t = 0; t < TT; ++t)
-    for (int k = 0; k < NB; ++k) _mm512_storeu_ps(acc + sz(t) * sz(n) + sz(i0 + 16 * k), a[t][k]);
+    for (int k = 0; k < NB; ++k) _mm512_storeu_ps(acc + sz(t) * a_stride + sz(i0 + 16 * k), a[t][k]);
 }
 
-// TT tokens, all n outputs: blocks of 32, then of 16, then the rest scalar.
+// TT tokens, all `outputs` outputs: blocks of 32, then of 16, then the rest scalar.
 template <int TT>
-__attribute__((target("avx512f"))) void tokens_avx512(const float* w, int n, const float* y, float* acc) {
+__attribute__((target("avx512f"))) void tokens_avx512(const float* w, int span, std::size_t w_stride, int outputs, const float* y,
+                                                     std::size_t y_stride, float* acc, std::size_t a_stride) {
   int i0 = 0;
-  for (; i0 + 32 <= n; i0 += 32) tile_avx512<TT, 2>(w, n, y, i0, acc);
-  for (; i0 + 16 <= n; i0 += 16) tile_avx512<TT, 1>(w, n, y, i0, acc);
-  if (i0 < n)
-    for (int t = 0; t < TT; ++t) scalar_outputs(w, n, n, y + sz(t) * sz(n), i0, n, acc + sz(t) * sz(n));
+  for (; i0 + 32 <= outputs; i0 += 32) tile_avx512<TT, 2>(w, span, w_stride, y, y_stride, i0, acc, a_stride);
+  for (; i0 + 16 <= outputs; i0 += 16) tile_avx512<TT, 1>(w, span, w_stride, y, y_stride, i0, acc, a_stride);
+  if (i0 < outputs)
+    for (int t = 0; t < TT; ++t)
+      scalar_outputs(w, span, static_cast<int>(w_stride), y + sz(t) * y_stride, i0, outputs, acc + sz(t) * a_stride);
 }
 
 constexpr int kTile512 = 12;  // 24 accumulators + 2 rows of w + 1 broadcast of 32 zmm registers
 
 template <int TT>
-void tokens_avx512_upto(const float* w, int n, const float* y, std::int64_t tokens, float* acc) {
+void tokens_avx512_upto(const float* w, int span, std::size_t w_stride, int outputs, const float* y, std::size_t y_stride,
+                        std::int64_t tokens, float* acc, std::size_t a_stride) {
   if constexpr (TT > 0) {
-    if (tokens == TT) return tokens_avx512<TT>(w, n, y, acc);
-    tokens_avx512_upto<TT - 1>(w, n, y, tokens, acc);
+    if (tokens == TT) return tokens_avx512<TT>(w, span, w_stride, outputs, y, y_stride, acc, a_stride);
+    tokens_avx512_upto<TT - 1>(w, span, w_stride, outputs, y, y_stride, tokens, acc, a_stride);
   }
 }
 
@@ -226,6 +232,16 @@ void vq_head_rows(const float* cols, int span, int d, const float* y, std::size_
     return;
   }
 #if defined(__x86_64__)
+  if (have_avx512() && (!rope || d % 8 == 0)) {
+    // 12 tokens per pass into `out` itself (its rows are d apart, as the tiles write them), then
+    // the keys re-rotated in place: rotate_all_avx512 with one head reads a row before it writes it.
+    std::int64_t t = 0;
+    for (; t + kTile512 <= tokens; t += kTile512)
+      tokens_avx512<kTile512>(cols, span, sz(d), d, y + sz(t) * y_stride, y_stride, out + sz(t) * sz(d), sz(d));
+    if (t < tokens) tokens_avx512_upto<kTile512 - 1>(cols, span, sz(d), d, y + sz(t) * y_stride, y_stride, tokens - t, out + sz(t) * sz(d), sz(d));
+    if (rope) rotate_all_avx512(out, d, 1, d, tokens, *rope, pos0, out);
+    return;
+  }
   std::vector<float> acc(sz(kTile) * sz(d));
   std::int64_t t = 0;
   const auto finish = [&](int count) {
@@ -268,8 +284,9 @@ void vq_all_head_rows(const float* w, int n, int heads, const float* y, std::int
 #if defined(__x86_64__)
   if (have_avx512() && n >= 16) {
     std::int64_t t = 0;
-    for (; t + kTile512 <= tokens; t += kTile512) tokens_avx512<kTile512>(w, n, y + sz(t) * sz(n), acc + sz(t) * sz(n));
-    if (t < tokens) tokens_avx512_upto<kTile512 - 1>(w, n, y + sz(t) * sz(n), tokens - t, acc + sz(t) * sz(n));
+    for (; t + kTile512 <= tokens; t += kTile512)
+      tokens_avx512<kTile512>(w, n, sz(n), n, y + sz(t) * sz(n), sz(n), acc + sz(t) * sz(n), sz(n));
+    if (t < tokens) tokens_avx512_upto<kTile512 - 1>(w, n, sz(n), n, y + sz(t) * sz(n), sz(n), tokens - t, acc + sz(t) * sz(n), sz(n));
     if (rope && d % 8 == 0) return rotate_all_avx512(acc, n, heads, d, tokens, *rope, pos0, out);
     return rotate_all_scalar(acc, n, heads, d, tokens, rope, pos0, out);
   }

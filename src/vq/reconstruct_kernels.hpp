@@ -42,7 +42,8 @@ void vq_head_rows(const float* cols, int span, int d, const float* y, std::size_
 // The same, one token at a time with no tiling and no SIMD: the reference the tests compare with.
 void vq_head_rows_scalar(const float* cols, int span, int d, const float* y, std::size_t y_stride, std::int64_t tokens,
                          const VqRopeTable* rope, std::int64_t pos0, float* out);
-// Whether vq_head_rows takes the AVX2 path on this machine (benchmarks and tests report it).
+// Whether vq_head_rows takes a SIMD path on this machine (AVX2, or AVX-512 where the machine has it;
+// benchmarks and tests report it).
 bool vq_head_rows_avx2();
 
 // A transform that mixes every head (VqSideTransform::col_span == n, n = heads * d): every head's

@@ -1,6 +1,6 @@
 // The tiled reconstruction kernel (src/vq/reconstruct_kernels.hpp) against the per-token scalar
-// path, bit for bit: every tile remainder (1..5 tokens past whole tiles of 6), head widths that
-// are and are not multiples of 16, spans of one head and of the whole row, with and without RoPE
+// path, bit for bit: every tile remainder (past whole tiles of 6 on AVX2, of 12 on AVX-512), head
+// widths that are and are not multiples of 16 and of 32, spans of one head and of the whole row, with and without RoPE
 // at a nonzero start position; and the RoPE table against cos / sin computed on the spot.
 #include <gtest/gtest.h>
 
@@ -33,12 +33,12 @@ bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
 }
 
 TEST(VqReconstructKernels, TiledRowsEqualThePerTokenPathBitForBit) {
-  for (const int d : {8, 16, 24, 128}) {
+  for (const int d : {8, 16, 24, 64, 128}) {
     for (const int span : {d, 4 * d}) {
       std::vector<double> freq;
       for (int p = 0; p < d / 2; ++p) freq.push_back(std::pow(10000.0, -2.0 * p / d));
       const auto rope = vq::vq_rope_table(freq, 300);
-      for (const std::int64_t tokens : {1, 5, 6, 7, 13, 64, 67}) {
+      for (const std::int64_t tokens : {1, 5, 6, 7, 11, 12, 13, 24, 64, 67}) {
         const std::size_t stride = static_cast<std::size_t>(span) + 3;  // rows wider than the block
         const auto cols = random_floats(static_cast<std::size_t>(span) * static_cast<std::size_t>(d), 1u + static_cast<std::uint32_t>(d), 0.1f);
         const auto y = random_floats(static_cast<std::size_t>(tokens) * stride, 7u + static_cast<std::uint32_t>(tokens), 3.0f);
