@@ -172,6 +172,26 @@ void from_f32(const float* src, void* dst, DType dst_dtype, std::size_t n) {
   }
 }
 
+void convert_elements(const void* src, DType src_dtype, void* dst, DType dst_dtype, std::size_t n) {
+  if (n == 0) return;
+  if (src_dtype == dst_dtype) {
+    std::memcpy(dst, src, n * dtype_size(src_dtype));
+  } else if (src_dtype == DType::F32) {
+    from_f32(static_cast<const float*>(src), dst, dst_dtype, n);
+  } else if (dst_dtype == DType::F32) {
+    to_f32(src, src_dtype, static_cast<float*>(dst), n);
+  } else {  // F16 <-> BF16 through float32, 256 elements at a time
+    float buf[256];
+    const auto* s = static_cast<const std::byte*>(src);
+    auto* d = static_cast<std::byte*>(dst);
+    for (std::size_t i = 0; i < n; i += 256) {
+      const std::size_t m = std::min<std::size_t>(256, n - i);
+      to_f32(s + i * dtype_size(src_dtype), src_dtype, buf, m);
+      from_f32(buf, d + i * dtype_size(dst_dtype), dst_dtype, m);
+    }
+  }
+}
+
 void round_through(float* x, std::size_t n, DType dtype) {
   if (dtype == DType::F32) return;
   std::uint16_t narrow[1024];

@@ -9,6 +9,7 @@
 
 #include "veloxquant/core/atomic_file.hpp"
 #include "veloxquant/core/error.hpp"
+#include "veloxquant/format/llama_state_image.hpp"
 #include "veloxquant/format/vqkv.hpp"  // read_file_bytes
 
 namespace vq {
@@ -253,132 +254,19 @@ LlamaState load_llama_state(const std::string& path, const LlamaStateModel& mode
   return read_llama_state(bytes, model, path);
 }
 
-namespace {
-// n elements from `src` (dtype sd) to `dst` (dtype dd), converted (round to nearest even).
-void convert(const std::byte* src, DType sd, std::byte* dst, DType dd, std::size_t n) {
-  if (sd == dd) {
-    std::memcpy(dst, src, n * dtype_size(sd));
-  } else if (sd == DType::F32) {
-    from_f32(reinterpret_cast<const float*>(src), dst, dd, n);
-  } else if (dd == DType::F32) {
-    to_f32(src, sd, reinterpret_cast<float*>(dst), n);
-  } else {
-    float buf[256];
-    for (std::size_t i = 0; i < n; i += 256) {
-      const std::size_t m = std::min<std::size_t>(256, n - i);
-      to_f32(src + i * dtype_size(sd), sd, buf, m);
-      from_f32(buf, dst + i * dtype_size(dd), dd, m);
-    }
-  }
-}
-
-// Head h's n rows of t ([1, H, >= n, D], any strides along tokens) into `dst`, row i at
-// dst + i * dst_stride bytes, converted to dd.
-void head_rows_to(const Tensor& t, std::int64_t h, std::int64_t n, DType dd, std::byte* dst, std::size_t dst_stride) {
-  const std::size_t D = static_cast<std::size_t>(t.dim(3)), sb = dtype_size(t.dtype()), db = dtype_size(dd);
-  if (n == 0) return;
-  const std::byte* p = t.row(0, h, 0);
-  const std::size_t src_stride = static_cast<std::size_t>(t.strides()[2]) * sb;
-  if (src_stride == D * sb && dst_stride == D * db) return convert(p, t.dtype(), dst, dd, static_cast<std::size_t>(n) * D);
-  for (std::int64_t i = 0; i < n; ++i) convert(p + static_cast<std::size_t>(i) * src_stride, t.dtype(), dst + static_cast<std::size_t>(i) * dst_stride, dd, D);
-}
-
-// [n][w] elements of es bytes at `in` to [w][n] at `out` (blocks of 16 rows: the block's rows stay
-// in L1 while each of its w output runs is written).
-template <typename E>
-void transpose(const E* in, std::size_t n, std::size_t w, E* out) {
-  for (std::size_t i0 = 0; i0 < n; i0 += 16) {
-    const std::size_t i1 = std::min(n, i0 + 16);
-    for (std::size_t e = 0; e < w; ++e)
-      for (std::size_t i = i0; i < i1; ++i) out[e * n + i] = in[i * w + e];
-  }
-}
-}  // namespace
-
 std::vector<std::uint8_t> write_llama_state(const LlamaState& st) {
   require(!st.layers.empty(), "write_llama_state: no layers");
-  require(st.n_stream >= 1 && st.stream < st.n_stream, "write_llama_state: stream {} of {} streams", st.stream, st.n_stream);
-  require(st.seq_id >= 0, "write_llama_state: sequence id {}", st.seq_id);
-  require(st.tokens.size() <= 0xfffffffbu, "write_llama_state: {} tokens", st.tokens.size());
   const Shape4 ks = st.layers[0].keys.shape(), vs = st.layers[0].values.shape();
   require(ks[0] == 1 && vs[0] == 1 && ks[1] == vs[1] && ks[2] == vs[2] && ks[2] > 0 && ks[2] <= 0x7fffffff,
           "write_llama_state: keys {} / values {}: one batch row, the same heads and cells (1 .. 2^31-1)", shape_string(ks), shape_string(vs));
   for (const auto& l : st.layers)
     require(l.keys.shape() == ks && l.values.shape() == vs, "write_llama_state: layers differ in shape ({} / {} against {} / {})",
             shape_string(l.keys.shape()), shape_string(l.values.shape()), shape_string(ks), shape_string(vs));
-  const std::int32_t type = ggml_type_of(st.dtype);
-  const std::size_t es = dtype_size(st.dtype);
-  const std::int64_t H = ks[1], n = ks[2], Dk = ks[3], Dv = vs[3];
-  const std::uint64_t k_row = static_cast<std::uint64_t>(H * Dk) * es, v_row = static_cast<std::uint64_t>(H * Dv) * es;
-  const std::size_t N = static_cast<std::size_t>(n);
-
-  // The header and cell list written field by field; every layer's rows into place at once (the
-  // output sized first: no growth, no per-row append).
-  std::vector<std::uint8_t> out;
-  out.reserve(32 + st.tokens.size() * 4 + 4 * st.n_stream + N * 12 + 8 + st.layers.size() * (24 + N * (k_row + v_row)));
-  auto put = [&out](const auto& v) {
-    const auto* p = reinterpret_cast<const std::uint8_t*>(&v);
-    out.insert(out.end(), p, p + sizeof(v));
-  };
-  put(kLlamaStateMagic);
-  put(kLlamaStateVersion);
-  if (st.server_tokens) {  // llama-server's packing: marker, version, count, the ids, no media
-    put(static_cast<std::uint32_t>(st.tokens.size() + 4));
-    put(kLlamaServerTokensMarker);
-    put(kLlamaServerTokensVersion);
-    put(static_cast<std::uint32_t>(st.tokens.size()));
-  } else {
-    put(static_cast<std::uint32_t>(st.tokens.size()));
-  }
-  for (const auto t : st.tokens) put(t);
-  if (st.server_tokens) put(std::uint32_t{0});
-  put(st.n_stream);
-  for (std::uint32_t s = 0; s < st.n_stream; ++s) {
-    if (s != st.stream) {
-      put(std::uint32_t{0});
-      continue;
-    }
-    put(static_cast<std::uint32_t>(n));
-    for (std::int64_t i = 0; i < n; ++i) {
-      put(static_cast<std::int32_t>(i));
-      put(std::uint32_t{1});
-      put(st.seq_id);
-    }
-    put(std::uint32_t{st.v_trans ? 1u : 0u});
-    put(static_cast<std::uint32_t>(st.layers.size()));
-    // Type, row size, then cell i's row: every head's D values (head h at h * D).
-    auto rows = [&](const Tensor& t, std::uint64_t row) {
-      put(type);
-      put(row);
-      const std::size_t at = out.size();
-      out.resize(at + N * row);
-      for (std::int64_t h = 0; h < H; ++h)
-        head_rows_to(t, h, n, st.dtype, reinterpret_cast<std::byte*>(out.data() + at) + static_cast<std::size_t>(h * t.dim(3)) * es, row);
-    };
-    for (const auto& l : st.layers) rows(l.keys, k_row);
-    std::vector<std::byte> head(st.v_trans ? N * static_cast<std::size_t>(Dv) * es : 0);
-    for (const auto& l : st.layers) {
-      if (!st.v_trans) {
-        rows(l.values, v_row);
-        continue;
-      }
-      // Transposed: H * Dv rows of the n cells' element j (head j / Dv, element j % Dv).
-      put(type);
-      put(static_cast<std::uint32_t>(es));
-      put(static_cast<std::uint32_t>(H * Dv));
-      const std::size_t at = out.size();
-      out.resize(at + N * static_cast<std::size_t>(H * Dv) * es);
-      for (std::int64_t h = 0; h < H; ++h) {
-        head_rows_to(l.values, h, n, st.dtype, head.data(), static_cast<std::size_t>(Dv) * es);
-        std::uint8_t* dst = out.data() + at + static_cast<std::size_t>(h * Dv) * N * es;
-        if (es == 2)
-          transpose(reinterpret_cast<const std::uint16_t*>(head.data()), N, static_cast<std::size_t>(Dv), reinterpret_cast<std::uint16_t*>(dst));
-        else
-          transpose(reinterpret_cast<const std::uint32_t*>(head.data()), N, static_cast<std::size_t>(Dv), reinterpret_cast<std::uint32_t*>(dst));
-      }
-    }
-  }
-  return out;
+  // The image's layout is the file's (format/llama_state_image.hpp): each layer fed as one chunk.
+  LlamaStateImage image(st, {static_cast<int>(st.layers.size()), static_cast<int>(ks[1]), static_cast<int>(ks[3]), static_cast<int>(vs[3])});
+  auto& caches = image.begin(ks[2]);
+  for (std::size_t l = 0; l < st.layers.size(); ++l) caches[l]->update(st.layers[l].keys, st.layers[l].values);
+  return image.bytes(st.tokens);
 }
 
 void save_llama_state(const std::string& path, const LlamaState& state) {

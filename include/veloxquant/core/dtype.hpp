@@ -25,5 +25,8 @@ std::uint16_t f32_to_bf16(float value);
 // (chosen at run time); results are identical to the scalar functions above.
 void to_f32(const void* src, DType src_dtype, float* dst, std::size_t n);
 void from_f32(const float* src, void* dst, DType dst_dtype, std::size_t n);
+// n elements from any type to any type (a copy when they are the same; F16 <-> BF16 through float32,
+// which holds both exactly).
+void convert_elements(const void* src, DType src_dtype, void* dst, DType dst_dtype, std::size_t n);
 
 }  // namespace vq
