@@ -16,6 +16,7 @@
 
 #include "veloxquant/core/error.hpp"
 #include "veloxquant/format/llama_state.hpp"
+#include "veloxquant/format/llama_state_image.hpp"
 #include "veloxquant/methods/method_spec.hpp"
 #include "veloxquant/model/gguf.hpp"
 #include "veloxquant/model/transformer.hpp"
@@ -55,6 +56,10 @@ std::string lower(std::string s) {
 
 }  // namespace
 
+// The slot image's buffers (format/llama_state_image.hpp) kept between restores, at most: 256 MiB
+// holds a 4,096-token prefix of a 7B-shaped model's F16 cache (32 layers x 8 KV heads of 128).
+constexpr std::size_t kKeepImageBytes = std::size_t{256} << 20;
+
 struct PromptCacheProxy::Impl {
   PromptCacheOptions o;
   std::string host;
@@ -72,6 +77,7 @@ struct PromptCacheProxy::Impl {
   std::unique_ptr<KVStore> store;
   LlamaStateModel shape;
   LlamaState layout;                // the server's slot files: type, V layout, streams (no layers)
+  std::unique_ptr<LlamaStateImage> image;  // restores decode into it (made with the first; one slot at a time)
   std::vector<std::int32_t> slot_tokens;  // what the slot holds, as last saved or restored by us
   // One request through the cache at a time, from its lookup until its slot is stored: a gate any
   // thread may open (the storing runs on a thread of its own after the reply went out).
@@ -251,7 +257,10 @@ struct PromptCacheProxy::Impl {
     lo.scheme = {.model_fingerprint = fingerprint, .chunk_tokens = o.chunk_tokens, .levels = {}};
     lo.allow_recompute = false;
     if (!profiles.empty()) lo.vq_models = vq_profile_models(profiles, model ? chunk_vq_models(*model) : VqLayerModelSource{});
-    auto caches = model ? make_caches("fp32", *model) : make_caches(MethodSpec::parse("fp32"), description);
+    // The chunks decode straight into the slot file's layout (format/llama_state_image.hpp), in
+    // buffers kept from one restore to the next: no float32 copy of the prefix, no new pages.
+    if (!image) image = std::make_unique<LlamaStateImage>(layout, shape);
+    auto& caches = image->begin(static_cast<std::int64_t>(tokens.size()));
     std::vector<std::string> warnings;
     const auto warn = [&](const std::string& w) { warnings.push_back(w); };
     const LoadReport rep = model ? load_prefix(*store, *model, caches, tokens, lo, warn)
@@ -264,23 +273,11 @@ struct PromptCacheProxy::Impl {
       if (reused > 0) ev.note = fmt::format("the slot already holds {} of the prompt's tokens", held);
       return;
     }
-    LlamaState st = layout;
-    st.tokens.assign(tokens.begin(), tokens.begin() + static_cast<std::ptrdiff_t>(reused));
-    for (const auto& c : caches) {
-      const KVState kv = c->state();
-      st.layers.push_back({kv.keys, kv.values});
-    }
-    // Written in place, unsynced (not through core/atomic_file.hpp, whose fsync would put tens of
-    // MB of disk writes on the hit path): a scratch file the server reads at once, and nothing
-    // reads it between requests.
-    const std::vector<std::uint8_t> bytes = write_llama_state(st);
-    {
-      const std::string path = slot_path("restore");
-      FILE* f = std::fopen(path.c_str(), "wb");
-      if (!f) throw IoError(fmt::format("{}: cannot write the slot file", path));
-      const bool ok = std::fwrite(bytes.data(), 1, bytes.size(), f) == bytes.size();
-      if (std::fclose(f) != 0 || !ok) throw IoError(fmt::format("{}: cannot write the slot file", path));
-    }
+    // Written over the file of the last restore (a scratch file the server reads at once; unsynced,
+    // not through core/atomic_file.hpp, whose fsync would put tens of MB of disk writes on the hit
+    // path).
+    const std::span<const std::int32_t> restored(tokens.data(), reused);
+    image->write(slot_path("restore"), restored);
     const auto t_restore = std::chrono::steady_clock::now();
     ev.write_ms = std::chrono::duration<double, std::milli>(t_restore - t_write).count();
     try {
@@ -295,7 +292,9 @@ struct PromptCacheProxy::Impl {
       }
       throw;
     }
-    slot_tokens = st.tokens;
+    slot_tokens.assign(restored.begin(), restored.end());
+    // Kept for the next restore up to a bound: a longer prefix's buffers go back once it is restored.
+    if (image->nbytes() > kKeepImageBytes) image->release();
     ev.restored_tokens = static_cast<int>(reused);
     ev.restore_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t_restore).count();
     std::vector<std::pair<std::string, int>> levels;  // level, chunks, in order of first use
@@ -306,8 +305,11 @@ struct PromptCacheProxy::Impl {
     }
     std::string at;
     for (const auto& [l, n] : levels) at += fmt::format("{}{} x{}", at.empty() ? "" : ", ", l, n);
-    ev.note = fmt::format("{} chunks of {} tokens from the store ({}); load {:.0f} ms, slot file {:.0f} ms, server restore {:.0f} ms",
-                          rep.chunks.size(), o.chunk_tokens, at, ev.load_ms, ev.write_ms, ev.restore_ms);
+    double fetch_ms = 0, decode_ms = 0;  // summed over the chunks (decoders overlap the fetches and each other)
+    for (const auto& c : rep.chunks) fetch_ms += c.fetch_ms, decode_ms += c.decode_ms;
+    ev.note = fmt::format("{} chunks of {} tokens from the store ({}); load {:.0f} ms (chunks' fetch {:.0f} ms, decode {:.0f} ms, summed), "
+                          "slot file {:.0f} ms, server restore {:.0f} ms",
+                          rep.chunks.size(), o.chunk_tokens, at, ev.load_ms, fetch_ms, decode_ms, ev.write_ms, ev.restore_ms);
   }
 
   // Step 5: the slot's whole chunks into the store (those stored already are skipped by put).

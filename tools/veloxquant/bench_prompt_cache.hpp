@@ -15,6 +15,9 @@ struct BenchPromptCacheOptions {
   std::vector<std::string> stores{"file:auto", "redis:auto"};  // auto: a folder / a redis-server of the bench's own
   int rounds = 3;
   int threads = 2;
+  // The server's --slot-save-path (the proxy's scratch slot files): "" : a folder of the bench's own
+  // in /dev/shm (tmpfs, as docs/prompt_cache.md advises) where the machine has it, else in the work dir.
+  std::string slot_dir;
   std::uint64_t seed = 1;
   bool json = false;
   bool verbose = false;  // the proxy's line per request on stderr

@@ -552,6 +552,8 @@ Runner add_bench(CLI::App& app) {
       ->capture_default_str();
   prompt_cache->add_option("--rounds", pc->rounds, "rounds (each a hit and a recompute)")->capture_default_str()->transform(integer_in(1, 1000));
   prompt_cache->add_option("--threads", pc->threads, "llama-server's -t")->capture_default_str()->transform(integer_in(1, 1024));
+  prompt_cache->add_option("--slot-dir", pc->slot_dir,
+                           "the server's --slot-save-path, where the proxy writes slot files (default: a folder of the bench's own in /dev/shm, else in the temporary directory)");
   prompt_cache->add_option("--seed", pc->seed, "seed of the prompt (and of --realistic's weights)")->capture_default_str();
   prompt_cache->add_flag("--verbose", pc->verbose, "the proxy's line per request (what it restored and where the time went) on stderr");
   prompt_cache->add_flag("--json", pc->json, "print one JSON object: {model, prompt_tokens, chunk_tokens, levels, rounds, threads, rows: [...]}");

@@ -82,14 +82,23 @@ std::uint64_t dir_bytes(const std::filesystem::path& d) {
 int run_bench_prompt_cache(const BenchPromptCacheOptions& o) {
   namespace fs = std::filesystem;
   const fs::path work = fs::temp_directory_path() / fmt::format("vq-bench-prompt-cache-{}", ::getpid());
-  fs::create_directories(work / "slots");
+  fs::create_directories(work);
   struct Cleanup {
     fs::path p;
     ~Cleanup() {
       std::error_code ec;
-      fs::remove_all(p, ec);
+      if (!p.empty()) fs::remove_all(p, ec);
     }
   } cleanup{work};
+  // Slot files are scratch that the server reads at once: on tmpfs a restore's 50 MB write is a
+  // copy in memory rather than a disk's page cache (docs/prompt_cache.md, "Measured").
+  const bool own_slots = o.slot_dir.empty();
+  const fs::path slots = !own_slots ? fs::path(o.slot_dir)
+                         : fs::is_directory("/dev/shm") ? fs::path("/dev/shm") / fmt::format("vq-bench-prompt-cache-slots-{}", ::getpid())
+                                                        : work / "slots";
+  vq::require(own_slots || fs::is_directory(slots), "--slot-dir {}: not a directory", o.slot_dir);
+  fs::create_directories(slots);
+  Cleanup cleanup_slots{own_slots ? slots : fs::path()};
   std::string server_bin = o.llama_server;
   if (server_bin.empty()) server_bin = fs::exists(".llama/bin/llama-server") ? ".llama/bin/llama-server" : "llama-server";
 
@@ -124,7 +133,7 @@ int run_bench_prompt_cache(const BenchPromptCacheOptions& o) {
   const int sport = vq::free_local_port();
   fmt::print(stderr, "bench prompt-cache: starting {} on 127.0.0.1:{} ({})\n", server_bin, sport, model_name);
   vq::LocalProcess server({server_bin, "-m", gguf, "-c", std::to_string(n_ctx), "-np", "1", "-t", std::to_string(o.threads), "--cache-ram", "0",
-                           "--slot-save-path", (work / "slots").string(), "--host", "127.0.0.1", "--port", std::to_string(sport)},
+                           "--slot-save-path", slots.string(), "--host", "127.0.0.1", "--port", std::to_string(sport)},
                           (work / "server.log").string(), [sport] { return vq::http_health_ok(sport); });
   std::unique_ptr<vq::LocalProcess> redis;
   json rows = json::array();
@@ -164,7 +173,7 @@ int run_bench_prompt_cache(const BenchPromptCacheOptions& o) {
     po.upstream = fmt::format("http://127.0.0.1:{}", sport);
     po.listen_port = 0;
     po.model = gguf;
-    po.slot_dir = (work / "slots").string();
+    po.slot_dir = slots.string();
     po.store = store;
     po.levels = o.levels;
     po.chunk_tokens = o.chunk_tokens;
