@@ -169,6 +169,16 @@ TEST(Vqkv, PlainAndEmptyLayersAndMetadata) {
   ASSERT_EQ(e.caches.size(), 2u);
   EXPECT_EQ(e.caches[0]->kind(), "CacheGenKVCache");
   EXPECT_EQ(e.caches[0]->offset(), 0);
+  // An empty CacheGen layer of every width (5..8 bits have no context coder: the file says codes).
+  for (int bits = 1; bits <= 8; ++bits) {
+    Caches one = {std::make_shared<vq::CacheGenKVCache>(cfg(bits, 32, vq::FlushMode::GroupAligned))};
+    const auto got = vq::deserialize_prompt_cache(vq::serialize_prompt_cache(one));
+    ASSERT_EQ(got.caches.size(), 1u);
+    const auto* cg = dynamic_cast<const vq::CacheGenKVCache*>(got.caches[0].get());
+    ASSERT_NE(cg, nullptr) << bits << " bits";
+    EXPECT_EQ(cg->config().effective_bits(), bits);
+    EXPECT_EQ(cg->offset(), 0);
+  }
 }
 
 TEST(Vqkv, FileSizeIsWithinOnePercentOfEncodedBytes) {
