@@ -18,6 +18,7 @@
 #include <fmt/core.h>
 #include <unistd.h>
 
+#include "bench_timing.hpp"
 #include "veloxquant/core/error.hpp"
 #include "veloxquant/format/llama_state.hpp"
 #include "veloxquant/format/llama_state_image.hpp"
@@ -28,14 +29,9 @@
 #include "veloxquant/store/prefix_chunks.hpp"
 #include "veloxquant/store/prefix_loader.hpp"
 
-namespace {
-using Clock = std::chrono::steady_clock;
-double ms_since(Clock::time_point t) { return std::chrono::duration<double, std::milli>(Clock::now() - t).count(); }
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0 : v[v.size() / 2];
-}
-}  // namespace
+using vqbench::Clock;
+using vqbench::median;
+using vqbench::ms_since;
 
 int main(int argc, char** argv) try {
   int tokens = 4096, C = 256, rounds = 5, threads = 0;

@@ -47,6 +47,7 @@
 #include <fmt/ranges.h>
 
 #include "../tests/store/redis_servers.hpp"
+#include "bench_timing.hpp"
 #include "veloxquant/core/error.hpp"
 #include "veloxquant/model/checkpoint.hpp"
 #include "veloxquant/model/random_checkpoint.hpp"
@@ -61,8 +62,8 @@
 
 namespace {
 
-using Clock = std::chrono::steady_clock;
-double ms_since(Clock::time_point t) { return std::chrono::duration<double, std::milli>(Clock::now() - t).count(); }
+using vqbench::Clock;
+using vqbench::ms_since;
 
 struct Args {
   int layers = 32, tokens = 4096, chunk_tokens = 256, threads = 0, reps = 3, slo_runs = 100, slo_check = 5;
@@ -118,10 +119,7 @@ class MemoryStore final : public vq::KVStore {
   std::map<std::string, vq::Blob> blobs_;
 };
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0 : v[v.size() / 2];
-}
+using vqbench::median;
 
 }  // namespace
 

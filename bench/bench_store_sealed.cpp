@@ -21,20 +21,16 @@
 #include <fmt/core.h>
 
 #include "veloxquant/cache/builder.hpp"
+#include "bench_timing.hpp"
 #include "veloxquant/core/error.hpp"
 #include "veloxquant/methods/method_spec.hpp"
 #include "veloxquant/store/file_store.hpp"
 #include "veloxquant/store/prefix_loader.hpp"
 #include "veloxquant/store/sealed_store.hpp"
 
-namespace {
-using Clock = std::chrono::steady_clock;
-double ms_since(Clock::time_point t) { return std::chrono::duration<double, std::milli>(Clock::now() - t).count(); }
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0 : v[v.size() / 2];
-}
-}  // namespace
+using vqbench::Clock;
+using vqbench::median;
+using vqbench::ms_since;
 
 int main(int argc, char** argv) try {
   int layers = 12, heads = 4, dim = 64, tokens = 4096, C = 256, rounds = 15, threads = 0;
