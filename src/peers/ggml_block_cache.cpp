@@ -158,7 +158,7 @@ template <class Block>
 // each query row's softmax step, the accumulators loaded and stored, the next-tile prefetch loop)
 // is paid 8x less often than with the default's 32 tokens at D = 128, and the 4 x 256 scores stay
 // in L1 (q4_0 at 64k, with the kernels' own prefetch: 32 -> 256 tokens 17.9 -> 15.6 ms in a first
-// measurement; docs/benchmarks.md, h11-q4). A power of two <= kAttentionSplitTokens, so the
+// measurement; commit 0b6abd0). A power of two <= kAttentionSplitTokens, so the
 // threaded loop's splits stay whole tiles (the same bits for any thread count).
 constexpr std::int64_t kBlockTileTokens = 256;
 

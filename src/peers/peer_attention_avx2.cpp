@@ -113,7 +113,7 @@ VQ_ATTN512_INLINE __m512 block_scale(std::uint16_t d) { return _mm512_set1_ps(_c
 // the step (perf annotate: the samples sat on the instructions after the four token loads).
 // 32 tokens ahead is a few hundred ns of work at D = 128, long enough for a fill from L2/L3 or
 // memory and short enough for the lines to stay in L1 (8 and 16 ahead gave less; with 256-token
-// tiles, q4_0 at 64k on one thread 25.5 -> 11.9 ms: docs/benchmarks.md, h11-q4).
+// tiles, q4_0 at 64k on one thread 25.5 -> 11.9 ms: commit 0b6abd0).
 constexpr std::int64_t kPrefetchTokens = 32;
 
 // The head row (d / 32 blocks) of token t + kPrefetchTokens. Past the cache's last token the

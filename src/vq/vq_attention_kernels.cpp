@@ -148,9 +148,9 @@ void width_runs(const HeadFields& f, std::vector<Run>& runs) {
 // from L1 again by the time a head reads its slices. The score and value loops ask for the head's
 // slice of token t + kAheadTokens while they decode t (the recipe of the q4_0 kernels,
 // src/peers/peer_attention_avx2.cpp): at 64k tokens on one thread 21.4 -> 18.0 ms a step (16 and
-// 64 ahead gave about the same; docs/benchmarks.md, h11-vqla). The score loop's look-ahead runs
+// 64 ahead gave about the same; commit bc87d12). The score loop's look-ahead runs
 // past the tile's end into the next tile's first tokens; the whole-row next-tile fetch that
-// vq_cache.cpp used to add on top cost ~2-3 % of a step once the kernels got faster (h12-vq) and
+// vq_cache.cpp used to add on top cost ~2-3 % of a step once the kernels got faster (be58a3d) and
 // is gone. Prefetches change no arithmetic: the same bits.
 constexpr std::int64_t kAheadTokens = 32;
 

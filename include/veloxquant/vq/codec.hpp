@@ -31,7 +31,7 @@
 //   (sides of >= 16 coefficients) is not coded at all, only named in the header (a token the layer
 //   sees alone repeats its row). K and V drift along tokens, which an order-0 model per coefficient
 //   cannot see: on a 7B-shaped synthetic layer at 2 bits the prediction halves the stream, on
-//   stories260K the row copies save 12 % (docs/benchmarks.md, "Version 5: prediction across tokens").
+//   stories260K the row copies save 12 % (docs/benchmarks.md, "The vq codec (issue 15)"; 574bfa8).
 // - Format (integers little-endian, varint = unsigned LEB128):
 //     u8      version = 6 (1 to 5 still decode; see below)
 //     varint  batch, tokens, n_k, n_v
@@ -54,7 +54,7 @@
 //     Version 5 is version 6 with 32 lanes always (rans.hpp's: symbol i in lane i % 32). 64 lanes give
 //     the fast decoder four independent 16-lane vectors per step instead of two: its steps are bound
 //     by the latency of each lane's chain (table gather, product, refill), not by throughput
-//     (docs/benchmarks.md, "Version 6: 64 lanes"). Their 32 more final states (128 bytes) would cost
+//     (commit 706e11c). Their 32 more final states (128 bytes) would cost
 //     a small stream several percent, so only streams of >= 2^18 symbols (>= 0.3 % of a stream at
 //     ~1.4 bits a symbol) take them; shorter ones are version 5's stream. Same symbols, tables, header.
 //     Version 4 is version 5 without the predictors (no byte; every k_c = 0: the region holds the
@@ -102,7 +102,7 @@ inline constexpr int vq_side_scale_bits(int max_amax) { return max_amax <= kVqSm
 // Version 4: the precision per coefficient, 2^10 slots when its amax_c <= kVqSmallAmaxV4, else 2^12.
 // A side with a few wide coefficients (the 7B-shaped layer's K: ~60 of 1024 above 31, none above 63)
 // no longer codes all of them with 16 KiB decoder tables; 127 symbols in 1024 slots still leave the
-// mode most of the range (size +0.03 % on that layer, docs/benchmarks.md "Version 4").
+// mode most of the range (size +0.03 % on that layer, commit 9672c5e).
 inline constexpr int kVqSmallAmaxV4 = 63;
 inline constexpr int vq_coef_scale_bits(int amax) { return amax <= kVqSmallAmaxV4 ? kVqSmallScaleBits : kVqScaleBits; }
 
