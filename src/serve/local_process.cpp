@@ -12,6 +12,8 @@
 
 #include <httplib.h>
 
+#include "llama_http.hpp"
+
 #include <chrono>
 #include <cstring>
 #include <fstream>
@@ -118,8 +120,10 @@ bool http_health_ok(int port) {
   httplib::Client c("127.0.0.1", port);
   c.set_connection_timeout(1, 0);
   c.set_read_timeout(2, 0);
-  const auto r = c.Get("/health");
-  return r && r->status == 200;
+  httplib::Request get;
+  get.method = "GET";
+  get.path = "/health";
+  return serve_detail::send_bounded(c, std::move(get), 64 * 1024).status == 200;
 }
 
 }  // namespace vq

@@ -233,10 +233,13 @@ struct PromptCacheProxy::Impl {
   // only up to that.
   std::size_t slot_holds() const {
     auto c = client();
-    const auto r = c.Get("/slots");
-    if (!r || r->status != 200 || r->body.size() > kMaxBodyBytes) return 0;
+    httplib::Request get;
+    get.method = "GET";
+    get.path = "/slots";
+    const auto r = serve_detail::send_bounded(c, std::move(get), kMaxBodyBytes);
+    if (r.error != httplib::Error::Success || r.status != 200) return 0;
     try {
-      for (const auto& s : json::parse(r->body))
+      for (const auto& s : json::parse(r.body))
         if (s.is_object() && s.value("id", -1) == o.slot) return static_cast<std::size_t>(std::max(0, s.value("n_prompt_tokens", 0)));
     } catch (const json::exception&) {
     }
@@ -418,24 +421,27 @@ struct PromptCacheProxy::Impl {
       up.headers = forward_headers(req);
       up.body = body;
       if (!body.empty()) up.set_header("Content-Type", content_type);
-      const auto r = c.send(up);
-      if (!r) {
+      const auto r = serve_detail::send_bounded(c, std::move(up), kMaxBodyBytes);
+      if (r.error != httplib::Error::Success) {
+        const std::string why = r.over_limit ? fmt::format("its reply is over {} bytes (read no further)", kMaxBodyBytes)
+                                             : fmt::format("did not answer ({})", httplib::to_string(r.error));
         res.status = 502;
-        res.set_content(json{{"error", {{"code", 502}, {"message", fmt::format("veloxquant prompt-cache: llama-server {} did not answer ({})",
-                                                                              o.upstream, httplib::to_string(r.error()))},
+        res.set_content(json{{"error", {{"code", 502}, {"message", fmt::format("veloxquant prompt-cache: llama-server {}: {}", o.upstream, why)},
                                         {"type", "unavailable_error"}}}}
                             .dump(),
                         "application/json");
         if (done) later(std::move(done), std::move(pass));
         return;
       }
-      res.status = r->status;
-      for (const auto& [k, v] : r->headers) {
+      res.status = r.status;
+      std::string reply_type = "application/json";
+      for (const auto& [k, v] : r.headers) {
         const std::string lk = lower(k);
+        if (lk == "content-type") reply_type = v;
         if (lk == "content-length" || lk == "transfer-encoding" || lk == "connection" || lk == "content-type") continue;
         res.set_header(k, v);
       }
-      res.set_content(r->body, r->has_header("Content-Type") ? r->get_header_value("Content-Type") : "application/json");
+      res.set_content(r.body, reply_type);
       if (done) later(std::move(done), std::move(pass));
       return;
     }
