@@ -38,12 +38,16 @@ class ImageLayer final : public KVCache {
  public:
   ImageLayer(const LlamaStateModel& m, DType dtype, bool v_trans) : m_(m), dtype_(dtype), v_trans_(v_trans) {}
 
+  // Up to `cells` cells; the buffers are sized at the first expect_tokens() (a loader's count of
+  // the cells it will feed, so a long prompt with a short stored prefix holds only that prefix) or,
+  // without one, at the first update().
   void begin(std::int64_t cells) {
-    cap_ = cells;
+    limit_ = cells;
+    cap_ = 0;
     offset_ = 0;
-    const std::size_t es = dtype_size(dtype_);
-    k_.resize(sz(cells) * sz(m_.kv_heads) * sz(m_.key_dim) * es);
-    v_.resize(sz(cells) * sz(m_.kv_heads) * sz(m_.value_dim) * es);
+  }
+  void expect_tokens(std::int64_t tokens) override {
+    if (offset_ == 0 && limit_ > 0) size_for(std::clamp<std::int64_t>(tokens, 1, limit_));
   }
 
   void update(const Tensor& keys, const Tensor& values) override {
@@ -54,7 +58,9 @@ class ImageLayer final : public KVCache {
             "llama.cpp state image: keys {} / values {} for a layer of [1, {}, S, {} / {}]", shape_string(ks), shape_string(vs), m_.kv_heads,
             m_.key_dim, m_.value_dim);
     const std::int64_t S = ks[2];
-    require(offset_ + S <= cap_, "llama.cpp state image: {} cells past the {} it was begun for", offset_ + S, cap_);
+    if (cap_ == 0) size_for(limit_);
+    require(offset_ + S <= cap_, "llama.cpp state image: {} cells past the {} it was {}", offset_ + S, cap_,
+            cap_ < limit_ ? "told to expect" : "begun for");
     const std::size_t es = dtype_size(dtype_);
     const std::int64_t H = m_.kv_heads, Dk = m_.key_dim, Dv = m_.value_dim;
     // Cell t's K row: head h's Dk values at h * Dk.
@@ -104,6 +110,12 @@ class ImageLayer final : public KVCache {
   std::string kind() const override { return "LlamaStateImage"; }
 
   std::int64_t cap() const { return cap_; }
+  void size_for(std::int64_t cells) {
+    cap_ = cells;
+    const std::size_t es = dtype_size(dtype_);
+    k_.resize(sz(cells) * sz(m_.kv_heads) * sz(m_.key_dim) * es);
+    v_.resize(sz(cells) * sz(m_.kv_heads) * sz(m_.value_dim) * es);
+  }
   const std::vector<std::byte>& k() const { return k_; }
   const std::vector<std::byte>& v() const { return v_; }
   void release() {
@@ -111,6 +123,7 @@ class ImageLayer final : public KVCache {
     std::vector<std::byte>().swap(v_);
     std::vector<std::byte>().swap(stage_);
     cap_ = 0;
+    limit_ = 0;
     offset_ = 0;
   }
 
@@ -118,7 +131,8 @@ class ImageLayer final : public KVCache {
   LlamaStateModel m_;
   DType dtype_;
   bool v_trans_;
-  std::int64_t cap_ = 0;
+  std::int64_t limit_ = 0;  // begin()'s cells
+  std::int64_t cap_ = 0;    // the cells the buffers hold (V's transposed row length); 0: not sized yet
   std::vector<std::byte> k_, v_, stage_;
 };
 

@@ -157,3 +157,25 @@ TEST(LlamaStateImage, MisuseIsOneClearError) {
   EXPECT_THROW((void)c[0]->state(), vq::InvalidArgument);
   EXPECT_THROW(c[0]->trim(1), vq::InvalidArgument);
 }
+
+TEST(LlamaStateImage, MemoryFollowsTheCellsALoaderExpects) {
+  // A long prompt whose stored prefix is short: the loader says how many cells it will feed, and
+  // only those are held (begun for 100,000 cells, told 12: 12 cells' buffers).
+  vq::LlamaStateImage image(layout_of(vq::DType::F16, true, true), kModel);
+  auto& c = image.begin(100000);
+  for (auto& layer : c) layer->expect_tokens(12);
+  const std::size_t per_cell = 2 * static_cast<std::size_t>(kModel.kv_heads * (kModel.key_dim + kModel.value_dim));
+  EXPECT_LE(image.nbytes(), kModel.layers * (12 * per_cell + 4096));
+  const auto r = rows(12, 6);
+  for (int l = 0; l < kModel.layers; ++l) c[static_cast<std::size_t>(l)]->update(r[static_cast<std::size_t>(l)].keys, r[static_cast<std::size_t>(l)].values);
+  vq::LlamaState st = layout_of(vq::DType::F16, true, true);
+  st.tokens = tokens_for(12);
+  st.layers = r;
+  EXPECT_EQ(image.bytes(st.tokens), vq::write_llama_state(st));
+  try {  // a 13th cell is past what the layer was told to expect
+    c[0]->update(r[0].keys.slice(2, 0, 1), r[0].values.slice(2, 0, 1));
+    ADD_FAILURE() << "a cell past the expected count was taken";
+  } catch (const vq::InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("told to expect"), std::string::npos) << e.what();
+  }
+}

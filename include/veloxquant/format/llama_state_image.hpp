@@ -35,7 +35,9 @@ class LlamaStateImage {
   LlamaStateImage& operator=(const LlamaStateImage&) = delete;
 
   // Empty layer caches (offset 0) for up to `cells` cells (1 .. 2^31-1). The vector is the image's
-  // own (a loader may hold it by reference); valid until the next begin().
+  // own (a loader may hold it by reference); valid until the next begin(). Memory is taken for the
+  // cells a layer is told to expect (KVCache::expect_tokens, which a prefix loader calls with the
+  // stored prefix's length before feeding it), else for `cells` at the first update.
   std::vector<std::shared_ptr<KVCache>>& begin(std::int64_t cells);
   // Cells every layer holds. Throws InvalidArgument when the layers hold different counts.
   std::int64_t cells() const;
