@@ -57,7 +57,8 @@ std::string lower(std::string s) {
 }  // namespace
 
 // The slot image's buffers (format/llama_state_image.hpp) kept between restores, at most: 256 MiB
-// holds a 4,096-token prefix of a 7B-shaped model's F16 cache (32 layers x 8 KV heads of 128).
+// holds a 2,048-token prefix of a 7B-shaped model's F16 cache (32 layers x 8 KV heads of 128, 128
+// KiB a token), or 21,845 tokens of bench prompt-cache's realistic shape (12 KiB a token).
 constexpr std::size_t kKeepImageBytes = std::size_t{256} << 20;
 
 struct PromptCacheProxy::Impl {
