@@ -107,21 +107,10 @@ Tensor Tensor::contiguous(bool force) const {
 
 Tensor Tensor::to(DType dtype) const {
   if (dtype == dtype_) return contiguous(true);
-  Tensor t = uninitialized(shape_, dtype);  // every row is written below
-  if (dtype == DType::F32) {  // one pass, straight into the rows (a loaded fp16 chunk's K/V, every load)
-    for (std::int64_t b = 0; b < shape_[0]; ++b)
-      for (std::int64_t h = 0; h < shape_[1]; ++h)
-        for (std::int64_t s = 0; s < shape_[2]; ++s)
-          vq::to_f32(row(b, h, s), dtype_, reinterpret_cast<float*>(t.row(b, h, s)), static_cast<std::size_t>(shape_[3]));
-    return t;
-  }
-  std::vector<float> buf(static_cast<std::size_t>(shape_[3]));
+  Tensor t = uninitialized(shape_, dtype);  // every row is written below, in one pass
   for (std::int64_t b = 0; b < shape_[0]; ++b)
     for (std::int64_t h = 0; h < shape_[1]; ++h)
-      for (std::int64_t s = 0; s < shape_[2]; ++s) {
-        vq::to_f32(row(b, h, s), dtype_, buf.data(), buf.size());
-        vq::from_f32(buf.data(), t.row(b, h, s), dtype, buf.size());
-      }
+      for (std::int64_t s = 0; s < shape_[2]; ++s) vq::convert_elements(row(b, h, s), dtype_, t.row(b, h, s), dtype, static_cast<std::size_t>(shape_[3]));
   return t;
 }
 

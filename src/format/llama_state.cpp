@@ -1,7 +1,6 @@
 // llama.cpp sequence state files (format/llama_state.hpp has the layout).
 #include "veloxquant/format/llama_state.hpp"
 
-#include <algorithm>
 #include <cmath>
 #include <cstring>
 

@@ -32,6 +32,17 @@ void transpose_into(const E* in, std::size_t n, std::size_t w, E* out, std::size
   }
 }
 
+// Head h's first S rows of t ([1, H, >= S, D], any token stride) converted to `dtype`, row i at
+// dst + i * dst_stride bytes: one conversion when both sides' rows are back to back.
+void head_rows_into(const Tensor& t, std::int64_t h, std::int64_t S, DType dtype, std::byte* dst, std::size_t dst_stride) {
+  if (S == 0) return;
+  const std::size_t D = sz(t.dim(3)), sb = dtype_size(t.dtype());
+  const std::byte* p = t.row(0, h, 0);
+  const std::size_t ts = sz(t.strides()[2]) * sb;
+  if (ts == D * sb && dst_stride == D * dtype_size(dtype)) return convert_elements(p, t.dtype(), dst, dtype, sz(S) * D);
+  for (std::int64_t i = 0; i < S; ++i) convert_elements(p + sz(i) * ts, t.dtype(), dst + sz(i) * dst_stride, dtype, D);
+}
+
 // One layer of the image: K rows [cells][H * Dk], V rows the same or, transposed, [H * Dv][cells],
 // in the state's type.
 class ImageLayer final : public KVCache {
@@ -63,30 +74,16 @@ class ImageLayer final : public KVCache {
             cap_ < limit_ ? "told to expect" : "begun for");
     const std::size_t es = dtype_size(dtype_);
     const std::int64_t H = m_.kv_heads, Dk = m_.key_dim, Dv = m_.value_dim;
-    // Cell t's K row: head h's Dk values at h * Dk.
-    const auto put_rows = [&](const Tensor& t, std::int64_t D, std::vector<std::byte>& buf) {
-      const std::size_t sb = dtype_size(t.dtype()), row = sz(H * D) * es;
-      for (std::int64_t h = 0; h < H; ++h) {
-        if (S == 0) break;
-        const std::byte* p = t.row(0, h, 0);
-        const std::size_t ts = sz(t.strides()[2]) * sb;
-        std::byte* d = buf.data() + sz(offset_) * row + sz(h * D) * es;
-        for (std::int64_t i = 0; i < S; ++i) convert_elements(p + sz(i) * ts, t.dtype(), d + sz(i) * row, dtype_, sz(D));
-      }
-    };
-    put_rows(keys, Dk, k_);
+    // Cell t's K (and untransposed V) row: head h's D values at h * D.
+    const std::size_t k_row = sz(H * Dk) * es, v_row = sz(H * Dv) * es;
+    for (std::int64_t h = 0; h < H; ++h) head_rows_into(keys, h, S, dtype_, k_.data() + sz(offset_) * k_row + sz(h * Dk) * es, k_row);
     if (!v_trans_) {
-      put_rows(values, Dv, v_);
+      for (std::int64_t h = 0; h < H; ++h) head_rows_into(values, h, S, dtype_, v_.data() + sz(offset_) * v_row + sz(h * Dv) * es, v_row);
     } else {
       // Head h's S x Dv values, converted, then transposed into rows h * Dv .. h * Dv + Dv - 1.
       stage_.resize(sz(S) * sz(Dv) * es);
-      const std::size_t sb = dtype_size(values.dtype());
       for (std::int64_t h = 0; h < H && S > 0; ++h) {
-        const std::byte* p = values.row(0, h, 0);
-        const std::size_t ts = sz(values.strides()[2]) * sb;
-        if (ts == sz(Dv) * sb) convert_elements(p, values.dtype(), stage_.data(), dtype_, sz(S * Dv));
-        else
-          for (std::int64_t i = 0; i < S; ++i) convert_elements(p + sz(i) * ts, values.dtype(), stage_.data() + sz(i * Dv) * es, dtype_, sz(Dv));
+        head_rows_into(values, h, S, dtype_, stage_.data(), sz(Dv) * es);
         std::byte* rows = v_.data() + sz(h * Dv) * sz(cap_) * es;
         if (es == 2)
           transpose_into(reinterpret_cast<const std::uint16_t*>(stage_.data()), sz(S), sz(Dv), reinterpret_cast<std::uint16_t*>(rows), sz(cap_),

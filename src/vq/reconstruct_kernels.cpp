@@ -132,6 +132,17 @@ void tokens_avx512_upto(const float* w, int span, std::size_t w_stride, int outp
   }
 }
 
+// `tokens` tokens, 12 per pass, then the rest: acc[t * a_stride + i] for every output i below
+// `outputs` (tokens_avx512's sums).
+void rows_avx512(const float* w, int span, std::size_t w_stride, int outputs, const float* y, std::size_t y_stride, std::int64_t tokens,
+                 float* acc, std::size_t a_stride) {
+  std::int64_t t = 0;
+  for (; t + kTile512 <= tokens; t += kTile512)
+    tokens_avx512<kTile512>(w, span, w_stride, outputs, y + sz(t) * y_stride, y_stride, acc + sz(t) * a_stride, a_stride);
+  if (t < tokens)
+    tokens_avx512_upto<kTile512 - 1>(w, span, w_stride, outputs, y + sz(t) * y_stride, y_stride, tokens - t, acc + sz(t) * a_stride, a_stride);
+}
+
 // Keys re-rotated 4 pairs (8 values) at a time in double, from acc rows (stride n, head h at h * d)
 // into head-major out: x * (c, c) + swap(x) * (-s, s), i.e. (v0 c - v1 s, v1 c + v0 s): the same
 // products, and a + (-b) = a - b, b + a = a + b exactly, so the same bits as rotate_row.
@@ -235,10 +246,7 @@ void vq_head_rows(const float* cols, int span, int d, const float* y, std::size_
   if (have_avx512() && (!rope || d % 8 == 0)) {
     // 12 tokens per pass into `out` itself (its rows are d apart, as the tiles write them), then
     // the keys re-rotated in place: rotate_all_avx512 with one head reads a row before it writes it.
-    std::int64_t t = 0;
-    for (; t + kTile512 <= tokens; t += kTile512)
-      tokens_avx512<kTile512>(cols, span, sz(d), d, y + sz(t) * y_stride, y_stride, out + sz(t) * sz(d), sz(d));
-    if (t < tokens) tokens_avx512_upto<kTile512 - 1>(cols, span, sz(d), d, y + sz(t) * y_stride, y_stride, tokens - t, out + sz(t) * sz(d), sz(d));
+    rows_avx512(cols, span, sz(d), d, y, y_stride, tokens, out, sz(d));
     if (rope) rotate_all_avx512(out, d, 1, d, tokens, *rope, pos0, out);
     return;
   }
@@ -283,10 +291,7 @@ void vq_all_head_rows(const float* w, int n, int heads, const float* y, std::int
   const int d = n / heads;
 #if defined(__x86_64__)
   if (have_avx512() && n >= 16) {
-    std::int64_t t = 0;
-    for (; t + kTile512 <= tokens; t += kTile512)
-      tokens_avx512<kTile512>(w, n, sz(n), n, y + sz(t) * sz(n), sz(n), acc + sz(t) * sz(n), sz(n));
-    if (t < tokens) tokens_avx512_upto<kTile512 - 1>(w, n, sz(n), n, y + sz(t) * sz(n), sz(n), tokens - t, acc + sz(t) * sz(n), sz(n));
+    rows_avx512(w, n, sz(n), n, y, sz(n), tokens, acc, sz(n));
     if (rope && d % 8 == 0) return rotate_all_avx512(acc, n, heads, d, tokens, *rope, pos0, out);
     return rotate_all_scalar(acc, n, heads, d, tokens, rope, pos0, out);
   }
