@@ -40,7 +40,8 @@ TEST(PromptCacheCli, BadInputIsOneClearLineAndExitOne) {
 }
 
 // bench prompt-cache's bad input: a prompt longer than the model's context is refused before any
-// server starts; a llama-server that cannot start is one line naming it.
+// server starts; a llama-server that cannot start, or a --slot-dir that is not a directory, is one
+// line naming it.
 TEST(PromptCacheCli, BenchBadInputIsOneClearLineAndExitOne) {
   if (vqtest::run_cli("prompt-cache --help").code != 0) GTEST_SKIP() << "built without cpp-httplib: no prompt-cache command";
   const std::string env = "VELOXQUANT_MODEL_DIR=" + vqtest::models_dir() + " " + std::string(VQ_CLI_PATH);
@@ -50,6 +51,8 @@ TEST(PromptCacheCli, BenchBadInputIsOneClearLineAndExitOne) {
       {"bench prompt-cache --tokens 100000 --stores file:auto", "--tokens 100000: the model's context is 512 tokens"},
       {"bench prompt-cache --llama-server " + vqtest::temp_dir() + "/no-such-llama-server --stores file:auto --rounds 1",
        "no-such-llama-server: cannot start (not found, or not executable)"},
+      {"bench prompt-cache --slot-dir " + vqtest::temp_dir() + "/no-such-slot-dir --stores file:auto --rounds 1",
+       "no-such-slot-dir: not a directory"},
   };
   for (const auto& c : cases) {
     const auto r = vqtest::run_shell(env + " " + c.args);
