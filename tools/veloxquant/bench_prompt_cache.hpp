@@ -18,6 +18,10 @@ struct BenchPromptCacheOptions {
   // The server's --slot-save-path (the proxy's scratch slot files): "" : a folder of the bench's own
   // in /dev/shm (tmpfs, as docs/prompt_cache.md advises) where the machine has it, else in the work dir.
   std::string slot_dir;
+  // Idle time before each timed request (hit and recompute alike): llama.cpp's worker threads poll
+  // for work (--poll, default 50) for a while after a request, and on two shared cores that spinning
+  // took the proxy's decoder threads' time on a hit sent right after a recompute (docs/prompt_cache.md).
+  int settle_ms = 1000;
   std::uint64_t seed = 1;
   bool json = false;
   bool verbose = false;  // the proxy's line per request on stderr

@@ -554,9 +554,13 @@ Runner add_bench(CLI::App& app) {
   prompt_cache->add_option("--threads", pc->threads, "llama-server's -t")->capture_default_str()->transform(integer_in(1, 1024));
   prompt_cache->add_option("--slot-dir", pc->slot_dir,
                            "the server's --slot-save-path, where the proxy writes slot files (default: a folder of the bench's own in /dev/shm, else in the temporary directory)");
+  prompt_cache->add_option("--settle-ms", pc->settle_ms,
+                           "idle milliseconds before each timed request, so it starts on an idle server (llama.cpp's threads poll for work after a request); 0: back to back")
+      ->capture_default_str()
+      ->transform(integer_in(0, 600000));
   prompt_cache->add_option("--seed", pc->seed, "seed of the prompt (and of --realistic's weights)")->capture_default_str();
   prompt_cache->add_flag("--verbose", pc->verbose, "the proxy's line per request (what it restored and where the time went) on stderr");
-  prompt_cache->add_flag("--json", pc->json, "print one JSON object: {model, prompt_tokens, chunk_tokens, levels, rounds, threads, rows: [...]}");
+  prompt_cache->add_flag("--json", pc->json, "print one JSON object: {model, prompt_tokens, chunk_tokens, levels, rounds, threads, settle_ms, rows: [...]}");
   return [o, a, attention, pc, prompt_cache] {
     if (prompt_cache->parsed()) return run_bench_prompt_cache(*pc);
     return attention->parsed() ? run_bench_attention(*a) : run_bench_codec(*o);

@@ -198,12 +198,16 @@ int run_bench_prompt_cache(const BenchPromptCacheOptions& o) {
     post_ms(pport, "/completion", request);
     std::vector<double> hit, recompute;
     json last;
+    // Each timed request starts on an idle proxy and, after --settle-ms, an idle server.
+    const auto settle = [&] { std::this_thread::sleep_for(std::chrono::milliseconds(o.settle_ms)); };
     for (int r = 0; r < o.rounds; ++r) {
       proxy.wait_idle();
       erase();
+      settle();
       hit.push_back(post_ms(pport, "/completion", request, &last));
       proxy.wait_idle();
       erase();
+      settle();
       json direct;
       recompute.push_back(post_ms(sport, "/completion", request, &direct));
     }
@@ -222,13 +226,13 @@ int run_bench_prompt_cache(const BenchPromptCacheOptions& o) {
                     {"llama_q8_0_bytes_per_token", kv_elems_per_token * 34.0 / 32.0}});
   }
   const json out = {{"model", model_name}, {"prompt_tokens", o.tokens + 1}, {"chunk_tokens", o.chunk_tokens}, {"levels", o.levels},
-                    {"rounds", o.rounds}, {"threads", o.threads}, {"rows", rows}};
+                    {"rounds", o.rounds}, {"threads", o.threads}, {"settle_ms", o.settle_ms}, {"rows", rows}};
   if (o.json) {
     fmt::print("{}\n", json_text(out));
     return 0;
   }
-  fmt::print("{}: {} prompt tokens (BOS + {} random), chunks of {}, levels {}, {} rounds, llama-server -t {}\n", model_name, o.tokens + 1, o.tokens,
-             o.chunk_tokens, fmt::join(o.levels, ";"), o.rounds, o.threads);
+  fmt::print("{}: {} prompt tokens (BOS + {} random), chunks of {}, levels {}, {} rounds, llama-server -t {}, {} ms idle before each timed request\n",
+             model_name, o.tokens + 1, o.tokens, o.chunk_tokens, fmt::join(o.levels, ";"), o.rounds, o.threads, o.settle_ms);
   fmt::print("{:<10} {:>14} {:>18} {:>9} {:>12} {:>16} {:>12} {:>12}\n", "store", "TTFT hit ms", "TTFT recompute ms", "speedup", "tail tokens",
              "store B/token", "f16 B/token", "q8_0 B/token");
   for (const auto& r : rows)

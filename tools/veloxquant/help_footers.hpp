@@ -75,7 +75,7 @@ inline const std::map<std::string, HelpText>& help_texts() {
                        "| --synthetic] [--bits N | --method vq:bits=B,...] [--json]",
                        "veloxquant bench codec --synthetic --bits 4 --json"}},
       {"bench prompt-cache", {"veloxquant bench prompt-cache [--llama-server PATH] [--realistic] [--tokens N] [--chunk-tokens C] "
-                              "[--levels LIST] [--stores LIST] [--rounds N] [--threads N] [--seed S] [--verbose] [--json]",
+                              "[--levels LIST] [--stores LIST] [--rounds N] [--threads N] [--slot-dir DIR] [--settle-ms MS] [--seed S] [--verbose] [--json]",
                               "veloxquant bench prompt-cache --stores 'file:auto;redis:auto' --tokens 448"}},
       {"bench attention", {"veloxquant bench attention [--context N ...] [--methods 'spec;spec'] [--threads N] [--json]",
                            "veloxquant bench attention --context 1024 --methods 'q8_0;vq:bits=2' --threads 1"}},
