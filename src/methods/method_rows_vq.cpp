@@ -5,6 +5,7 @@
 
 #include "veloxquant/core/error.hpp"
 #include "veloxquant/model/transformer.hpp"
+#include "veloxquant/model/vq_chain_predictors.hpp"
 #include "veloxquant/vq/profile.hpp"
 
 namespace vq::detail {
@@ -57,6 +58,8 @@ void set_vq(MethodSpec& m, const std::string& key, const std::string& value, con
     if (value.empty()) throw InvalidArgument(fmt::format("method '{}': profile= needs a path (a file written by `veloxquant calibrate`)", spec));
     m.vq_profile = value;
     m.vq_basis.basis = VqBasis::Profile;
+  } else if (key == "predict") {
+    m.vq_predict = parse_bool(key, value, spec, "on", "off");
   } else if (key == "shape") {
     m.vq_basis.shape = parse_bool(key, value, spec, "on", "off");
   } else {
@@ -65,11 +68,11 @@ void set_vq(MethodSpec& m, const std::string& key, const std::string& value, con
 }
 
 std::string vq_spec_string(const MethodSpec& m) {
-  // sinks, resident and profile only when set, so the canonical text of every earlier spec is unchanged.
-  return fmt::format("vq:bits={},calib={},residual={},{}{}alloc={},basis={},shape={},rope={}{}", m.vq.bits, m.vq.calib, m.vq.residual,
+  // sinks, resident, profile and predict only when set, so the canonical text of every earlier spec is unchanged.
+  return fmt::format("vq:bits={},calib={},residual={},{}{}alloc={},basis={},shape={},rope={}{}{}", m.vq.bits, m.vq.calib, m.vq.residual,
                      m.vq.sinks > 0 ? fmt::format("sinks={},", m.vq.sinks) : std::string(), m.vq.coded ? "resident=coded," : "", m.vq_alloc,
                      vq_basis_name(m.vq_basis.basis), m.vq_basis.shape ? "on" : "off", m.vq_basis.rope ? "on" : "off",
-                     m.vq_profile.empty() ? std::string() : ",profile=" + m.vq_profile);
+                     m.vq_profile.empty() ? std::string() : ",profile=" + m.vq_profile, m.vq_predict ? ",predict=on" : "");
 }
 
 LayerCaches make_vq_caches(const MethodSpec& m, const ModelDescription& model, const Transformer* weights) {
@@ -89,6 +92,15 @@ LayerCaches make_vq_caches(const MethodSpec& m, const ModelDescription& model, c
       require(!model.layer_head_dims[l] || *model.layer_head_dims[l] == profile->head_dim, "{} is a profile of heads of {}; layer {} has {}",
               m.vq_profile, profile->head_dim, l, model.layer_head_dims[l].value_or(0));
   }
+  // predict=on: the chained caches (vq/vq_chain.hpp), each reading the one before, with predictors
+  // fitted on the model's own K/V.
+  std::shared_ptr<const std::vector<VqChainPredictor>> predictors;
+  std::shared_ptr<const VqChainKVCache> previous;
+  if (m.vq_predict) {
+    require(weights != nullptr, "vq: predict=on fits its predictors on the model's own K/V: it needs a model our engine runs (eval, rd, generate)");
+    require(!profile, "vq: predict=on takes the basis from the weights; profile= does not carry predictors");
+    predictors = vq_chain_predictors(*weights, m.vq_basis);
+  }
   int a = 0;
   for (std::size_t l = 0; l < model.layer_head_dims.size(); ++l) {
     if (!model.layer_head_dims[l]) {
@@ -102,6 +114,13 @@ LayerCaches make_vq_caches(const MethodSpec& m, const ModelDescription& model, c
     std::shared_ptr<const VqLayerModel> layer;
     if (profile) layer = vq_profile_layer(*profile, static_cast<int>(l));
     else if (weights) layer = weights->vq_layer_model(static_cast<int>(l), m.vq_basis);
+    if (predictors) {
+      auto chained = std::make_shared<VqChainKVCache>(
+          cfg, layer, std::shared_ptr<const VqChainPredictor>(predictors, &(*predictors)[l]), previous);
+      previous = chained;
+      caches.push_back(std::move(chained));
+      continue;
+    }
     caches.push_back(std::make_shared<VqKVCache>(cfg, layer));
   }
   return caches;
@@ -124,11 +143,15 @@ MethodRow vq_row() {
                    {"basis", "weights", "weights|hadamard|identity", "the transform (vq/basis.hpp); without a model, identity; profile= sets it to profile"},
                    {"shape", "on", "on|off", "shape the transform by the layer's downstream weights"},
                    {"rope", "on", "on|off", "undo RoPE before the transform, redo it after"},
-                   {"profile", "", "PATH", "axes fitted on the model's own K/V (`veloxquant calibrate -o PATH`): a basis without weights"}},
+                   {"profile", "", "PATH", "axes fitted on the model's own K/V (`veloxquant calibrate -o PATH`): a basis without weights"},
+                   {"predict", "off", "on|off",
+                    "on: each layer's K predicted from the layer before, V from K and the layer before, the residuals coded (a storage setting; needs a model our engine runs)"}},
           .set = set_vq,
           .validate =
               [](const MethodSpec& m) {
                 m.vq.validate();
+                require(!m.vq_predict || (m.vq.residual == 0 && m.vq.sinks == 0 && !m.vq.coded),
+                        "vq: predict=on is a storage setting: it takes no residual=, sinks= or resident=coded");
                 require((m.vq_basis.basis == VqBasis::Profile) == !m.vq_profile.empty(),
                         m.vq_profile.empty() ? "vq: basis=profile needs profile=PATH (a file written by `veloxquant calibrate`)"
                                              : "vq: profile=PATH replaces the basis: leave basis= out (or write basis=profile)");

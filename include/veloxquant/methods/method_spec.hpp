@@ -41,6 +41,7 @@ struct MethodSpec {
   VqBasisOptions vq_basis;  // used when kind == Vq and a model is known
   std::string vq_alloc = "flat";  // "flat" or the '/'-separated K/V offsets per attention layer
   std::string vq_profile;         // used when kind == Vq: a profile file (vq/profile.hpp) whose axes replace the basis
+  bool vq_predict = false;        // used when kind == Vq: predict=on, the chained caches of vq/vq_chain.hpp
 
   // Parse a spec string (see above); throws InvalidArgument.
   static MethodSpec parse(const std::string& spec);
