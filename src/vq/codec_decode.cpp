@@ -399,7 +399,7 @@ void vq_decode(std::span<const std::uint8_t> bytes, std::uint64_t max_codes, VqL
   const bool fast = kern.fast();
   ByteReader r(bytes, "vq layer");
   const std::uint8_t version = r.u8();
-  if (version < 1 || version > 6) r.fail(fmt::format("unknown version {} (expected 1 to 6)", version));
+  if (version < 1 || version > 7) r.fail(fmt::format("unknown version {} (expected 1 to 7)", version));
   CallTables tables;
   ParsedHeader h = parse_header(r, version, max_codes, tables);
   if (version == 1) {
@@ -435,7 +435,7 @@ void vq_decode(std::span<const std::uint8_t> bytes, std::uint64_t max_codes, VqL
   for (auto [s, sm] : {std::pair{&h.lc.k, &h.k}, std::pair{&h.lc.v, &h.v}}) {
     const std::size_t m = sm->m(), n_side = sz(s->n), N = sm->coded_rows * m;
     s->codes.resize(R * n_side);  // every code is written below (no zero fill needed)
-    const bool side_fast = fast && pools.pool != nullptr && std::all_of(sm->col_amax.begin(), sm->col_amax.end(), [](int a) { return a <= 127; });
+    const bool side_fast = fast && lanes >= 32 && pools.pool != nullptr && std::all_of(sm->col_amax.begin(), sm->col_amax.end(), [](int a) { return a <= 127; });
     if (!side_fast && N > 0 && pools.sym.empty()) pools.build(tables, false);  // a fast call's side with amax > 127
     SideDecoder d{x, *sm, tables, pools.sym.empty() ? nullptr : pools.sym.data(), side_fast ? kern.decode : nullptr, {}, base, lanes, p, end};
     std::vector<std::int32_t> per_col, dec_off, col_scale;

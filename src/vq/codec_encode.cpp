@@ -150,7 +150,8 @@ std::uint16_t* encode_scratch(std::size_t need, std::unique_ptr<std::uint16_t[]>
 
 using namespace vq_codec_detail;
 
-std::vector<std::uint8_t> vq_encode(const VqLayerCodes& lc, RansKernel kernel) {
+std::vector<std::uint8_t> vq_encode(const VqLayerCodes& lc, RansKernel kernel, int version) {
+  require(version == 6 || version == 7, "vq_encode: version {} (it writes 6, or 7 for narrow streams)", version);
   const RegionKernels kern = region_kernels(kernel);
   const bool fast = kern.fast();
   const bool simd_prep = kern.encode == &vq_codec_detail::encode_region_avx512;  // the AVX-512 side pass
@@ -160,7 +161,7 @@ std::vector<std::uint8_t> vq_encode(const VqLayerCodes& lc, RansKernel kernel) {
   check_side(lc.v, rows, "V");
   const std::size_t R = sz(rows);
   std::vector<std::uint8_t> out;
-  out.push_back(6);
+  out.push_back(static_cast<std::uint8_t>(version));
   put_varint(out, static_cast<std::uint64_t>(lc.batch));
   put_varint(out, static_cast<std::uint64_t>(lc.tokens));
   put_varint(out, static_cast<std::uint64_t>(lc.k.n));
@@ -264,7 +265,7 @@ std::vector<std::uint8_t> vq_encode(const VqLayerCodes& lc, RansKernel kernel) {
   std::uint16_t* const buf = encode_scratch(need, temp);
   std::uint16_t* const end = buf + need;
   std::uint16_t* ptr = end;
-  const std::size_t lanes = vq_codec_detail::vq_stream_lanes(6, n_total);
+  const std::size_t lanes = vq_codec_detail::vq_stream_lanes(version, n_total);
   std::uint32_t x[vq_codec_detail::kVqLanes];
   for (auto& v : x) v = kL;
   for (int k = 1; k >= 0; --k) {  // backwards: V, then K; within a side the low parts, then the region
@@ -275,7 +276,7 @@ std::vector<std::uint8_t> vq_encode(const VqLayerCodes& lc, RansKernel kernel) {
       for (std::size_t r = R; r-- > 0;) enc_put(x[(lbase + l * R + r) & (lanes - 1)], 1, sd.lows[r * L + l], shift, ptr);
     }
     if (N == 0) continue;
-    if (!fast) {
+    if (!fast || lanes < 32) {
       ptr = encode_region_scalar(x, sd.hi, 0, N, sd.base, lanes, sd.sm, tables, ptr);
       continue;
     }

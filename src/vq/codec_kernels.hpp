@@ -18,8 +18,12 @@ namespace vq::vq_codec_detail {
 // more final states cost 128 bytes: <= 0.3 % of a stream of 2^18 symbols at ~1.4 bits a symbol.
 inline constexpr std::size_t kVqLanes = 64;
 inline constexpr std::uint64_t kVqWideLaneSymbols = std::uint64_t{1} << 18;
+// Version 7 (the chained layers of vq/vq_chain.hpp: small layers, where 32 lanes' final states were
+// 0.06 bits of every element of a 256-token stories260K layer) takes kVqNarrowLanes always, coded
+// and decoded by the reference (the vector kernels work in groups of 32 or 64 lanes).
+inline constexpr std::size_t kVqNarrowLanes = 8;
 inline constexpr std::size_t vq_stream_lanes(int version, std::uint64_t symbols) {
-  return version >= 6 && symbols >= kVqWideLaneSymbols ? kVqLanes : 32;
+  return version == 7 ? kVqNarrowLanes : version >= 6 && symbols >= kVqWideLaneSymbols ? kVqLanes : 32;
 }
 
 // Tables of a region. Offsets are given for j = 0 .. m + 63 (entry j is column j % m's), so a group

@@ -4,8 +4,11 @@
 #include "veloxquant/vq/vq_chain.hpp"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
+#include <map>
+#include <mutex>
 
 #include <fmt/format.h>
 
@@ -13,6 +16,7 @@
 #include "reconstruct_kernels.hpp"
 #include "transform.hpp"
 #include "veloxquant/core/error.hpp"
+#include "veloxquant/core/kernel_clones.hpp"
 
 namespace vq {
 
@@ -20,24 +24,63 @@ namespace {
 
 std::size_t sz(std::int64_t v) { return static_cast<std::size_t>(v); }
 
-// p[c] = W[c] . [in, 1] for c < outs, summed in double in input order, rounded to float once.
-void predict_into(const std::vector<float>& w, int outs, int ins, const float* in, float* p) {
-  for (int c = 0; c < outs; ++c) {
-    const float* wc = w.data() + sz(c) * sz(ins + 1);
-    double s = wc[ins];
-    for (int j = 0; j < ins; ++j) s += static_cast<double>(wc[j]) * static_cast<double>(in[j]);
-    p[c] = static_cast<float>(s);
+// p = bias + sum_j in[j] * w[j], for all outs outputs at once: w is [ins + 1][outs] (row j the
+// weights of input j, the bias row last). Float32, each output summed in input order: the compiled
+// clones (AVX2, baseline) make the same bits, vectorised over the outputs.
+VQ_KERNEL void predict_into(const float* __restrict w, int outs, int ins, const float* __restrict in, float* __restrict p) {
+  const float* bias = w + sz(ins) * sz(outs);
+  int c0 = 0;
+  for (; c0 + 32 <= outs; c0 += 32) {  // 32 outputs held in registers across the inputs
+    float a[32];
+    for (int c = 0; c < 32; ++c) a[c] = bias[c0 + c];
+    for (int j = 0; j < ins; ++j) {
+      const float x = in[j];
+      const float* __restrict wj = w + sz(j) * sz(outs) + sz(c0);
+      for (int c = 0; c < 32; ++c) a[c] += wj[c] * x;
+    }
+    for (int c = 0; c < 32; ++c) p[c0 + c] = a[c];
+  }
+  for (int c = c0; c < outs; ++c) p[c] = bias[c];
+  for (int j = 0; j < ins && c0 < outs; ++j) {
+    const float x = in[j];
+    const float* __restrict wj = w + sz(j) * sz(outs);
+    for (int c = c0; c < outs; ++c) p[c] += wj[c] * x;
   }
 }
 
 inline float dequantize(float p, std::int32_t q, float step, float mean) { return p + std::fma(static_cast<float>(q), step, mean); }
 
-// One side's rows of token `pos` from its yhat (n floats): out[h * row_stride + i] for each head,
-// keys re-rotated at pos (vq's per-token reconstruction).
-void rows_into(const VqSideTransform& t, const std::vector<double>* freq, int heads, int d, const float* yhat, std::int64_t pos,
-               float* acc, float* out, std::size_t head_stride) {
-  for (int h = 0; h < heads; ++h)
-    vq_transform::reconstruct_head(t.identity() ? nullptr : t.inv.data(), t.n, yhat, h, d, freq, pos, acc, out + sz(h) * head_stride);
+// One side's rows of tokens [t0, t0 + count) of one sequence from their yhat (y: the side's first
+// coefficient of token t0's row, rows y_stride apart): out(h) receives head h's count rows of d
+// (contiguous), keys re-rotated at their positions. The tiled kernel where the transform has its
+// column blocks (reconstruct_kernels.hpp: the per-token path's bits), else token by token.
+template <class Out>
+void side_rows(const VqSideTransform& tr, const std::vector<double>* freq, int heads, int d, const float* y, std::size_t y_stride, std::int64_t t0,
+               std::int64_t count, Out out) {
+  if (count <= 0) return;
+  const int span = tr.col_span, n = tr.n;
+  if (span == n && tr.inv_t.size() == sz(n) * sz(n) && vq_all_head_rows_avx512()) {
+    // A transform mixing every head: one [count x n] x [n x n] product for all heads on AVX-512
+    // (inv_t is vq_whole_row_matrix's layout), the same bits as head by head.
+    const auto rope = freq ? vq_rope_table(*freq, t0 + count) : nullptr;
+    std::vector<float> yc(sz(count) * sz(n)), acc(sz(count) * sz(n)), rows(sz(count) * sz(n));
+    for (std::int64_t t = 0; t < count; ++t) std::copy_n(y + sz(t) * y_stride, n, yc.begin() + t * n);
+    vq_all_head_rows(tr.inv_t.data(), n, heads, yc.data(), count, rope.get(), t0, acc.data(), rows.data());
+    for (int h = 0; h < heads; ++h) std::copy_n(rows.begin() + h * count * d, count * d, out(h));
+    return;
+  }
+  if (!tr.identity() && !tr.inv_cols.empty() && sz(span) * sz(heads) * sz(d) == tr.inv_cols.size()) {
+    const auto rope = freq ? vq_rope_table(*freq, t0 + count) : nullptr;
+    for (int h = 0; h < heads; ++h)
+      vq_head_rows(tr.inv_cols.data() + sz(h) * sz(span) * sz(d), span, d, y + (span == tr.n ? 0 : sz(h) * sz(d)), y_stride, count, rope.get(), t0,
+                   out(h));
+    return;
+  }
+  std::vector<float> acc(sz(d));
+  for (std::int64_t t = 0; t < count; ++t)
+    for (int h = 0; h < heads; ++h)
+      vq_transform::reconstruct_head(tr.identity() ? nullptr : tr.inv.data(), tr.n, y + sz(t) * y_stride, h, d, freq, t0 + t, acc.data(),
+                                     out(h) + sz(t) * sz(d));
 }
 
 // The inputs of V's prediction: own K yhat then the previous layer's row.
@@ -137,7 +180,8 @@ std::vector<VqChainPredictor> fit_vq_chain(const std::vector<std::vector<KVState
       yv.insert(yv.end(), v.begin(), v.end());
     }
     VqChainPredictor& p = out[l];
-    p.n_k = m.k.n, p.n_v = m.v.n, p.n_prev = l == 0 ? 0 : prev_nk + prev_nv;
+    p.n_k = m.k.n, p.n_v = m.v.n, p.n_prev = l == 0 ? 0 : prev_nk + prev_nv, p.n_prev_k = l == 0 ? 0 : prev_nk;
+    p.memo = std::make_shared<VqChainWeightMemo>();
     const std::size_t rows = yk.size() / sz(p.n_k);
     std::vector<double> prev(rows * sz(p.n_prev));
     for (std::size_t r = 0; r < rows && p.n_prev > 0; ++r) {
@@ -177,9 +221,8 @@ std::vector<float> vq_chain_weights(const std::vector<double>& xx, const std::ve
   // A ridge of 1e-9 of the inputs' mean energy keeps a constant input (a padded head's zero channels) solvable.
   const double ridge = 1e-9 * std::max(energy / std::max(1, ins), 1e-30);
   const std::vector<double> sol = ridge_solve(std::move(a), n, xy, outs, ridge);
-  std::vector<float> w(sz(outs) * sz(n));
-  for (int c = 0; c < outs; ++c)
-    for (int i = 0; i < n; ++i) w[sz(c) * sz(n) + sz(i)] = static_cast<float>(sol[sz(i) * sz(outs) + sz(c)]);
+  std::vector<float> w(sol.size());  // sol is [ins + 1][outs] already: the layout predict_into reads
+  for (std::size_t i = 0; i < sol.size(); ++i) w[i] = static_cast<float>(sol[i]);
   return w;
 }
 
@@ -193,6 +236,38 @@ std::vector<float> input_steps(int n_own_k, float own_k_step, int prev_k, float 
   return s;
 }
 }  // namespace
+
+struct VqChainWeightMemo {
+  std::mutex mu;
+  std::map<std::array<int, 4>, std::unique_ptr<const std::vector<float>>> weights;
+};
+
+namespace {
+// A positive step's bin (an eighth of its octave's mantissa range) and the step at its middle.
+int step_bin(float step) {
+  int e = 0;
+  const float m = std::frexp(step, &e);  // step = m 2^e, m in [0.5, 1)
+  return e * 8 + std::clamp(static_cast<int>((m - 0.5f) * 16.0f), 0, 7);
+}
+float bin_step(int bin) {
+  const int e = bin >= 0 ? bin / 8 : -((-bin + 7) / 8), k = bin - e * 8;
+  return std::ldexp(0.5f + (static_cast<float>(k) + 0.5f) / 16.0f, e);
+}
+}  // namespace
+
+const std::vector<float>& VqChainPredictor::weights(int side, float own_k_step, float prev_k_step, float prev_v_step) const {
+  require(memo != nullptr, "vq chained layer: a predictor without its memo (make it with fit_vq_chain)");
+  const std::array<int, 4> key{side, side == 1 ? step_bin(own_k_step) : 0, n_prev > 0 ? step_bin(prev_k_step) : 0, n_prev > 0 ? step_bin(prev_v_step) : 0};
+  std::lock_guard<std::mutex> lock(memo->mu);
+  auto& slot = memo->weights[key];
+  if (!slot) {
+    const float ks = bin_step(key[1]), pks = bin_step(key[2]), pvs = bin_step(key[3]);
+    slot = std::make_unique<const std::vector<float>>(
+        side == 0 ? vq_chain_weights(k_moments, k_cross, n_prev, n_k, rows, input_steps(0, 0, n_prev_k, pks, n_prev - n_prev_k, pvs))
+                  : vq_chain_weights(v_moments, v_cross, n_k + n_prev, n_v, rows, input_steps(n_k, ks, n_prev_k, pks, n_prev - n_prev_k, pvs)));
+  }
+  return *slot;
+}
 
 VqChainKVCache::VqChainKVCache(VqConfig config, std::shared_ptr<const VqLayerModel> layer, std::shared_ptr<const VqChainPredictor> predictor,
                                std::shared_ptr<const VqChainKVCache> previous)
@@ -212,7 +287,7 @@ void VqChainKVCache::forget() {
   calibrated_ = false;
   quantized_ = 0;
   kq_ = {}, vq_ = {};
-  k_weights_.clear(), v_weights_.clear();
+  k_weights_ = v_weights_ = nullptr;
   codes_k_.clear(), codes_v_.clear(), yhat_.clear();
   encoded_at_ = -1;
 }
@@ -238,28 +313,25 @@ std::pair<Tensor, Tensor> VqChainKVCache::update_and_fetch(const Tensor& keys, c
             "layers in order); cache unchanged",
             q1, B, prev_->quantized_tokens(), prev_->batch());
 
-  // Exact rows of token t (held or in the chunk) of batch b, side s, un-rotated and transformed.
-  const auto exact_row = [&](int s, std::int64_t b, std::int64_t t, float* out) {
+  // Token t (held or in the chunk) of batch b, side s: its exact rows, keys un-rotated, transformed into y.
+  const std::vector<double>* freq = layer_->rope_freq.empty() ? nullptr : &layer_->rope_freq;
+  const auto tab = freq ? vq_rope_table(*freq, T1) : nullptr;
+  std::vector<double> xbuf(sz(H) * sz(d));
+  const auto transformed = [&](int s, std::int64_t b, std::int64_t t, double* y) {
     const Tensor& in = s == 0 ? keys : values;
     const Tensor& held = s == 0 ? keys_buf_ : values_buf_;
     for (int h = 0; h < H; ++h) {
       const auto* r = reinterpret_cast<const float*>(t < offset_ ? held.row(b, h, t) : in.row(b, h, t - offset_));
-      std::copy_n(r, d, out + sz(h * d));
+      std::copy_n(r, d, xbuf.begin() + h * d);
     }
-  };
-  const std::vector<double>* freq = layer_->rope_freq.empty() ? nullptr : &layer_->rope_freq;
-  const auto tab = freq ? vq_rope_table(*freq, T1) : nullptr;
-  const auto transformed = [&](int s, std::int64_t b, std::int64_t t, double* y) {
-    std::vector<float> row(sz(H * d));
-    exact_row(s, b, t, row.data());
-    std::vector<double> x(row.begin(), row.end());
-    if (s == 0 && freq) vq_transform::vq_unrope(x.data(), H, d, tab->at(t), freq->size());
-    vq_transform::vq_forward(s == 0 ? layer_->k : layer_->v, x.data(), y);
+    if (s == 0 && freq) vq_transform::vq_unrope(xbuf.data(), H, d, tab->at(t), freq->size());
+    vq_transform::vq_forward(s == 0 ? layer_->k : layer_->v, xbuf.data(), y);
   };
 
   // --- compute (a refusal leaves the cache unchanged) ---
   Side nk = kq_, nv = vq_;
-  std::vector<float> kw = k_weights_, vw = v_weights_;
+  const std::vector<float>* kwp = k_weights_;  // the predictor's weights for this cache's steps (set at calibration)
+  const std::vector<float>* vwp = v_weights_;
   const std::int64_t count = q1 - q0;
   const int n = n_k_ + n_v_, np = pred_->n_prev;
   std::vector<std::vector<std::int16_t>> ck(sz(B)), cv(sz(B));
@@ -281,19 +353,18 @@ std::pair<Tensor, Tensor> VqChainKVCache::update_and_fetch(const Tensor& keys, c
         std::fill_n(p, n_k_, 0.0f);
         return;
       }
-      predict_into(kw, n_k_, np, prev_->yhat_row(b, t), p);
+      predict_into(kwp->data(), n_k_, np, prev_->yhat_row(b, t), p);
     };
     const auto v_pred = [&](std::int64_t b, std::int64_t t, const float* own_k, float* p) {
       v_inputs(own_k, n_k_, np > 0 ? prev_->yhat_row(b, t) : nullptr, np, vin.data());
-      predict_into(vw, n_v_, n_k_ + np, vin.data(), p);
+      predict_into(vwp->data(), n_v_, n_k_ + np, vin.data(), p);
     };
     if (calibrate_now) {
       // Closed loop over the calibration tokens: K's residuals, K calibrated and quantized, then
       // V's residuals from those reconstructions.
       const std::int64_t C = config_.calib;
-      const int pk_n = prev_ ? prev_->key_coefficients() : 0;
       const float pks = prev_ ? prev_->key_step() : 1.0f, pvs = prev_ ? prev_->value_step() : 1.0f;
-      if (np > 0) kw = vq_chain_weights(pred_->k_moments, pred_->k_cross, np, n_k_, pred_->rows, input_steps(0, 0, pk_n, pks, np - pk_n, pvs));
+      if (np > 0) kwp = &pred_->weights(0, 0, pks, pvs);
       std::vector<double> ek(sz(B * C) * sz(n_k_)), ev(sz(B * C) * sz(n_v_));
       std::vector<float> khat(sz(B * C) * sz(n_k_));
       for (std::int64_t b = 0; b < B; ++b)
@@ -304,7 +375,7 @@ std::pair<Tensor, Tensor> VqChainKVCache::update_and_fetch(const Tensor& keys, c
         }
       std::vector<std::uint8_t> shift, width;
       vq_quant::calibrate_side(ek, n_k_, config_.bits + config_.k_offset, nk.step, nk.offset, nk.mean, shift, width);
-      vw = vq_chain_weights(pred_->v_moments, pred_->v_cross, n_k_ + np, n_v_, pred_->rows, input_steps(n_k_, nk.step, pk_n, pks, np - pk_n, pvs));
+      vwp = &pred_->weights(1, nk.step, pks, pvs);
       for (std::int64_t b = 0; b < B; ++b)
         for (std::int64_t t = 0; t < C; ++t) {
           k_pred(b, t, pk.data());
@@ -343,20 +414,16 @@ std::pair<Tensor, Tensor> VqChainKVCache::update_and_fetch(const Tensor& keys, c
 
   // --- commit ---
   append(keys, values);
-  if (calibrate_now) kq_ = std::move(nk), vq_ = std::move(nv), k_weights_ = std::move(kw), v_weights_ = std::move(vw), calibrated_ = true;
+  if (calibrate_now) kq_ = std::move(nk), vq_ = std::move(nv), k_weights_ = kwp, v_weights_ = vwp, calibrated_ = true;
   if (count > 0) {
     codes_k_.resize(sz(B)), codes_v_.resize(sz(B)), yhat_.resize(sz(B));
-    std::vector<float> acc(sz(d));
     for (std::int64_t b = 0; b < B; ++b) {
       codes_k_[sz(b)].insert(codes_k_[sz(b)].end(), ck[sz(b)].begin(), ck[sz(b)].end());
       codes_v_[sz(b)].insert(codes_v_[sz(b)].end(), cv[sz(b)].begin(), cv[sz(b)].end());
       yhat_[sz(b)].insert(yhat_[sz(b)].end(), yh[sz(b)].begin(), yh[sz(b)].end());
-      for (std::int64_t t = q0; t < q1; ++t) {
-        const float* row = yhat_row(b, t);
-        const std::size_t stride = sz(keys_buf_.dim(2)) * sz(d);
-        rows_into(layer_->k, freq, H, d, row, t, acc.data(), reinterpret_cast<float*>(keys_buf_.row(b, 0, t)), stride);
-        rows_into(layer_->v, nullptr, H, d, row + n_k_, t, acc.data(), reinterpret_cast<float*>(values_buf_.row(b, 0, t)), stride);
-      }
+      const float* y = yhat_row(b, q0);
+      side_rows(layer_->k, freq, H, d, y, sz(n), q0, count, [&](int h) { return reinterpret_cast<float*>(keys_buf_.row(b, h, q0)); });
+      side_rows(layer_->v, nullptr, H, d, y + n_k_, sz(n), q0, count, [&](int h) { return reinterpret_cast<float*>(values_buf_.row(b, h, q0)); });
     }
     quantized_ = q1;
   }
@@ -406,18 +473,19 @@ VqLayerCodes VqChainKVCache::codes() const {
     side.offset = q.offset;
     for (const auto& rows : s == 0 ? codes_k_ : codes_v_) side.codes.insert(side.codes.end(), rows.begin(), rows.end());
     // The coder's splits from the codes themselves (a later token may have needed a wider one than calibration's).
+    std::vector<int> amax(sz(side.n), 0);
+    for (std::size_t r = 0; r < side.codes.size(); r += sz(side.n))
+      for (int i = 0; i < side.n; ++i) amax[sz(i)] = std::max(amax[sz(i)], std::abs(static_cast<int>(side.codes[r + sz(i)])));
     side.shift.assign(sz(side.n), 0);
-    for (std::size_t i = 0; i < side.codes.size(); ++i) {
-      auto& sh = side.shift[i % sz(side.n)];
-      while (std::abs(static_cast<int>(side.codes[i])) > vq_max_code(sh)) ++sh;
-    }
+    for (int i = 0; i < side.n; ++i)
+      while (amax[sz(i)] > vq_max_code(side.shift[sz(i)])) ++side.shift[sz(i)];
   }
   return c;
 }
 
 std::vector<std::uint8_t> VqChainKVCache::encode() const {
   std::vector<std::uint8_t> out{kVqChainTag};
-  const auto body = vq_encode(codes());
+  const auto body = vq_encode(codes(), RansKernel::Auto, 7);
   out.insert(out.end(), body.begin(), body.end());
   encoded_at_ = quantized_, encoded_size_ = out.size();
   return out;
@@ -454,32 +522,31 @@ VqChainDecoded vq_chain_decode(std::span<const std::uint8_t> bytes, const VqLaye
   out.state = {Tensor::zeros(shape, DType::F32), Tensor::zeros(shape, DType::F32)};
   if (c.tokens == 0) return out;
   out.key_step = c.k.step, out.value_step = c.v.step;
-  const int pk_n = np > 0 ? previous->n_k : 0;
   const float pks = np > 0 ? previous->key_step : 1.0f, pvs = np > 0 ? previous->value_step : 1.0f;
-  const std::vector<float> kw =
-      np > 0 ? vq_chain_weights(pred.k_moments, pred.k_cross, np, n_k, pred.rows, input_steps(0, 0, pk_n, pks, np - pk_n, pvs)) : std::vector<float>();
-  const std::vector<float> vw = vq_chain_weights(pred.v_moments, pred.v_cross, n_k + np, n_v, pred.rows, input_steps(n_k, c.k.step, pk_n, pks, np - pk_n, pvs));
-  std::vector<float> mean_k(sz(n_k)), mean_v(sz(n_v)), pk(sz(n_k)), pv(sz(n_v)), vin(sz(n_k + np)), acc(sz(d));
+  static const std::vector<float> kNone;
+  const std::vector<float>& kw = np > 0 ? pred.weights(0, 0, pks, pvs) : kNone;
+  const std::vector<float>& vw = pred.weights(1, c.k.step, pks, pvs);
+  std::vector<float> mean_k(sz(n_k)), mean_v(sz(n_v)), pk(sz(n_k)), pv(sz(n_v)), vin(sz(n_k + np));
   for (int i = 0; i < n_k; ++i) mean_k[sz(i)] = vq_offset(c.k.offset[sz(i)], c.k.step);
   for (int i = 0; i < n_v; ++i) mean_v[sz(i)] = vq_offset(c.v.offset[sz(i)], c.v.step);
   const std::vector<double>* freq = layer.rope_freq.empty() ? nullptr : &layer.rope_freq;
-  const std::size_t stride = sz(c.tokens) * sz(d);
   for (std::int64_t b = 0; b < c.batch; ++b) {
     auto& yh = out.yhat[sz(b)];
     yh.resize(sz(c.tokens) * sz(n));
     for (std::int64_t t = 0; t < c.tokens; ++t) {
       float* row = yh.data() + sz(t) * sz(n);
       const float* prev = np > 0 ? previous->yhat[sz(b)].data() + sz(t) * sz(np) : nullptr;
-      if (np > 0) predict_into(kw, n_k, np, prev, pk.data());
+      if (np > 0) predict_into(kw.data(), n_k, np, prev, pk.data());
       const std::int16_t* qk = c.k.codes.data() + sz(b * c.tokens + t) * sz(n_k);
       for (int i = 0; i < n_k; ++i) row[i] = dequantize(pk[sz(i)], qk[i], c.k.step, mean_k[sz(i)]);
       v_inputs(row, n_k, prev, np, vin.data());
-      predict_into(vw, n_v, n_k + np, vin.data(), pv.data());
+      predict_into(vw.data(), n_v, n_k + np, vin.data(), pv.data());
       const std::int16_t* qv = c.v.codes.data() + sz(b * c.tokens + t) * sz(n_v);
       for (int i = 0; i < n_v; ++i) row[n_k + i] = dequantize(pv[sz(i)], qv[i], c.v.step, mean_v[sz(i)]);
-      rows_into(layer.k, freq, H, d, row, t, acc.data(), reinterpret_cast<float*>(out.state.keys.row(b, 0, t)), stride);
-      rows_into(layer.v, nullptr, H, d, row + n_k, t, acc.data(), reinterpret_cast<float*>(out.state.values.row(b, 0, t)), stride);
     }
+    side_rows(layer.k, freq, H, d, yh.data(), sz(n), 0, c.tokens, [&](int h) { return reinterpret_cast<float*>(out.state.keys.row(b, h, 0)); });
+    side_rows(layer.v, nullptr, H, d, yh.data() + n_k, sz(n), 0, c.tokens,
+              [&](int h) { return reinterpret_cast<float*>(out.state.values.row(b, h, 0)); });
   }
   return out;
 }

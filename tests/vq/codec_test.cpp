@@ -234,7 +234,7 @@ TEST(VqCodec, DecodeRejectsEveryTruncationCorruptionAndTrailingByte) {
   EXPECT_THROW(vq::vq_decode(longer, max), vq::FormatError);
   EXPECT_THROW(vq::vq_decode(bytes, max - 1), vq::FormatError);  // more codes than the caller expects
   auto bad = bytes;
-  bad[0] = 7;  // version
+  bad[0] = 8;  // version
   EXPECT_THROW(vq::vq_decode(bad, max), vq::FormatError);
   // Any single flipped bit either fails cleanly or decodes to something (never crashes).
   for (const auto kernel : decode_kernels())
@@ -276,6 +276,23 @@ void expect_kernels_agree(const vq::VqLayerCodes& lc) {
 }
 
 // A kernel the CPU lacks is refused with InvalidArgument, never run.
+// Version 7 (8 lanes, the chained layers' streams): the same codes as version 6 in fewer bytes (24
+// fewer lane states), whichever kernel encodes or decodes it; damage fails cleanly.
+TEST(VqCodec, NarrowVersionRoundTripsWithEveryKernel) {
+  for (const auto& lc : {random_codes(1, 256, 32, 32, 5, false), random_codes(2, 33, 8, 12, 6, true), random_codes(1, 3, 4, 4, 7, false)}) {
+    const std::uint64_t max = static_cast<std::uint64_t>(lc.rows() * (lc.k.n + lc.v.n));
+    const auto v6 = vq::vq_encode(lc), v7 = vq::vq_encode(lc, vq::RansKernel::Scalar, 7);
+    EXPECT_EQ(v7[0], 7);
+    for (const auto kernel : decode_kernels()) {
+      EXPECT_EQ(vq::vq_encode(lc, kernel, 7), v7);
+      expect_equal(lc, vq::vq_decode(v7, max, kernel));
+    }
+    if (lc.rows() * (lc.k.n + lc.v.n) >= 64) EXPECT_LT(v7.size() + 48, v6.size());  // 24 fewer states, less what they held
+    for (std::size_t n = 0; n < v7.size(); ++n) EXPECT_THROW(vq::vq_decode(std::span(v7).first(n), max), vq::FormatError) << n;
+  }
+  EXPECT_THROW(vq::vq_encode(random_codes(1, 3, 4, 4, 7, false), vq::RansKernel::Auto, 5), vq::InvalidArgument);
+}
+
 TEST(VqCodec, MissingKernelIsRefused) {
   const auto lc = random_codes(1, 40, 6, 6, 9, false);
   const auto bytes = vq::vq_encode(lc, vq::RansKernel::Scalar);

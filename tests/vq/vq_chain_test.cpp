@@ -90,8 +90,8 @@ double residual_ratio(const std::vector<KVState>& s, const vq::VqChainPredictor&
       for (int c = 0; c < kN; ++c) in.push_back(s[sz(l - 1)].values.at(0, c / kD, t, c % kD));
     }
     for (int c = 0; c < kN; ++c) {
-      double pred = w[sz(c) * (in.size() + 1) + in.size()];
-      for (std::size_t j = 0; j < in.size(); ++j) pred += w[sz(c) * (in.size() + 1) + j] * in[j];
+      double pred = w[in.size() * kN + sz(c)];  // [ins + 1][outs], the bias row last
+      for (std::size_t j = 0; j < in.size(); ++j) pred += w[j * kN + sz(c)] * in[j];
       const double y = s[sz(l)].values.at(0, c / kD, t, c % kD);
       res += (y - pred) * (y - pred), var += (y - mean[sz(c)]) * (y - mean[sz(c)]);
     }

@@ -33,7 +33,8 @@
 //   cannot see: on a 7B-shaped synthetic layer at 2 bits the prediction halves the stream, on
 //   stories260K the row copies save 12 % (docs/benchmarks.md, "The vq codec (issue 15)"; 574bfa8).
 // - Format (integers little-endian, varint = unsigned LEB128):
-//     u8      version = 6 (1 to 5 still decode; see below)
+//     u8      version = 6 (1 to 5 still decode; see below; 7: version 6 with 8 lanes, kVqNarrowLanes,
+//             whatever the stream's length: what vq/vq_chain.hpp's small layers are coded with)
 //     varint  batch, tokens, n_k, n_v
 //     per side (K, then V):
 //       u32     step (float32 bits; finite, > 0: float16 could not hold the step of small data)
@@ -138,11 +139,13 @@ FrequencyTable vq_table(int amax, std::uint8_t param, int scale_bits = kVqScaleB
 std::uint8_t vq_best_param(std::span<const std::uint32_t> histogram, int amax);
 
 // Serialise; throws InvalidArgument on inconsistent sizes or a code outside +-kVqMaxCode.
-// Writes version 6. kernel: RansKernel::Scalar is the reference; Auto / Avx2 / Avx512 write the same bytes.
-std::vector<std::uint8_t> vq_encode(const VqLayerCodes& codes, RansKernel kernel = RansKernel::Auto);
+// Writes version 6, or version 7 when asked (the chained layers of vq/vq_chain.hpp: version 6 with
+// 8 lanes, for small layers). kernel: RansKernel::Scalar is the reference; Auto / Avx2 / Avx512
+// write the same bytes.
+std::vector<std::uint8_t> vq_encode(const VqLayerCodes& codes, RansKernel kernel = RansKernel::Auto, int version = 6);
 // Parse and decode; max_codes bounds rows * (n_k + n_v) (the caller knows what it expects).
 // Throws FormatError on any malformed, truncated, oversized or trailing input.
-// Reads versions 1 to 6; every kernel returns the same codes. (vq/codec_decode_into.hpp: the same
+// Reads versions 1 to 7; every kernel returns the same codes. (vq/codec_decode_into.hpp: the same
 // into a caller's buffers, without allocating or zero-filling them.)
 VqLayerCodes vq_decode(std::span<const std::uint8_t> bytes, std::uint64_t max_codes, RansKernel kernel = RansKernel::Auto);
 

@@ -43,18 +43,27 @@ namespace vq {
 // removed), so each cache solves for its own at calibration, when its inputs' steps are known
 // (vq_chain_weights), and the decoder solves the same system from the same steps. Inputs in order
 // [own K yhat (V only)], [previous layer's K yhat, V yhat], then 1 (the bias).
+struct VqChainWeightMemo;
 struct VqChainPredictor {
   int n_k = 0, n_v = 0;
-  int n_prev = 0;  // n_k + n_v of the previous attention layer; 0 for the first
-  double rows = 0;  // samples the moments sum over
+  int n_prev = 0;    // n_k + n_v of the previous attention layer; 0 for the first
+  int n_prev_k = 0;  // its n_k
+  double rows = 0;   // samples the moments sum over
   // Sum of x x^T ([ins + 1]^2) and of x y^T ([ins + 1][outs]) over the samples, x = [inputs, 1]:
   // K's (empty when n_prev == 0: no K prediction) and V's.
   std::vector<double> k_moments, k_cross, v_moments, v_cross;
   int k_inputs() const { return n_prev; }
   int v_inputs() const { return n_k + n_prev; }
+  // The weights of K's (side 0) or V's (side 1) prediction for these steps (own_k_step: V only;
+  // the previous layer's: unused by the first layer), from vq_chain_weights with each step taken
+  // at the middle of its bin (an eighth of its binary octave's range, from its exponent and
+  // mantissa: no libm), and kept per bin: a cache calibrating and a decoder solve each system once
+  // per process. Thread-safe; the reference stays valid while the predictor lives.
+  const std::vector<float>& weights(int side, float own_k_step, float prev_k_step, float prev_v_step) const;
+  std::shared_ptr<VqChainWeightMemo> memo;  // made by fit_vq_chain; copies share it
 };
 
-// Weights [outs][ins + 1] (the bias last) of the least-squares fit from the moments, each input j
+// Weights [ins + 1][outs] (row j the weights of input j, the bias row last) of the least-squares fit from the moments, each input j
 // taken with an added noise of variance min(step_j^2 / 12, its own variance): step_j the step of
 // the side it comes from (a uniform quantizer's error; a step past the input's spread leaves
 // about the input itself). Deterministic: the encoder and the decoder get the same floats.
@@ -113,7 +122,8 @@ class VqChainKVCache : public KVCache {
     std::vector<std::int32_t> offset;
     std::vector<float> mean;
   } kq_, vq_;
-  std::vector<float> k_weights_, v_weights_;  // vq_chain_weights at calibration
+  const std::vector<float>* k_weights_ = nullptr;  // the predictor's weights for the calibration's steps
+  const std::vector<float>* v_weights_ = nullptr;
   std::int64_t quantized_ = 0;
   std::vector<std::vector<std::int16_t>> codes_k_, codes_v_;  // per batch: [t][n]
   std::vector<std::vector<float>> yhat_;                      // per batch: [t][n_k + n_v]
