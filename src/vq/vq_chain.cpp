@@ -465,7 +465,10 @@ VqLayerCodes VqChainKVCache::codes() const {
   c.batch = quantized_ > 0 ? batch() : 0;
   c.tokens = quantized_;
   c.k.n = n_k_, c.v.n = n_v_;
-  if (quantized_ == 0) return c;
+  if (quantized_ == 0) {  // nothing quantized yet: no rows, a neutral calibration
+    c.k.offset.assign(sz(n_k_), 0), c.v.offset.assign(sz(n_v_), 0);
+    return c;
+  }
   for (int s = 0; s < 2; ++s) {
     VqSideCodes& side = s == 0 ? c.k : c.v;
     const Side& q = s == 0 ? kq_ : vq_;

@@ -236,4 +236,48 @@ TEST(VqChain, PredictionLowersTheCodedSizeOnTheRealModel) {
   EXPECT_LT(err_chain, 0.7 * err_plain);
 }
 
+// Before calibration nothing is quantized: the record is empty and decodes to no rows, the exact
+// tokens are billed at 4 bytes an element; two sequences chain and decode bit for bit; trimming into
+// the calibration forgets it and the next tokens calibrate again.
+TEST(VqChain, EmptyBatchedAndTrimmedCaches) {
+  vq::Transformer model{vq::Checkpoint::load(vqtest::model_path())};
+  auto caches = vq::make_caches("vq:bits=2,predict=on,calib=16", model);
+  std::mt19937 rng(5);
+  std::normal_distribution<float> nd;
+  const auto chunk = [&](int tokens) {
+    std::vector<float> v(2 * 4 * sz(tokens) * 8);
+    for (auto& x : v) x = nd(rng);
+    return Tensor::from_f32({2, 4, tokens, 8}, v);
+  };
+  std::vector<Tensor> ks, vs;
+  for (std::size_t l = 0; l < caches.size(); ++l) ks.push_back(chunk(10)), vs.push_back(chunk(10));
+  for (std::size_t l = 0; l < caches.size(); ++l) caches[l]->update(ks[l], vs[l]);
+  const auto* c0 = dynamic_cast<const vq::VqChainKVCache*>(caches[0].get());
+  ASSERT_NE(c0, nullptr);
+  EXPECT_EQ(c0->quantized_tokens(), 0);
+  const auto empty = c0->encode();
+  EXPECT_EQ(c0->stored_bytes().estimated_bytes, static_cast<double>(empty.size()) + 10.0 * 2 * 4 * 16 * 4);
+  const auto d = vq::vq_chain_decode(empty, c0->layer_model(), c0->predictor(), nullptr, 1u << 20);
+  EXPECT_EQ(d.state.keys.dim(2), 0);
+  for (std::size_t l = 0; l < caches.size(); ++l) caches[l]->update(chunk(20), chunk(20));
+  std::vector<vq::VqChainDecoded> dec;
+  for (std::size_t l = 0; l < caches.size(); ++l) {
+    const auto& c = dynamic_cast<const vq::VqChainKVCache&>(*caches[l]);
+    ASSERT_EQ(c.quantized_tokens(), 30);
+    dec.push_back(vq::vq_chain_decode(c.encode(), c.layer_model(), c.predictor(), l > 0 ? &dec[l - 1] : nullptr, 1u << 20));
+    const auto st = c.state();
+    for (std::int64_t b = 0; b < 2; ++b)
+      for (std::int64_t h = 0; h < 4; ++h)
+        for (std::int64_t t = 0; t < 30; ++t) {
+          ASSERT_EQ(std::memcmp(dec.back().state.keys.row(b, h, t), st.keys.row(b, h, t), 8 * sizeof(float)), 0) << l << " " << b << " " << t;
+          ASSERT_EQ(std::memcmp(dec.back().state.values.row(b, h, t), st.values.row(b, h, t), 8 * sizeof(float)), 0) << l << " " << b << " " << t;
+        }
+  }
+  for (auto& c : caches) EXPECT_EQ(c->trim(20), 20);
+  EXPECT_EQ(c0->quantized_tokens(), 0);
+  EXPECT_EQ(caches[0]->offset(), 10);
+  for (auto& c : caches) c->update(chunk(8), chunk(8));
+  EXPECT_EQ(c0->quantized_tokens(), 18);
+}
+
 }  // namespace
