@@ -58,7 +58,8 @@ std::string lower(std::string s) {
 
 // The slot image's buffers (format/llama_state_image.hpp) kept between restores, at most: 256 MiB
 // holds a 2,048-token prefix of a 7B-shaped model's F16 cache (32 layers x 8 KV heads of 128, 128
-// KiB a token), or 21,845 tokens of bench prompt-cache's realistic shape (12 KiB a token).
+// KiB a token), or 21,845 tokens of bench prompt-cache's realistic shape (12 KiB a token). Shared
+// by the slots: each keeps at most its share.
 constexpr std::size_t kKeepImageBytes = std::size_t{256} << 20;
 
 struct PromptCacheProxy::Impl {
@@ -78,31 +79,48 @@ struct PromptCacheProxy::Impl {
   std::unique_ptr<KVStore> store;
   LlamaStateModel shape;
   LlamaState layout;                // the server's slot files: type, V layout, streams (no layers)
-  std::unique_ptr<LlamaStateImage> image;  // restores decode into it (made with the first; one slot at a time)
-  std::vector<std::int32_t> slot_tokens;  // what the slot holds, as last saved or restored by us
-  // One request through the cache at a time, from its lookup until its slot is stored: a gate any
-  // thread may open (the storing runs on a thread of its own after the reply went out).
-  std::mutex gate_mu;
-  std::condition_variable gate_cv;
-  bool gate_busy = false;
-  struct Pass {  // holds the gate; opens it when the last holder lets go
+  // The server slots the cache uses. A request through the cache leases one (the free slot whose
+  // tokens share the longest prefix with its prompt) from before its restore until its slot is
+  // stored (on a thread of its own, after the reply went out).
+  struct Slot {
+    int id = 0;
+    std::vector<std::int32_t> tokens;        // what the slot holds, as last saved or restored by us
+    std::unique_ptr<LlamaStateImage> image;  // restores into this slot decode into it (made with the first)
+    bool busy = false;
+  };
+  std::vector<Slot> slots;
+  std::mutex slots_mu;
+  std::condition_variable slots_cv;
+  bool warming = false;  // the layer models are being built: no lease until they are
+  // The store and the model's caches: one load or put at a time.
+  std::mutex store_mu;
+  struct Lease {  // holds a slot; gives it back when the last holder lets go
     Impl& m;
-    explicit Pass(Impl& impl) : m(impl) {
-      std::unique_lock<std::mutex> l(m.gate_mu);
-      m.gate_cv.wait(l, [&] { return !m.gate_busy; });
-      m.gate_busy = true;
-    }
-    ~Pass() {
-      {
-        std::lock_guard<std::mutex> l(m.gate_mu);
-        m.gate_busy = false;
+    Slot* slot;
+    Lease(Impl& impl, const std::vector<int>& tokens) : m(impl), slot(nullptr) {
+      std::unique_lock<std::mutex> l(m.slots_mu);
+      m.slots_cv.wait(l, [&] { return !m.warming && std::any_of(m.slots.begin(), m.slots.end(), [](const Slot& s) { return !s.busy; }); });
+      std::size_t best = 0;
+      for (auto& s : m.slots) {
+        if (s.busy) continue;
+        const std::size_t shared = common_prefix(s.tokens, tokens);
+        if (!slot || shared > best) slot = &s, best = shared;
       }
-      m.gate_cv.notify_all();
+      slot->busy = true;
+    }
+    ~Lease() {
+      {
+        std::lock_guard<std::mutex> l(m.slots_mu);
+        slot->busy = false;
+      }
+      m.slots_cv.notify_all();
     }
   };
-  // The last storing thread (it holds a Pass while it runs); joined by the next and at the end.
+  // Tasks run after a reply (storing a slot), each on a detached thread of its own; counted so that
+  // wait_idle and the destructor can wait for them.
   std::mutex afters_mu;
-  std::thread after_thread;
+  std::condition_variable afters_cv;
+  int afters = 0;
   httplib::Server server;
   int bound_port = 0;
 
@@ -114,6 +132,8 @@ struct PromptCacheProxy::Impl {
             "--slot-dir {}: not a directory (give the llama-server's --slot-save-path)", o.slot_dir);
     require(o.chunk_tokens >= 1 && o.chunk_tokens <= 1 << 20, "--chunk-tokens {} is not in 1..2^20", o.chunk_tokens);
     require(o.slot >= 0, "--slot {} must be >= 0", o.slot);
+    require(o.slots >= 1 && o.slots <= 1024, "--slots {} is not in 1..1024", o.slots);
+    for (int i = 0; i < o.slots; ++i) slots.emplace_back().id = o.slot + i;
     require(!o.levels.empty(), "--levels: give at least one method spec");
     for (auto& l : o.levels) l = MethodSpec::parse(l).to_string();
     if (!o.log) o.log = [](const std::string& line) { fmt::print(stderr, "veloxquant prompt-cache: {}\n", line); };
@@ -147,27 +167,35 @@ struct PromptCacheProxy::Impl {
 
   // `vq` levels with the model's basis build each layer's model once per process (an eigen-
   // decomposition per layer: 18.7 s for issue 30's realistic shape, 12 layers of 768). Built now, on
-  // the storing thread and holding the gate, so the first request after a start waits for it
-  // rather than paying it unannounced in its time to first token; passthrough routes are served
-  // meanwhile.
+  // a thread of its own, and no slot is leased until they are, so the first request after a start
+  // waits for it rather than paying it unannounced in its time to first token; passthrough routes
+  // are served meanwhile.
   void warm_layer_models() {
     std::vector<std::string> vq_levels;
     if (!model) return;  // no weights: nothing to build ahead (a profile's layers are cheap)
     for (const auto& l : o.levels)
       if (MethodSpec::parse(l).kind == MethodSpec::Kind::Vq) vq_levels.push_back(l);
     if (vq_levels.empty()) return;
-    later(
-        [this, vq_levels] {
-          const auto t = std::chrono::steady_clock::now();
-          try {
-            for (const auto& l : vq_levels) (void)make_caches(l, *model);
-            o.log(fmt::format("vq layer models of {} built in {:.0f} ms (once per start)", fmt::join(vq_levels, "; "),
-                              std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t).count()));
-          } catch (const std::exception& e) {
-            o.log(fmt::format("building the vq layer models failed ({}); the first request builds them", e.what()));
-          }
-        },
-        std::make_shared<Pass>(*this));
+    {
+      std::lock_guard<std::mutex> l(slots_mu);
+      warming = true;
+    }
+    later([this, vq_levels] {
+      const auto t = std::chrono::steady_clock::now();
+      try {
+        std::lock_guard<std::mutex> g(store_mu);
+        for (const auto& l : vq_levels) (void)make_caches(l, *model);
+        o.log(fmt::format("vq layer models of {} built in {:.0f} ms (once per start)", fmt::join(vq_levels, "; "),
+                          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t).count()));
+      } catch (const std::exception& e) {
+        o.log(fmt::format("building the vq layer models failed ({}); the first request builds them", e.what()));
+      }
+      {
+        std::lock_guard<std::mutex> l(slots_mu);
+        warming = false;
+      }
+      slots_cv.notify_all();
+    });
   }
 
   static const std::string& require_file(const std::string& path) {
@@ -190,13 +218,13 @@ struct PromptCacheProxy::Impl {
     return serve_detail::post_json(c, o.upstream, route, body);
   }
 
-  std::string slot_route(const char* action) const { return fmt::format("/slots/{}?action={}", o.slot, action); }
-  std::string slot_file(const char* what) const { return fmt::format("veloxquant-{}-slot{}.bin", what, o.slot); }
-  std::string slot_path(const char* what) const { return (std::filesystem::path(o.slot_dir) / slot_file(what)).string(); }
+  static std::string slot_route(int id, const char* action) { return fmt::format("/slots/{}?action={}", id, action); }
+  static std::string slot_file(const char* what, int id) { return fmt::format("veloxquant-{}-slot{}.bin", what, id); }
+  std::string slot_path(const char* what, int id) const { return (std::filesystem::path(o.slot_dir) / slot_file(what, id)).string(); }
 
-  LlamaState save_slot() {
-    post(slot_route("save"), {{"filename", slot_file("saved")}});
-    return load_llama_state(slot_path("saved"), shape);
+  LlamaState save_slot(int id) {
+    post(slot_route(id, "save"), {{"filename", slot_file("saved", id)}});
+    return load_llama_state(slot_path("saved", id), shape);
   }
 
   // The server's slot layout, from a one-token prompt (nothing predicted) saved from the slot (then
@@ -204,14 +232,47 @@ struct PromptCacheProxy::Impl {
   void probe_layout() {
     try {
       post("/completion", {{"prompt", "a"}, {"n_predict", 0}, {"id_slot", o.slot}, {"cache_prompt", true}, {"temperature", 0}});
-      layout = save_slot();
+      layout = save_slot(o.slot);
     } catch (const FormatError& e) {
       throw FormatError(fmt::format("the slot llama-server saved does not fit {} ({}): give the GGUF the server runs", o.model, e.what()));
     }
     layout.layers.clear();
     layout.tokens.clear();
-    post(slot_route("erase"), json::object());
-    slot_tokens.clear();
+    post(slot_route(o.slot, "erase"), json::object());
+    // Every slot the cache is to use must exist (GET /slots lists them; a server started with
+    // --no-slots lists none, and a missing slot then fails its first restore, served by recompute).
+    if (const auto ids = server_slots(); !ids.empty())
+      for (const Slot& sl : slots)
+        if (std::find(ids.begin(), ids.end(), sl.id) == ids.end())
+          throw InvalidArgument(fmt::format("--slot {} --slots {}: the server at {} has no slot {} (it has {}; start llama-server with -np {})",
+                                            o.slot, o.slots, o.upstream, sl.id, ids.size(), o.slot + o.slots));
+  }
+
+  // The slots GET /slots lists: their ids (empty when the server lists none or answers otherwise)
+  // and what each holds (n_prompt_tokens).
+  std::vector<std::pair<int, int>> slot_list() const {
+    auto c = client();
+    httplib::Request get;
+    get.method = "GET";
+    get.path = "/slots";
+    const auto r = serve_detail::send_bounded(c, std::move(get), kMaxBodyBytes);
+    std::vector<std::pair<int, int>> out;
+    if (r.error != httplib::Error::Success || r.status != 200) return out;
+    try {
+      const json j = json::parse(r.body);
+      if (!j.is_array()) return out;
+      for (const auto& sl : j)
+        if (sl.is_object() && sl.contains("id") && sl["id"].is_number_integer())
+          out.emplace_back(sl["id"].get<int>(), sl.value("n_prompt_tokens", 0));
+    } catch (const json::exception&) {
+      out.clear();
+    }
+    return out;
+  }
+  std::vector<int> server_slots() const {
+    std::vector<int> ids;
+    for (const auto& [id, n] : slot_list()) ids.push_back(id);
+    return ids;
   }
 
   std::vector<int> tokenize(const json& prompt) const {
@@ -230,27 +291,18 @@ struct PromptCacheProxy::Impl {
     return n;
   }
 
-  // How many tokens the server's slot holds now (GET /slots: n_prompt_tokens; 0 when it has run no
+  // How many tokens server slot `id` holds now (GET /slots: n_prompt_tokens; 0 when it has run no
   // task, e.g. after a restart, or when /slots is off): what we last saved or restored is trusted
   // only up to that.
-  std::size_t slot_holds() const {
-    auto c = client();
-    httplib::Request get;
-    get.method = "GET";
-    get.path = "/slots";
-    const auto r = serve_detail::send_bounded(c, std::move(get), kMaxBodyBytes);
-    if (r.error != httplib::Error::Success || r.status != 200) return 0;
-    try {
-      for (const auto& s : json::parse(r.body))
-        if (s.is_object() && s.value("id", -1) == o.slot) return static_cast<std::size_t>(std::max(0, s.value("n_prompt_tokens", 0)));
-    } catch (const json::exception&) {
-    }
+  std::size_t slot_holds(int id) const {
+    for (const auto& [sid, n] : slot_list())
+      if (sid == id) return static_cast<std::size_t>(std::max(0, n));
     return 0;
   }
 
   // Steps 2-3: the stored prefix of `tokens` into the slot when it beats what the slot holds.
-  void restore(const std::vector<int>& tokens, PromptCacheEvent& ev) {
-    const std::size_t held = std::min(common_prefix(slot_tokens, tokens), slot_holds());
+  void restore(const std::vector<int>& tokens, Slot& slot, PromptCacheEvent& ev) {
+    const std::size_t held = std::min(common_prefix(slot.tokens, tokens), slot_holds(slot.id));
     // The most a load can give (whole chunks, the last token left to the server): when the slot
     // holds that much already, nothing is fetched or decoded.
     const std::size_t chunk = static_cast<std::size_t>(o.chunk_tokens);
@@ -264,12 +316,16 @@ struct PromptCacheProxy::Impl {
     if (!profiles.empty()) lo.vq_models = vq_profile_models(profiles, model ? chunk_vq_models(*model) : VqLayerModelSource{});
     // The chunks decode straight into the slot file's layout (format/llama_state_image.hpp), in
     // buffers kept from one restore to the next: no float32 copy of the prefix, no new pages.
+    auto& image = slot.image;
     if (!image) image = std::make_unique<LlamaStateImage>(layout, shape);
     auto& caches = image->begin(static_cast<std::int64_t>(tokens.size()));
     std::vector<std::string> warnings;
     const auto warn = [&](const std::string& w) { warnings.push_back(w); };
-    const LoadReport rep = model ? load_prefix(*store, *model, caches, tokens, lo, warn)
-                                 : load_prefix(*store, ChunkShape{kv_heads, head_size}, caches, tokens, lo, warn);
+    LoadReport rep;
+    {
+      std::lock_guard<std::mutex> g(store_mu);
+      rep = model ? load_prefix(*store, *model, caches, tokens, lo, warn) : load_prefix(*store, ChunkShape{kv_heads, head_size}, caches, tokens, lo, warn);
+    }
     ev.load_ms = rep.load_ms;
     for (const auto& w : warnings) o.log(w);
     const auto t_write = std::chrono::steady_clock::now();
@@ -282,24 +338,24 @@ struct PromptCacheProxy::Impl {
     // not through core/atomic_file.hpp, whose fsync would put tens of MB of disk writes on the hit
     // path).
     const std::span<const std::int32_t> restored(tokens.data(), reused);
-    image->write(slot_path("restore"), restored);
+    image->write(slot_path("restore", slot.id), restored);
     const auto t_restore = std::chrono::steady_clock::now();
     ev.write_ms = std::chrono::duration<double, std::milli>(t_restore - t_write).count();
     try {
-      const json r = post(slot_route("restore"), {{"filename", slot_file("restore")}});
+      const json r = post(slot_route(slot.id, "restore"), {{"filename", slot_file("restore", slot.id)}});
       const auto n = r.value("n_restored", -1);
       require(n == static_cast<long>(reused), "the server restored {} tokens of {}", n, reused);
     } catch (...) {
-      slot_tokens.clear();
+      slot.tokens.clear();
       try {
-        post(slot_route("erase"), json::object());
+        post(slot_route(slot.id, "erase"), json::object());
       } catch (...) {
       }
       throw;
     }
-    slot_tokens.assign(restored.begin(), restored.end());
+    slot.tokens.assign(restored.begin(), restored.end());
     // Kept for the next restore up to a bound: a longer prefix's buffers go back once it is restored.
-    if (image->nbytes() > kKeepImageBytes) image->release();
+    if (image->nbytes() > kKeepImageBytes / slots.size()) image->release();
     ev.restored_tokens = static_cast<int>(reused);
     ev.restore_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t_restore).count();
     std::vector<std::pair<std::string, int>> levels;  // level, chunks, in order of first use
@@ -312,22 +368,23 @@ struct PromptCacheProxy::Impl {
     for (const auto& [l, n] : levels) at += fmt::format("{}{} x{}", at.empty() ? "" : ", ", l, n);
     double fetch_ms = 0, decode_ms = 0;  // summed over the chunks (decoders overlap the fetches and each other)
     for (const auto& c : rep.chunks) fetch_ms += c.fetch_ms, decode_ms += c.decode_ms;
-    ev.note = fmt::format("{} chunks of {} tokens from the store ({}); load {:.0f} ms (chunks' fetch {:.0f} ms, decode {:.0f} ms, summed), "
+    ev.note = fmt::format("slot {}: {} chunks of {} tokens from the store ({}); load {:.0f} ms (chunks' fetch {:.0f} ms, decode {:.0f} ms, summed), "
                           "slot file {:.0f} ms, server restore {:.0f} ms",
-                          rep.chunks.size(), o.chunk_tokens, at, ev.load_ms, fetch_ms, decode_ms, ev.write_ms, ev.restore_ms);
+                          slot.id, rep.chunks.size(), o.chunk_tokens, at, ev.load_ms, fetch_ms, decode_ms, ev.write_ms, ev.restore_ms);
   }
 
   // Step 5: the slot's whole chunks into the store (those stored already are skipped by put).
-  void store_slot(PromptCacheEvent& ev) {
-    LlamaState st = save_slot();
+  void store_slot(Slot& slot, PromptCacheEvent& ev) {
+    LlamaState st = save_slot(slot.id);
     const std::size_t n = std::min<std::size_t>(st.tokens.size(), static_cast<std::size_t>(st.cells()));
-    slot_tokens = st.tokens;
+    slot.tokens = st.tokens;
     if (n < static_cast<std::size_t>(o.chunk_tokens)) return;
     std::vector<KVState> exact;
     for (const auto& l : st.layers)
       exact.push_back({l.keys.slice(2, 0, static_cast<std::int64_t>(n)).to(DType::F32), l.values.slice(2, 0, static_cast<std::int64_t>(n)).to(DType::F32)});
     const ChunkScheme scheme{.model_fingerprint = fingerprint, .chunk_tokens = o.chunk_tokens, .levels = o.levels};
     const std::vector<int> toks(st.tokens.begin(), st.tokens.begin() + static_cast<std::ptrdiff_t>(n));
+    std::lock_guard<std::mutex> g(store_mu);
     const PutReport put = model ? put_context(*store, *model, scheme, toks, exact)
                                 : put_context(*store, [this](const std::string& level) { return make_caches(MethodSpec::parse(level), description); },
                                               scheme, toks, exact);
@@ -335,50 +392,39 @@ struct PromptCacheProxy::Impl {
     ev.stored_bytes = put.bytes_written;
   }
 
-  // Steps 1-3 for a completion body (chat: its messages, through the server's own chat template,
-  // POST /apply-template); the body to forward (id_slot, cache_prompt set when cached).
-  std::string before(const std::string& body, bool chat, PromptCacheEvent& ev, bool& cached) {
-    cached = false;
-    json req;
+  // Step 1 for a completion body (chat: its messages, through the server's own chat template, POST
+  // /apply-template): its JSON and tokens, or false (the reason in ev.note) when the cache passes it
+  // through as it is.
+  bool prepare(const std::string& body, bool chat, PromptCacheEvent& ev, json& req, std::vector<int>& tokens) {
     try {
       req = json::parse(body);
     } catch (const json::exception&) {
       ev.note = "the request is not JSON: passed through";
-      return body;
+      return false;
     }
     if (!req.is_object() || !req.contains(chat ? "messages" : "prompt")) {
       ev.note = chat ? "no messages: passed through" : "no prompt: passed through";
-      return body;
+      return false;
     }
-    std::vector<int> tokens;
     try {
       tokens = tokenize(chat ? post("/apply-template", req).at("prompt") : req["prompt"]);
     } catch (const std::exception& e) {
       ev.note = fmt::format("tokenizing failed ({}): passed through", e.what());
-      return body;
+      return false;
     }
     if (tokens.empty()) {
       ev.note = "a prompt the cache does not key (several prompts or mixed content): passed through";
-      return body;
+      return false;
     }
     ev.prompt_tokens = static_cast<int>(tokens.size());
-    try {
-      restore(tokens, ev);
-    } catch (const std::exception& e) {
-      ev.note = fmt::format("restoring from the store failed ({}): the server computes the prompt", e.what());
-      ev.restored_tokens = 0;
-    }
-    req["id_slot"] = o.slot;
-    req["cache_prompt"] = true;
-    cached = true;
-    return req.dump();
+    return true;
   }
 
-  void after(PromptCacheEvent& ev) {
+  void after(Slot& slot, PromptCacheEvent& ev) {
     try {
-      store_slot(ev);
+      store_slot(slot, ev);
     } catch (const std::exception& e) {
-      slot_tokens.clear();
+      slot.tokens.clear();
       ev.note += (ev.note.empty() ? "" : "; ") + fmt::format("storing the slot failed ({}): nothing stored lost", e.what());
     }
   }
@@ -402,9 +448,9 @@ struct PromptCacheProxy::Impl {
 
   // Forwards `req` with `body`; a streaming reply goes back chunk by chunk, then `done` runs; a
   // whole reply is copied and `done` runs on a thread of its own, after the reply went out. `pass`
-  // (the cache gate, or null) is held until `done` has run.
+  // (the request's slot lease, or null) is held until `done` has run.
   void forward(const httplib::Request& req, httplib::Response& res, const std::string& body, std::function<void()> done,
-               std::shared_ptr<Pass> pass) {
+               std::shared_ptr<void> pass) {
     bool stream = false;
     if (!body.empty() && body.find("\"stream\"") != std::string::npos) {
       try {
@@ -470,22 +516,35 @@ struct PromptCacheProxy::Impl {
         });
   }
 
-  // Runs `done` on a thread of its own, holding `pass` (the next request through the cache waits for
-  // it). The previous such thread has let its pass go before this request got one, so joining it
-  // here is immediate.
-  void later(std::function<void()> done, std::shared_ptr<Pass> pass) {
-    std::lock_guard<std::mutex> g(afters_mu);
-    if (after_thread.joinable()) after_thread.join();
-    after_thread = std::thread([done = std::move(done), pass = std::move(pass)]() mutable {
+  // Runs `done` on a detached thread of its own, holding `pass` (a request's slot lease, or null):
+  // counted, so that wait_idle and the destructor wait for it.
+  void later(std::function<void()> done, std::shared_ptr<void> pass = nullptr) {
+    {
+      std::lock_guard<std::mutex> g(afters_mu);
+      ++afters;
+    }
+    std::thread([this, done = std::move(done), pass = std::move(pass)]() mutable {
       done();
       pass.reset();
-    });
+      std::lock_guard<std::mutex> g(afters_mu);  // notified under the lock: the destructor cannot pass its wait before this thread is done with the Impl
+      --afters;
+      afters_cv.notify_all();
+    }).detach();
+  }
+
+  // Until no slot is leased and no task runs after a reply.
+  void wait_idle() {
+    {
+      std::unique_lock<std::mutex> l(slots_mu);
+      slots_cv.wait(l, [&] { return !warming && std::none_of(slots.begin(), slots.end(), [](const Slot& sl) { return sl.busy; }); });
+    }
+    std::unique_lock<std::mutex> l(afters_mu);
+    afters_cv.wait(l, [&] { return afters == 0; });
   }
 
   ~Impl() {
     server.stop();
-    std::lock_guard<std::mutex> g(afters_mu);
-    if (after_thread.joinable()) after_thread.join();
+    wait_idle();
   }
 
   void handle(const httplib::Request& req, httplib::Response& res, bool cacheable, bool chat = false) {
@@ -496,15 +555,22 @@ struct PromptCacheProxy::Impl {
       return;
     }
     if (!cacheable || req.method != "POST") return forward(req, res, req.body, {}, nullptr);
-    auto pass = std::make_shared<Pass>(*this);
     auto ev = std::make_shared<PromptCacheEvent>();
-    bool cached = false;
-    const std::string body = before(req.body, chat, *ev, cached);
-    const auto done = [this, ev, cached] {
-      if (cached) after(*ev);
-      report(*ev);
-    };
-    forward(req, res, body, done, std::move(pass));
+    json body;
+    std::vector<int> tokens;
+    if (!prepare(req.body, chat, *ev, body, tokens)) return forward(req, res, req.body, [this, ev] { report(*ev); }, nullptr);
+    // A slot of its own until its slot is stored (after the reply): requests run side by side, one per slot.
+    auto lease = std::make_shared<Lease>(*this, tokens);
+    Slot& slot = *lease->slot;
+    try {
+      restore(tokens, slot, *ev);
+    } catch (const std::exception& e) {
+      ev->note = fmt::format("restoring from the store failed ({}): the server computes the prompt", e.what());
+      ev->restored_tokens = 0;
+    }
+    body["id_slot"] = slot.id;
+    body["cache_prompt"] = true;
+    forward(req, res, body.dump(), [this, ev, &slot] { after(slot, *ev), report(*ev); }, std::move(lease));
   }
 };
 
@@ -543,6 +609,6 @@ void PromptCacheProxy::serve() { impl_->server.listen_after_bind(); }
 
 void PromptCacheProxy::stop() { impl_->server.stop(); }
 
-void PromptCacheProxy::wait_idle() { Impl::Pass pass(*impl_); }
+void PromptCacheProxy::wait_idle() { impl_->wait_idle(); }
 
 }  // namespace vq

@@ -32,7 +32,11 @@ Runner add_prompt_cache(CLI::App& app) {
   app.add_option("--store", o->p.store, "the store (file:DIR, redis://..., redis-cluster://...; see `store --help`)")->capture_default_str();
   app.add_option("--levels", o->levels, "what a put stores: method specs separated by ';'")->capture_default_str();
   app.add_option("--chunk-tokens", o->p.chunk_tokens, "tokens per stored chunk")->capture_default_str()->check(CLI::Range(1, 1 << 20));
-  app.add_option("--slot", o->p.slot, "the server slot the cache restores into")->capture_default_str()->check(CLI::Range(0, 1 << 16));
+  app.add_option("--slot", o->p.slot, "the first server slot the cache restores into")->capture_default_str()->check(CLI::Range(0, 1 << 16));
+  app.add_option("--slots", o->p.slots,
+                 "server slots the cache uses, from --slot on: requests through the cache run side by side, one per slot (start llama-server with -np covering them)")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 1024));
   return [o] {
     const auto colon = o->listen.rfind(':');
     vq::require(colon != std::string::npos && colon > 0, "--listen {}: give it as HOST:PORT", o->listen);

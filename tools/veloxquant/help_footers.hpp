@@ -66,7 +66,7 @@ inline const std::map<std::string, HelpText>& help_texts() {
                    "veloxquant convert ../shared/models/stories260K.bin --tokenizer ../shared/models/tok512.bin -o stories260K.gguf"}},
       {"methods", {"veloxquant methods [--json]", "veloxquant methods --json"}},
       {"prompt-cache", {"veloxquant prompt-cache --upstream http://HOST:PORT --model M.gguf --slot-dir DIR [--listen HOST:PORT] "
-                        "[--store URL] [--levels LIST] [--chunk-tokens C] [--slot N]",
+                        "[--store URL] [--levels LIST] [--chunk-tokens C] [--slot N] [--slots K]",
                         "veloxquant prompt-cache --upstream http://127.0.0.1:8080 --model m.gguf --slot-dir /tmp/slots --store file:./cache"}},
       {"tokenize", {"veloxquant tokenize [--model M] [--tokenizer T] (--text F | --prompt TEXT) [--bos] [--json]",
                     "veloxquant tokenize --prompt 'Once upon a time' --bos"}},

@@ -4,7 +4,10 @@
 // - The proxy listens on 127.0.0.1 and forwards every request to the llama-server at `upstream`,
 //   unchanged (streaming included). Completion requests with a prompt (POST /completion,
 //   /completions, /v1/completions, and chat: /chat/completions, /v1/chat/completions) also go through
-//   the cache, one at a time, on one slot:
+//   the cache, each on a server slot of its own (`slots` of them, from `slot` on; the server's -np
+//   must cover them): a request takes the free slot whose tokens share the longest prefix with its
+//   prompt (waiting while every slot is busy) and holds it until its slot is stored, so requests run
+//   side by side, one per slot; the store sees one load or put at a time:
 //   1. the prompt's tokens (the server's own /tokenize; chat messages through its /apply-template);
 //   2. the longest stored prefix of them, in whole chunks (store/prefix_loader.hpp: a hash chain
 //      over token chunks, per chunk the best level stored; the loader never recomputes here: what
@@ -38,7 +41,8 @@ struct PromptCacheOptions {
   std::string store = "file:./.vqkv-store";
   std::vector<std::string> levels{"vq:bits=2"};  // what a put stores (canonical method specs)
   int chunk_tokens = 256;
-  int slot = 0;                           // the server slot the cache restores into
+  int slot = 0;                           // the first server slot the cache restores into
+  int slots = 1;                          // slots it uses: slot .. slot + slots - 1 (one request each)
   std::function<void(const std::string&)> log;  // one line per request and per fault (stderr when unset)
 };
 
@@ -68,7 +72,7 @@ class PromptCacheProxy {
   void serve();
   void stop();
   // Waits until no request is in the cache and nothing is being stored (a request's slot is stored
-  // after its reply went out): for benchmarks and tests that time the next request alone.
+  // after its reply went out), on every slot: for benchmarks and tests that time the next request alone.
   void wait_idle();
 
  private:
