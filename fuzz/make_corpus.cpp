@@ -20,6 +20,7 @@
 #include "veloxquant/peers/lmcache_cache.hpp"
 #include "veloxquant/vq/profile.hpp"
 #include "veloxquant/vq/vq_cache.hpp"
+#include "veloxquant/vq/vq_chain.hpp"
 #include "veloxquant/methods/method_spec.hpp"
 #include "veloxquant/store/prefix_chunks.hpp"
 #include "cachegen_paper_fuzz_profile.hpp"
@@ -433,5 +434,50 @@ int main(int argc, char** argv) {
   store_blob_seeds(root);
   vq_profile_seeds(root);
   std::printf("corpus written under %s\n", root.c_str());
+  // Chained vq layers (fuzz_vq_chain): records of a first and a second layer, 1 sequence x 40
+  // tokens of 2 KV heads of 4 under the identity, at 2 and 6 bits (predictors fitted on the same
+  // kind of data the target fits its own on); a cut and a flipped copy of each; a first layer's
+  // record before calibration (no rows); a plain vq layer (no record tag).
+  {
+    const auto vc = root / "fuzz_vq_chain";
+    auto layer = std::make_shared<vq::VqLayerModel>(vq::make_vq_identity_layer(2, 4));
+    std::mt19937 crng(11);
+    std::normal_distribution<float> nd;
+    std::vector<std::vector<vq::KVState>> samples;
+    for (int s = 0; s < 2; ++s) {
+      std::vector<vq::KVState> layers;
+      std::vector<float> prev(8 * 40);
+      for (int l = 0; l < 2; ++l) {
+        std::vector<float> k(8 * 40), v(8 * 40);
+        for (std::size_t i = 0; i < k.size(); ++i) k[i] = nd(crng) + (l > 0 ? 0.5f * prev[i] : 0.0f), v[i] = 0.7f * k[i] + 0.3f * nd(crng);
+        std::copy(k.begin(), k.end(), prev.begin());
+        layers.push_back({vq::Tensor::from_f32({1, 2, 40, 4}, k), vq::Tensor::from_f32({1, 2, 40, 4}, v)});
+      }
+      samples.push_back(std::move(layers));
+    }
+    const auto pred = vq::fit_vq_chain(samples, {layer, layer});
+    int i = 0;
+    for (double bits : {2.0, 6.0}) {
+      vq::VqConfig cfg;
+      cfg.bits = bits;
+      cfg.calib = 8;
+      auto c0 = std::make_shared<vq::VqChainKVCache>(cfg, layer, std::make_shared<vq::VqChainPredictor>(pred[0]), nullptr);
+      auto c1 = std::make_shared<vq::VqChainKVCache>(cfg, layer, std::make_shared<vq::VqChainPredictor>(pred[1]), c0);
+      c0->update(samples[1][0].keys, samples[1][0].values);
+      c1->update(samples[1][1].keys, samples[1][1].values);
+      for (const auto& b : {c0->encode(), c1->encode()}) {
+        write_seeds(vc, i, b, b.size() / 2, b.size() - 3, 0x20);
+        ++i;
+      }
+    }
+    vq::VqConfig cfg;
+    cfg.calib = 64;
+    vq::VqChainKVCache early(cfg, layer, std::make_shared<vq::VqChainPredictor>(pred[0]), nullptr);
+    early.update(samples[0][0].keys, samples[0][0].values);
+    write(vc, "uncalibrated", early.encode());
+    vq::VqKVCache plain(cfg);
+    plain.update(samples[0][0].keys, samples[0][0].values);
+    write(vc, "plain_vq_layer", plain.encode());
+  }
   return 0;
 }

@@ -239,7 +239,7 @@ std::vector<float> input_steps(int n_own_k, float own_k_step, int prev_k, float 
 
 struct VqChainWeightMemo {
   std::mutex mu;
-  std::map<std::array<int, 4>, std::unique_ptr<const std::vector<float>>> weights;
+  std::map<std::array<int, 4>, std::shared_ptr<const std::vector<float>>> weights;
 };
 
 namespace {
@@ -255,18 +255,19 @@ float bin_step(int bin) {
 }
 }  // namespace
 
-const std::vector<float>& VqChainPredictor::weights(int side, float own_k_step, float prev_k_step, float prev_v_step) const {
+std::shared_ptr<const std::vector<float>> VqChainPredictor::weights(int side, float own_k_step, float prev_k_step, float prev_v_step) const {
   require(memo != nullptr, "vq chained layer: a predictor without its memo (make it with fit_vq_chain)");
   const std::array<int, 4> key{side, side == 1 ? step_bin(own_k_step) : 0, n_prev > 0 ? step_bin(prev_k_step) : 0, n_prev > 0 ? step_bin(prev_v_step) : 0};
   std::lock_guard<std::mutex> lock(memo->mu);
+  if (memo->weights.size() >= kVqChainMemo && !memo->weights.contains(key)) memo->weights.clear();  // holders keep theirs
   auto& slot = memo->weights[key];
   if (!slot) {
     const float ks = bin_step(key[1]), pks = bin_step(key[2]), pvs = bin_step(key[3]);
-    slot = std::make_unique<const std::vector<float>>(
+    slot = std::make_shared<const std::vector<float>>(
         side == 0 ? vq_chain_weights(k_moments, k_cross, n_prev, n_k, rows, input_steps(0, 0, n_prev_k, pks, n_prev - n_prev_k, pvs))
                   : vq_chain_weights(v_moments, v_cross, n_k + n_prev, n_v, rows, input_steps(n_k, ks, n_prev_k, pks, n_prev - n_prev_k, pvs)));
   }
-  return *slot;
+  return slot;
 }
 
 VqChainKVCache::VqChainKVCache(VqConfig config, std::shared_ptr<const VqLayerModel> layer, std::shared_ptr<const VqChainPredictor> predictor,
@@ -287,7 +288,7 @@ void VqChainKVCache::forget() {
   calibrated_ = false;
   quantized_ = 0;
   kq_ = {}, vq_ = {};
-  k_weights_ = v_weights_ = nullptr;
+  k_weights_.reset(), v_weights_.reset();
   codes_k_.clear(), codes_v_.clear(), yhat_.clear();
   encoded_at_ = -1;
 }
@@ -330,8 +331,7 @@ std::pair<Tensor, Tensor> VqChainKVCache::update_and_fetch(const Tensor& keys, c
 
   // --- compute (a refusal leaves the cache unchanged) ---
   Side nk = kq_, nv = vq_;
-  const std::vector<float>* kwp = k_weights_;  // the predictor's weights for this cache's steps (set at calibration)
-  const std::vector<float>* vwp = v_weights_;
+  std::shared_ptr<const std::vector<float>> kwp = k_weights_, vwp = v_weights_;  // the weights for this cache's steps (set at calibration)
   const std::int64_t count = q1 - q0;
   const int n = n_k_ + n_v_, np = pred_->n_prev;
   std::vector<std::vector<std::int16_t>> ck(sz(B)), cv(sz(B));
@@ -364,7 +364,7 @@ std::pair<Tensor, Tensor> VqChainKVCache::update_and_fetch(const Tensor& keys, c
       // V's residuals from those reconstructions.
       const std::int64_t C = config_.calib;
       const float pks = prev_ ? prev_->key_step() : 1.0f, pvs = prev_ ? prev_->value_step() : 1.0f;
-      if (np > 0) kwp = &pred_->weights(0, 0, pks, pvs);
+      if (np > 0) kwp = pred_->weights(0, 0, pks, pvs);
       std::vector<double> ek(sz(B * C) * sz(n_k_)), ev(sz(B * C) * sz(n_v_));
       std::vector<float> khat(sz(B * C) * sz(n_k_));
       for (std::int64_t b = 0; b < B; ++b)
@@ -375,7 +375,7 @@ std::pair<Tensor, Tensor> VqChainKVCache::update_and_fetch(const Tensor& keys, c
         }
       std::vector<std::uint8_t> shift, width;
       vq_quant::calibrate_side(ek, n_k_, config_.bits + config_.k_offset, nk.step, nk.offset, nk.mean, shift, width);
-      vwp = &pred_->weights(1, nk.step, pks, pvs);
+      vwp = pred_->weights(1, nk.step, pks, pvs);
       for (std::int64_t b = 0; b < B; ++b)
         for (std::int64_t t = 0; t < C; ++t) {
           k_pred(b, t, pk.data());
@@ -414,7 +414,7 @@ std::pair<Tensor, Tensor> VqChainKVCache::update_and_fetch(const Tensor& keys, c
 
   // --- commit ---
   append(keys, values);
-  if (calibrate_now) kq_ = std::move(nk), vq_ = std::move(nv), k_weights_ = kwp, v_weights_ = vwp, calibrated_ = true;
+  if (calibrate_now) kq_ = std::move(nk), vq_ = std::move(nv), k_weights_ = std::move(kwp), v_weights_ = std::move(vwp), calibrated_ = true;
   if (count > 0) {
     codes_k_.resize(sz(B)), codes_v_.resize(sz(B)), yhat_.resize(sz(B));
     for (std::int64_t b = 0; b < B; ++b) {
@@ -514,9 +514,12 @@ VqChainDecoded vq_chain_decode(std::span<const std::uint8_t> bytes, const VqLaye
   if (np > 0 && c.tokens > 0) {
     require(previous->n_k + previous->n_v == np, "vq chained layer: the layer before has {} coefficients, the predictor reads {}",
             previous->n_k + previous->n_v, np);
-    require(previous->yhat.size() == sz(c.batch), "vq chained layer: {} sequences where the layer before has {}", c.batch, previous->yhat.size());
+    // What the bytes claim against the layer before: a record that does not fit it is malformed.
+    if (previous->yhat.size() != sz(c.batch))
+      throw FormatError(fmt::format("vq chained layer: {} sequences where the layer before has {}", c.batch, previous->yhat.size()));
     for (const auto& rows : previous->yhat)
-      require(rows.size() >= sz(c.tokens) * sz(np), "vq chained layer: the layer before holds fewer than its {} tokens", c.tokens);
+      if (rows.size() < sz(c.tokens) * sz(np))
+        throw FormatError(fmt::format("vq chained layer: {} tokens where the layer before holds {}", c.tokens, rows.size() / sz(np)));
   }
   VqChainDecoded out;
   out.n_k = n_k, out.n_v = n_v;
@@ -526,9 +529,8 @@ VqChainDecoded vq_chain_decode(std::span<const std::uint8_t> bytes, const VqLaye
   if (c.tokens == 0) return out;
   out.key_step = c.k.step, out.value_step = c.v.step;
   const float pks = np > 0 ? previous->key_step : 1.0f, pvs = np > 0 ? previous->value_step : 1.0f;
-  static const std::vector<float> kNone;
-  const std::vector<float>& kw = np > 0 ? pred.weights(0, 0, pks, pvs) : kNone;
-  const std::vector<float>& vw = pred.weights(1, c.k.step, pks, pvs);
+  const auto kw = np > 0 ? pred.weights(0, 0, pks, pvs) : nullptr;
+  const auto vw = pred.weights(1, c.k.step, pks, pvs);
   std::vector<float> mean_k(sz(n_k)), mean_v(sz(n_v)), pk(sz(n_k)), pv(sz(n_v)), vin(sz(n_k + np));
   for (int i = 0; i < n_k; ++i) mean_k[sz(i)] = vq_offset(c.k.offset[sz(i)], c.k.step);
   for (int i = 0; i < n_v; ++i) mean_v[sz(i)] = vq_offset(c.v.offset[sz(i)], c.v.step);
@@ -539,11 +541,11 @@ VqChainDecoded vq_chain_decode(std::span<const std::uint8_t> bytes, const VqLaye
     for (std::int64_t t = 0; t < c.tokens; ++t) {
       float* row = yh.data() + sz(t) * sz(n);
       const float* prev = np > 0 ? previous->yhat[sz(b)].data() + sz(t) * sz(np) : nullptr;
-      if (np > 0) predict_into(kw.data(), n_k, np, prev, pk.data());
+      if (np > 0) predict_into(kw->data(), n_k, np, prev, pk.data());
       const std::int16_t* qk = c.k.codes.data() + sz(b * c.tokens + t) * sz(n_k);
       for (int i = 0; i < n_k; ++i) row[i] = dequantize(pk[sz(i)], qk[i], c.k.step, mean_k[sz(i)]);
       v_inputs(row, n_k, prev, np, vin.data());
-      predict_into(vw.data(), n_v, n_k + np, vin.data(), pv.data());
+      predict_into(vw->data(), n_v, n_k + np, vin.data(), pv.data());
       const std::int16_t* qv = c.v.codes.data() + sz(b * c.tokens + t) * sz(n_v);
       for (int i = 0; i < n_v; ++i) row[n_k + i] = dequantize(pv[sz(i)], qv[i], c.v.step, mean_v[sz(i)]);
     }

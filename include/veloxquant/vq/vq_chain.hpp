@@ -44,6 +44,7 @@ namespace vq {
 // (vq_chain_weights), and the decoder solves the same system from the same steps. Inputs in order
 // [own K yhat (V only)], [previous layer's K yhat, V yhat], then 1 (the bias).
 struct VqChainWeightMemo;
+inline constexpr std::size_t kVqChainMemo = 1024;
 struct VqChainPredictor {
   int n_k = 0, n_v = 0;
   int n_prev = 0;    // n_k + n_v of the previous attention layer; 0 for the first
@@ -58,8 +59,9 @@ struct VqChainPredictor {
   // the previous layer's: unused by the first layer), from vq_chain_weights with each step taken
   // at the middle of its bin (an eighth of its binary octave's range, from its exponent and
   // mantissa: no libm), and kept per bin: a cache calibrating and a decoder solve each system once
-  // per process. Thread-safe; the reference stays valid while the predictor lives.
-  const std::vector<float>& weights(int side, float own_k_step, float prev_k_step, float prev_v_step) const;
+  // per process (at most kVqChainMemo systems are kept: hostile streams cannot grow it without
+  // bound). Thread-safe.
+  std::shared_ptr<const std::vector<float>> weights(int side, float own_k_step, float prev_k_step, float prev_v_step) const;
   std::shared_ptr<VqChainWeightMemo> memo;  // made by fit_vq_chain; copies share it
 };
 
@@ -122,8 +124,7 @@ class VqChainKVCache : public KVCache {
     std::vector<std::int32_t> offset;
     std::vector<float> mean;
   } kq_, vq_;
-  const std::vector<float>* k_weights_ = nullptr;  // the predictor's weights for the calibration's steps
-  const std::vector<float>* v_weights_ = nullptr;
+  std::shared_ptr<const std::vector<float>> k_weights_, v_weights_;  // the predictor's weights for the calibration's steps
   std::int64_t quantized_ = 0;
   std::vector<std::vector<std::int16_t>> codes_k_, codes_v_;  // per batch: [t][n]
   std::vector<std::vector<float>> yhat_;                      // per batch: [t][n_k + n_v]
@@ -146,7 +147,9 @@ struct VqChainDecoded {
 // Decodes encode()'s bytes with the layer's model and predictor and the previous layer's decoded
 // yhat and steps (null for the first layer; it must hold at least as many tokens per batch). Bit for bit the
 // cache that was coded (its quantized tokens). Throws FormatError on malformed input (max_codes
-// bounds the codes, as vq_decode), InvalidArgument when the parts do not fit each other.
+// bounds the codes, as vq_decode), a record of other sequences or more tokens than the layer
+// before holds included; InvalidArgument when the caller's parts (layer, predictor, previous) do
+// not fit each other.
 VqChainDecoded vq_chain_decode(std::span<const std::uint8_t> bytes, const VqLayerModel& layer, const VqChainPredictor& predictor,
                                const VqChainDecoded* previous, std::uint64_t max_codes);
 
