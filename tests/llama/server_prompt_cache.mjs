@@ -11,19 +11,13 @@ import path from "node:path";
 import {execFileSync} from "node:child_process";
 import {cli, models, scratch} from "./lib/env.mjs";
 import {startServer, post} from "./lib/server.mjs";
+import {checks, storiesGguf} from "./lib/checks.mjs";
 import {startProxy, lastLine} from "./lib/proxy.mjs";
 import {writeRopePatched} from "./lib/gguf.mjs";
 
-let failures = 0;
-function check(ok, what) {
-  if (!ok) {
-    failures++;
-    console.error(`FAIL: ${what}`);
-  }
-}
+const {check, finish} = checks();
 const C = 64;
-const gguf = path.join(scratch, "stories260K.gguf");
-execFileSync(cli, ["convert", path.join(models, "stories260K.bin"), "--tokenizer", path.join(models, "tok512.bin"), "-o", gguf]);
+const gguf = storiesGguf();
 const slots = path.join(scratch, "slots"), storeDir = path.join(scratch, "store");
 fs.mkdirSync(slots);
 const serverArgs = ["-m", gguf, "-c", "512", "-np", "1", "-t", "2", "--cache-ram", "0", "--slot-save-path", slots];
@@ -221,8 +215,4 @@ for (const [ram, restores] of [[400000, true], [30000, false]]) {
     await server.stop();
   }
 }
-if (failures) {
-  console.error(`${failures} check(s) failed`);
-  process.exit(1);
-}
-console.log("ok");
+finish("ok");

@@ -9,21 +9,15 @@
 // Every process is started on 127.0.0.1 at a port picked here and stopped by its pid.
 import fs from "node:fs";
 import path from "node:path";
-import {execFileSync, spawnSync} from "node:child_process";
+import {spawnSync} from "node:child_process";
 import {cli, models, scratch} from "./lib/env.mjs";
 import {startServer, post} from "./lib/server.mjs";
+import {checks, storiesGguf} from "./lib/checks.mjs";
 import {startProxy} from "./lib/proxy.mjs";
 
-let failures = 0;
-function check(ok, what) {
-  if (!ok) {
-    failures++;
-    console.error(`FAIL: ${what}`);
-  }
-}
+const {check, finish} = checks();
 const C = 64;
-const gguf = path.join(scratch, "stories260K.gguf");
-execFileSync(cli, ["convert", path.join(models, "stories260K.bin"), "--tokenizer", path.join(models, "tok512.bin"), "-o", gguf]);
+const gguf = storiesGguf();
 const slotDir = path.join(scratch, "slots"), storeDir = path.join(scratch, "store");
 fs.mkdirSync(slotDir);
 // Two slots of 512 tokens each.
@@ -80,8 +74,4 @@ try {
 } finally {
   await server.stop();
 }
-if (failures) {
-  console.error(`${failures} check(s) failed`);
-  process.exit(1);
-}
-console.log("prompt-cache over two slots: ok");
+finish("prompt-cache over two slots: ok");
