@@ -13,9 +13,11 @@
 //     q = round_even((e - mean_c) / step),  yhat = p + fma(q, step, mean_c),  x_hat = F^-1 yhat.
 //   K and V of a layer are as closely tied to the layer before as to each other: both are linear
 //   maps of a residual stream that each layer only adds to.
-// - The predictors P are fitted once per model on the model's own K/V (text it samples itself:
-//   model/vq_chain_predictors.hpp): nothing per context, no stored tables. The coded form is vq's
-//   layer codec (vq/codec.hpp) over the residual codes, after a 1-byte record tag: the billed size.
+// - The predictors P come from the model alone (the moments of a fit on text it samples itself:
+//   model/vq_chain_predictors.hpp): nothing per context, no stored tables; each cache solves its
+//   weights for its inputs' steps at calibration (VqChainPredictor::weights). The coded form is
+//   vq's layer codec (vq/codec.hpp) as version 7 (8 rANS lanes) over the residual codes, after a
+//   1-byte record tag: the billed size.
 // - The cache of layer l reads the reconstructions of layer l-1's cache (held per token) for the
 //   tokens it quantizes, so layers must be fed in order (the forward pass does); a layer fed tokens
 //   its previous layer has not quantized is refused (InvalidArgument, cache unchanged).
