@@ -37,6 +37,14 @@ TEST(PromptCacheCli, BadInputIsOneClearLineAndExitOne) {
     EXPECT_EQ(r.err.find('\n'), r.err.size() - 1) << "one line: " << r.err;
     EXPECT_EQ(r.out, "") << "nothing listened";
   }
+  // Slot counts out of range are usage errors (exit 2) naming the option; nothing listens.
+  for (const char* slots : {"0", "1025", "two"}) {
+    const auto r = vqtest::run_cli("prompt-cache --upstream " + dead + " --model " + gguf + " --slot-dir " + dir + " --slots " + slots);
+    SCOPED_TRACE(slots);
+    EXPECT_EQ(r.code, 2) << r.err;
+    EXPECT_NE(r.err.find("--slots"), std::string::npos) << r.err;
+    EXPECT_EQ(r.out, "");
+  }
 }
 
 // bench prompt-cache's bad input: a prompt longer than the model's context is refused before any
