@@ -5,7 +5,6 @@
 #include <tuple>
 
 #include "veloxquant/model/generate.hpp"
-#include "veloxquant/model/vq_layer_models.hpp"
 
 namespace vq {
 
@@ -13,11 +12,15 @@ std::shared_ptr<const std::vector<VqChainPredictor>> vq_chain_predictors(const T
   using Key = std::tuple<std::uint64_t, int, bool, bool, double>;
   static std::mutex mu;
   static std::map<Key, std::shared_ptr<const std::vector<VqChainPredictor>>> memo;
-  const Key key{vq_model_fingerprint(model.checkpoint()), static_cast<int>(basis.basis), basis.shape, basis.rope, basis.rope_theta};
+  // The layer models name the model by the fingerprint the Transformer hashed once (every
+  // make_caches of an evaluation comes here: no hashing of the weights per call).
+  const ModelConfig& c = model.config();
+  std::vector<std::shared_ptr<const VqLayerModel>> layer_models;
+  for (int l = 0; l < c.n_layers; ++l) layer_models.push_back(model.vq_layer_model(l, basis));
+  const Key key{layer_models.at(0)->source.value().fingerprint, static_cast<int>(basis.basis), basis.shape, basis.rope, basis.rope_theta};
   std::lock_guard<std::mutex> lock(mu);
   if (auto it = memo.find(key); it != memo.end()) return it->second;
   Transformer m = model;  // forward() uses the object's scratch: a copy of our own
-  const ModelConfig& c = m.config();
   const int len = std::min(kVqChainSampleTokens, c.seq_len);
   std::vector<std::vector<KVState>> samples;
   for (int s = 0; s < kVqChainSamples; ++s) {
@@ -36,8 +39,6 @@ std::shared_ptr<const std::vector<VqChainPredictor>> vq_chain_predictors(const T
     }
     samples.push_back(std::move(layers));
   }
-  std::vector<std::shared_ptr<const VqLayerModel>> layer_models;
-  for (int l = 0; l < c.n_layers; ++l) layer_models.push_back(model.vq_layer_model(l, basis));
   auto fitted = std::make_shared<const std::vector<VqChainPredictor>>(fit_vq_chain(samples, layer_models));
   memo.emplace(key, fitted);
   return fitted;

@@ -241,11 +241,11 @@ struct PromptCacheProxy::Impl {
     post(slot_route(o.slot, "erase"), json::object());
     // Every slot the cache is to use must exist (GET /slots lists them; a server started with
     // --no-slots lists none, and a missing slot then fails its first restore, served by recompute).
-    if (const auto ids = server_slots(); !ids.empty())
+    if (const auto listed = slot_list(); !listed.empty())
       for (const Slot& sl : slots)
-        if (std::find(ids.begin(), ids.end(), sl.id) == ids.end())
+        if (std::none_of(listed.begin(), listed.end(), [&](const auto& e) { return e.first == sl.id; }))
           throw InvalidArgument(fmt::format("--slot {} --slots {}: the server at {} has no slot {} (it has {}; start llama-server with -np {})",
-                                            o.slot, o.slots, o.upstream, sl.id, ids.size(), o.slot + o.slots));
+                                            o.slot, o.slots, o.upstream, sl.id, listed.size(), o.slot + o.slots));
   }
 
   // The slots GET /slots lists: their ids (empty when the server lists none or answers otherwise)
@@ -268,11 +268,6 @@ struct PromptCacheProxy::Impl {
       out.clear();
     }
     return out;
-  }
-  std::vector<int> server_slots() const {
-    std::vector<int> ids;
-    for (const auto& [id, n] : slot_list()) ids.push_back(id);
-    return ids;
   }
 
   std::vector<int> tokenize(const json& prompt) const {

@@ -1,6 +1,6 @@
 // `vq:...,predict=on` (vq/vq_chain.hpp): the chained layer cache, its decoder and the predictors' fit.
-// One set of functions (predict_into, dequantize, rows_into) serves the cache and the decoder, so
-// both make the same bits.
+// One set of functions (token_coefficients, predict_into, dequantize, side_rows) serves the fit, the
+// cache and the decoder, so they make the same bits.
 #include "veloxquant/vq/vq_chain.hpp"
 
 #include <algorithm>
@@ -46,6 +46,16 @@ VQ_KERNEL void predict_into(const float* __restrict w, int outs, int ins, const 
     const float* __restrict wj = w + sz(j) * sz(outs);
     for (int c = c0; c < outs; ++c) p[c] += wj[c] * x;
   }
+}
+
+// Token t's coefficients y (n doubles) of one side from its rows (row(h): head h's d floats), keys
+// un-rotated at position t (rope: the keys' table, or null). x: heads x d doubles of scratch.
+template <class Row>
+void token_coefficients(const VqLayerModel& m, int side, const VqRopeTable* rope, std::int64_t t, Row row, double* x, double* y) {
+  const int H = m.kv_heads, d = m.head_dim;
+  for (int h = 0; h < H; ++h) std::copy_n(row(h), d, x + sz(h) * sz(d));
+  if (side == 0 && rope) vq_transform::vq_unrope(x, H, d, rope->at(t), m.rope_freq.size());
+  vq_transform::vq_forward(side == 0 ? m.k : m.v, x, y);
 }
 
 inline float dequantize(float p, std::int32_t q, float step, float mean) { return p + std::fma(static_cast<float>(q), step, mean); }
@@ -144,19 +154,12 @@ std::vector<double> coefficients(const KVState& s, const VqLayerModel& m, int si
   const VqSideTransform& tr = side == 0 ? m.k : m.v;
   require(in.dtype() == DType::F32 && in.dim(0) == 1 && in.dim(1) == m.kv_heads && in.dim(3) == m.head_dim,
           "fit_vq_chain: a sample of shape {} does not fit the layer ({} KV heads of {})", shape_string(in.shape()), m.kv_heads, m.head_dim);
-  const std::int64_t T = in.dim(2), H = in.dim(1);
-  const int d = m.head_dim, n = tr.n;
-  const std::vector<double>* freq = side == 0 && !m.rope_freq.empty() ? &m.rope_freq : nullptr;
-  const auto tab = freq ? vq_rope_table(*freq, T) : nullptr;
-  std::vector<double> out(sz(T) * sz(n)), x(sz(n));
-  for (std::int64_t t = 0; t < T; ++t) {
-    for (std::int64_t h = 0; h < H; ++h) {
-      const auto* row = reinterpret_cast<const float*>(in.row(0, h, t));
-      for (int i = 0; i < d; ++i) x[sz(h * d + i)] = row[i];
-    }
-    if (freq) vq_transform::vq_unrope(x.data(), static_cast<int>(H), d, tab->at(t), freq->size());
-    vq_transform::vq_forward(tr, x.data(), out.data() + sz(t) * sz(n));
-  }
+  const std::int64_t T = in.dim(2);
+  const auto tab = side == 0 && !m.rope_freq.empty() ? vq_rope_table(m.rope_freq, T) : nullptr;
+  std::vector<double> out(sz(T) * sz(tr.n)), x(sz(tr.n));
+  for (std::int64_t t = 0; t < T; ++t)
+    token_coefficients(m, side, tab.get(), t, [&](int h) { return reinterpret_cast<const float*>(in.row(0, h, t)); }, x.data(),
+                       out.data() + sz(t) * sz(tr.n));
   return out;
 }
 
@@ -321,12 +324,9 @@ std::pair<Tensor, Tensor> VqChainKVCache::update_and_fetch(const Tensor& keys, c
   const auto transformed = [&](int s, std::int64_t b, std::int64_t t, double* y) {
     const Tensor& in = s == 0 ? keys : values;
     const Tensor& held = s == 0 ? keys_buf_ : values_buf_;
-    for (int h = 0; h < H; ++h) {
-      const auto* r = reinterpret_cast<const float*>(t < offset_ ? held.row(b, h, t) : in.row(b, h, t - offset_));
-      std::copy_n(r, d, xbuf.begin() + h * d);
-    }
-    if (s == 0 && freq) vq_transform::vq_unrope(xbuf.data(), H, d, tab->at(t), freq->size());
-    vq_transform::vq_forward(s == 0 ? layer_->k : layer_->v, xbuf.data(), y);
+    token_coefficients(*layer_, s, tab.get(), t,
+                       [&](int h) { return reinterpret_cast<const float*>(t < offset_ ? held.row(b, h, t) : in.row(b, h, t - offset_)); },
+                       xbuf.data(), y);
   };
 
   // --- compute (a refusal leaves the cache unchanged) ---
