@@ -203,6 +203,14 @@ TEST(VqChain, ALayerFedBeforeTheOneBeforeIsRefusedUnchanged) {
   EXPECT_THROW(caches[0]->update(Tensor::from_f32({1, 4, 10, 8}, k), values), vq::InvalidArgument);
   EXPECT_EQ(caches[0]->offset(), 10);
   EXPECT_THROW(vq::make_caches("vq:bits=2,predict=on,residual=4", model), vq::InvalidArgument);
+  // A spec value that is not on/off, and predict=on without a model our engine runs: one clear error each.
+  EXPECT_THROW(vq::MethodSpec::parse("vq:bits=2,predict=maybe"), vq::InvalidArgument);
+  try {
+    (void)vq::make_caches(vq::MethodSpec::parse("vq:bits=2,predict=on"), model.description());
+    ADD_FAILURE() << "predict=on without weights was accepted";
+  } catch (const vq::InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("needs a model our engine runs"), std::string::npos) << e.what();
+  }
 }
 
 // On the real model the fitted predictors take most of each later layer's spread (measured at
