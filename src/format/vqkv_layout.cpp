@@ -85,7 +85,7 @@ void write_vq(ByteWriter& w, const LayerEntry& e) {
     w.u64(m.fingerprint);
     w.u32(static_cast<std::uint32_t>(m.layer));
     w.u8(basis_number(m.basis.basis));
-    w.u8(m.basis.shape ? 1 : 0);
+    w.u8((m.basis.shape ? 1 : 0) | (m.basis.per_head ? 2 : 0));  // bit 1: per-head blocks (block=head)
     w.u8(m.basis.rope ? 1 : 0);
     f64(w, m.basis.rope_theta);
   }
@@ -113,7 +113,9 @@ void read_vq(ByteReader& r, LayerEntry& e, std::uint64_t layer) {
                     : basis == kVqBasisHadamard ? VqBasis::Hadamard
                     : basis == kVqBasisProfile  ? VqBasis::Profile
                                                 : VqBasis::Weights;
-    m.basis.shape = flag(r, "vq shape flag");
+    const auto shape = r.ranged(r.u8("vq shape flags"), 0, 3, "vq shape flags");
+    m.basis.shape = (shape & 1) != 0;
+    m.basis.per_head = (shape & 2) != 0;
     m.basis.rope = flag(r, "vq rope flag");
     m.basis.rope_theta = f64(r, "vq rope theta");
     if (!(m.basis.rope_theta > 0)) r.fail(fmt::format("layer {}: vq rope theta {} must be > 0", layer, m.basis.rope_theta));

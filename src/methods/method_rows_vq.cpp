@@ -60,6 +60,9 @@ void set_vq(MethodSpec& m, const std::string& key, const std::string& value, con
     m.vq_basis.basis = VqBasis::Profile;
   } else if (key == "predict") {
     m.vq_predict = parse_bool(key, value, spec, "on", "off");
+  } else if (key == "block") {
+    if (value != "row" && value != "head") throw InvalidArgument(fmt::format("method '{}': block={} must be row or head", spec, value));
+    m.vq_basis.per_head = value == "head";
   } else if (key == "shape") {
     m.vq_basis.shape = parse_bool(key, value, spec, "on", "off");
   } else {
@@ -68,11 +71,12 @@ void set_vq(MethodSpec& m, const std::string& key, const std::string& value, con
 }
 
 std::string vq_spec_string(const MethodSpec& m) {
-  // sinks, resident, profile and predict only when set, so the canonical text of every earlier spec is unchanged.
-  return fmt::format("vq:bits={},calib={},residual={},{}{}alloc={},basis={},shape={},rope={}{}{}", m.vq.bits, m.vq.calib, m.vq.residual,
+  // sinks, resident, block, profile and predict only when set, so the canonical text of every earlier spec is unchanged.
+  return fmt::format("vq:bits={},calib={},residual={},{}{}alloc={},basis={},shape={},rope={}{}{}{}", m.vq.bits, m.vq.calib, m.vq.residual,
                      m.vq.sinks > 0 ? fmt::format("sinks={},", m.vq.sinks) : std::string(), m.vq.coded ? "resident=coded," : "", m.vq_alloc,
                      vq_basis_name(m.vq_basis.basis), m.vq_basis.shape ? "on" : "off", m.vq_basis.rope ? "on" : "off",
-                     m.vq_profile.empty() ? std::string() : ",profile=" + m.vq_profile, m.vq_predict ? ",predict=on" : "");
+                     m.vq_basis.per_head ? ",block=head" : "", m.vq_profile.empty() ? std::string() : ",profile=" + m.vq_profile,
+                     m.vq_predict ? ",predict=on" : "");
 }
 
 LayerCaches make_vq_caches(const MethodSpec& m, const ModelDescription& model, const Transformer* weights) {
@@ -143,6 +147,8 @@ MethodRow vq_row() {
                    {"basis", "weights", "weights|hadamard|identity", "the transform (vq/basis.hpp); without a model, identity; profile= sets it to profile"},
                    {"shape", "on", "on|off", "shape the transform by the layer's downstream weights"},
                    {"rope", "on", "on|off", "undo RoPE before the transform, redo it after"},
+                   {"block", "row", "row|head",
+                    "row: one transform over all KV heads' row when it is at most 256 wide (else per head); head: one per head (decodes KV-heads times faster)"},
                    {"profile", "", "PATH", "axes fitted on the model's own K/V (`veloxquant calibrate -o PATH`): a basis without weights"},
                    {"predict", "off", "on|off",
                     "on: each layer's K predicted from the layer before, V from K and the layer before, the residuals coded (a storage setting; needs a model our engine runs)"}},
@@ -152,6 +158,7 @@ MethodRow vq_row() {
                 m.vq.validate();
                 require(!m.vq_predict || (m.vq.residual == 0 && m.vq.sinks == 0 && !m.vq.coded),
                         "vq: predict=on is a storage setting: it takes no residual=, sinks= or resident=coded");
+                require(!m.vq_basis.per_head || m.vq_profile.empty(), "vq: block=head does not apply to profile=PATH (a profile has its own blocks)");
                 require((m.vq_basis.basis == VqBasis::Profile) == !m.vq_profile.empty(),
                         m.vq_profile.empty() ? "vq: basis=profile needs profile=PATH (a file written by `veloxquant calibrate`)"
                                              : "vq: profile=PATH replaces the basis: leave basis= out (or write basis=profile)");

@@ -9,7 +9,7 @@
 namespace vq {
 
 std::shared_ptr<const std::vector<VqChainPredictor>> vq_chain_predictors(const Transformer& model, const VqBasisOptions& basis) {
-  using Key = std::tuple<std::uint64_t, int, bool, bool, double>;
+  using Key = std::tuple<std::uint64_t, int, bool, bool, double, bool>;
   static std::mutex mu;
   static std::map<Key, std::shared_ptr<const std::vector<VqChainPredictor>>> memo;
   // The layer models name the model by the fingerprint the Transformer hashed once (every
@@ -17,7 +17,7 @@ std::shared_ptr<const std::vector<VqChainPredictor>> vq_chain_predictors(const T
   const ModelConfig& c = model.config();
   std::vector<std::shared_ptr<const VqLayerModel>> layer_models;
   for (int l = 0; l < c.n_layers; ++l) layer_models.push_back(model.vq_layer_model(l, basis));
-  const Key key{layer_models.at(0)->source.value().fingerprint, static_cast<int>(basis.basis), basis.shape, basis.rope, basis.rope_theta};
+  const Key key{layer_models.at(0)->source.value().fingerprint, static_cast<int>(basis.basis), basis.shape, basis.rope, basis.rope_theta, basis.per_head};
   std::lock_guard<std::mutex> lock(mu);
   if (auto it = memo.find(key); it != memo.end()) return it->second;
   Transformer m = model;  // forward() uses the object's scratch: a copy of our own

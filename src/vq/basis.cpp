@@ -216,7 +216,7 @@ VqLayerModel make_vq_layer_model(const VqLayerWeights& w, const VqBasisOptions& 
     for (int p = 0; p < D / 2; ++p) m.rope_freq.push_back(std::pow(o.rope_theta, -2.0 * p / D));
   if (o.basis == VqBasis::Identity) return m;
 
-  const int bn = n <= kVqMaxCrossHead ? n : D;  // block size
+  const int bn = n <= kVqMaxCrossHead && !o.per_head ? n : D;  // block size
   const int group = w.n_heads / H;              // query heads per KV head
   for (VqSideTransform* side : {&m.k, &m.v}) {
     side->fwd.assign(sz(n) * sz(n), 0.0f);

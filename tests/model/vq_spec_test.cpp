@@ -79,6 +79,25 @@ TEST(VqSpec, BuildsOneCachePerLayerFromTheModelsWeights) {
   EXPECT_EQ(plain[0]->kind(), "VqKVCache");
 }
 
+// block=head: one transform per KV head even where the row is narrow enough to transform whole
+// (stories260K: 4 heads x 8 = 32 values, a whole-row block by default).
+TEST(VqSpec, BlockHeadTransformsEachHeadAlone) {
+  EXPECT_EQ(MethodSpec::parse("vq:block=row").to_string(), MethodSpec::parse("vq").to_string());
+  const auto m = MethodSpec::parse("vq:bits=1,block=head");
+  EXPECT_TRUE(m.vq_basis.per_head);
+  EXPECT_EQ(m.to_string(), "vq:bits=1,calib=64,residual=0,alloc=flat,basis=weights,shape=on,rope=on,block=head");
+  EXPECT_EQ(MethodSpec::parse(m.to_string()).to_string(), m.to_string());
+  EXPECT_NE(vqtest::spec_error("vq:block=diag").find("block=diag must be row or head"), std::string::npos);
+  EXPECT_NE(vqtest::spec_error("vq:block=head,profile=/x.vqprof").find("block=head does not apply to profile="), std::string::npos);
+  const vq::Transformer t(vq::Checkpoint::load(vqtest::model_path()));
+  for (const auto& [spec, span] : {std::pair<std::string, int>{"vq:bits=2", 32}, {"vq:bits=2,block=head", 8}, {"vq:basis=hadamard,block=head", 8}}) {
+    const auto& c = dynamic_cast<const vq::VqKVCache&>(*vq::make_caches(spec, t)[1]);
+    EXPECT_EQ(c.layer_model()->k.col_span, span) << spec;
+    EXPECT_EQ(c.layer_model()->v.col_span, span) << spec;
+    EXPECT_EQ(c.layer_model()->source->basis.per_head, span == 8) << spec;
+  }
+}
+
 TEST(VqSpec, TwoBitsOnTheRealModelInTheReuseProtocol) {
   // A smoke check on 2 windows (the goal itself is measured on 40+ in docs/quality.md).
   vq::Transformer t(vq::Checkpoint::load(vqtest::model_path()));

@@ -92,7 +92,7 @@ TEST(PrefixChunks, ChunksDecodeToWhatALiveCacheHeld) {
   const Context& c = context();
   const int C = 16;
   ASSERT_GE(static_cast<int>(c.tokens.size()), 2 * C);
-  for (const std::string level : {"fp32", "fp16", "cachegen:bits=4,group=8", "cachegen:bits=2,schedule=off,group=4", "vq:bits=2", "vq:bits=2,calib=8"}) {
+  for (const std::string level : {"fp32", "fp16", "cachegen:bits=4,group=8", "cachegen:bits=2,schedule=off,group=4", "vq:bits=2", "vq:bits=2,calib=8", "vq:bits=2,calib=8,block=head"}) {
     SCOPED_TRACE(level);
     const std::string canon = vq::MethodSpec::parse(level).to_string();
     for (int i = 0; i < 2; ++i) {
@@ -110,6 +110,10 @@ TEST(PrefixChunks, ChunksDecodeToWhatALiveCacheHeld) {
       if (canon == "fp16") {
         for (std::size_t l = 0; l < exact.size(); ++l)
           EXPECT_TRUE(loaded[l].keys.bit_equal(exact[l].keys.to(vq::DType::F16).to(vq::DType::F32)));
+      }
+      if (canon.find("block=head") != std::string::npos) {  // the blob names its per-head blocks: a whole-row model would decode otherwise
+        const vq::ChunkKV whole = vq::level_chunk_kv(*c.model, vq::MethodSpec::parse("vq:bits=2,calib=8").to_string(), exact);
+        EXPECT_FALSE(loaded[0].keys.bit_equal(whole[0].keys));
       }
       if (canon.rfind("cachegen", 0) == 0 || canon.find("calib=8") != std::string::npos) {
         EXPECT_FALSE(loaded[0].keys.bit_equal(exact[0].keys));  // lossy, yet exactly the live cache

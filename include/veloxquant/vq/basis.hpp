@@ -18,6 +18,7 @@
 //   Basis::Identity are kept for the measured comparison.
 // - Rows wider than kMaxCrossHead are transformed per head (block-diagonal), bounding the O(n^3)
 //   set-up; stories260K (4 x 8 = 32) is transformed across heads, where most of the gain is.
+//   VqBasisOptions::per_head (block=head) asks for per-head blocks at any width.
 #pragma once
 #include <cstdint>
 #include <functional>
@@ -65,6 +66,10 @@ struct VqBasisOptions {
   bool shape = true;         // Weights only: the downstream noise shaping S (false: S = I)
   bool rope = true;          // un-rotate keys
   double rope_theta = 10000.0;
+  // Weights / Hadamard: one block per KV head even where the row (KV heads x head dim) is narrow
+  // enough to be transformed whole (block=head). A whole-row block also catches what heads share,
+  // but decoding it costs KV-heads times the multiply-adds: 4x at 4 heads (docs/methods.md, "vq").
+  bool per_head = false;
   bool operator==(const VqBasisOptions&) const = default;
 };
 
