@@ -92,8 +92,11 @@ struct PromptCacheProxy::Impl {
   std::mutex slots_mu;
   std::condition_variable slots_cv;
   bool warming = false;  // the layer models are being built: no lease until they are
-  // The store and the model's caches: one load or put at a time.
-  std::mutex store_mu;
+  // Puts, one at a time (each reads, merges and replaces its chunks' directories). Loads take no
+  // lock: the store is thread-safe (store/kv_store.hpp), a put writes a chunk's blobs before the
+  // directory entry that lists them, and each slot decodes into an image of its own, so restores
+  // into different slots run side by side, beside a put.
+  std::mutex put_mu;
   struct Lease {  // holds a slot; gives it back when the last holder lets go
     Impl& m;
     Slot* slot;
@@ -134,8 +137,7 @@ struct PromptCacheProxy::Impl {
     require(o.slot >= 0, "--slot {} must be >= 0", o.slot);
     require(o.slots >= 1 && o.slots <= 1024, "--slots {} is not in 1..1024", o.slots);
     for (int i = 0; i < o.slots; ++i) slots.emplace_back().id = o.slot + i;
-    require(!o.levels.empty(), "--levels: give at least one method spec");
-    for (auto& l : o.levels) l = MethodSpec::parse(l).to_string();
+      for (const auto& l : o.levels) (void)MethodSpec::parse(l);  // a bad spec fails before any work
     if (!o.log) o.log = [](const std::string& line) { fmt::print(stderr, "veloxquant prompt-cache: {}\n", line); };
     const GgufShape g = load_gguf_shape(o.model);  // a malformed file fails here, with its own message
     std::string why;
@@ -157,8 +159,11 @@ struct PromptCacheProxy::Impl {
     }
     kv_heads = shape.kv_heads;
     head_size = shape.key_dim;
-    // vq levels with a profile: fitted on this very file (its bytes' hash), else refused now.
+    if (o.levels.empty()) o.levels = prompt_cache_default_levels(head_size);
+    // vq levels with a profile: fitted on this very file (its bytes' hash), else refused now; then
+    // named in the store by their hash, not by this host's path.
     profiles = check_method_profiles(o.levels, g.fingerprint, o.model);
+    for (auto& l : o.levels) l = store_level(l);
     description = ModelDescription::uniform(shape.layers, head_size);
     store = open_store(o.store);
     probe_layout();
@@ -183,7 +188,6 @@ struct PromptCacheProxy::Impl {
     later([this, vq_levels] {
       const auto t = std::chrono::steady_clock::now();
       try {
-        std::lock_guard<std::mutex> g(store_mu);
         for (const auto& l : vq_levels) (void)make_caches(l, *model);
         o.log(fmt::format("vq layer models of {} built in {:.0f} ms (once per start)", fmt::join(vq_levels, "; "),
                           std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t).count()));
@@ -316,11 +320,8 @@ struct PromptCacheProxy::Impl {
     auto& caches = image->begin(static_cast<std::int64_t>(tokens.size()));
     std::vector<std::string> warnings;
     const auto warn = [&](const std::string& w) { warnings.push_back(w); };
-    LoadReport rep;
-    {
-      std::lock_guard<std::mutex> g(store_mu);
-      rep = model ? load_prefix(*store, *model, caches, tokens, lo, warn) : load_prefix(*store, ChunkShape{kv_heads, head_size}, caches, tokens, lo, warn);
-    }
+    const LoadReport rep = model ? load_prefix(*store, *model, caches, tokens, lo, warn)
+                                 : load_prefix(*store, ChunkShape{kv_heads, head_size}, caches, tokens, lo, warn);
     ev.load_ms = rep.load_ms;
     for (const auto& w : warnings) o.log(w);
     const auto t_write = std::chrono::steady_clock::now();
@@ -379,7 +380,7 @@ struct PromptCacheProxy::Impl {
       exact.push_back({l.keys.slice(2, 0, static_cast<std::int64_t>(n)).to(DType::F32), l.values.slice(2, 0, static_cast<std::int64_t>(n)).to(DType::F32)});
     const ChunkScheme scheme{.model_fingerprint = fingerprint, .chunk_tokens = o.chunk_tokens, .levels = o.levels};
     const std::vector<int> toks(st.tokens.begin(), st.tokens.begin() + static_cast<std::ptrdiff_t>(n));
-    std::lock_guard<std::mutex> g(store_mu);
+    std::lock_guard<std::mutex> g(put_mu);
     const PutReport put = model ? put_context(*store, *model, scheme, toks, exact)
                                 : put_context(*store, [this](const std::string& level) { return make_caches(MethodSpec::parse(level), description); },
                                               scheme, toks, exact);
@@ -605,5 +606,11 @@ void PromptCacheProxy::serve() { impl_->server.listen_after_bind(); }
 void PromptCacheProxy::stop() { impl_->server.stop(); }
 
 void PromptCacheProxy::wait_idle() { impl_->wait_idle(); }
+
+const std::vector<std::string>& PromptCacheProxy::levels() const { return impl_->o.levels; }
+
+std::vector<std::string> prompt_cache_default_levels(int head_size) {
+  return {MethodSpec::parse(head_size >= 64 ? "vq:bits=2,block=head" : "vq:bits=2").to_string()};
+}
 
 }  // namespace vq

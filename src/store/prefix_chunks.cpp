@@ -23,6 +23,7 @@
 #include "veloxquant/cache/fp16_cache.hpp"
 #include "veloxquant/model/transformer.hpp"
 #include "veloxquant/store/sealed_store.hpp"
+#include "veloxquant/vq/profile.hpp"
 #include "veloxquant/vq/vq_cache.hpp"
 #include "veloxquant/vq/vq_reconstruct_at.hpp"
 
@@ -144,6 +145,12 @@ LevelCaches model_level_caches(const Transformer& model) {
   return [&model](const std::string& level) { return make_caches(level, model); };
 }
 
+std::string store_level(const std::string& spec) {
+  MethodSpec m = MethodSpec::parse(spec);
+  if (m.kind == MethodSpec::Kind::Vq && !m.vq_profile.empty()) m.vq_profile = vq_profile_ref(load_vq_profile(m.vq_profile));
+  return m.to_string();
+}
+
 std::vector<std::string> parse_levels(const std::string& list) {
   std::vector<std::string> out;
   std::size_t start = 0;
@@ -153,7 +160,7 @@ std::vector<std::string> parse_levels(const std::string& list) {
     part.erase(0, part.find_first_not_of(" \t"));
     part.erase(part.find_last_not_of(" \t") + 1);
     if (!part.empty()) {
-      const std::string canon = MethodSpec::parse(part).to_string();
+      const std::string canon = store_level(part);
       if (std::find(out.begin(), out.end(), canon) == out.end()) out.push_back(canon);
     }
     start = end + 1;

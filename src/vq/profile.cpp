@@ -147,7 +147,40 @@ VqProfile read_vq_profile(std::span<const std::uint8_t> bytes, const std::string
   return out;
 }
 
+namespace {
+
+constexpr std::string_view kRefPrefix = "xxh64:";
+
+struct NamedProfiles {
+  std::mutex mu;
+  std::map<std::uint64_t, std::shared_ptr<const VqProfile>> by_hash;
+};
+NamedProfiles& named_profiles() {
+  static NamedProfiles n;
+  return n;
+}
+
+}  // namespace
+
+std::string vq_profile_ref(std::shared_ptr<const VqProfile> profile) {
+  require(profile != nullptr, "vq_profile_ref: no profile");
+  const std::string ref = fmt::format("{}{:016x}", kRefPrefix, profile->hash);
+  NamedProfiles& n = named_profiles();
+  const std::lock_guard<std::mutex> lock(n.mu);
+  n.by_hash.emplace(profile->hash, std::move(profile));
+  return ref;
+}
+
 std::shared_ptr<const VqProfile> load_vq_profile(const std::string& path) {
+  if (path.rfind(kRefPrefix, 0) == 0) {
+    const std::string hex = path.substr(kRefPrefix.size());
+    if (hex.size() == 16 && hex.find_first_not_of("0123456789abcdef") == std::string::npos) {
+      NamedProfiles& n = named_profiles();
+      const std::lock_guard<std::mutex> lock(n.mu);
+      if (auto it = n.by_hash.find(std::stoull(hex, nullptr, 16)); it != n.by_hash.end()) return it->second;
+      throw InvalidArgument(fmt::format("vq profile {}: this process has read no profile of that hash (give profile=PATH, the file itself)", path));
+    }
+  }
   // Every cache a spec makes loads its profile (per window in eval, per put in the prompt cache):
   // a file unchanged since it was read (same size and modification time) is not read again.
   static std::mutex mu;

@@ -179,21 +179,29 @@ for (const [ram, restores] of [[400000, true], [30000, false]]) {
       await post(server.url, "/slots/0?action=erase", {});
     }
     // 10. The same GGUF with a vq level on a profile fitted through llama.cpp (calibrate --engine
-    // llama): stored, then restored from that level alone after a restart; a profile of another
-    // model file stops the proxy at start with one line.
+    // llama): stored, then restored from that level alone after a restart, the restarted proxy
+    // reading the same profile from another path (the store names it by its hash; no path is written
+    // into the store); a profile of another model file stops the proxy at start with one line.
     const prof = path.join(scratch, "rope20k.vqprof");
     execFileSync(cli, ["calibrate", "--engine", "llama", "--llama-server", process.env.VQ_LLAMA_SERVER, "--model", foreign, "--skip", "20000",
                        "--tokens", "2048", "-o", prof, "--text", path.join(models, "tinystories_val.txt")], {stdio: "ignore"});
     const level = `vq:bits=2,profile=${prof}`;
+    const moved = path.join(scratch, "elsewhere-copy.vqprof");
+    fs.copyFileSync(prof, moved);
     const pdir = path.join(scratch, "store-profile");
     for (let round = 0; round < 2; ++round) {
-      proxy = await startProxy(["--upstream", server.url, "--model", foreign, "--slot-dir", slots, "--store", `file:${pdir}`, "--levels", level,
-                                "--chunk-tokens", String(C)]);
+      proxy = await startProxy(["--upstream", server.url, "--model", foreign, "--slot-dir", slots, "--store", `file:${pdir}`, "--levels",
+                                round === 0 ? level : `vq:bits=2,profile=${moved}`, "--chunk-tokens", String(C)]);
       try {
         const r = await proxy.logged(() => post(proxy.url, "/completion", request(words)));
         console.log(`profile level, proxy ${round + 1}: ${r.timings.prompt_n} evaluated; ${lastLine(proxy.log())}`);
         check(typeof r.content === "string" && r.content.length > 0, `profile level, proxy ${round + 1}: a completion`);
-        if (round === 0) check(/0 restored from the store, [1-9]\d* stored/.test(lastLine(proxy.log())), "profile level: the prompt's chunks stored");
+        if (round === 0) {
+          check(/0 restored from the store, [1-9]\d* stored/.test(lastLine(proxy.log())), "profile level: the prompt's chunks stored");
+          const written = fs.readdirSync(pdir, {recursive: true}).map((f) => path.join(pdir, String(f))).filter((f) => fs.statSync(f).isFile());
+          check(written.length > 0 && written.every((f) => !fs.readFileSync(f).includes(Buffer.from(scratch))),
+                "profile level: the store holds no local path (the profile is named by its hash)");
+        }
         if (round === 1) {
           check(new RegExp(`${whole} restored from the store`).test(lastLine(proxy.log())), "profile level: a hit after a restart");
           check(!/warning|refused|fault/i.test(proxy.log()), "profile level: no fault on the way");

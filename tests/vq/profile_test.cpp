@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <random>
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include "veloxquant/core/error.hpp"
@@ -14,6 +15,7 @@
 #include "veloxquant/methods/method_spec.hpp"
 #include "veloxquant/model/random_checkpoint.hpp"
 #include "veloxquant/model/transformer.hpp"
+#include "veloxquant/store/prefix_chunks.hpp"
 #include "veloxquant/vq/vq_cache.hpp"
 #include "../support/test_util.hpp"
 
@@ -199,6 +201,39 @@ TEST(VqProfile, AnotherModelOrShapeIsRefused) {
     EXPECT_NE(std::string(e.what()).find("calibrated on another model"), std::string::npos) << e.what();
   }
   EXPECT_THROW((void)vq::MethodSpec::parse("vq:profile="), vq::InvalidArgument);
+}
+
+// A store names a profile level by the profile's hash: two hosts holding the same profile at
+// different paths name the same level (and share its chunks), and no path reaches the store.
+TEST(VqProfile, AStoreLevelNamesItsProfileByHashNotPath) {
+  vq::VqProfile p = fitted(2, 2, 8, true, 23);
+  const std::filesystem::path dir = vqtest::temp_dir();
+  const std::string a = (dir / "a.vqprof").string(), b = (dir / "copy-b.vqprof").string();
+  vq::save_vq_profile(a, p);
+  vq::save_vq_profile(b, p);
+  const std::string la = vq::store_level("vq:bits=2,profile=" + a), lb = vq::store_level("vq:bits=2,profile=" + b);
+  EXPECT_EQ(la, lb);
+  EXPECT_EQ(la.find(dir.string()), std::string::npos) << la;
+  EXPECT_NE(la.find(fmt::format("profile=xxh64:{:016x}", p.hash)), std::string::npos) << la;
+  EXPECT_EQ(vq::parse_levels("vq:bits=2,profile=" + a), (std::vector<std::string>{la, "fp32"}));
+  EXPECT_EQ(vq::store_level(la), la);  // a store level is its own store level
+  // The name makes the same caches as the path (what a put of that level stores).
+  auto by_path = vq::make_caches(vq::MethodSpec::parse("vq:bits=2,calib=16,profile=" + a), vq::ModelDescription::uniform(2, 8));
+  std::mt19937 rng(3);
+  const std::vector<double> axes = random_axes(8, rng);
+  const vq::Tensor k = make_tokens(axes, 2, 8, 40, true, 0, rng), v = make_tokens(axes, 2, 8, 40, false, 0, rng);
+  (void)by_path[0]->update_and_fetch(k, v);
+  auto named = vq::make_caches(vq::MethodSpec::parse(vq::store_level("vq:bits=2,calib=16,profile=" + a)), vq::ModelDescription::uniform(2, 8));
+  (void)named[0]->update_and_fetch(k, v);
+  EXPECT_TRUE(by_path[0]->state().keys.bit_equal(named[0]->state().keys));
+  EXPECT_TRUE(by_path[0]->state().values.bit_equal(named[0]->state().values));
+  // A name this process never gave is refused in one line, not read as a file.
+  try {
+    (void)vq::load_vq_profile("xxh64:0123456789abcdef");
+    ADD_FAILURE() << "an unknown profile name was accepted";
+  } catch (const vq::InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("give profile=PATH"), std::string::npos) << e.what();
+  }
 }
 
 TEST(VqProfile, ASavedCacheNeedsItsProfileToLoad) {

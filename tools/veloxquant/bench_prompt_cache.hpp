@@ -11,7 +11,7 @@ struct BenchPromptCacheOptions {
   bool realistic = false;    // the llama-shaped GGUF from a seed instead of stories260K
   int tokens = 448;          // prompt tokens after BOS
   int chunk_tokens = 64;
-  std::vector<std::string> levels{"vq:bits=2"};
+  std::vector<std::string> levels{"auto"};  // auto: the proxy's default (prompt_cache_default_levels)
   std::vector<std::string> stores{"file:auto", "redis:auto"};  // auto: a folder / a redis-server of the bench's own
   int rounds = 3;
   int threads = 2;

@@ -546,7 +546,7 @@ Runner add_bench(CLI::App& app) {
                          "a llama-shaped GGUF from a seed (dim 768, 12 layers, 12/4 heads of 64, Q8_0) instead of stories260K");
   prompt_cache->add_option("--tokens", pc->tokens, "prompt tokens after BOS")->capture_default_str()->transform(integer_in(1, 1 << 20));
   prompt_cache->add_option("--chunk-tokens", pc->chunk_tokens, "tokens per stored chunk")->capture_default_str()->transform(integer_in(1, 1 << 20));
-  prompt_cache->add_option("--levels", pc->levels, "what the proxy stores: method specs, ';'-separated")->delimiter(';')->capture_default_str();
+  prompt_cache->add_option("--levels", pc->levels, "what the proxy stores: method specs, ';'-separated; auto: the proxy's default for the model's heads")->delimiter(';')->capture_default_str();
   prompt_cache->add_option("--stores", pc->stores, "stores to time, ;-separated: file:auto, redis:auto (servers of the bench's own; options may follow, e.g. redis:auto?ram=512M for the RAM tier in front of it) or URLs")
       ->delimiter(';')
       ->capture_default_str();

@@ -137,6 +137,7 @@ int run_bench_prompt_cache(const BenchPromptCacheOptions& o) {
                           (work / "server.log").string(), [sport] { return vq::http_health_ok(sport); });
   std::unique_ptr<vq::LocalProcess> redis;
   json rows = json::array();
+  std::vector<std::string> levels = o.levels;  // as the proxy resolved them (auto: its default)
   const json request = {{"prompt", prompt}, {"n_predict", 1}, {"temperature", 0}, {"cache_prompt", true}, {"id_slot", 0},
                         {"logit_bias", json::array({json::array({300, 100.0})})}};
   const auto erase = [&] { post_ms(sport, "/slots/0?action=erase", json::object()); };
@@ -175,12 +176,13 @@ int run_bench_prompt_cache(const BenchPromptCacheOptions& o) {
     po.model = gguf;
     po.slot_dir = slots.string();
     po.store = store;
-    po.levels = o.levels;
+    if (o.levels != std::vector<std::string>{"auto"}) po.levels = o.levels;
     po.chunk_tokens = o.chunk_tokens;
     po.log = [&o](const std::string& line) {
       if (o.verbose) fmt::print(stderr, "proxy: {}\n", line);
     };
     vq::PromptCacheProxy proxy(po);
+    levels = proxy.levels();
     proxy.bind();
     std::thread serving([&] { proxy.serve(); });
     const int pport = proxy.port();
@@ -225,14 +227,14 @@ int run_bench_prompt_cache(const BenchPromptCacheOptions& o) {
                     {"llama_f16_bytes_per_token", kv_elems_per_token * 2.0},
                     {"llama_q8_0_bytes_per_token", kv_elems_per_token * 34.0 / 32.0}});
   }
-  const json out = {{"model", model_name}, {"prompt_tokens", o.tokens + 1}, {"chunk_tokens", o.chunk_tokens}, {"levels", o.levels},
+  const json out = {{"model", model_name}, {"prompt_tokens", o.tokens + 1}, {"chunk_tokens", o.chunk_tokens}, {"levels", levels},
                     {"rounds", o.rounds}, {"threads", o.threads}, {"settle_ms", o.settle_ms}, {"rows", rows}};
   if (o.json) {
     fmt::print("{}\n", json_text(out));
     return 0;
   }
   fmt::print("{}: {} prompt tokens (BOS + {} random), chunks of {}, levels {}, {} rounds, llama-server -t {}, {} ms idle before each timed request\n",
-             model_name, o.tokens + 1, o.tokens, o.chunk_tokens, fmt::join(o.levels, ";"), o.rounds, o.threads, o.settle_ms);
+             model_name, o.tokens + 1, o.tokens, o.chunk_tokens, fmt::join(levels, ";"), o.rounds, o.threads, o.settle_ms);
   fmt::print("{:<10} {:>14} {:>18} {:>9} {:>12} {:>16} {:>12} {:>12}\n", "store", "TTFT hit ms", "TTFT recompute ms", "speedup", "tail tokens",
              "store B/token", "f16 B/token", "q8_0 B/token");
   for (const auto& r : rows)

@@ -8,6 +8,7 @@
 #include <thread>
 
 #include <fmt/core.h>
+#include <fmt/format.h>
 
 #include "commands.hpp"
 #include "veloxquant/core/error.hpp"
@@ -21,7 +22,7 @@ namespace vqcli {
 Runner add_prompt_cache(CLI::App& app) {
   struct Options {
     vq::PromptCacheOptions p;
-    std::string listen = "127.0.0.1:8081", levels = "vq:bits=2";
+    std::string listen = "127.0.0.1:8081", levels = "auto";
   };
   auto o = std::make_shared<Options>();
   o->p.store = vq::kDefaultStoreUrl;
@@ -30,7 +31,9 @@ Runner add_prompt_cache(CLI::App& app) {
   app.add_option("--slot-dir", o->p.slot_dir, "the llama-server's --slot-save-path (slot files are written and read there)")->required();
   app.add_option("--listen", o->listen, "where to listen, HOST:PORT (port 0: a free one, printed)")->capture_default_str();
   app.add_option("--store", o->p.store, "the store (file:DIR, redis://..., redis-cluster://...; see `store --help`)")->capture_default_str();
-  app.add_option("--levels", o->levels, "what a put stores: method specs separated by ';'")->capture_default_str();
+  app.add_option("--levels", o->levels,
+                 "what a put stores: method specs separated by ';'; auto: vq:bits=2, with block=head for heads of 64 or more")
+      ->capture_default_str();
   app.add_option("--chunk-tokens", o->p.chunk_tokens, "tokens per stored chunk")->capture_default_str()->check(CLI::Range(1, 1 << 20));
   app.add_option("--slot", o->p.slot, "the first server slot the cache restores into")->capture_default_str()->check(CLI::Range(0, 1 << 16));
   app.add_option("--slots", o->p.slots,
@@ -45,11 +48,14 @@ Runner add_prompt_cache(CLI::App& app) {
                 "--listen {}: port '{}' is not in 0..65535", o->listen, port);
     o->p.listen_host = o->listen.substr(0, colon);
     o->p.listen_port = std::stoi(port);
-    o->p.levels.clear();
-    for (std::size_t s = 0; s <= o->levels.size();) {
-      const auto e = std::min(o->levels.find(';', s), o->levels.size());
-      if (e > s) o->p.levels.push_back(vq::MethodSpec::parse(o->levels.substr(s, e - s)).to_string());
-      s = e + 1;
+    o->p.levels.clear();  // auto: empty, the proxy's default for the model's heads
+    if (o->levels != "auto") {
+      for (std::size_t s = 0; s <= o->levels.size();) {
+        const auto e = std::min(o->levels.find(';', s), o->levels.size());
+        if (e > s) o->p.levels.push_back(vq::MethodSpec::parse(o->levels.substr(s, e - s)).to_string());
+        s = e + 1;
+      }
+      vq::require(!o->p.levels.empty(), "--levels '{}': give at least one method spec (or auto)", o->levels);
     }
     // SIGINT / SIGTERM end the proxy from a thread of their own (stop() is not async-signal-safe).
     sigset_t sigs;
@@ -60,7 +66,7 @@ Runner add_prompt_cache(CLI::App& app) {
     vq::PromptCacheProxy proxy(o->p);
     proxy.bind();
     fmt::print("veloxquant prompt-cache: listening on http://{}:{} for {} (store {}, levels {}, chunks of {} tokens)\n", o->p.listen_host,
-               proxy.port(), o->p.upstream, o->p.store, o->levels, o->p.chunk_tokens);
+               proxy.port(), o->p.upstream, o->p.store, fmt::join(proxy.levels(), ";"), o->p.chunk_tokens);
     std::fflush(stdout);
     std::thread waiter([&] {
       int sig = 0;

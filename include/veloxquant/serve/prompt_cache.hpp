@@ -39,7 +39,8 @@ struct PromptCacheOptions {
   std::string model;                      // the GGUF the server runs (its shape and fingerprint)
   std::string slot_dir;                   // the server's --slot-save-path
   std::string store = "file:./.vqkv-store";
-  std::vector<std::string> levels{"vq:bits=2"};  // what a put stores (canonical method specs)
+  std::vector<std::string> levels;        // what a put stores (method specs); empty: prompt_cache_default_levels
+
   int chunk_tokens = 256;
   int slot = 0;                           // the first server slot the cache restores into
   int slots = 1;                          // slots it uses: slot .. slot + slots - 1 (one request each)
@@ -54,6 +55,12 @@ struct PromptCacheEvent {
   double load_ms = 0, write_ms = 0, restore_ms = 0;  // the store's load, writing the slot file, the server's restore
   std::string note;
 };
+
+// The levels a proxy stores when none are given: `vq:bits=2` (within 1 % of the exact cache's
+// perplexity), with per-head blocks (block=head) for heads of 64 or more: there one whole-row
+// transform of 4 KV heads costs 4x the decode's multiply-adds, for a KL within 1.4x and the same
+// perplexity (docs/prompt_cache.md, "Levels").
+std::vector<std::string> prompt_cache_default_levels(int head_size);
 
 class PromptCacheProxy {
  public:
@@ -74,6 +81,9 @@ class PromptCacheProxy {
   // Waits until no request is in the cache and nothing is being stored (a request's slot is stored
   // after its reply went out), on every slot: for benchmarks and tests that time the next request alone.
   void wait_idle();
+  // The levels it stores, as the store names them (store/prefix_chunks.hpp's store_level: a
+  // profile by its hash, not its path).
+  const std::vector<std::string>& levels() const;
 
  private:
   struct Impl;

@@ -8,7 +8,8 @@
 //   the chunk's token ids), key_{-1} = 0, written "vq-<level hash>-<16 hex>" ("<level hash>": 8 hex
 //   digits of the spec's hash, so `store ls` groups a level's chunks). Two prompts sharing a prefix
 //   share its keys, so the longest stored prefix is found by walking the chain until a key is missing.
-// - A level is a method spec (methods/method_spec.hpp). What a chunk holds at level L, exactly:
+// - A level is a method spec (methods/method_spec.hpp), named as store_level names it (a vq profile
+//   by its hash, not its path). What a chunk holds at level L, exactly:
 //   a fresh cache of method L (make_caches, one per layer), fed the chunk's exact float32 K/V (what
 //   the model computes for those tokens with the exact prefix before them) in one update call;
 //   the chunk's K/V at level L is that cache's state(). decode_chunk returns it bit for bit.
@@ -97,8 +98,13 @@ std::uint64_t named_model_fingerprint(std::string_view identity);
 using LevelCaches = std::function<std::vector<std::shared_ptr<KVCache>>(const std::string& level)>;
 LevelCaches model_level_caches(const Transformer& model);  // `model` must outlive the result
 
-// Parse a ';'-separated level list into canonical specs, appending "fp32" when absent; duplicates
-// removed, order kept. Throws InvalidArgument on a bad spec.
+// A level as a store names it: the canonical spec, a vq profile named by its hash
+// (vq/profile.hpp's vq_profile_ref) instead of the path this host read it from, so that hosts
+// keeping one profile at different paths share its chunks and a shared store learns no local path.
+// Throws as MethodSpec::parse and load_vq_profile do.
+std::string store_level(const std::string& spec);
+// Parse a ';'-separated level list into store levels (store_level), appending "fp32" when absent;
+// duplicates removed, order kept. Throws InvalidArgument on a bad spec.
 std::vector<std::string> parse_levels(const std::string& list);
 
 // The chain: key_i from key_{i-1} (0 for the first chunk).

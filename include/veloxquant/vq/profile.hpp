@@ -57,8 +57,15 @@ std::vector<std::uint8_t> write_vq_profile(VqProfile& profile);
 // Parses and checks a profile file: magic, version, sizes (before anything is allocated), the
 // checksum, finite orthonormal axes. FormatError "<name>: vq profile: ..." otherwise.
 VqProfile read_vq_profile(std::span<const std::uint8_t> bytes, const std::string& name = "profile");
-// From a file (bounded by the size its header implies), shared process-wide while in use.
+// From a file (bounded by the size its header implies), shared process-wide while in use; or, for
+// a name vq_profile_ref gave, the profile it named.
 std::shared_ptr<const VqProfile> load_vq_profile(const std::string& path);
+// A profile's name where it is written beside data (a store's level names, store/prefix_chunks.hpp's
+// store_level): "xxh64:" and the 16 hex digits of its hash, not the path this host read it from
+// (another host keeps it elsewhere, and a shared store should not learn local paths). Keeps the
+// profile for the process's life so that load_vq_profile takes the name back; a name this process
+// did not give is refused (InvalidArgument: give profile=PATH).
+std::string vq_profile_ref(std::shared_ptr<const VqProfile> profile);
 void save_vq_profile(const std::string& path, VqProfile& profile);  // atomically
 
 // Refuses (InvalidArgument, one line naming both) a profile fitted on another model, or of
