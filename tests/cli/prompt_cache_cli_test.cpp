@@ -26,6 +26,8 @@ TEST(PromptCacheCli, BadInputIsOneClearLineAndExitOne) {
       {"--upstream http://127.0.0.1:99999 --model " + gguf + " --slot-dir " + dir, "is not in 1..65535"},
       {"--upstream " + dead + " --model " + gguf + " --slot-dir " + dir + "/nope", "not a directory"},
       {"--upstream " + dead + " --model " + gguf + " --slot-dir " + dir + " --levels vq:bits=99", "bits=99"},
+      {"--upstream " + dead + " --model " + gguf + " --slot-dir " + dir + " --levels ';'", "give at least one method spec (or auto)"},
+      {"--upstream " + dead + " --model " + gguf + " --slot-dir " + dir + " --levels vq:block=head,profile=" + dir + "/p.vqprof", "block=head does not apply"},
       {"--upstream " + dead + " --model " + gguf + " --slot-dir " + dir + " --listen nowhere", "give it as HOST:PORT"},
       {"--upstream " + dead + " --model " + gguf + " --slot-dir " + dir, "POST /completion failed"},
   };

@@ -339,7 +339,8 @@ std::string config_text(const vq::VqkvLayerInfo& l) {
   const std::string model = l.vq_model ? fmt::format("model {:016x} layer {}, basis={},shape={},rope={},rope_theta={}", l.vq_model->fingerprint,
                                                      l.vq_model->layer, vq::vq_basis_name(l.vq_model->basis.basis),
                                                      l.vq_model->basis.shape ? "on" : "off", l.vq_model->basis.rope ? "on" : "off",
-                                                     l.vq_model->basis.rope_theta)
+                                                     l.vq_model->basis.rope_theta) +
+                                             (l.vq_model->basis.per_head ? ",block=head" : "")
                                        : std::string("no model (identity transforms)");
   return fmt::format("bits={},calib={},residual={},k_offset={},v_offset={}; {}; codes of both sides counted under keys", l.vq->bits, l.vq->calib,
                      l.vq->residual, l.vq->k_offset, l.vq->v_offset, model);
@@ -380,7 +381,8 @@ int run_inspect(const std::string& path, bool json) {
         if (l.vq_model)
           model = {{"fingerprint", fmt::format("{:016x}", l.vq_model->fingerprint)}, {"layer", l.vq_model->layer},
                    {"basis", vq::vq_basis_name(l.vq_model->basis.basis)}, {"shape", l.vq_model->basis.shape},
-                   {"rope", l.vq_model->basis.rope}, {"rope_theta", l.vq_model->basis.rope_theta}};
+                   {"rope", l.vq_model->basis.rope}, {"rope_theta", l.vq_model->basis.rope_theta},
+                   {"block", l.vq_model->basis.per_head ? "head" : "row"}};
         j["layers"].back()["vq"] = {{"bits", l.vq->bits}, {"calib", l.vq->calib}, {"residual", l.vq->residual},
                                     {"k_offset", l.vq->k_offset}, {"v_offset", l.vq->v_offset}, {"model", model}};
       }
