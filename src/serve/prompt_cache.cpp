@@ -137,7 +137,7 @@ struct PromptCacheProxy::Impl {
     require(o.slot >= 0, "--slot {} must be >= 0", o.slot);
     require(o.slots >= 1 && o.slots <= 1024, "--slots {} is not in 1..1024", o.slots);
     for (int i = 0; i < o.slots; ++i) slots.emplace_back().id = o.slot + i;
-      for (const auto& l : o.levels) (void)MethodSpec::parse(l);  // a bad spec fails before any work
+    for (const auto& l : o.levels) (void)MethodSpec::parse(l);  // a bad spec fails before any work
     if (!o.log) o.log = [](const std::string& line) { fmt::print(stderr, "veloxquant prompt-cache: {}\n", line); };
     const GgufShape g = load_gguf_shape(o.model);  // a malformed file fails here, with its own message
     std::string why;
