@@ -91,7 +91,8 @@ TEST(VqSpec, BlockHeadTransformsEachHeadAlone) {
   EXPECT_NE(vqtest::spec_error("vq:block=head,profile=/x.vqprof").find("block=head does not apply to profile="), std::string::npos);
   const vq::Transformer t(vq::Checkpoint::load(vqtest::model_path()));
   for (const auto& [spec, span] : {std::pair<std::string, int>{"vq:bits=2", 32}, {"vq:bits=2,block=head", 8}, {"vq:basis=hadamard,block=head", 8}}) {
-    const auto& c = dynamic_cast<const vq::VqKVCache&>(*vq::make_caches(spec, t)[1]);
+    const auto caches = vq::make_caches(spec, t);  // kept: the cache below is one of them
+    const auto& c = dynamic_cast<const vq::VqKVCache&>(*caches[1]);
     EXPECT_EQ(c.layer_model()->k.col_span, span) << spec;
     EXPECT_EQ(c.layer_model()->v.col_span, span) << spec;
     EXPECT_EQ(c.layer_model()->source->basis.per_head, span == 8) << spec;
