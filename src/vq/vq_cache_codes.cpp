@@ -399,7 +399,11 @@ static void reconstruct_into(const VqLayerCodes& lc, const VqLayerModel& layer, 
       // (reconstruct_kernels.hpp: the per-token path's bits).
       const std::vector<double>& freq = layer.rope_freq;
       const auto rope = side == 0 ? vq_rope_table(freq, pos0 + lc.tokens) : nullptr;
-      std::vector<float> yhat(sz(lc.tokens) * sz(n)), rows(dtype == DType::F32 ? 0 : sz(lc.tokens) * sz(d));
+      // Scratch kept per thread: a loader decodes chunk after chunk on the same threads, and fresh
+      // buffers (zeroed, and above malloc's mmap threshold) cost each chunk their page faults.
+      thread_local std::vector<float> yhat, rows;
+      if (yhat.size() < sz(lc.tokens) * sz(n)) yhat.resize(sz(lc.tokens) * sz(n));
+      if (dtype != DType::F32 && rows.size() < sz(lc.tokens) * sz(d)) rows.resize(sz(lc.tokens) * sz(d));
       for (std::int64_t b = 0; b < lc.batch; ++b) {
         const std::int16_t* q = c.codes.data() + sz(b * lc.tokens) * sz(n);
         for (std::int64_t tok = 0; tok < lc.tokens; ++tok)
