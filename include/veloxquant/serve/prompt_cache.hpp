@@ -40,7 +40,6 @@ struct PromptCacheOptions {
   std::string slot_dir;                   // the server's --slot-save-path
   std::string store = "file:./.vqkv-store";
   std::vector<std::string> levels;        // what a put stores (method specs); empty: prompt_cache_default_levels
-
   int chunk_tokens = 256;
   int slot = 0;                           // the first server slot the cache restores into
   int slots = 1;                          // slots it uses: slot .. slot + slots - 1 (one request each)
